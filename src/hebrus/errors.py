@@ -1,0 +1,66 @@
+"""Errors a caller can see.
+
+Bad input raises `InvalidInput` before a transaction begins. Everything that goes wrong inside a
+transaction raises a `ChunkAborted` subclass, one per failure kind; in every case the session's
+public state is exactly what it was before the call.
+"""
+from __future__ import annotations
+
+FAULT_KINDS = ("structural", "nonfinite", "alloc", "command", "status")
+
+
+class InvalidInput(ValueError):
+    """The request itself is wrong (ids out of range, empty chunk, past the context limit, ...)."""
+
+
+class ChunkAborted(RuntimeError):
+    """A transaction failed and published nothing.
+
+    `stage` names where it was detected, `kind` is one of `FAULT_KINDS`, and `published` is the
+    number of tokens that earlier transactions of the same call (a `prefill`) did publish.
+    """
+
+    kind = ""
+
+    def __init__(self, stage: str, detail: str, published: int = 0):
+        self.stage = stage
+        self.detail = detail
+        self.published = published
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        text = f"{self.kind} failure at stage {self.stage!r}: {self.detail}; nothing was published"
+        if self.published:
+            text += f" by this chunk ({self.published} tokens of earlier chunks were)"
+        return text
+
+    def with_published(self, published: int) -> "ChunkAborted":
+        self.published = published
+        self.args = (self._message(),)
+        return self
+
+
+class StructuralError(ChunkAborted):
+    kind = "structural"
+
+
+class NonFiniteError(ChunkAborted):
+    kind = "nonfinite"
+
+
+class AllocationError(ChunkAborted):
+    kind = "alloc"
+
+
+class CommandError(ChunkAborted):
+    kind = "command"
+
+
+class DeviceStatusError(ChunkAborted):
+    kind = "status"
+
+
+ERROR_CLASSES: dict[str, type[ChunkAborted]] = {
+    cls.kind: cls
+    for cls in (StructuralError, NonFiniteError, AllocationError, CommandError, DeviceStatusError)
+}

@@ -1,0 +1,39 @@
+"""Gated DeltaNet mixer (Qwen3.5 layout): projections, causal conv, gated delta rule, gated norm."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hebrus.config import HebrusConfig
+from hebrus.ops.conv import causal_conv
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+from hebrus.ops.norm import gated_rms_norm, l2_norm
+
+
+class GatedDeltaNet:
+    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str):
+        w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        self.w_qkv, self.w_z = w["in_proj_qkv.weight"], w["in_proj_z.weight"]
+        self.w_b, self.w_a, self.w_out = w["in_proj_b.weight"], w["in_proj_a.weight"], w["out_proj.weight"]
+        self.conv_w, self.norm_w = w["conv.weight"], w["norm.weight"]
+        self.neg_a = -w["A_log"].exp()
+        self.dt_bias = w["dt_bias"]
+        self.hk, self.hv, self.dk, self.dv = c.gdn_key_heads, c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim
+        self.eps = c.rms_norm_eps
+
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, fast: bool):
+        """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S)."""
+        T = h.shape[0]
+        mixed, conv_state = causal_conv(F.linear(h, self.w_qkv), conv_state, self.conv_w)
+        q, k, v = F.silu(mixed).split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        group = self.hv // self.hk
+        q = (l2_norm(q.view(T, self.hk, self.dk)) * self.dk ** -0.5).repeat_interleave(group, dim=1)
+        k = l2_norm(k.view(T, self.hk, self.dk)).repeat_interleave(group, dim=1)
+        v = v.view(T, self.hv, self.dv)
+        beta = torch.sigmoid(F.linear(h, self.w_b).to(S.dtype))
+        g = self.neg_a * F.softplus(F.linear(h, self.w_a).to(S.dtype) + self.dt_bias)
+        rule = gdn_chunked if fast and T > 1 else gdn_recurrent
+        o, S = rule(q, k, v, g, beta, S)
+        z = F.linear(h, self.w_z).view(T, self.hv, self.dv)
+        o = gated_rms_norm(o.to(h.dtype), z, self.norm_w, self.eps)
+        return F.linear(o.flatten(1), self.w_out), conv_state, S

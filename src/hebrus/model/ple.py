@@ -1,0 +1,31 @@
+"""Per-layer embeddings: unigram + hashed n-gram tables, then a causal conv with a SiLU branch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hebrus.config import HebrusConfig
+from hebrus.ops.conv import causal_conv
+from hebrus.ops.ple import ngram_buckets
+
+
+class PerLayerEmbedding:
+    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor]):
+        self.unigram = params["ple.unigram.weight"]
+        self.tables = [params[f"ple.ngram.{m}.weight"] for m in range(2, c.ple_ngram + 1)]
+        self.constants = params["ple.hash_constants"]
+        self.conv_w = params["ple.conv.weight"]
+        self.buckets = c.ple_buckets
+        self.layers, self.dim = c.num_layers, c.ple_dim
+
+    def hashes(self, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
+        return ngram_buckets(ids, history, self.constants, self.buckets)
+
+    def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor):
+        """ids [T] -> (ple [T, L, P], conv_state [Kp-1, L·P])."""
+        e = self.unigram[ids]
+        for table, bucket in zip(self.tables, hashes):
+            e = e + table[bucket]
+        mixed, conv_state = causal_conv(e, conv_state, self.conv_w)
+        a = e + F.silu(mixed)
+        return a.view(-1, self.layers, self.dim), conv_state

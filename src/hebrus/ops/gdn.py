@@ -1,0 +1,74 @@
+"""Gated delta rule: the per-token recurrence and its chunked (WY) twin.
+
+Per head, with S ∈ R^{dk×dv} (float32, or float64 for a float64 model):
+    S' = exp(g_t)·S ;  u = β_t (v_t − S'ᵀ k_t) ;  S = S' + k_t uᵀ ;  o_t = Sᵀ q_t
+Shapes: q, k [T, H, dk] (already broadcast to value heads, q already scaled), v [T, H, dv],
+g, beta [T, H], state [H, dk, dv]. Both functions return (o [T, H, dv], final state) and leave
+`state` untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gdn_recurrent(q, k, v, g, beta, state):
+    """Token by token, straight from the definition."""
+    S = state.clone()
+    q, k, v, g, beta = (t.to(S.dtype) for t in (q, k, v, g, beta))
+    out = []
+    for t in range(q.shape[0]):
+        S = S * torch.exp(g[t])[:, None, None]
+        recalled = (S * k[t][:, :, None]).sum(1)                       # Sᵀk  [H, dv]
+        u = beta[t][:, None] * (v[t] - recalled)
+        S = S + k[t][:, :, None] * u[:, None, :]
+        out.append((S * q[t][:, :, None]).sum(1))
+    return torch.stack(out), S
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """The same map, a chunk of tokens at a time.
+
+    Within a chunk, with Γ_t = exp(Σ_{j≤t} g_j) and U the rows u_t:
+        (I + L) U = β⊙V − (β⊙Γ⊙K) S₀,   L[t, j] = β_t (Γ_t/Γ_j) k_t·k_j  for j < t
+        o_t = Γ_t S₀ᵀ q_t + Σ_{j≤t} (Γ_t/Γ_j) (q_t·k_j) u_j
+        S_C = Γ_C S₀ + Σ_j (Γ_C/Γ_j) k_j u_jᵀ
+    The tail is padded with k = v = β = g = 0, which leaves the state alone.
+    """
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    dt = state.dtype
+    pad = (-T) % chunk
+    q, k, v, g, beta = (_pad(t.to(dt), pad) for t in (q, k, v, g, beta))
+    n = (T + pad) // chunk
+    # [H, n, C, ...]
+    q, k, v = (t.reshape(n, chunk, H, -1).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.reshape(n, chunk, H).permute(2, 0, 1) for t in (g, beta))
+
+    gamma = g.cumsum(-1)                                               # log Γ  [H, n, C]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")))
+    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool, device=k.device), 0.0)
+
+    lower = beta[..., :, None] * (k @ k.transpose(-1, -2)) * strict    # L  [H, n, C, C]
+    eye = torch.eye(chunk, dtype=dt, device=k.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma.exp())[..., None] * k], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+    u_from_v, w = solved[..., :dv], solved[..., dv:]                   # U = u_from_v − w S₀
+
+    intra = (q @ k.transpose(-1, -2)) * decay                          # [H, n, C, C]
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * torch.exp(gamma[..., -1:] - gamma)[..., None]
+
+    S = state.clone()
+    out = torch.empty(H, n, chunk, dv, dtype=dt, device=k.device)
+    for c in range(n):
+        u = u_from_v[:, c] - w[:, c] @ S
+        out[:, c] = q_decayed[:, c] @ S + intra[:, c] @ u
+        S = S * gamma[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, H, dv)[:T], S
+
+
+def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
+    if not pad:
+        return t
+    return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)

@@ -1,0 +1,51 @@
+"""Mixture-of-experts routing and the two ways to run the routed experts.
+
+h [T, D]; gate_up [E, 2I, D] (first I rows: gate); down [E, D, I]. Routing breaks ties toward
+the smaller expert id.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax in ≥ float32, top-k by a stable sort, renormalised -> (weights [T, k], experts [T, k])."""
+    p = torch.softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
+    order = torch.sort(p, dim=-1, descending=True, stable=True)
+    w, idx = order.values[:, :top_k], order.indices[:, :top_k]
+    return w / w.sum(-1, keepdim=True), idx
+
+
+def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def experts_per_token(h, weights, experts, gate_up, down) -> torch.Tensor:
+    """Each token, each choice in rank order: the readable twin."""
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            y = _expert(h[t:t + 1], gate_up[e], down[e])
+            out[t:t + 1] += weights[t, j].to(h.dtype) * y
+    return out
+
+
+def experts_grouped(h, weights, experts, gate_up, down) -> torch.Tensor:
+    """One batched call per expert over the tokens routed to it."""
+    out = torch.zeros_like(h)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token = order // experts.shape[1]
+    scale = weights.flatten()[order].to(h.dtype)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = token[start:start + count]
+            y = _expert(h[rows], gate_up[e], down[e]) * scale[start:start + count, None]
+            out.index_add_(0, rows, y)
+            start += count
+    return out

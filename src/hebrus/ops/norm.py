@@ -1,0 +1,38 @@
+"""Normalisations. Reductions run in at least float32 and the result is cast back."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything narrower accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """(offset + w) ⊙ x / sqrt(mean(x²) + eps) over the last dim; offset=1 gives the (1+w) form."""
+    xf = x.to(accum_dtype(x.dtype))
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.to(y.dtype) + offset) if offset else y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) over the last dim."""
+    xf = x.to(accum_dtype(x.dtype))
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(accum_dtype(x.dtype))
+    y = F.layer_norm(xf, (x.shape[-1],), weight.to(xf.dtype), bias.to(xf.dtype), eps)
+    return y.to(x.dtype)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w ⊙ o / sqrt(mean(o²) + eps) ⊙ silu(z), per head (last dim)."""
+    of = o.to(accum_dtype(o.dtype))
+    y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps) * weight.to(of.dtype)
+    return (y * F.silu(z.to(of.dtype))).to(o.dtype)

@@ -1,0 +1,47 @@
+"""Query-selected sparse attention: indexer scores, deterministic top-k, attention over the pick.
+
+Keys and values come from the layer's append-only rows: row s holds position s. A query at
+position p sees rows [0, p]. Shapes: qi [T, Hi, di], iw [T, Hi], ki [S, di], q [T, Hq, dh],
+k_rows, v_rows [S, Hkv, dh].
+"""
+from __future__ import annotations
+
+import torch
+
+
+def index_scores(qi: torch.Tensor, iw: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+    """score(t, s) = Σ_h iw[t,h] · Hi^-½ · di^-½ · ReLU(qi[t,h] · ki[s])  -> [T, S]."""
+    hi, di = qi.shape[1], qi.shape[2]
+    dots = torch.relu(torch.einsum("thd,sd->ths", qi, ki))
+    return torch.einsum("ths,th->ts", dots, iw * (hi ** -0.5 * di ** -0.5))
+
+
+def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query row t (at absolute position positions[t]) pick the rows it attends to.
+
+    If positions[t] + 1 <= top_k every row s <= positions[t] is picked; otherwise the top_k
+    highest scores among them, ties going to the smaller s. Returns (rows [T, K] ascending,
+    valid [T, K]) with K = min(top_k, S); invalid slots point at row 0 and must be masked.
+    """
+    S = scores.shape[1]
+    visible = torch.arange(S, device=scores.device)[None, :] <= positions[:, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+    K = min(top_k, S)
+    picked = order[:, :K]
+    valid = torch.arange(K, device=scores.device)[None, :] <= positions[:, None]
+    picked = torch.where(valid, picked, S)                   # invalid sort last
+    picked = torch.sort(picked, dim=-1).values
+    return torch.where(valid, picked, 0), valid
+
+
+def sparse_attention(q, k_rows, v_rows, picked, valid) -> torch.Tensor:
+    """Softmax over the picked rows of q·k/√dh, per query head (GQA: head h reads kv head h // group)."""
+    T, hq, dh = q.shape
+    group = hq // k_rows.shape[1]
+    k = k_rows[picked].repeat_interleave(group, dim=2)       # [T, K, Hq, dh]
+    v = v_rows[picked].repeat_interleave(group, dim=2)
+    logits = torch.einsum("thd,tkhd->thk", q, k) * dh ** -0.5
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
+    return torch.einsum("thk,tkhd->thd", weights.to(q.dtype), v)

@@ -1,0 +1,28 @@
+"""Rotary position embedding, rotate-half convention.
+
+The cos/sin tables are computed once per model for every position, so a position's rotation is
+the same bits whatever chunk it arrives in.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(dim: int, theta: float, positions: int, dtype: torch.dtype, device=None):
+    """cos, sin tables [positions, dim] with inverse frequencies θ^(-2i/dim), built in float64."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
+    """x: [T, ..., d]; cos, sin: [T, rotary_dim]. Rotates the first rotary_dim features (default all)."""
+    rd = cos.shape[-1] if rotary_dim is None else rotary_dim
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
+    cos, sin = cos[:, :rd].reshape(shape).to(x.dtype), sin[:, :rd].reshape(shape).to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,83 @@
+"""`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from hebrus.config import PRESETS, HebrusConfig, preset
+from hebrus.model.graph import build_stages
+from hebrus.model.owners import owner_specs
+from hebrus.ops.norm import accum_dtype
+from hebrus.state.owners import OwnerSpec
+from hebrus.weights import checkpoint
+from hebrus.weights.init import init_parameters
+from hebrus.weights.layout import storage_dtype
+
+MODES = ("exact", "fast")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+class Model:
+    def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact"):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+        self.config, self.device, self.dtype, self.mode = config, torch.device(device), dtype, mode
+        self.state_dtype = accum_dtype(dtype)
+        self._params = {name: t.to(device=self.device, dtype=storage_dtype(name, dtype))
+                        for name, t in params.items()}
+        self.stages = build_stages(config, self._params, fast=mode == "fast")
+        self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [stage.name for stage in self.stages]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._params.items()
+
+    def save(self, path: str | Path) -> Path:
+        return checkpoint.save(path, self.config, self._params)
+
+    def with_mode(self, mode: str) -> "Model":
+        """The same weights (shared, not copied) run in another mode."""
+        twin = Model.__new__(Model)
+        twin.__dict__.update(self.__dict__)
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+        twin.mode, twin.stages = mode, build_stages(self.config, self._params, fast=mode == "fast")
+        return twin
+
+    def session(self, memory_budget: int | None = None):
+        from hebrus.session import Session
+        return Session(self, memory_budget=memory_budget)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model(layers={c.layer_types}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
+                f"device={self.device}, dtype={str(self.dtype).removeprefix('torch.')}, mode={self.mode!r})")
+
+
+def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
+         dtype: torch.dtype | str = torch.float32, mode: str = "exact") -> Model:
+    """A preset name (randomly initialised from the config's seed) or a checkpoint directory."""
+    dtype = resolve_dtype(dtype)
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+        config = preset(name_or_path)
+        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    config, params = checkpoint.load(path)
+    return Model(config, params, device=device, dtype=dtype, mode=mode)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")

@@ -1,0 +1,61 @@
+"""The session's memory budget: every allocation a transaction makes asks it first.
+
+Bytes are `held` (the public image's storage), `pending` (storage a running transaction grew,
+private until publication) and `working` (the chunk's live intermediates). A refusal raises
+`Refused`; nothing is charged for a refused request.
+"""
+from __future__ import annotations
+
+
+class Refused(Exception):
+    pass
+
+
+class MemoryBudget:
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.held = 0
+        self.pending = 0
+        self.working = 0
+        self._refuse_next = False
+
+    def refuse_next(self) -> None:
+        """Arm a refusal of the next request (fault injection)."""
+        self._refuse_next = True
+
+    def _admit(self, nbytes: int, what: str) -> None:
+        if self._refuse_next:
+            self._refuse_next = False
+            raise Refused(f"allocator refused {nbytes} bytes for {what}")
+        total = self.held + self.pending + self.working + nbytes
+        if self.limit is not None and total > self.limit:
+            raise Refused(f"{what} needs {nbytes} bytes; the session budget is {self.limit} bytes "
+                          f"and {total - nbytes} are in use")
+
+    def hold(self, nbytes: int, what: str) -> None:
+        """Storage for the session itself (banks at creation)."""
+        self._admit(nbytes, what)
+        self.held += nbytes
+
+    def grow(self, nbytes: int, what: str) -> None:
+        """Storage a transaction allocates privately; it becomes held if the transaction publishes."""
+        self._admit(nbytes, what)
+        self.pending += nbytes
+
+    def admit(self, nbytes: int, what: str) -> None:
+        """Check that a stage's intermediates fit alongside everything else live."""
+        self._admit(nbytes, what)
+
+    def set_working(self, nbytes: int) -> None:
+        self.working = nbytes
+
+    def commit(self, released: int) -> None:
+        """Publication: pending storage is held now, replaced storage is gone."""
+        self.held += self.pending - released
+        self.pending = 0
+        self.working = 0
+
+    def abort(self) -> None:
+        self.pending = 0
+        self.working = 0
+        self._refuse_next = False

@@ -1,0 +1,59 @@
+"""A session's state: two banks of banked owners, appended row storage, and the public record.
+
+`Published` is immutable: which bank is public, the frontier, and the storage of every appended
+owner. `Image.public` is replaced, never mutated; that one assignment is publication.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    bank: int
+    frontier: int
+    storages: tuple[torch.Tensor, ...]      # one per appended owner, in spec order
+
+
+class Image:
+    def __init__(self, specs: list[OwnerSpec], device: torch.device):
+        self.specs = specs
+        self.device = device
+        self.banked = [s for s in specs if s.kind == BANKED]
+        self.appended = [s for s in specs if s.kind == APPENDED]
+        self.slot = {s.name: i for i, s in enumerate(self.appended)}
+        self.banks = tuple(
+            {s.name: torch.full(s.shape, s.fill, dtype=s.dtype, device=device) for s in self.banked}
+            for _ in range(2)
+        )
+        empty = tuple(torch.empty((0,) + s.shape, dtype=s.dtype, device=device) for s in self.appended)
+        self.public = Published(bank=0, frontier=0, storages=empty)
+
+    @property
+    def bank_bytes(self) -> int:
+        return 2 * sum(s.nbytes for s in self.banked)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The public value of a banked owner."""
+        return self.banks[self.public.bank][name]
+
+    def rows(self, name: str) -> torch.Tensor:
+        """The public rows [0, frontier) of an appended owner."""
+        return self.public.storages[self.slot[name]][: self.public.frontier]
+
+    def publish(self, record: Published) -> None:
+        self.public = record                                    # the publication point
+
+    def digest(self) -> str:
+        """SHA-256 over each owner's name, dtype, shape and bytes, in spec order."""
+        h = hashlib.sha256()
+        for spec in self.specs:
+            value = self.read(spec.name) if spec.kind == BANKED else self.rows(spec.name)
+            h.update(f"{spec.name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
+            h.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()

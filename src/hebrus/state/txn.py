@@ -1,0 +1,162 @@
+"""One chunk, one transaction.
+
+Stages read the public image and write only private places: the other bank, and rows
+[start, start + length) of appended owners (in storage that is grown privately when it is too
+small). `seal` closes each stage's bookkeeping, `validate` reads every device-side check back
+in one transfer, and `publish` copies the output to the caller and flips the public record.
+Anything that raises before the flip leaves the public image as it was.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from hebrus.errors import (AllocationError, CommandError, DeviceStatusError,
+                           NonFiniteError, StructuralError)
+from hebrus.state.budget import MemoryBudget, Refused
+from hebrus.state.image import Image, Published
+from hebrus.state.status import Completion, Status, StatusWord
+
+
+class Transaction:
+    def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
+                 status: StatusWord, max_rows: int, output: str = "logits"):
+        record = image.public
+        self.image, self.record = image, record
+        self.start, self.length = record.frontier, length
+        self.public = image.banks[record.bank]
+        self.private = image.banks[1 - record.bank]
+        self.storages = list(record.storages)
+        self.local: dict[str, torch.Tensor] = {}
+        self.stages, self.budget, self.status = stages, budget, status
+        self.max_rows, self.output = max_rows, output
+        self.completion = Completion(image.device)
+        self.slot, self.stage = -1, "begin"
+        self.written: set[str] = set()
+        self._writes: list[torch.Tensor] = []       # what the current stage wrote
+        self._value_bytes = 0
+        self._sums: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        self._sum_slots: dict[torch.dtype, list[int]] = defaultdict(list)
+        self._done = False
+        status.reset()
+        if "frontier" in self.private:
+            self.private["frontier"].fill_(self.start + length)
+            self.written.add("frontier")
+
+    # ---- what stages use -------------------------------------------------------------------
+    def read(self, name: str) -> torch.Tensor:
+        """Public value of a banked owner. Never write to it."""
+        return self.public[name]
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Store the new value of a banked owner in the private bank."""
+        target = self.private[name]
+        target.copy_(value)
+        self.written.add(name)
+        self._writes.append(target)
+        self._value_bytes += value.numel() * value.element_size()
+
+    def rows(self, name: str) -> torch.Tensor:
+        """Storage of an appended owner holding at least start+length rows; rows below `start`
+        are the public ones, rows [start, start+length) are this chunk's to write."""
+        i = self.image.slot[name]
+        storage = self.storages[i]
+        need = self.start + self.length
+        if storage.shape[0] < need:
+            storage = self._grow(name, storage, need)
+            self.storages[i] = storage
+        self._writes.append(storage[self.start:need])
+        return storage
+
+    def emit(self, key: str, value: torch.Tensor) -> None:
+        """A chunk-local result (streams, per-layer embeddings) for later stages."""
+        self.local[key] = value
+        self._writes.append(value)
+
+    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+        """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
+        self.status.check(self.slot, bad, bit)
+
+    # ---- what the runner uses --------------------------------------------------------------
+    def enter(self, slot: int) -> None:
+        self.slot, self.stage = slot, self.stages[slot]
+        self._writes, self._value_bytes = [], 0
+
+    def seal(self) -> None:
+        """Queue the finite checks of everything this stage wrote, admit its intermediates to
+        the memory budget, and record its completion."""
+        for t in self._writes:
+            if t.is_floating_point():
+                self._sums[t.dtype].append(t.sum())
+                self._sum_slots[t.dtype].append(self.slot)
+        working = sum(t.numel() * t.element_size() for t in self.local.values())
+        growth = working - self.budget.working + self._value_bytes
+        self._request(self.budget.admit, max(growth, 0), f"the intermediates of {self.stage}")
+        self.budget.set_working(working)
+        self.completion.record(self.slot)
+
+    def poison(self) -> None:
+        """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
+        target = next(t for t in reversed(self._writes) if t.is_floating_point() and t.numel())
+        target.view(-1)[0] = float("nan")
+
+    def validate(self) -> None:
+        missing = [s.name for s in self.image.banked if s.name not in self.written]
+        if missing:
+            raise StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
+        flags, slots = [self.status.words], list(range(len(self.stages)))
+        for dtype, sums in self._sums.items():
+            flags.append(torch.isfinite(torch.stack(sums)).logical_not().to(torch.int32))
+            slots += self._sum_slots[dtype]
+        try:
+            values = torch.cat(flags).tolist()                       # the one host sync
+        except RuntimeError as exc:
+            raise CommandError("validate", f"device work failed: {exc}") from exc
+        failures = []
+        incomplete = self.completion.first_incomplete()
+        if incomplete is not None:
+            failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
+        for slot, word in enumerate(values[: len(self.stages)]):
+            if word:
+                failures.append((slot, 1, DeviceStatusError, f"status word 0x{word:x} ({Status.describe(word)})"))
+        for slot, bad in zip(slots[len(self.stages):], values[len(self.stages):]):
+            if bad:
+                failures.append((slot, 2, NonFiniteError, "a write of this stage is not finite"))
+        if failures:
+            slot, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
+            raise cls(self.stages[slot], detail)
+
+    def publish(self, out: torch.Tensor | None = None) -> None:
+        """Copy the output to the caller, then make the private image public in one assignment."""
+        if self._done:
+            raise StructuralError("publish", "transaction already finished")
+        if out is not None:
+            out.copy_(self.private[self.output])
+        old = self.record.storages
+        released = sum(o.numel() * o.element_size() for o, n in zip(old, self.storages) if o is not n)
+        self.image.publish(Published(1 - self.record.bank, self.start + self.length, tuple(self.storages)))
+        self._done = True
+        self.budget.commit(released)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.budget.abort()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _grow(self, name: str, storage: torch.Tensor, need: int) -> torch.Tensor:
+        capacity = min(self.max_rows, max(need, 2 * storage.shape[0], 16))
+        row_shape = tuple(storage.shape[1:])
+        nbytes = capacity * math.prod(row_shape) * storage.element_size()
+        self._request(self.budget.grow, nbytes, f"{name} ({capacity} rows)")
+        grown = torch.empty((capacity,) + row_shape, dtype=storage.dtype, device=storage.device)
+        grown[: self.start].copy_(storage[: self.start])
+        return grown
+
+    def _request(self, ask, nbytes: int, what: str) -> None:
+        try:
+            ask(nbytes, what)
+        except Refused as exc:
+            raise AllocationError(self.stage, str(exc)) from None

@@ -1,0 +1,1 @@
+"""Checkpoint layout, initialisation, save and load. Knows tensor names and shapes, no math."""

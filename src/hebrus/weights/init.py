@@ -1,0 +1,50 @@
+"""Deterministic, seeded initialisation that makes every component do something.
+
+Projections are N(0, 1/fan_in); RMSNorm weights are 1; gates and decays land in their
+unsaturated range; hash constants are random odd 62-bit integers, so the int64 products wrap.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hebrus.config import HebrusConfig
+from hebrus.weights.layout import parameter_shapes
+
+
+def init_parameters(c: HebrusConfig, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """float32 (int64 for hash constants) tensors on the CPU, keyed by checkpoint name."""
+    gen = torch.Generator().manual_seed(c.init_seed if seed is None else seed)
+    return {name: _draw(c, name, shape, gen) for name, shape in parameter_shapes(c).items()}
+
+
+def _draw(c: HebrusConfig, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "ple.hash_constants":
+        odd = torch.randint(0, 2**61, shape, generator=gen, dtype=torch.int64) * 2 + 1
+        keep = torch.arange(shape[1])[None, :] < torch.arange(2, shape[0] + 2)[:, None]
+        return torch.where(keep, odd, 0)
+    if leaf == "A_log":
+        return uniform(1.0, 8.0).log()
+    if leaf == "dt_bias":
+        return uniform(0.01, 0.1).expm1().log()                 # softplus⁻¹ of [0.01, 0.1]
+    if leaf == "scale":
+        return uniform(0.5, 1.5)
+    if leaf == "base":
+        return normal(0.5)
+    if leaf == "bias":
+        return normal(0.1)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name in ("embed.weight", "ple.unigram.weight") or name.startswith("ple.ngram."):
+        return normal(1.0)
+    if name == "ple.conv.weight" or name.endswith("gdn.conv.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    return normal(1.0 / math.sqrt(shape[-1]))                   # projections: fan_in is the last dim
