@@ -1,0 +1,228 @@
+"""The conformance suite behind `hebrus verify`.
+
+Fault matrix: every stage × every fault kind. A cell is `held` when the injected failure raised
+the right error at the right stage, the public digest, frontier and the caller's sentinel
+buffer did not change, and the next chunk then gave bit-for-bit the result of a session that
+never failed. Equivalence: chunkings and interleavings give bit-identical state in exact mode;
+fast mode stays within tolerance of exact mode and picks the same greedy tokens.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from hebrus.errors import FAULT_KINDS, ChunkAborted
+from hebrus.faults import inject
+
+TOLERANCE = 1e-5          # fast vs exact, relative to the largest magnitude of each tensor (float32)
+WARM = 7                  # tokens committed before the chunk under test
+CHUNK = 9                 # the chunk under test (longer than the tiny model's QSA top_k)
+
+
+@dataclass(slots=True)
+class Result:
+    group: str            # "fault" or "equivalence"
+    name: str
+    passed: bool
+    verdict: str          # "held", "leaked", "missed", "ok", "FAILED"
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class Check:
+    group: str
+    name: str
+    run: Callable[[], Result]
+
+
+def checks(model, seed: int = 0) -> list[Check]:
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    warm = [rng.randrange(vocab) for _ in range(WARM)]
+    chunk = [rng.randrange(vocab) for _ in range(CHUNK)]
+    reference = _Reference(model, warm, chunk)
+    out = [Check("fault", f"{stage} × {kind}", _fault_check(model, stage, kind, warm, chunk, reference))
+           for stage in model.stage_names for kind in FAULT_KINDS]
+    out += list(_equivalence_checks(model, rng))
+    return out
+
+
+class _Reference:
+    """The state a session reaches when nothing fails (computed once, lazily)."""
+
+    def __init__(self, model, warm, chunk):
+        self.model, self.warm, self.chunk = model, warm, chunk
+        self._value = None
+
+    def get(self):
+        if self._value is None:
+            s = self.model.session()
+            s.feed(self.warm)
+            logits = s.feed(self.chunk)
+            self._value = (s.digest(), logits)
+        return self._value
+
+
+def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Result]:
+    name = f"{stage} × {kind}"
+
+    def run() -> Result:
+        s = model.session()
+        s.feed(warm)
+        before, frontier = s.digest(), s.frontier
+        sentinel = torch.full((model.config.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
+        try:
+            with inject(stage=stage, kind=kind):
+                s.feed(chunk, out=sentinel)
+        except ChunkAborted as exc:
+            if (exc.kind, exc.stage) != (kind, stage):
+                return Result("fault", name, False, "missed", f"raised {exc.kind} at {exc.stage}")
+        else:
+            return Result("fault", name, False, "missed", "no error raised")
+        leaks = []
+        if s.digest() != before:
+            leaks.append("digest changed")
+        if s.frontier != frontier:
+            leaks.append("frontier moved")
+        if not bool((sentinel == 12345.0).all()):
+            leaks.append("out buffer written")
+        digest, logits = reference.get()
+        again = s.feed(chunk)
+        if s.digest() != digest or not torch.equal(again, logits):
+            leaks.append("next chunk differs from a session that never failed")
+        if leaks:
+            return Result("fault", name, False, "leaked", "; ".join(leaks))
+        return Result("fault", name, True, "held")
+
+    return run
+
+
+def _equivalence_checks(model, rng: random.Random) -> Iterator[Check]:
+    vocab = model.config.vocab_size
+    tokens = [rng.randrange(vocab) for _ in range(40)]
+    splits = [_random_split(len(tokens), rng) for _ in range(3)]
+    if model.mode == "exact":
+        yield Check("equivalence", "single token = whole chunk (bit-identical)",
+                    lambda: _same_bits(model, tokens, [[1] * len(tokens), [len(tokens)]]))
+        yield Check("equivalence", "random chunkings (bit-identical)",
+                    lambda: _same_bits(model, tokens, [[len(tokens)]] + splits))
+        yield Check("equivalence", "interleaved sessions (bit-identical)",
+                    lambda: _interleaved(model, tokens, rng))
+    else:
+        exact = model.with_mode("exact")
+        yield Check("equivalence", f"fast = exact within {TOLERANCE:g}",
+                    lambda: _close_to_exact(model, exact, tokens, splits))
+        yield Check("equivalence", "fast greedy tokens = exact greedy tokens",
+                    lambda: _same_greedy(model, exact, tokens[:12], 24))
+
+
+def _random_split(n: int, rng: random.Random) -> list[int]:
+    sizes = []
+    while n:
+        sizes.append(min(n, rng.choice([1, 2, 3, 5, 8, 13])))
+        n -= sizes[-1]
+    return sizes
+
+
+def _run(model, tokens, sizes):
+    s = model.session()
+    at, logits = 0, None
+    for size in sizes:
+        logits = s.feed(tokens[at:at + size])
+        at += size
+    return s, logits
+
+
+def _same_bits(model, tokens, chunkings) -> Result:
+    name = "chunkings"
+    ref, ref_logits = _run(model, tokens, chunkings[0])
+    for sizes in chunkings[1:]:
+        s, logits = _run(model, tokens, sizes)
+        if s.digest() != ref.digest() or not torch.equal(logits, ref_logits):
+            return Result("equivalence", name, False, "FAILED", f"chunking {sizes} differs")
+    return Result("equivalence", name, True, "ok")
+
+
+def _interleaved(model, tokens, rng) -> Result:
+    others = [[rng.randrange(model.config.vocab_size) for _ in tokens] for _ in range(2)]
+    streams = [tokens] + others
+    refs = [_run(model, t, [len(t)]) for t in streams]
+    sessions = [model.session() for _ in streams]
+    positions = [0] * len(streams)
+    last = [None] * len(streams)
+    while any(p < len(t) for p, t in zip(positions, streams)):
+        i = rng.randrange(len(streams))
+        if positions[i] < len(streams[i]):
+            size = rng.choice([1, 2, 4, 7])
+            last[i] = sessions[i].feed(streams[i][positions[i]:positions[i] + size])
+            positions[i] = min(len(streams[i]), positions[i] + size)
+    for s, logits, (ref, ref_logits) in zip(sessions, last, refs):
+        if s.digest() != ref.digest() or not torch.equal(logits, ref_logits):
+            return Result("equivalence", "interleaved", False, "FAILED", "an interleaved session differs")
+    return Result("equivalence", "interleaved", True, "ok")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def state_error(fast_session, exact_session) -> tuple[float, str]:
+    """Largest relative error over every owner of the public image, and which owner."""
+    worst, where = 0.0, ""
+    for spec in exact_session.image.specs:
+        if spec.kind == "banked":
+            a, b = fast_session.image.read(spec.name), exact_session.image.read(spec.name)
+        else:
+            a, b = fast_session.image.rows(spec.name), exact_session.image.rows(spec.name)
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return float("inf"), spec.name
+            continue
+        err = relative_error(a, b)
+        if err > worst:
+            worst, where = err, spec.name
+    return worst, where
+
+
+def _close_to_exact(fast, exact, tokens, splits) -> Result:
+    ref, ref_logits = _run(exact, tokens, [len(tokens)])
+    worst = 0.0
+    for sizes in [[len(tokens)], [1] * len(tokens)] + splits:
+        s, logits = _run(fast, tokens, sizes)
+        err, where = state_error(s, ref)
+        err = max(err, relative_error(logits, ref_logits))
+        worst = max(worst, err)
+        if err > TOLERANCE:
+            return Result("equivalence", "fast≈exact", False, "FAILED",
+                          f"chunking {sizes}: relative error {err:.2e} ({where or 'logits'})")
+    return Result("equivalence", "fast≈exact", True, "ok", f"max relative error {worst:.1e}")
+
+
+def _same_greedy(fast, exact, prompt, steps) -> Result:
+    a = list(fast.session().generate(prompt, max_new_tokens=steps))
+    b = list(exact.session().generate(prompt, max_new_tokens=steps))
+    if a != b:
+        first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        return Result("equivalence", "greedy", False, "FAILED", f"tokens differ from step {first}")
+    return Result("equivalence", "greedy", True, "ok", f"{steps} tokens")
+
+
+def run(model, progress: Callable[[int, int, str], None] | None = None) -> list[Result]:
+    todo = checks(model)
+    results = []
+    for i, check in enumerate(todo):
+        if progress:
+            progress(i, len(todo), check.name)
+        try:
+            result = check.run()
+        except Exception as exc:                                 # a check crashing is a failure
+            result = Result(check.group, check.name, False, "FAILED", f"{type(exc).__name__}: {exc}")
+        result.name = check.name
+        results.append(result)
+    if progress:
+        progress(len(todo), len(todo), "done")
+    return results
