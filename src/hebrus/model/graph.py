@@ -45,7 +45,7 @@ class Embed:
     def run(self, txn) -> None:
         ids = txn.local["ids"]
         txn.flag((ids < 0) | (ids >= self.vocab), Status.TOKEN_RANGE)
-        x = self.table[ids]
+        x = self.table[ids.clamp(0, self.vocab - 1)]
         txn.emit("streams", x.unsqueeze(1).expand(-1, self.streams, -1).contiguous())
 
 
@@ -60,6 +60,8 @@ class PLE:
         hashes = self.ple.hashes(ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):
             txn.flag((bucket < 0) | (bucket >= size), Status.HASH_RANGE)
+        hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
+        ids = ids.clamp(0, self.ple.unigram.shape[0] - 1)
         ple, conv = scan(self._step, self.fast, txn.start, (ids, *hashes), txn.read("ple.conv"))
         txn.emit("ple", ple)
         txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
@@ -137,17 +139,17 @@ class FFN(Sublayer):
 
     def run(self, txn) -> None:
         routes = txn.rows("routes")
-        start, end = txn.start, txn.start + txn.length
 
         def step(pos, X, ple, state):
             h, post, comb = self.mix_in(X)
-            y, experts = self.moe(h, self.fast)
+            weights, experts = self.moe.route(h)
+            txn.flag((experts < 0) | (experts >= self.experts), Status.ROUTE_RANGE)
+            experts = experts.clamp(0, self.experts - 1)
             routes[pos:pos + len(X), self.layer] = experts.to(routes.dtype)
-            return self.mix_out(X, y + self.ple(h, ple), post, comb), state
+            y = self.moe(h, weights, experts, self.fast) + self.ple(h, ple)
+            return self.mix_out(X, y, post, comb), state
 
-        X, _ = scan(step, self.fast, start, (txn.local["streams"], txn.local["ple"][:, self.layer]), None)
-        chosen = routes[start:end, self.layer]
-        txn.flag((chosen < 0) | (chosen >= self.experts), Status.ROUTE_RANGE)
+        X, _ = scan(step, self.fast, txn.start, (txn.local["streams"], txn.local["ple"][:, self.layer]), None)
         txn.emit("streams", X)
 
 

@@ -17,13 +17,15 @@ class MixtureOfExperts:
         self.s_down, self.shared_gate = w["shared.down_proj.weight"], w["shared_gate.weight"]
         self.top_k = c.moe_top_k
 
-    def __call__(self, h: torch.Tensor, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, D] -> (y [T, D], experts [T, k])."""
-        weights, experts = route(F.linear(h, self.router), self.top_k)
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, D] -> (weights [T, k], experts [T, k])."""
+        return route(F.linear(h, self.router), self.top_k)
+
+    def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, fast: bool) -> torch.Tensor:
         run = experts_grouped if fast else experts_per_token
         routed = run(h, weights, experts, self.gate_up, self.down)
         shared = F.linear(F.silu(F.linear(h, self.s_gate)) * F.linear(h, self.s_up), self.s_down)
-        return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * shared, experts
+        return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
 
 
 class LayerEmbedding:

@@ -1,0 +1,29 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import hebrus  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return hebrus.load("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_fast(tiny):
+    return tiny.with_mode("fast")
+
+
+@pytest.fixture(scope="session")
+def tiny64():
+    return hebrus.load("tiny", dtype=torch.float64)
+
+
+def tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
