@@ -1,0 +1,184 @@
+"""Every fast op against its slow twin (outputs and final state), and ops against their definitions."""
+import itertools
+
+import pytest
+import torch
+
+from hebrus.ops.conv import causal_conv
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+from hebrus.ops.hyper import hc_post, hc_pre, sinkhorn
+from hebrus.ops.moe import experts_grouped, experts_per_token, route
+from hebrus.ops.norm import l2_norm
+from hebrus.ops.ple import ngram_buckets
+from hebrus.ops.qsa import index_scores, select, sparse_attention
+from hebrus.ops.rope import apply_rope, rope_tables
+
+
+def _gdn_inputs(T, H=3, dk=16, dv=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2_norm(torch.randn(T, H, dk, generator=g, dtype=dtype)) * dk ** -0.5
+    k = l2_norm(torch.randn(T, H, dk, generator=g, dtype=dtype))
+    v = torch.randn(T, H, dv, generator=g, dtype=dtype)
+    gate = -torch.rand(T, H, generator=g, dtype=dtype) * 0.5
+    beta = torch.rand(T, H, generator=g, dtype=dtype)
+    state = torch.randn(H, dk, dv, generator=g, dtype=dtype)
+    return q, k, v, gate, beta, state
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 64), (5, 4), (63, 64), (64, 64), (65, 64), (130, 16), (200, 64)])
+def test_gdn_chunked_equals_recurrence_output_and_state(T, chunk):
+    q, k, v, g, b, s = _gdn_inputs(T)
+    before = s.clone()
+    o1, s1 = gdn_recurrent(q, k, v, g, b, s)
+    o2, s2 = gdn_chunked(q, k, v, g, b, s, chunk=chunk)
+    assert torch.equal(s, before), "the initial state must not be written"
+    torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s2, s1, rtol=1e-10, atol=1e-10)
+
+
+def test_gdn_chunked_float32_within_tolerance():
+    q, k, v, g, b, s = (t.float() for t in _gdn_inputs(300, seed=1))
+    o1, s1 = gdn_recurrent(q, k, v, g, b, s)
+    o2, s2 = gdn_chunked(q, k, v, g, b, s)
+    assert (o1 - o2).abs().max() / o1.abs().max() < 1e-5
+    assert (s1 - s2).abs().max() / s1.abs().max() < 1e-5
+
+
+def test_gdn_state_carries_across_calls():
+    q, k, v, g, b, s = _gdn_inputs(90, seed=2)
+    o, s_all = gdn_chunked(q, k, v, g, b, s)
+    o_a, s_a = gdn_chunked(q[:37], k[:37], v[:37], g[:37], b[:37], s)
+    o_b, s_b = gdn_chunked(q[37:], k[37:], v[37:], g[37:], b[37:], s_a)
+    torch.testing.assert_close(torch.cat([o_a, o_b]), o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s_b, s_all, rtol=1e-10, atol=1e-10)
+
+
+def test_causal_conv_matches_definition_and_splits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    y, state = causal_conv(x, torch.zeros(3, 5, dtype=torch.float64), w)
+    for t in range(11):
+        want = sum(w[:, j] * x[t - 3 + j] for j in range(4) if t - 3 + j >= 0)
+        torch.testing.assert_close(y[t], want)
+    torch.testing.assert_close(state, x[-3:])
+    y1, s1 = causal_conv(x[:2], torch.zeros(3, 5, dtype=torch.float64), w)
+    y2, s2 = causal_conv(x[2:], s1, w)
+    torch.testing.assert_close(torch.cat([y1, y2]), y)
+    torch.testing.assert_close(s2, state)
+
+
+def _brute_select(scores, positions, top_k):
+    picks = []
+    for row, p in zip(scores.tolist(), positions.tolist()):
+        visible = list(range(p + 1))
+        if p + 1 <= top_k:
+            picks.append(visible)
+        else:
+            picks.append(sorted(sorted(visible, key=lambda s: (-row[s], s))[:top_k]))
+    return picks
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_matches_brute_force_including_ties(ties):
+    g = torch.Generator().manual_seed(4)
+    S, top_k = 20, 5
+    scores = torch.randn(8, S, generator=g)
+    if ties:
+        scores = torch.randint(0, 3, (8, S), generator=g).float()     # many exact ties
+    positions = torch.tensor([0, 2, 4, 5, 9, 13, 17, 19])
+    picked, valid = select(scores, positions, top_k)
+    want = _brute_select(scores, positions, top_k)
+    got = [[int(s) for s, ok in zip(r, v) if ok] for r, v in zip(picked, valid)]
+    assert got == want
+
+
+def test_index_scores_match_definition():
+    g = torch.Generator().manual_seed(5)
+    qi, iw, ki = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, generator=g), torch.randn(6, 4, generator=g)
+    got = index_scores(qi, iw, ki)
+    for t, s in itertools.product(range(3), range(6)):
+        want = sum(iw[t, h] * 2 ** -0.5 * 4 ** -0.5 * torch.relu(qi[t, h] @ ki[s]) for h in range(2))
+        torch.testing.assert_close(got[t, s], want)
+
+
+def test_sparse_attention_matches_per_query_softmax():
+    g = torch.Generator().manual_seed(6)
+    T, S, hq, hkv, dh = 4, 9, 4, 2, 8
+    q = torch.randn(T, hq, dh, generator=g, dtype=torch.float64)
+    k = torch.randn(S, hkv, dh, generator=g, dtype=torch.float64)
+    v = torch.randn(S, hkv, dh, generator=g, dtype=torch.float64)
+    positions = torch.tensor([1, 4, 6, 8])
+    picked, valid = select(torch.randn(T, S, generator=g, dtype=torch.float64), positions, 3)
+    got = sparse_attention(q, k, v, picked, valid)
+    for t in range(T):
+        rows = [int(s) for s, ok in zip(picked[t], valid[t]) if ok]
+        for h in range(hq):
+            kv = h // 2
+            w = torch.softmax(torch.stack([q[t, h] @ k[s, kv] / dh ** 0.5 for s in rows]), 0)
+            torch.testing.assert_close(got[t, h], sum(w[i] * v[s, kv] for i, s in enumerate(rows)))
+
+
+def test_route_ties_go_to_the_smaller_expert():
+    w, idx = route(torch.tensor([[1.0, 3.0, 3.0, 3.0]]), 2)
+    assert idx.tolist() == [[1, 2]]
+    torch.testing.assert_close(w.sum(-1), torch.ones(1))
+
+
+def test_grouped_experts_equal_per_token_experts():
+    g = torch.Generator().manual_seed(7)
+    T, D, E, I, k = 13, 16, 5, 8, 2
+    h = torch.randn(T, D, generator=g, dtype=torch.float64)
+    gate_up = torch.randn(E, 2 * I, D, generator=g, dtype=torch.float64)
+    down = torch.randn(E, D, I, generator=g, dtype=torch.float64)
+    weights, experts = route(torch.randn(T, E, generator=g, dtype=torch.float64), k)
+    torch.testing.assert_close(experts_grouped(h, weights, experts, gate_up, down),
+                               experts_per_token(h, weights, experts, gate_up, down))
+
+
+def test_ngram_hash_wraps_like_int64():
+    consts = torch.tensor([[2**61 + 1, 3**38, 0], [2**60 + 7, 5**26, 7**21 + 2]], dtype=torch.int64)
+    ids, history, buckets = torch.tensor([250, 3, 77, 1]), torch.tensor([256, 256]), (509, 1021)
+    got = ngram_buckets(ids, history, consts, buckets)
+    seq = [256, 256, 250, 3, 77, 1]
+    for m in (2, 3):
+        for t in range(4):
+            acc = 0
+            for j in range(m):
+                acc ^= (seq[2 + t - j] * int(consts[m - 2, j])) % 2**64
+            signed = acc - 2**64 if acc >= 2**63 else acc
+            assert int(got[m - 2][t]) == signed % buckets[m - 2]
+
+
+def test_sinkhorn_is_nearly_doubly_stochastic():
+    comb = sinkhorn(torch.randn(6, 4, 4, dtype=torch.float64), 20, 1e-6)
+    torch.testing.assert_close(comb.sum(-2), torch.ones(6, 4, dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(6, 4, dtype=torch.float64), atol=2e-2, rtol=0)
+
+
+def test_hc_pre_and_post_follow_their_formulas():
+    g = torch.Generator().manual_seed(8)
+    n, D = 4, 6
+    X = torch.randn(2, n, D, generator=g, dtype=torch.float64)
+    fn = torch.randn((2 + n) * n, n * D, generator=g, dtype=torch.float64)
+    base, scale = torch.randn((2 + n) * n, generator=g, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    c, post, comb = hc_pre(X, fn, base, scale, 20, 1e-6, 1e-6)
+    r = X.flatten(1) / (X.flatten(1).square().mean(-1, keepdim=True) + 1e-6).sqrt()
+    pre = torch.sigmoid(scale[0] * (r @ fn.T)[:, :n] + base[:n]) + 1e-6
+    torch.testing.assert_close(c, (pre[:, :, None] * X).sum(1))
+    y = torch.randn(2, D, generator=g, dtype=torch.float64)
+    out = hc_post(X, y, post, comb)
+    for t, kk in itertools.product(range(2), range(n)):
+        want = post[t, kk] * y[t] + sum(comb[t, j, kk] * X[t, j] for j in range(n))
+        torch.testing.assert_close(out[t, kk], want)
+
+
+def test_rope_rotates_pairs_and_keeps_norm():
+    cos, sin = rope_tables(8, 10000.0, 32, torch.float64)
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    y = apply_rope(x, cos[5:8], sin[5:8])
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    for t, i in itertools.product(range(3), range(4)):
+        angle = (5 + t) * 10000.0 ** (-2 * i / 8)
+        a, b = x[t, :, i], x[t, :, i + 4]
+        torch.testing.assert_close(y[t, :, i], a * torch.cos(torch.tensor(angle, dtype=torch.float64)) - b * torch.sin(torch.tensor(angle, dtype=torch.float64)))

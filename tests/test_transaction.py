@@ -1,0 +1,248 @@
+"""A failed chunk publishes nothing: for every stage × fault kind, and for real failures."""
+import pytest
+import torch
+
+import hebrus
+from conftest import tokens
+from hebrus.state.image import Image
+from hebrus.weights.init import init_parameters
+
+WARM, CHUNK = tokens(7, seed=11), tokens(9, seed=12)
+STAGES = hebrus.load("tiny").stage_names
+SENTINEL = 4242.0
+
+
+@pytest.fixture(scope="module")
+def references(tiny, tiny_fast):
+    """Digest and logits after WARM + CHUNK with nothing failing, per mode."""
+    out = {}
+    for model in (tiny, tiny_fast):
+        s = model.session()
+        s.feed(WARM)
+        logits = s.feed(CHUNK)
+        out[model.mode] = (s.digest(), logits)
+    return out
+
+
+def _warm_session(model, **kw):
+    s = model.session(**kw)
+    s.feed(WARM)
+    return s
+
+
+def _assert_held(s, before, frontier, sentinel):
+    assert s.digest() == before, "public state changed"
+    assert s.frontier == frontier, "frontier moved"
+    assert bool((sentinel == SENTINEL).all()), "caller's buffer was written"
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("kind", hebrus.FAULT_KINDS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_injected_fault_publishes_nothing_and_the_next_chunk_is_unaffected(tiny, stage, kind, mode, references):
+    model = tiny.with_mode(mode) if mode != tiny.mode else tiny
+    s = _warm_session(model)
+    before, frontier = s.digest(), s.frontier
+    sentinel = torch.full((256,), SENTINEL)
+    with pytest.raises(hebrus.ChunkAborted) as info:
+        with hebrus.inject(stage=stage, kind=kind):
+            s.feed(CHUNK, out=sentinel)
+    assert (info.value.kind, info.value.stage) == (kind, stage)
+    assert isinstance(info.value, hebrus.errors.ERROR_CLASSES[kind])
+    _assert_held(s, before, frontier, sentinel)
+    digest, logits = references[mode]
+    again = s.feed(CHUNK, out=sentinel)
+    assert s.digest() == digest
+    assert torch.equal(again, logits) and torch.equal(sentinel, logits)
+
+
+def test_fault_fires_once_then_the_block_is_harmless(tiny):
+    s = tiny.session()
+    with hebrus.inject(stage="head", kind="nonfinite") as fault:
+        with pytest.raises(hebrus.NonFiniteError):
+            s.feed([1, 2])
+        s.feed([1, 2])
+    assert fault.fired and s.frontier == 2
+
+
+def test_unknown_fault_kind_and_stage_are_rejected(tiny):
+    with pytest.raises(ValueError, match="kinds are"):
+        with hebrus.inject(stage="head", kind="meteor"):
+            pass
+    s = tiny.session()
+    with pytest.raises(hebrus.InvalidInput, match="stages are"):
+        with hebrus.inject(stage="layers.9.gdn", kind="status"):
+            s.feed([1])
+    assert s.frontier == 0
+
+
+# ---- real failures, not injected ------------------------------------------------------------
+
+def _model_with(tiny, **overrides):
+    params = {k: v.clone() for k, v in tiny.named_parameters()}
+    for name, fill in overrides.items():
+        params[name].view(-1)[0] = fill
+    return hebrus.Model(tiny.config, params, mode=tiny.mode)
+
+
+def test_real_nan_in_a_layer_is_caught_at_that_layer(tiny):
+    model = _model_with(tiny, **{"layers.2.gdn.out_proj.weight": float("inf")})
+    s = model.session()
+    before = s.digest()
+    sentinel = torch.full((256,), SENTINEL)
+    with pytest.raises(hebrus.NonFiniteError) as info:
+        s.feed(CHUNK, out=sentinel)
+    assert info.value.stage == "layers.2.gdn"
+    _assert_held(s, before, 0, sentinel)
+
+
+def test_real_exception_inside_a_stage_is_structural(tiny, monkeypatch):
+    s = _warm_session(tiny)
+    before = s.digest()
+    qsa = next(st for st in tiny.stages if st.name == "layers.3.qsa")
+
+    def broken(*args, **kwargs):
+        raise ValueError("shape mismatch deep inside")
+
+    monkeypatch.setattr(qsa, "attn", broken)
+    with pytest.raises(hebrus.StructuralError, match="shape mismatch") as info:
+        s.feed(CHUNK)
+    assert info.value.stage == "layers.3.qsa"
+    assert s.digest() == before
+
+
+def test_real_memory_error_inside_a_stage_is_an_allocation_failure(tiny, monkeypatch):
+    s = _warm_session(tiny)
+    before = s.digest()
+    ffn = next(st for st in tiny.stages if st.name == "layers.0.ffn")
+    monkeypatch.setattr(ffn.moe, "route", lambda h: (_ for _ in ()).throw(MemoryError("no room")))
+    with pytest.raises(hebrus.AllocationError) as info:
+        s.feed(CHUNK)
+    assert info.value.stage == "layers.0.ffn" and s.digest() == before
+
+
+def test_memory_budget_refuses_growth_and_leaves_storage_alone(tiny):
+    probe = tiny.session()
+    probe.feed(WARM)
+    s = tiny.session(memory_budget=probe.budget.held + 20_000)   # room for 16 rows, not 32
+    s.feed(WARM)
+    storages, before = s.image.public.storages, s.digest()
+    with pytest.raises(hebrus.AllocationError, match=r"\(32 rows\)") as info:
+        s.feed(tokens(10, seed=3))
+    assert info.value.stage.endswith(".qsa")
+    assert s.image.public.storages is storages and s.digest() == before
+    unlimited = _warm_session(tiny)
+    for t in CHUNK:                                      # what still fits runs, with identical results
+        assert torch.equal(s.feed([t]), unlimited.feed([t]))
+    assert s.digest() == unlimited.digest()
+
+
+def test_session_budget_smaller_than_its_banks_is_refused_up_front(tiny):
+    with pytest.raises(ValueError, match="memory_budget"):
+        tiny.session(memory_budget=100)
+
+
+def test_device_status_bit_from_an_out_of_range_id(tiny):
+    """Bypass input validation to show the device-side check: the id is flagged (and clamped so
+    the gather stays in bounds), and validation turns the bit into an error."""
+    s = _warm_session(tiny)
+    before = s.digest()
+    with pytest.raises(hebrus.DeviceStatusError, match="token_range") as info:
+        s._run(torch.tensor([3, 256, 4]), None)
+    assert info.value.stage == "embed" and s.digest() == before
+
+
+def test_device_status_bit_from_an_out_of_range_route(tiny, monkeypatch):
+    s = _warm_session(tiny)
+    before = s.digest()
+    ffn = next(st for st in tiny.stages if st.name == "layers.1.ffn")
+    real = ffn.moe.route
+    monkeypatch.setattr(ffn.moe, "route", lambda h: (real(h)[0], real(h)[1] + 100))
+    with pytest.raises(hebrus.DeviceStatusError, match="route_range") as info:
+        s.feed(CHUNK)
+    assert info.value.stage == "layers.1.ffn" and s.digest() == before
+
+
+def test_banked_owner_left_unwritten_is_a_structural_error(tiny, monkeypatch):
+    s = _warm_session(tiny)
+    before = s.digest()
+    gdn = next(st for st in tiny.stages if st.name == "layers.2.gdn")
+
+    class Forgetful:
+        def __init__(self, txn):
+            self._txn = txn
+
+        def __getattr__(self, name):
+            return getattr(self._txn, name)
+
+        def write(self, name, value):
+            if not name.endswith("recurrent"):
+                self._txn.write(name, value)
+
+    run = gdn.run
+    monkeypatch.setattr(gdn, "run", lambda txn: run(Forgetful(txn)))
+    with pytest.raises(hebrus.StructuralError, match="layers.2.gdn.recurrent") as info:
+        s.feed(CHUNK)
+    assert info.value.stage == "validate" and s.digest() == before
+
+
+# ---- the mechanism --------------------------------------------------------------------------
+
+def test_exactly_one_publication_per_successful_chunk(tiny, monkeypatch):
+    calls = []
+    real = Image.publish
+    monkeypatch.setattr(Image, "publish", lambda self, record: (calls.append(record), real(self, record)))
+    s = tiny.session()
+    s.feed([1, 2, 3])
+    with pytest.raises(hebrus.ChunkAborted):
+        with hebrus.inject(stage="head", kind="status"):
+            s.feed([4])
+    s.prefill(tokens(10), chunk_size=4)
+    assert len(calls) == 1 + 3
+    assert [r.frontier for r in calls] == [3, 7, 11, 13]
+
+
+def test_banks_ping_pong_without_copies(tiny):
+    s = tiny.session()
+    banks = [dict(b) for b in s.image.banks]
+    s.feed([1])
+    assert s.image.public.bank == 1
+    s.feed([2])
+    assert s.image.public.bank == 0
+    for old, new in zip(banks, s.image.banks):
+        assert all(old[k] is new[k] for k in old), "bank tensors are reused, never reallocated"
+
+
+def test_failed_growth_keeps_old_storage_public(tiny):
+    s = tiny.session()
+    s.feed(tokens(10))
+    storages = s.image.public.storages
+    with pytest.raises(hebrus.NonFiniteError):
+        with hebrus.inject(stage="layers.3.ffn", kind="nonfinite"):
+            s.feed(tokens(40, seed=9))                    # needs more rows than the storage has
+    assert s.image.public.storages is storages
+    assert all(st.shape[0] < 50 for st in storages)
+
+
+def test_public_tensors_are_not_written_by_a_failing_chunk(tiny):
+    s = _warm_session(tiny)
+    public = {k: v.clone() for k, v in s.image.banks[s.image.public.bank].items()}
+    rows = [st.clone() for st in s.image.public.storages]
+    with pytest.raises(hebrus.ChunkAborted):
+        with hebrus.inject(stage="head", kind="command"):
+            s.feed(CHUNK)
+    for k, v in s.image.banks[s.image.public.bank].items():
+        assert torch.equal(v, public[k]), k
+    for st, old in zip(s.image.public.storages, rows):
+        assert torch.equal(st[: s.frontier], old[: s.frontier])
+
+
+def test_float64_faults_hold_too(tiny64):
+    s = tiny64.session()
+    s.feed(WARM)
+    before = s.digest()
+    for kind in hebrus.FAULT_KINDS:
+        with pytest.raises(hebrus.ChunkAborted):
+            with hebrus.inject(stage="layers.1.qsa", kind=kind):
+                s.feed(CHUNK)
+        assert s.digest() == before
