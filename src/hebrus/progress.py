@@ -6,7 +6,8 @@ import time
 
 
 class ProgressBar:
-    def __init__(self, label: str, stream=sys.stderr, width: int = 28):
+    def __init__(self, label: str, stream=None, width: int = 28):
+        stream = sys.stderr if stream is None else stream
         self.label, self.stream, self.width = label, stream, width
         self.started = time.perf_counter()
         self.tty = hasattr(stream, "isatty") and stream.isatty()

@@ -27,7 +27,9 @@ class Model:
             raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
         self.config, self.device, self.dtype, self.mode = config, torch.device(device), dtype, mode
         self.state_dtype = accum_dtype(dtype)
-        self._params = {name: t.to(device=self.device, dtype=storage_dtype(name, dtype))
+        # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
+        # read from a file need not be aligned; exact mode must not depend on where bytes came from.
+        self._params = {name: t.to(device=self.device, dtype=storage_dtype(name, dtype), copy=True)
                         for name, t in params.items()}
         self.stages = build_stages(config, self._params, fast=mode == "fast")
         self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)

@@ -178,5 +178,5 @@ def _as_int64(ids) -> torch.Tensor:
             raise InvalidInput(f"token ids must be integers; item {i} is {x!r}")
     try:
         return torch.tensor(list(ids), dtype=torch.int64)
-    except (OverflowError, RuntimeError) as exc:
+    except (OverflowError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"token ids must fit in int64: {exc}") from None

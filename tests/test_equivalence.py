@@ -1,0 +1,95 @@
+"""Chunk size is a scheduling choice: exact mode is bit-identical under any chunking or
+interleaving (float32 and float64); fast mode is within tolerance of exact and greedy-identical."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hebrus.verify import TOLERANCE, relative_error, state_error
+
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+ids_and_cuts = st.lists(st.integers(0, 255), min_size=1, max_size=36).flatmap(
+    lambda ids: st.tuples(st.just(ids), st.lists(st.integers(1, len(ids)), max_size=8)))
+
+
+def _chunks(ids, cuts):
+    edges = sorted({0, len(ids), *cuts})
+    return [ids[a:b] for a, b in zip(edges, edges[1:])]
+
+
+def _feed(model, chunks):
+    s = model.session()
+    logits = None
+    for chunk in chunks:
+        logits = s.feed(chunk)
+    return s, logits
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny64"])
+def test_exact_any_chunking_is_bit_identical(fixture, request):
+    model = request.getfixturevalue(fixture)
+
+    @SETTINGS
+    @given(ids_and_cuts)
+    def check(case):
+        ids, cuts = case
+        whole, logits = _feed(model, [ids])
+        split, split_logits = _feed(model, _chunks(ids, cuts))
+        assert split.digest() == whole.digest()
+        assert torch.equal(split_logits, logits)
+
+    check()
+
+
+def test_exact_single_tokens_equal_one_chunk(tiny64):
+    ids = list(range(30, 70))
+    whole, logits = _feed(tiny64, [ids])
+    single, single_logits = _feed(tiny64, [[t] for t in ids])
+    assert single.digest() == whole.digest() and torch.equal(single_logits, logits)
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 255), min_size=1, max_size=20), min_size=2, max_size=3),
+       st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6)), min_size=1, max_size=40))
+def test_exact_interleaved_sessions_match_solo_runs(tiny, conversations, schedule):
+    sessions = [tiny.session() for _ in conversations]
+    at = [0] * len(conversations)
+    for who, size in schedule:
+        who %= len(conversations)
+        if at[who] < len(conversations[who]):
+            sessions[who].feed(conversations[who][at[who]:at[who] + size])
+            at[who] = min(at[who] + size, len(conversations[who]))
+    for who, ids in enumerate(conversations):
+        if at[who] < len(ids):
+            sessions[who].feed(ids[at[who]:])
+        solo, _ = _feed(tiny, [ids])
+        assert sessions[who].digest() == solo.digest()
+
+
+@SETTINGS
+@given(ids_and_cuts)
+def test_fast_is_within_tolerance_of_exact(tiny, tiny_fast, case):
+    ids, cuts = case
+    exact, logits = _feed(tiny, [ids])
+    fast, fast_logits = _feed(tiny_fast, _chunks(ids, cuts))
+    err, where = state_error(fast, exact)
+    assert err <= TOLERANCE, f"{where}: {err:.2e}"
+    assert relative_error(fast_logits, logits) <= TOLERANCE
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fast_greedy_tokens_equal_exact(tiny, tiny_fast, seed):
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
+    a = list(tiny.session().generate(prompt, max_new_tokens=32, chunk_size=7))
+    b = list(tiny_fast.session().generate(prompt, max_new_tokens=32, chunk_size=20))
+    assert a == b
+
+
+def test_fast_long_prefill_crosses_gdn_chunk_boundaries(tiny, tiny_fast):
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    exact, logits = _feed(tiny, [ids[:70], ids[70:]])
+    fast, fast_logits = _feed(tiny_fast, [ids[:130], ids[130:]])
+    err, where = state_error(fast, exact)
+    assert err <= TOLERANCE, f"{where}: {err:.2e}"
+    assert relative_error(fast_logits, logits) <= TOLERANCE

@@ -1,0 +1,165 @@
+"""The session API: bad input changes nothing and says what is allowed; prefill, generate, out=."""
+import numpy as np
+import pytest
+import torch
+
+import hebrus
+from conftest import tokens
+
+
+@pytest.fixture
+def warm(tiny):
+    s = tiny.session()
+    s.feed([10, 20, 30])
+    return s
+
+
+@pytest.mark.parametrize("bad,message", [
+    ([], "empty chunk"),
+    ([1, 256], r"token id 256 at index 1 is outside the vocabulary \[0, 256\)"),
+    ([-1], "outside the vocabulary"),
+    ([1.5], "must be integers; item 0 is 1.5"),
+    ([True], "must be integers"),
+    ("hello", "got text"),
+    (torch.tensor([1.0, 2.0]), "dtype torch.float32"),
+    (torch.tensor([[1, 2]]), "one-dimensional"),
+    (np.array([0.5]), "integers"),
+    ({1, 2}, "list of ints"),
+    ([2**70], "int64"),
+])
+def test_bad_input_raises_before_anything_is_touched(warm, bad, message):
+    before = warm.digest()
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        warm.feed(bad)
+    assert warm.digest() == before and warm.frontier == 3
+
+
+def test_invalid_input_is_a_value_error():
+    assert issubclass(hebrus.InvalidInput, ValueError)
+
+
+def test_context_limit(tiny):
+    small = hebrus.Model(tiny.config.replace(max_context=8), dict(tiny.named_parameters()))
+    s = small.session()
+    s.feed([1] * 6)
+    with pytest.raises(hebrus.InvalidInput, match=r"past its context limit of 8 \(2 tokens left\)"):
+        s.feed([1, 2, 3])
+    with pytest.raises(hebrus.InvalidInput, match="context limit"):
+        s.prefill([1, 2, 3])
+    with pytest.raises(hebrus.InvalidInput, match="context limit"):
+        s.generate([1], max_new_tokens=5)
+    assert s.frontier == 6
+    s.feed([1, 2])
+    assert s.frontier == 8
+
+
+def test_accepted_id_containers_agree(tiny):
+    ids = [5, 6, 7]
+    results = [tiny.session().feed(x) for x in (ids, tuple(ids), torch.tensor(ids), np.array(ids, dtype=np.int32))]
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("out", [torch.zeros(255), torch.zeros(256, dtype=torch.float64), [0.0] * 256])
+def test_bad_out_buffer_is_rejected_untouched(warm, out):
+    before = warm.digest()
+    with pytest.raises(hebrus.InvalidInput, match="out must"):
+        warm.feed([1], out=out)
+    assert warm.digest() == before
+
+
+def test_out_buffer_receives_the_logits(warm):
+    out = torch.zeros(256)
+    returned = warm.feed([4, 5], out=out)
+    assert returned is out and torch.equal(out, warm.logits)
+
+
+def test_feed_returns_a_new_tensor_each_time(warm):
+    a = warm.feed([1])
+    b = warm.feed([2])
+    assert a.data_ptr() != b.data_ptr() and not torch.equal(a, b)
+
+
+def test_prefill_equals_feeding_the_chunks(tiny):
+    ids = tokens(50, seed=8)
+    a = tiny.session()
+    logits = a.prefill(ids, chunk_size=16)
+    b = tiny.session()
+    for i in range(0, 50, 16):
+        last = b.feed(ids[i:i + 16])
+    assert a.digest() == b.digest() and torch.equal(logits, last)
+
+
+def test_prefill_failure_reports_the_tokens_published(tiny, monkeypatch):
+    s = tiny.session()
+    stage = next(st for st in tiny.stages if st.name == "layers.2.gdn")
+    real, calls = stage.run, []
+
+    def third_call_fails(txn):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        real(txn)
+
+    monkeypatch.setattr(stage, "run", third_call_fails)
+    ids = tokens(50, seed=8)
+    with pytest.raises(hebrus.StructuralError, match="32 tokens of earlier chunks were") as info:
+        s.prefill(ids, chunk_size=16)
+    assert info.value.published == 32 and s.frontier == 32
+    monkeypatch.undo()
+    ref = tiny.session()
+    ref.feed(ids[:32])
+    assert s.digest() == ref.digest()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"chunk_size": 0}, "chunk_size"), ({"chunk_size": 2.5}, "chunk_size"),
+])
+def test_prefill_rejects_bad_chunk_size(tiny, kwargs, message):
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        tiny.session().prefill([1, 2], **kwargs)
+
+
+def test_generate_is_greedy_and_deterministic(tiny):
+    a = list(tiny.session().generate([1, 2, 3], max_new_tokens=10))
+    b = list(tiny.session().generate([1, 2, 3], max_new_tokens=10))
+    assert a == b and len(a) == 10
+
+
+def test_generate_commits_every_token_it_yields(tiny):
+    s = tiny.session()
+    out = list(s.generate([1, 2, 3], max_new_tokens=5))
+    ref = tiny.session()
+    ref.feed([1, 2, 3] + out)
+    assert s.digest() == ref.digest() and s.frontier == 8
+
+
+def test_generate_continues_an_existing_session(tiny):
+    s = tiny.session()
+    first = list(s.generate([1, 2, 3], max_new_tokens=4))
+    more = list(s.generate([], max_new_tokens=4))
+    whole = list(tiny.session().generate([1, 2, 3], max_new_tokens=8))
+    assert first + more == whole
+
+
+def test_sampling_uses_the_seed(tiny):
+    runs = [list(tiny.session().generate([7], max_new_tokens=12, temperature=1.0, seed=s)) for s in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_tiny_top_p_is_greedy(tiny):
+    greedy = list(tiny.session().generate([7, 8], max_new_tokens=8))
+    nucleus = list(tiny.session().generate([7, 8], max_new_tokens=8, temperature=0.7, top_p=1e-9, seed=3))
+    assert greedy == nucleus
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+])
+def test_generate_checks_arguments_eagerly(tiny, kwargs, message):
+    s = tiny.session()
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        s.generate([1], **kwargs)
+    with pytest.raises(hebrus.InvalidInput, match="empty chunk"):
+        s.generate([])
+    assert s.frontier == 0
