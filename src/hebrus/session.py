@@ -17,7 +17,6 @@ from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, Structura
 from hebrus.sampling import sample
 from hebrus.state.budget import MemoryBudget, Refused
 from hebrus.state.image import Image
-from hebrus.state.status import StatusWord
 from hebrus.state.txn import Transaction
 
 _OOM = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
@@ -35,7 +34,6 @@ class Session:
             self.budget.hold(self.image.bank_bytes, "the session's two banks")
         except Refused as exc:
             raise ValueError(f"memory_budget too small for a session of this model: {exc}") from None
-        self.status = StatusWord(len(model.stages), model.device)
         self._stage_names = model.stage_names
 
     # ---- reading the public image ----------------------------------------------------------
@@ -101,7 +99,7 @@ class Session:
             yield token
 
     def _run(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
-        txn = Transaction(self.image, len(ids), self._stage_names, self.budget, self.status,
+        txn = Transaction(self.image, len(ids), self._stage_names, self.budget,
                           max_rows=self.config.max_context)
         txn.local["ids"] = ids.to(self.model.device)
         try:
@@ -128,9 +126,8 @@ class Session:
         if tokens.numel() == 0 and not allow_empty:
             raise InvalidInput("empty chunk: give at least one token id")
         vocab = self.config.vocab_size
-        bad = ((tokens < 0) | (tokens >= vocab)).nonzero()
-        if len(bad):
-            i = int(bad[0, 0])
+        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+            i = int(((tokens < 0) | (tokens >= vocab)).nonzero()[0, 0])
             raise InvalidInput(f"token id {int(tokens[i])} at index {i} is outside the vocabulary [0, {vocab})")
         return tokens
 

@@ -44,7 +44,7 @@ class Embed:
 
     def run(self, txn) -> None:
         ids = txn.local["ids"]
-        txn.flag((ids < 0) | (ids >= self.vocab), Status.TOKEN_RANGE)
+        txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
         x = self.table[ids.clamp(0, self.vocab - 1)]
         txn.emit("streams", x.unsqueeze(1).expand(-1, self.streams, -1).contiguous())
 
@@ -59,7 +59,7 @@ class PLE:
         ids, history = txn.local["ids"], txn.read("ple.history")
         hashes = self.ple.hashes(ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):
-            txn.flag((bucket < 0) | (bucket >= size), Status.HASH_RANGE)
+            txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
         ids = ids.clamp(0, self.ple.unigram.shape[0] - 1)
         ple, conv = scan(self._step, self.fast, txn.start, (ids, *hashes), txn.read("ple.conv"))
@@ -121,7 +121,7 @@ class QSAMixer(Sublayer):
 
         def step(pos, X, state):
             h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, pos, *rows, txn.flag), post, comb), state
+            return self.mix_out(X, self.attn(h, pos, *rows, txn.check_range), post, comb), state
 
         X, _ = scan(step, self.fast, txn.start, (txn.local["streams"],), None)
         txn.emit("streams", X)
@@ -143,7 +143,7 @@ class FFN(Sublayer):
         def step(pos, X, ple, state):
             h, post, comb = self.mix_in(X)
             weights, experts = self.moe.route(h)
-            txn.flag((experts < 0) | (experts >= self.experts), Status.ROUTE_RANGE)
+            txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
             routes[pos:pos + len(X), self.layer] = experts.to(routes.dtype)
             y = self.moe(h, weights, experts, self.fast) + self.ple(h, ple)

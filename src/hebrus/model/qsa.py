@@ -22,9 +22,10 @@ class SparseAttention:
         self.rope = rope_tables(self.dh, c.rope_theta, c.max_context, ref.dtype, ref.device)
         self.index_rope = rope_tables(self.di, c.rope_theta, c.max_context, ref.dtype, ref.device)
 
-    def __call__(self, h: torch.Tensor, start: int, k_rows, v_rows, index_rows, flag) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, start: int, k_rows, v_rows, index_rows, check_range) -> torch.Tensor:
         """h [T, D] at positions start..start+T-1. Writes rows [start, start+T) of the three row
-        logs, then attends over rows [0, position]. `flag(bad, bit)` reports device-side checks."""
+        logs, then attends over rows [0, position]. `check_range` takes the device-side check that
+        no query picked a row past its own position."""
         T, w, end = h.shape[0], self.w, start + h.shape[0]
         q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps)
         k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps)
@@ -41,7 +42,7 @@ class SparseAttention:
         positions = torch.arange(start, end, device=h.device)
         scores = index_scores(qi, F.linear(h, w["index_w.weight"]), index_rows[:end])
         picked, valid = select(scores, positions, self.top_k)
-        flag(valid & (picked > positions[:, None]), Status.INDEX_RANGE)
+        check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
         o = sparse_attention(q, k_rows[:end], v_rows[:end], picked, valid)
         gate = torch.sigmoid(F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return F.linear((o * gate).flatten(1), w["o_proj.weight"])

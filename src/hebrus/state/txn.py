@@ -9,7 +9,6 @@ Anything that raises before the flip leaves the public image as it was.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 
@@ -17,12 +16,12 @@ from hebrus.errors import (AllocationError, CommandError, DeviceStatusError,
                            NonFiniteError, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused
 from hebrus.state.image import Image, Published
-from hebrus.state.status import Completion, Status, StatusWord
+from hebrus.state.status import Completion, DeviceChecks, Status
 
 
 class Transaction:
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 status: StatusWord, max_rows: int, output: str = "logits"):
+                 max_rows: int, output: str = "logits"):
         record = image.public
         self.image, self.record = image, record
         self.start, self.length = record.frontier, length
@@ -30,17 +29,16 @@ class Transaction:
         self.private = image.banks[1 - record.bank]
         self.storages = list(record.storages)
         self.local: dict[str, torch.Tensor] = {}
-        self.stages, self.budget, self.status = stages, budget, status
+        self.stages, self.budget = stages, budget
+        self.checks = DeviceChecks()
         self.max_rows, self.output = max_rows, output
         self.completion = Completion(image.device)
         self.slot, self.stage = -1, "begin"
         self.written: set[str] = set()
         self._writes: list[torch.Tensor] = []       # what the current stage wrote
         self._value_bytes = 0
-        self._sums: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        self._sum_slots: dict[torch.dtype, list[int]] = defaultdict(list)
+        self._local_bytes: dict[str, int] = {}
         self._done = False
-        status.reset()
         if "frontier" in self.private:
             self.private["frontier"].fill_(self.start + length)
             self.written.add("frontier")
@@ -73,11 +71,16 @@ class Transaction:
     def emit(self, key: str, value: torch.Tensor) -> None:
         """A chunk-local result (streams, per-layer embeddings) for later stages."""
         self.local[key] = value
+        self._local_bytes[key] = value.numel() * value.element_size()
         self._writes.append(value)
 
     def flag(self, bad: torch.Tensor, bit: Status) -> None:
         """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
-        self.status.check(self.slot, bad, bit)
+        self.checks.flag(self.slot, bad, bit)
+
+    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+        """Device-side check: set `bit` unless every value lies in [lower, upper)."""
+        self.checks.check_range(self.slot, values, upper, bit, lower)
 
     # ---- what the runner uses --------------------------------------------------------------
     def enter(self, slot: int) -> None:
@@ -89,9 +92,8 @@ class Transaction:
         the memory budget, and record its completion."""
         for t in self._writes:
             if t.is_floating_point():
-                self._sums[t.dtype].append(t.sum())
-                self._sum_slots[t.dtype].append(self.slot)
-        working = sum(t.numel() * t.element_size() for t in self.local.values())
+                self.checks.finite(self.slot, t)
+        working = sum(self._local_bytes.values())
         growth = working - self.budget.working + self._value_bytes
         self._request(self.budget.admit, max(growth, 0), f"the intermediates of {self.stage}")
         self.budget.set_working(working)
@@ -106,24 +108,18 @@ class Transaction:
         missing = [s.name for s in self.image.banked if s.name not in self.written]
         if missing:
             raise StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
-        flags, slots = [self.status.words], list(range(len(self.stages)))
-        for dtype, sums in self._sums.items():
-            flags.append(torch.isfinite(torch.stack(sums)).logical_not().to(torch.int32))
-            slots += self._sum_slots[dtype]
         try:
-            values = torch.cat(flags).tolist()                       # the one host sync
+            words, nonfinite = self.checks.read()                    # the one host sync
         except RuntimeError as exc:
             raise CommandError("validate", f"device work failed: {exc}") from exc
         failures = []
         incomplete = self.completion.first_incomplete()
         if incomplete is not None:
             failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
-        for slot, word in enumerate(values[: len(self.stages)]):
-            if word:
-                failures.append((slot, 1, DeviceStatusError, f"status word 0x{word:x} ({Status.describe(word)})"))
-        for slot, bad in zip(slots[len(self.stages):], values[len(self.stages):]):
-            if bad:
-                failures.append((slot, 2, NonFiniteError, "a write of this stage is not finite"))
+        for slot, word in words.items():
+            failures.append((slot, 1, DeviceStatusError, f"status word 0x{word:x} ({Status.describe(word)})"))
+        for slot in nonfinite:
+            failures.append((slot, 2, NonFiniteError, "a write of this stage is not finite"))
         if failures:
             slot, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
             raise cls(self.stages[slot], detail)

@@ -1,0 +1,177 @@
+"""What does the transaction cost? Transactional sessions against an in-place variant.
+
+The in-place variant runs the same stages against a context that reads and writes one bank in
+place: no second bank, no seal, no validation, no injection point, no status word. It exists only
+here, to measure the guarantee; nothing in the package can reach it.
+
+    python benchmarks/overhead.py [--preset small] [--mode fast] [--rounds 5] [--threads N]
+
+Both variants run in one process: each round prefills both (alternating which goes first), then
+decodes with the two taking turns step by step. Reported: medians over rounds of time per token,
+and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import hebrus
+from hebrus.state.image import Image
+
+
+class InPlace:
+    """A session that overwrites its state in place (measurement only)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.image = Image(model.owners, model.device)
+        self.bank = self.image.banks[0]
+        self.storages = list(self.image.public.storages)
+        self.frontier = 0
+
+    def feed(self, ids) -> torch.Tensor:
+        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64))
+        for stage in self.model.stages:
+            stage.run(ctx)
+        self.frontier += len(ids)
+        self.bank["frontier"].fill_(self.frontier)
+        return self.bank["logits"].clone()
+
+
+class _InPlaceContext:
+    def __init__(self, owner: InPlace, ids: torch.Tensor):
+        self.owner, self.start, self.length = owner, owner.frontier, len(ids)
+        self.local = {"ids": ids}
+
+    def read(self, name):
+        return self.owner.bank[name]
+
+    def write(self, name, value):
+        self.owner.bank[name].copy_(value)
+
+    def rows(self, name):
+        i = self.owner.image.slot[name]
+        storage, need = self.owner.storages[i], self.start + self.length
+        if storage.shape[0] < need:
+            capacity = min(self.owner.model.config.max_context, max(need, 2 * storage.shape[0], 16))
+            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype)
+            grown[: self.start].copy_(storage[: self.start])
+            self.owner.storages[i] = storage = grown
+        return storage
+
+    def emit(self, key, value):
+        self.local[key] = value
+
+    def flag(self, bad, bit):
+        pass
+
+    def check_range(self, values, upper, bit, lower=0):
+        pass
+
+
+def _round(variants, prompt, decode, flip):
+    """One round: prefill each variant (one chunk), then decode with the two variants taking
+    turns step by step, so that drift in machine speed hits both alike."""
+    names = list(variants)[::-1] if flip else list(variants)
+    sessions = {name: variants[name]() for name in names}
+    out = {name: {"prefill": 0.0, "decode": 0.0} for name in names}
+    logits = {}
+    for name in names:
+        t = time.perf_counter()
+        logits[name] = sessions[name].feed(prompt)
+        out[name]["prefill"] = (time.perf_counter() - t) / len(prompt)
+    for step in range(decode):
+        order = names if step % 2 == 0 else names[::-1]
+        for name in order:
+            token = int(torch.argmax(logits[name]))
+            t = time.perf_counter()
+            logits[name] = sessions[name].feed([token])
+            out[name]["decode"] += (time.perf_counter() - t) / decode
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--mode", default="fast", choices=["exact", "fast"])
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = hebrus.load(args.preset, mode=args.mode)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prefill,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    variants = {"transactional": model.session, "in-place": lambda: InPlace(model)}
+    _round(variants, prompt[:32], 4, flip=False)                       # warm up both paths
+    _check_same_result(variants, prompt)
+
+    times = {name: {"prefill": [], "decode": []} for name in variants}
+    for r in range(args.rounds):
+        result = _round(variants, prompt, args.decode, flip=r % 2 == 1)
+        for name, t in result.items():
+            times[name]["prefill"].append(t["prefill"])
+            times[name]["decode"].append(t["decode"])
+        print(f"round {r + 1}/{args.rounds}  " + "  ".join(
+            f"{name}: prefill {t['prefill'] * 1e3:6.3f} decode {t['decode'] * 1e3:7.3f} ms/token"
+            for name, t in result.items()), flush=True)
+
+    report = _report(args, model, times)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"overhead-{args.preset}-{args.mode}-cpu"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(_markdown(report))
+    print(_markdown(report))
+
+
+def _check_same_result(variants, prompt):
+    a, b = variants["transactional"](), variants["in-place"]()
+    if not torch.equal(a.feed(prompt[:40]), b.feed(prompt[:40])):
+        raise SystemExit("the two variants disagree; the measurement would be meaningless")
+
+
+def _report(args, model, times):
+    med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+    ratio = {k: med["transactional"][k] / med["in-place"][k] for k in ("prefill", "decode")}
+    return {
+        "preset": args.preset, "mode": args.mode, "device": "cpu", "dtype": "float32",
+        "prefill_tokens": args.prefill, "decode_steps": args.decode, "rounds": args.rounds,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+        "parameters": sum(math.prod(t.shape) for _, t in model.named_parameters()),
+        "median_ms_per_token": {n: {k: v * 1e3 for k, v in m.items()} for n, m in med.items()},
+        "ratio_transactional_over_in_place": ratio,
+        "target": 1.05,
+        "raw_ms_per_token": {n: {k: [x * 1e3 for x in v] for k, v in t.items()} for n, t in times.items()},
+    }
+
+
+def _markdown(r) -> str:
+    m, ratio = r["median_ms_per_token"], r["ratio_transactional_over_in_place"]
+    lines = [
+        f"# Transaction overhead: {r['preset']} preset, {r['mode']} mode, CPU ({r['threads']} threads, torch {r['torch']})",
+        "",
+        f"Median of {r['rounds']} alternating rounds; prefill is one {r['prefill_tokens']}-token chunk, "
+        f"decode is {r['decode_steps']} one-token chunks.",
+        "",
+        "| | transactional ms/token | in-place ms/token | ratio (target ≤ 1.05) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for k in ("prefill", "decode"):
+        lines.append(f"| {k} | {m['transactional'][k]:.3f} | {m['in-place'][k]:.3f} | {ratio[k]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
