@@ -39,3 +39,10 @@ def test_bad_arguments_are_clear(capsys):
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "hebrus.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "verify" in out.stdout
+
+
+def test_stream_decoder_keeps_utf8_and_hides_control_bytes():
+    from hebrus.tokenizer import StreamDecoder, encode
+    d = StreamDecoder()
+    text = "".join(d.push(t) for t in encode("é\n") + [0x1b, ord("x")]) + d.flush()
+    assert text == "é\n\ufffdx"

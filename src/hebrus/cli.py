@@ -72,6 +72,8 @@ def _generate(args) -> int:
     from hebrus.tokenizer import StreamDecoder, encode
 
     model = _load(args)
+    if args.model in PRESETS:
+        print(f"(preset {args.model!r} has random weights: expect noise, not language)", file=sys.stderr)
     decoder = StreamDecoder()
     tokens = model.session().generate(encode(args.prompt), max_new_tokens=args.max_new_tokens,
                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)

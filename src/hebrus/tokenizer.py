@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import unicodedata
 
 
 def encode(text: str) -> list[int]:
@@ -15,7 +16,12 @@ class StreamDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
-        return self._decoder.decode(bytes([token]) if 0 <= token < 256 else b"\xef\xbf\xbd")
+        return _printable(self._decoder.decode(bytes([token]) if 0 <= token < 256 else b"\xef\xbf\xbd"))
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        return _printable(self._decoder.decode(b"", final=True))
+
+
+def _printable(text: str) -> str:
+    """Control characters other than newline and tab would drive the terminal; show U+FFFD."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
