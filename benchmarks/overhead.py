@@ -37,7 +37,7 @@ class InPlace:
         self.frontier = 0
 
     def feed(self, ids) -> torch.Tensor:
-        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64))
+        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64, device=self.model.device))
         for stage in self.model.stages:
             stage.run(ctx)
         self.frontier += len(ids)
@@ -61,7 +61,7 @@ class _InPlaceContext:
         storage, need = self.owner.storages[i], self.start + self.length
         if storage.shape[0] < need:
             capacity = min(self.owner.model.config.max_context, max(need, 2 * storage.shape[0], 16))
-            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype)
+            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
             grown[: self.start].copy_(storage[: self.start])
             self.owner.storages[i] = storage = grown
         return storage
@@ -76,6 +76,12 @@ class _InPlaceContext:
         pass
 
 
+def _sync(t: torch.Tensor) -> None:
+    """The in-place variant never waits for the device; time both to completion."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _round(variants, prompt, decode, flip):
     """One round: prefill each variant (one chunk), then decode with the two variants taking
     turns step by step, so that drift in machine speed hits both alike."""
@@ -86,6 +92,7 @@ def _round(variants, prompt, decode, flip):
     for name in names:
         t = time.perf_counter()
         logits[name] = sessions[name].feed(prompt)
+        _sync(logits[name])
         out[name]["prefill"] = (time.perf_counter() - t) / len(prompt)
     for step in range(decode):
         order = names if step % 2 == 0 else names[::-1]
@@ -93,6 +100,7 @@ def _round(variants, prompt, decode, flip):
             token = int(torch.argmax(logits[name]))
             t = time.perf_counter()
             logits[name] = sessions[name].feed([token])
+            _sync(logits[name])
             out[name]["decode"] += (time.perf_counter() - t) / decode
     return out
 
@@ -104,13 +112,14 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = hebrus.load(args.preset, mode=args.mode)
+    model = hebrus.load(args.preset, mode=args.mode, device=args.device)
     prompt = torch.randint(0, model.config.vocab_size, (args.prefill,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     variants = {"transactional": model.session, "in-place": lambda: InPlace(model)}
@@ -130,7 +139,7 @@ def main() -> None:
     report = _report(args, model, times)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"overhead-{args.preset}-{args.mode}-cpu"
+    stem = f"overhead-{args.preset}-{args.mode}-{model.device.type}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(_markdown(report))
     print(_markdown(report))
@@ -146,7 +155,7 @@ def _report(args, model, times):
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
     ratio = {k: med["transactional"][k] / med["in-place"][k] for k in ("prefill", "decode")}
     return {
-        "preset": args.preset, "mode": args.mode, "device": "cpu", "dtype": "float32",
+        "preset": args.preset, "mode": args.mode, "device": _device_name(model.device), "dtype": "float32",
         "prefill_tokens": args.prefill, "decode_steps": args.decode, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "parameters": sum(math.prod(t.shape) for _, t in model.named_parameters()),
@@ -157,10 +166,17 @@ def _report(args, model, times):
     }
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def _markdown(r) -> str:
     m, ratio = r["median_ms_per_token"], r["ratio_transactional_over_in_place"]
     lines = [
-        f"# Transaction overhead: {r['preset']} preset, {r['mode']} mode, CPU ({r['threads']} threads, torch {r['torch']})",
+        f"# Transaction overhead: {r['preset']} preset, {r['mode']} mode, {r['device']} "
+        f"({r['threads']} CPU threads, torch {r['torch']})",
         "",
         f"Median of {r['rounds']} alternating rounds; prefill is one {r['prefill_tokens']}-token chunk, "
         f"decode is {r['decode_steps']} one-token chunks.",
