@@ -25,7 +25,7 @@ class Model:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact"):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-        self.config, self.device, self.dtype, self.mode = config, torch.device(device), dtype, mode
+        self.config, self.device, self.dtype, self.mode = config, _device(device), dtype, mode
         self.state_dtype = accum_dtype(dtype)
         # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
         # read from a file need not be aligned; exact mode must not depend on where bytes came from.
@@ -75,6 +75,14 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         raise FileNotFoundError(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a directory")
     config, params = checkpoint.load(path)
     return Model(config, params, device=device, dtype=dtype, mode=mode)
+
+
+def _device(device: str | torch.device) -> torch.device:
+    """An explicit device: 'cuda' becomes 'cuda:<current>', so it compares equal to tensors' devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
