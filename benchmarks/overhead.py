@@ -137,12 +137,23 @@ def main() -> None:
             for name, t in result.items()), flush=True)
 
     report = _report(args, model, times)
+    report["injection_point_ns_per_stage"] = _injection_point_cost(model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"overhead-{args.preset}-{args.mode}-{model.device.type}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(_markdown(report))
     print(_markdown(report))
+
+
+def _injection_point_cost(model, calls: int = 200_000) -> float:
+    """Nanoseconds one call of the injection point takes with nothing armed."""
+    from hebrus import faults
+    name = model.stage_names[-1]
+    t = time.perf_counter()
+    for _ in range(calls):
+        faults.after(name, None)
+    return (time.perf_counter() - t) / calls * 1e9
 
 
 def _check_same_result(variants, prompt):
@@ -159,6 +170,7 @@ def _report(args, model, times):
         "prefill_tokens": args.prefill, "decode_steps": args.decode, "rounds": args.rounds,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "parameters": sum(math.prod(t.shape) for _, t in model.named_parameters()),
+        "stages": len(model.stages),
         "median_ms_per_token": {n: {k: v * 1e3 for k, v in m.items()} for n, m in med.items()},
         "ratio_transactional_over_in_place": ratio,
         "target": 1.05,
@@ -186,6 +198,11 @@ def _markdown(r) -> str:
     ]
     for k in ("prefill", "decode"):
         lines.append(f"| {k} | {m['transactional'][k]:.3f} | {m['in-place'][k]:.3f} | {ratio[k]:.3f} |")
+    if "injection_point_ns_per_stage" in r:
+        ns = r["injection_point_ns_per_stage"]
+        lines += ["", f"Injection point with nothing armed: {ns:.0f} ns per stage, "
+                      f"{ns * r['stages'] / 1e3:.1f} µs per chunk of {r['stages']} stages "
+                      f"({ns * r['stages'] / 1e6 / m['transactional']['decode'] * 100:.3f}% of a decode step)."]
     return "\n".join(lines) + "\n"
 
 

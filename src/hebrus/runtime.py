@@ -23,15 +23,20 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class Model:
     def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact"):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-        self.config, self.device, self.dtype, self.mode = config, _device(device), dtype, mode
-        self.state_dtype = accum_dtype(dtype)
+        device = _device(device)
         # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
         # read from a file need not be aligned; exact mode must not depend on where bytes came from.
-        self._params = {name: t.to(device=self.device, dtype=storage_dtype(name, dtype), copy=True)
-                        for name, t in params.items()}
-        self.stages = build_stages(config, self._params, fast=mode == "fast")
+        placed = {name: t.to(device=device, dtype=storage_dtype(name, dtype), copy=True)
+                  for name, t in params.items()}
+        self._build(config, placed, device, dtype, mode)
+
+    def _build(self, config, params, device, dtype, mode) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+        self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
+        self.state_dtype = accum_dtype(dtype)
+        self._params = params
+        self.stages = build_stages(config, params, fast=mode == "fast")
         self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)
 
     @property
@@ -47,10 +52,7 @@ class Model:
     def with_mode(self, mode: str) -> "Model":
         """The same weights (shared, not copied) run in another mode."""
         twin = Model.__new__(Model)
-        twin.__dict__.update(self.__dict__)
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-        twin.mode, twin.stages = mode, build_stages(self.config, self._params, fast=mode == "fast")
+        twin._build(self.config, self._params, self.device, self.dtype, mode)
         return twin
 
     def session(self, memory_budget: int | None = None):
