@@ -154,7 +154,8 @@ def test_tiny_top_p_is_greedy(tiny):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"max_new_tokens": -1}, "max_new_tokens"), ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"chunk_size": 0}, "chunk_size"),
+    ({"seed": 1.5}, "seed"),
 ])
 def test_generate_checks_arguments_eagerly(tiny, kwargs, message):
     s = tiny.session()

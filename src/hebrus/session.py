@@ -63,8 +63,7 @@ class Session:
     def prefill(self, ids, chunk_size: int = 64) -> torch.Tensor:
         """Feed `ids` in chunks of `chunk_size`, one transaction each. If a chunk fails, the
         error's `.published` says how many tokens of this call were published before it."""
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-            raise InvalidInput(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        _check_chunk_size(chunk_size)
         tokens = self._ids(ids)
         self._check_room(len(tokens))
         self._check_faults()
@@ -81,7 +80,10 @@ class Session:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction. Arguments are checked now; tokens come as you iterate."""
         prompt = self._ids(ids, allow_empty=self.frontier > 0)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        _check_chunk_size(chunk_size)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise InvalidInput(f"seed must be an integer, got {seed!r}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise InvalidInput(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
         if not (isinstance(temperature, (int, float)) and temperature >= 0):
             raise InvalidInput(f"temperature must be >= 0, got {temperature!r}")
@@ -152,6 +154,11 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise InvalidInput(f"chunk_size must be a positive integer, got {chunk_size!r}")
 
 
 def _as_int64(ids) -> torch.Tensor:
