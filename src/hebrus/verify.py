@@ -23,9 +23,7 @@ CHUNK = 9                 # the chunk under test (longer than the tiny model's Q
 
 
 @dataclass(slots=True)
-class Result:
-    group: str            # "fault" or "equivalence"
-    name: str
+class Verdict:
     passed: bool
     verdict: str          # "held", "leaked", "missed", "ok", "FAILED"
     detail: str = ""
@@ -33,9 +31,18 @@ class Result:
 
 @dataclass(slots=True)
 class Check:
+    group: str            # "fault" or "equivalence"
+    name: str
+    run: Callable[[], Verdict]
+
+
+@dataclass(slots=True)
+class Result:
     group: str
     name: str
-    run: Callable[[], Result]
+    passed: bool
+    verdict: str
+    detail: str = ""
 
 
 def checks(model, seed: int = 0) -> list[Check]:
@@ -66,10 +73,8 @@ class _Reference:
         return self._value
 
 
-def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Result]:
-    name = f"{stage} × {kind}"
-
-    def run() -> Result:
+def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Verdict]:
+    def run() -> Verdict:
         s = model.session()
         s.feed(warm)
         before, frontier = s.digest(), s.frontier
@@ -79,9 +84,9 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Res
                 s.feed(chunk, out=sentinel)
         except ChunkAborted as exc:
             if (exc.kind, exc.stage) != (kind, stage):
-                return Result("fault", name, False, "missed", f"raised {exc.kind} at {exc.stage}")
+                return Verdict(False, "missed", f"raised {exc.kind} at {exc.stage}")
         else:
-            return Result("fault", name, False, "missed", "no error raised")
+            return Verdict(False, "missed", "no error raised")
         leaks = []
         if s.digest() != before:
             leaks.append("digest changed")
@@ -94,8 +99,8 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Res
         if s.digest() != digest or not torch.equal(again, logits):
             leaks.append("next chunk differs from a session that never failed")
         if leaks:
-            return Result("fault", name, False, "leaked", "; ".join(leaks))
-        return Result("fault", name, True, "held")
+            return Verdict(False, "leaked", "; ".join(leaks))
+        return Verdict(True, "held")
 
     return run
 
@@ -136,17 +141,16 @@ def _run(model, tokens, sizes):
     return s, logits
 
 
-def _same_bits(model, tokens, chunkings) -> Result:
-    name = "chunkings"
+def _same_bits(model, tokens, chunkings) -> Verdict:
     ref, ref_logits = _run(model, tokens, chunkings[0])
     for sizes in chunkings[1:]:
         s, logits = _run(model, tokens, sizes)
         if s.digest() != ref.digest() or not torch.equal(logits, ref_logits):
-            return Result("equivalence", name, False, "FAILED", f"chunking {sizes} differs")
-    return Result("equivalence", name, True, "ok")
+            return Verdict(False, "FAILED", f"chunking {sizes} differs")
+    return Verdict(True, "ok")
 
 
-def _interleaved(model, tokens, rng) -> Result:
+def _interleaved(model, tokens, rng) -> Verdict:
     others = [[rng.randrange(model.config.vocab_size) for _ in tokens] for _ in range(2)]
     streams = [tokens] + others
     refs = [_run(model, t, [len(t)]) for t in streams]
@@ -161,8 +165,8 @@ def _interleaved(model, tokens, rng) -> Result:
             positions[i] = min(len(streams[i]), positions[i] + size)
     for s, logits, (ref, ref_logits) in zip(sessions, last, refs):
         if s.digest() != ref.digest() or not torch.equal(logits, ref_logits):
-            return Result("equivalence", "interleaved", False, "FAILED", "an interleaved session differs")
-    return Result("equivalence", "interleaved", True, "ok")
+            return Verdict(False, "FAILED", "an interleaved session differs")
+    return Verdict(True, "ok")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -188,7 +192,7 @@ def state_error(fast_session, exact_session) -> tuple[float, str]:
     return worst, where
 
 
-def _close_to_exact(fast, exact, tokens, splits) -> Result:
+def _close_to_exact(fast, exact, tokens, splits) -> Verdict:
     ref, ref_logits = _run(exact, tokens, [len(tokens)])
     worst = 0.0
     for sizes in [[len(tokens)], [1] * len(tokens)] + splits:
@@ -197,18 +201,18 @@ def _close_to_exact(fast, exact, tokens, splits) -> Result:
         err = max(err, relative_error(logits, ref_logits))
         worst = max(worst, err)
         if err > TOLERANCE:
-            return Result("equivalence", "fast≈exact", False, "FAILED",
+            return Verdict(False, "FAILED",
                           f"chunking {sizes}: relative error {err:.2e} ({where or 'logits'})")
-    return Result("equivalence", "fast≈exact", True, "ok", f"max relative error {worst:.1e}")
+    return Verdict(True, "ok", f"max relative error {worst:.1e}")
 
 
-def _same_greedy(fast, exact, prompt, steps) -> Result:
+def _same_greedy(fast, exact, prompt, steps) -> Verdict:
     a = list(fast.session().generate(prompt, max_new_tokens=steps))
     b = list(exact.session().generate(prompt, max_new_tokens=steps))
     if a != b:
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        return Result("equivalence", "greedy", False, "FAILED", f"tokens differ from step {first}")
-    return Result("equivalence", "greedy", True, "ok", f"{steps} tokens")
+        return Verdict(False, "FAILED", f"tokens differ from step {first}")
+    return Verdict(True, "ok", f"{steps} tokens")
 
 
 def run(model, progress: Callable[[int, int, str], None] | None = None) -> list[Result]:
@@ -218,11 +222,10 @@ def run(model, progress: Callable[[int, int, str], None] | None = None) -> list[
         if progress:
             progress(i, len(todo), check.name)
         try:
-            result = check.run()
+            verdict = check.run()
         except Exception as exc:                                 # a check crashing is a failure
-            result = Result(check.group, check.name, False, "FAILED", f"{type(exc).__name__}: {exc}")
-        result.name = check.name
-        results.append(result)
+            verdict = Verdict(False, "FAILED", f"{type(exc).__name__}: {exc}")
+        results.append(Result(check.group, check.name, verdict.passed, verdict.verdict, verdict.detail))
     if progress:
         progress(len(todo), len(todo), "done")
     return results
