@@ -3,6 +3,11 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs a fixed set of examples (HEBRUS_HYPOTHESIS=ci); a developer's run explores new ones.
+settings.register_profile("ci", derandomize=True)
+settings.load_profile(os.environ.get("HEBRUS_HYPOTHESIS", "default"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 
