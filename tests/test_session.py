@@ -164,3 +164,16 @@ def test_generate_checks_arguments_eagerly(tiny, kwargs, message):
     with pytest.raises(hebrus.InvalidInput, match="empty chunk"):
         s.generate([])
     assert s.frontier == 0
+
+
+def test_threads_feeding_one_session_serialise(tiny):
+    import threading
+    s = tiny.session()
+    chunks = [[i, i + 1] for i in range(0, 40, 2)]
+    threads = [threading.Thread(target=s.feed, args=(c,)) for c in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s.frontier == 40
+    assert s.image.rows("routes").shape[0] == 40     # every chunk published whole, none lost

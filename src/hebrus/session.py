@@ -7,6 +7,7 @@ publishes nothing.
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -35,6 +36,7 @@ class Session:
         except Refused as exc:
             raise ValueError(f"memory_budget too small for a session of this model: {exc}") from None
         self._stage_names = model.stage_names
+        self._lock = threading.Lock()           # one transaction at a time per session
 
     # ---- reading the public image ----------------------------------------------------------
     @property
@@ -101,6 +103,10 @@ class Session:
             yield token
 
     def _run(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+        with self._lock:
+            self._transact(ids, out)
+
+    def _transact(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         txn = Transaction(self.image, len(ids), self._stage_names, self.budget,
                           max_rows=self.config.max_context)
         txn.local["ids"] = ids.to(self.model.device)
