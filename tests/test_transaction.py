@@ -5,7 +5,6 @@ import torch
 import hebrus
 from conftest import tokens
 from hebrus.state.image import Image
-from hebrus.weights.init import init_parameters
 
 WARM, CHUNK = tokens(7, seed=11), tokens(9, seed=12)
 STAGES = hebrus.load("tiny").stage_names
