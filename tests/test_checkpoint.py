@@ -98,13 +98,13 @@ def test_broken_checkpoints_say_what_is_wrong(tiny, tmp_path):
 
 
 def test_unknown_names_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a preset"):
+    with pytest.raises(hebrus.InvalidInput, match="neither a preset"):
         hebrus.load(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
         hebrus.load(tmp_path)
-    with pytest.raises(ValueError, match="modes are"):
+    with pytest.raises(hebrus.InvalidInput, match="modes are"):
         hebrus.load("tiny", mode="turbo")
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(hebrus.InvalidInput, match="dtype"):
         hebrus.load("tiny", dtype="int8")
 
 

@@ -1,12 +1,14 @@
 """`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from hebrus.config import PRESETS, HebrusConfig, preset
+from hebrus.errors import InvalidInput
 from hebrus.model.graph import build_stages
 from hebrus.model.owners import owner_specs
 from hebrus.ops.norm import accum_dtype
@@ -31,8 +33,8 @@ class Model:
         self._build(config, placed, device, dtype, mode)
 
     def _build(self, config, params, device, dtype, mode) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
         self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
@@ -67,23 +69,44 @@ class Model:
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact") -> Model:
-    """A preset name (randomly initialised from the config's seed) or a checkpoint directory."""
+    """A preset name (randomly initialised from the config's seed) or a checkpoint directory.
+    Every argument is checked before anything is read or allocated; bad ones raise InvalidInput."""
     dtype = resolve_dtype(dtype)
+    device = _device(device)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise InvalidInput(f"load takes a preset name or a checkpoint directory, got {type(name_or_path).__name__}")
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
         return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
     path = Path(name_or_path)
-    if not path.exists():
-        raise FileNotFoundError(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    if not path.is_dir():
+        raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     config, params = checkpoint.load(path)
     return Model(config, params, device=device, dtype=dtype, mode=mode)
 
 
 def _device(device: str | torch.device) -> torch.device:
-    """An explicit device: 'cuda' becomes 'cuda:<current>', so it compares equal to tensors' devices."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """An explicit, usable device: 'cuda' becomes 'cuda:<current>', so it compares equal to
+    tensors' devices. Anything else than the CPU or a visible CUDA device is InvalidInput."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidInput(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise InvalidInput(f"device type {device.type!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise InvalidInput(f"device {str(device)!r} asked for, but no CUDA device is available "
+                           f"(torch {torch.__version__}, {build}); use --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
+        raise InvalidInput(f"device {str(device)!r} does not exist; {count} CUDA device(s) are visible")
     return device
 
 
@@ -92,4 +115,4 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+    raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")

@@ -17,7 +17,7 @@ from hebrus.model.gdn import GatedDeltaNet
 from hebrus.model.hyper import HyperConnection
 from hebrus.model.moe import LayerEmbedding, MixtureOfExperts
 from hebrus.model.ple import PerLayerEmbedding
-from hebrus.model.qsa import SparseAttention
+from hebrus.model.qsa import RotaryTables, SparseAttention
 from hebrus.ops.norm import rms_norm
 from hebrus.state.status import Status
 
@@ -54,14 +54,16 @@ class PLE:
 
     def __init__(self, c: HebrusConfig, params: Params, fast: bool):
         self.ple, self.fast, self.keep = PerLayerEmbedding(c, params), fast, c.ple_ngram - 1
+        self.vocab = c.vocab_size
 
     def run(self, txn) -> None:
         ids, history = txn.local["ids"], txn.read("ple.history")
+        txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
         hashes = self.ple.hashes(ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):
             txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
-        ids = ids.clamp(0, self.ple.unigram.shape[0] - 1)
+        ids = ids.clamp(0, self.vocab - 1)
         ple, conv = scan(self._step, self.fast, txn.start, (ids, *hashes), txn.read("ple.conv"))
         txn.emit("ple", ple)
         txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
@@ -111,10 +113,10 @@ class GDNMixer(Sublayer):
 
 
 class QSAMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, fast: bool):
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, fast: bool, rotary: RotaryTables):
         super().__init__(c, params, layer, "mixer", fast)
         self.name = f"layers.{layer}.qsa"
-        self.attn = SparseAttention(c, params, self.name + ".")
+        self.attn = SparseAttention(c, params, self.name + ".", rotary)
 
     def run(self, txn) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in ("k", "v", "index")]
@@ -170,8 +172,9 @@ class Head:
 
 def build_stages(c: HebrusConfig, params: Params, fast: bool) -> list:
     stages: list = [Embed(c, params), PLE(c, params, fast)]
+    rotary = RotaryTables(c, params["embed.weight"])
     for layer, kind in enumerate(c.layer_types):
-        mixer = GDNMixer if kind == "gdn" else QSAMixer
-        stages += [mixer(c, params, layer, fast), FFN(c, params, layer, fast)]
+        mixer = GDNMixer(c, params, layer, fast) if kind == "gdn" else QSAMixer(c, params, layer, fast, rotary)
+        stages += [mixer, FFN(c, params, layer, fast)]
     stages.append(Head(c, params))
     return stages

@@ -11,16 +11,29 @@ from hebrus.ops.rope import apply_rope, rope_tables
 from hebrus.state.status import Status
 
 
+class RotaryTables:
+    """cos/sin tables for every position up to `max_context`, built once per model and per
+    rotary width, and shared by every layer that rotates that width."""
+
+    def __init__(self, c: HebrusConfig, like: torch.Tensor):
+        self.theta, self.positions = c.rope_theta, c.max_context
+        self.dtype, self.device = like.dtype, like.device
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if dim not in self._tables:
+            self._tables[dim] = rope_tables(dim, self.theta, self.positions, self.dtype, self.device)
+        return self._tables[dim]
+
+
 class SparseAttention:
-    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, rotary: RotaryTables):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w = w
         self.hq, self.hkv, self.dh = c.qsa_heads, c.qsa_kv_heads, c.qsa_head_dim
         self.hi, self.di, self.top_k = c.qsa_index_heads, c.qsa_index_dim, c.qsa_top_k
         self.eps = c.rms_norm_eps
-        ref = w["q_proj.weight"]
-        self.rope = rope_tables(self.dh, c.rope_theta, c.max_context, ref.dtype, ref.device)
-        self.index_rope = rope_tables(self.di, c.rope_theta, c.max_context, ref.dtype, ref.device)
+        self.rope, self.index_rope = rotary(self.dh), rotary(self.di)
 
     def __call__(self, h: torch.Tensor, start: int, k_rows, v_rows, index_rows, check_range) -> torch.Tensor:
         """h [T, D] at positions start..start+T-1. Writes rows [start, start+T) of the three row
