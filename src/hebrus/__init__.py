@@ -4,8 +4,8 @@ A chunk of tokens is one transaction: every persistent value it touches is publi
 by one bank flip, or not at all.
 """
 from hebrus.config import HebrusConfig
-from hebrus.errors import (FAULT_KINDS, AllocationError, ChunkAborted, CommandError, DeviceStatusError,
-                           InvalidInput, NonFiniteError, StructuralError)
+from hebrus.errors import (FAULT_KINDS, AllocationError, CheckpointError, ChunkAborted, CommandError,
+                           DeviceStatusError, InvalidInput, NonFiniteError, StructuralError)
 from hebrus.faults import inject
 from hebrus.runtime import Model, load
 from hebrus.session import Session
@@ -13,7 +13,7 @@ from hebrus.session import Session
 __version__ = "0.1.0"
 
 __all__ = [
-    "FAULT_KINDS", "AllocationError", "ChunkAborted", "CommandError", "DeviceStatusError",
+    "FAULT_KINDS", "AllocationError", "CheckpointError", "ChunkAborted", "CommandError", "DeviceStatusError",
     "HebrusConfig", "InvalidInput", "Model", "NonFiniteError", "Session", "StructuralError",
     "inject", "load",
 ]

@@ -13,6 +13,11 @@ class InvalidInput(ValueError):
     """The request itself is wrong (ids out of range, empty chunk, past the context limit, ...)."""
 
 
+class CheckpointError(InvalidInput):
+    """A checkpoint on disk is malformed or asks for something not allowed; the message names
+    the file and the problem. Nothing was allocated for the model."""
+
+
 class ChunkAborted(RuntimeError):
     """A transaction failed and published nothing.
 
