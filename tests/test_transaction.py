@@ -147,8 +147,21 @@ def test_device_status_bit_from_an_out_of_range_id(tiny):
     s = _warm_session(tiny)
     before = s.digest()
     with pytest.raises(hebrus.DeviceStatusError, match="token_range") as info:
-        s._run(torch.tensor([3, 256, 4]), None)
+        s._transact(torch.tensor([3, 256, 4]), None)
     assert info.value.stage == "embed" and s.digest() == before
+
+
+def test_ple_checks_the_token_range_itself(tiny, monkeypatch):
+    """Every stage that indexes checks its own range: with the embed stage's check gone, the
+    out-of-range id is still caught by the PLE stage, and nothing is published."""
+    s = _warm_session(tiny)
+    before = s.digest()
+    embed = next(st for st in tiny.stages if st.name == "embed")
+    monkeypatch.setattr(embed, "run", lambda txn: txn.emit(
+        "streams", embed.table[txn.local["ids"].clamp(0, 255)].unsqueeze(1).expand(-1, 4, -1).contiguous()))
+    with pytest.raises(hebrus.DeviceStatusError, match="token_range") as info:
+        s._transact(torch.tensor([3, 256, 4]), None)
+    assert info.value.stage == "ple" and s.digest() == before
 
 
 def test_device_status_bit_from_an_out_of_range_route(tiny, monkeypatch):

@@ -8,7 +8,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     """Greedy at temperature 0 (ties to the smaller id); otherwise nucleus sampling."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    scaled = logits.double()
+    scaled = (scaled - scaled.max()) / temperature          # <= 0, so no temperature overflows it
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True, stable=True)
         before = sorted_p.cumsum(0) - sorted_p                 # mass strictly before each token

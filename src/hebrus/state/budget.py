@@ -6,9 +6,21 @@ private until publication) and `working` (the chunk's live intermediates). A ref
 """
 from __future__ import annotations
 
+import torch
+
+_CPU_ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
 
 class Refused(Exception):
     pass
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Did an allocation fail? Python's MemoryError, CUDA's OutOfMemoryError, and the plain
+    RuntimeError that torch's CPU allocator raises."""
+    if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _CPU_ALLOCATOR_FAILURES)
 
 
 class MemoryBudget:
@@ -18,6 +30,12 @@ class MemoryBudget:
         self.pending = 0
         self.working = 0
         self._refuse_next = False
+
+    def begin(self) -> None:
+        """A transaction starts: nothing is pending or working, whatever an interrupted
+        predecessor left behind."""
+        self.pending = 0
+        self.working = 0
 
     def refuse_next(self) -> None:
         """Arm a refusal of the next request (fault injection)."""

@@ -50,10 +50,14 @@ class Image:
         self.public = record                                    # the publication point
 
     def digest(self) -> str:
-        """SHA-256 over each owner's name, dtype, shape and bytes, in spec order."""
-        h = hashlib.sha256()
+        """SHA-256 over each owner's name, dtype, shape and bytes, in spec order, all taken from
+        one published record. The caller keeps the next transaction from writing meanwhile."""
+        record, h = self.public, hashlib.sha256()
         for spec in self.specs:
-            value = self.read(spec.name) if spec.kind == BANKED else self.rows(spec.name)
+            if spec.kind == BANKED:
+                value = self.banks[record.bank][spec.name]
+            else:
+                value = record.storages[self.slot[spec.name]][: record.frontier]
             h.update(f"{spec.name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
             h.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

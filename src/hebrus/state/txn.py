@@ -14,8 +14,9 @@ import torch
 
 from hebrus.errors import (AllocationError, CommandError, DeviceStatusError,
                            NonFiniteError, StructuralError)
-from hebrus.state.budget import MemoryBudget, Refused
+from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
+from hebrus.state.interrupts import deferred_interrupts
 from hebrus.state.status import Completion, DeviceChecks, Status
 
 
@@ -39,6 +40,7 @@ class Transaction:
         self._value_bytes = 0
         self._local_bytes: dict[str, int] = {}
         self._done = False
+        budget.begin()
         if "frontier" in self.private:
             self.private["frontier"].fill_(self.start + length)
             self.written.add("frontier")
@@ -110,7 +112,9 @@ class Transaction:
             raise StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
         try:
             words, nonfinite = self.checks.read()                    # the one host sync
-        except RuntimeError as exc:
+        except Exception as exc:
+            if out_of_memory(exc):
+                raise AllocationError("validate", f"{type(exc).__name__}: {exc}") from exc
             raise CommandError("validate", f"device work failed: {exc}") from exc
         failures = []
         incomplete = self.completion.first_incomplete()
@@ -125,16 +129,22 @@ class Transaction:
             raise cls(self.stages[slot], detail)
 
     def publish(self, out: torch.Tensor | None = None) -> None:
-        """Copy the output to the caller, then make the private image public in one assignment."""
+        """Copy the output to the caller, then make the private image public in one assignment.
+
+        `out` must already be known to accept the copy (the session checks it before the
+        transaction begins). Ctrl-C is held until both are done, so the caller's buffer and the
+        public image never disagree."""
         if self._done:
             raise StructuralError("publish", "transaction already finished")
-        if out is not None:
-            out.copy_(self.private[self.output])
         old = self.record.storages
         released = sum(o.numel() * o.element_size() for o, n in zip(old, self.storages) if o is not n)
-        self.image.publish(Published(1 - self.record.bank, self.start + self.length, tuple(self.storages)))
-        self._done = True
-        self.budget.commit(released)
+        record = Published(1 - self.record.bank, self.start + self.length, tuple(self.storages))
+        with deferred_interrupts():
+            if out is not None:
+                out.copy_(self.private[self.output])
+            self.image.publish(record)
+            self._done = True
+            self.budget.commit(released)
 
     def abort(self) -> None:
         if not self._done:
