@@ -46,3 +46,39 @@ def test_stream_decoder_keeps_utf8_and_hides_control_bytes():
     d = StreamDecoder()
     text = "".join(d.push(t) for t in encode("é\n") + [0x1b, ord("x")]) + d.flush()
     assert text == "é\n\ufffdx"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "x", "--seed", str(2**64)], "seed must lie in"),
+    (["generate", "x", "--temperature", "1e400"], "temperature must be a finite number"),
+    (["generate", "x", "--max-new-tokens", "5000"], "context limit"),
+    (["info", "--device", "cuda:banana"], "device must be"),
+])
+def test_bad_input_is_one_line_not_a_traceback(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a CPU-only build")
+def test_cuda_on_a_cpu_build_is_a_clear_error(capsys):
+    assert main(["info", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    """`hebrus generate ... | head -c1`: the reader leaves after one byte."""
+    proc = subprocess.Popen([sys.executable, "-m", "hebrus.cli", "generate", "Hello", "--max-new-tokens", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_bidi_controls_are_hidden():
+    from hebrus.tokenizer import StreamDecoder, encode
+    d = StreamDecoder()
+    text = "".join(d.push(t) for t in encode("a\u202eb\u2067c")) + d.flush()
+    assert text == "a\ufffdb\ufffdc"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -20,14 +21,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args)
-    except (InvalidInput, ValueError, FileNotFoundError) as exc:
+    except InvalidInput as exc:
         print(f"hebrus: error: {exc}", file=sys.stderr)
         return 2
     except ChunkAborted as exc:
         print(f"hebrus: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:                 # the reader went away (`hebrus generate ... | head`)
+        _detach_stdout()
+        return 141
     except KeyboardInterrupt:
         return 130
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,11 +83,11 @@ def _generate(args) -> int:
     from hebrus.tokenizer import StreamDecoder, encode
 
     model = _load(args)
+    tokens = model.session().generate(encode(args.prompt), max_new_tokens=args.max_new_tokens,
+                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.model in PRESETS:
         print(f"(preset {args.model!r} has random weights: expect noise, not language)", file=sys.stderr)
     decoder = StreamDecoder()
-    tokens = model.session().generate(encode(args.prompt), max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     for token in tokens:
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()

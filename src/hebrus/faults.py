@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from hebrus.errors import FAULT_KINDS
+from hebrus.errors import FAULT_KINDS, InvalidInput
 from hebrus.state.status import Status
 
 _armed: ContextVar[tuple["Fault", ...]] = ContextVar("hebrus_armed_faults", default=())
@@ -38,10 +38,10 @@ class Fault:
 @contextmanager
 def inject(stage: str, kind: str) -> Iterator[Fault]:
     """Arm one `kind` failure for the next transaction that reaches `stage`."""
-    if kind not in FAULT_KINDS:
-        raise ValueError(f"unknown fault kind {kind!r}; kinds are: {', '.join(FAULT_KINDS)}")
+    if not isinstance(kind, str) or kind not in FAULT_KINDS:
+        raise InvalidInput(f"unknown fault kind {kind!r}; kinds are: {', '.join(FAULT_KINDS)}")
     if not isinstance(stage, str) or not stage:
-        raise ValueError("stage must be a stage name such as 'layers.0.gdn' (see model.stages)")
+        raise InvalidInput("stage must be a stage name such as 'layers.0.gdn' (see model.stages)")
     fault = Fault(stage, kind)
     token = _armed.set(_armed.get() + (fault,))
     try:

@@ -22,6 +22,15 @@ class StreamDecoder:
         return _printable(self._decoder.decode(b"", final=True))
 
 
+# Bidirectional controls reorder what a terminal shows (U+202E makes text read backwards).
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def _printable(text: str) -> str:
-    """Control characters other than newline and tab would drive the terminal; show U+FFFD."""
-    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
+    """Control characters other than newline and tab would drive the terminal, and bidi
+    controls would reorder it; each is shown as U+FFFD."""
+    return "".join("\ufffd" if _hidden(c) else c for c in text)
+
+
+def _hidden(c: str) -> bool:
+    return c in _BIDI_CONTROLS or (c not in "\n\t" and unicodedata.category(c) == "Cc")
