@@ -7,6 +7,7 @@ from hypothesis import settings
 
 # CI runs a fixed set of examples (HEBRUS_HYPOTHESIS=ci); a developer's run explores new ones.
 settings.register_profile("ci", derandomize=True)
+settings.register_profile("long", derandomize=False)       # test modules raise their example counts
 settings.load_profile(os.environ.get("HEBRUS_HYPOTHESIS", "default"))
 
 sys.path.insert(0, os.path.dirname(__file__))

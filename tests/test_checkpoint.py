@@ -1,5 +1,8 @@
-"""The checkpoint format is a public contract: names, shapes, config keys, round trip."""
+"""The checkpoint format is a public contract: names, shapes, config keys, round trip, and a save
+that replaces a folder's checkpoint in one step."""
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -100,7 +103,7 @@ def test_broken_checkpoints_say_what_is_wrong(tiny, tmp_path):
 def test_unknown_names_are_clear_errors(tmp_path):
     with pytest.raises(hebrus.InvalidInput, match="neither a preset"):
         hebrus.load(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+    with pytest.raises(hebrus.CheckpointError, match="config.json is missing"):
         hebrus.load(tmp_path)
     with pytest.raises(hebrus.InvalidInput, match="modes are"):
         hebrus.load("tiny", mode="turbo")
@@ -123,3 +126,196 @@ def test_presets_sizes():
     assert parameter_count(tiny) <= 1_000_000 and tiny.num_layers >= 4
     assert 50e6 <= parameter_count(small) <= 100e6
     assert set(small.layer_types) == {"gdn", "qsa"}
+
+
+BASE = dict(vocab_size=10, hidden_size=8, num_layers=1, layer_types=["gdn"])
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"rope_theta": 0}, "rope_theta must be a finite number > 0, got 0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number in (0, 1], got nan"),
+    ({"ple_buckets": (509.9, "1021")}, "ple_buckets[0] must be an integer in [1, 16777216], got 509.9"),
+    ({"layer_types": "gdn"}, "layer_types must be a list of layer types ('gdn', 'qsa'), got 'gdn'"),
+    ({"tie_embeddings": 1}, "tie_embeddings must be true or false, got 1"),
+    ({"max_context": 2**20 + 1}, "max_context must be an integer in [1, 1048576], got 1048577"),
+    ({"hc_streams": 2.0}, "hc_streams must be an integer in [1, 16], got 2.0"),
+])
+def test_config_built_in_code_raises_invalid_input(change, problem):
+    with pytest.raises(hebrus.InvalidInput, match=re.escape(problem)):
+        hebrus.HebrusConfig(**(BASE | change))
+
+
+def test_from_dict_refuses_what_is_not_a_hebrus_config():
+    for data, problem in [([1, 2], "a JSON object"),
+                          ({**BASE, "model_type": "llama"}, "model_type is 'llama'"),
+                          ({"vocab_size": 3}, "missing required keys: hidden_size, layer_types, num_layers")]:
+        with pytest.raises(hebrus.InvalidInput, match=re.escape(problem)):
+            hebrus.HebrusConfig.from_dict(data)
+
+
+def test_the_documented_limits_are_the_code_limits():
+    from dataclasses import fields
+    from pathlib import Path
+    from hebrus.config import MAX_LOAD_BYTES
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md").read_text()
+    allowed = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", doc, re.M))
+    for f in fields(hebrus.HebrusConfig):
+        if f.type in ("int", "float", "tuple[int, ...]"):
+            assert str(f.metadata["range"]) in allowed[f.name], f.name
+    assert f"`hebrus.config.MAX_LOAD_BYTES` = {MAX_LOAD_BYTES // 2**30} GiB" in doc
+
+
+def test_presets_are_within_every_limit():
+    from hebrus.config import MAX_LOAD_BYTES
+    from hebrus.weights.layout import load_bytes
+    for name in hebrus.config.PRESETS:
+        config = hebrus.config.preset(name)
+        assert hebrus.HebrusConfig.from_dict(config.to_dict()) == config
+        assert load_bytes(config) <= MAX_LOAD_BYTES
+
+
+SMALLEST = dict(vocab_size=1, hidden_size=1, num_layers=2, layer_types=["gdn", "qsa"], hc_streams=1,
+                hc_sinkhorn_iters=1, hc_eps=0, rms_norm_eps=1e-30, gdn_key_heads=1, gdn_value_heads=1,
+                gdn_key_dim=1, gdn_value_dim=1, gdn_conv_kernel=1, qsa_heads=1, qsa_kv_heads=1,
+                qsa_head_dim=2, qsa_index_heads=1, qsa_index_dim=2, qsa_top_k=1, rope_theta=1e-300,
+                moe_experts=1, moe_top_k=1,
+                moe_intermediate=1, moe_shared_intermediate=1, ple_dim=1, ple_ngram=2, ple_buckets=[1],
+                ple_conv_kernel=1, tie_embeddings=True, max_context=2, init_seed=0)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_smallest_allowed_config_runs(mode):
+    from hebrus.weights.init import init_parameters
+    config = hebrus.HebrusConfig(**SMALLEST)
+    session = hebrus.Model(config, init_parameters(config), mode=mode).session()
+    session.feed([0])
+    session.feed([0])
+    assert session.frontier == 2
+
+
+# ---- saving -------------------------------------------------------------------------------
+
+def _other(tiny):
+    from hebrus.weights.init import init_parameters
+    return hebrus.Model(tiny.config, init_parameters(tiny.config, seed=1))
+
+
+def _write_sharded(model, folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in model.named_parameters()}
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:40], "model-00002-of-00002.safetensors": names[40:]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(folder / file))
+    weight_map = {k: file for file, part in shards.items() for k in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
+
+
+def _files(folder):
+    """Every entry of the folder and its bytes (None for a folder), or None when it does not exist."""
+    if not folder.exists():
+        return None
+    return {p.name: None if p.is_dir() else p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _same_weights(a, b):
+    theirs = dict(b.named_parameters())
+    return all(torch.equal(t, theirs[name]) for name, t in a.named_parameters())
+
+
+def test_save_over_a_sharded_checkpoint_replaces_it_and_keeps_other_files(tiny, tmp_path):
+    target = tmp_path / "ckpt"
+    _write_sharded(_other(tiny), target)
+    (target / "README.md").write_text("notes")
+    os.symlink("README.md", target / "tokenizer.json")
+    tiny.save(target)
+    assert sorted(os.listdir(target)) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
+    assert (target / "README.md").read_text() == "notes"
+    assert os.readlink(target / "tokenizer.json") == "README.md"
+    assert _same_weights(hebrus.load(target), tiny)
+    assert os.listdir(tmp_path) == ["ckpt"]                   # no temporary folder left behind
+
+
+def test_save_into_a_new_nested_folder(tiny, tmp_path):
+    target = tiny.save(tmp_path / "a" / "b")
+    assert target == tmp_path / "a" / "b" and _same_weights(hebrus.load(target), tiny)
+    assert os.listdir(tmp_path / "a") == ["b"]
+
+
+def test_save_through_a_symlink_replaces_the_folder_it_names(tiny, tmp_path):
+    real = _other(tiny).save(tmp_path / "real")
+    os.symlink("real", tmp_path / "link")
+    tiny.save(tmp_path / "link")
+    assert os.readlink(tmp_path / "link") == "real" and _same_weights(hebrus.load(real), tiny)
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+
+
+def test_save_refuses_a_target_it_cannot_replace_and_changes_nothing(tiny, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(hebrus.InvalidInput, match="not a directory"):
+        tiny.save(tmp_path / "file")
+    target = tiny.save(tmp_path / "ckpt")
+    (target / "sub").mkdir()
+    before = _files(target)
+    with pytest.raises(hebrus.InvalidInput, match="subdirectory 'sub'"):
+        _other(tiny).save(target)
+    assert _files(target) == before and (tmp_path / "file").read_text() == "not a folder"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "file"]
+
+
+def test_a_failed_save_leaves_the_target_as_it_was(tiny, tmp_path, monkeypatch):
+    from hebrus.weights import checkpoint
+    target = tiny.save(tmp_path / "ckpt")
+    (target / "README.md").write_text("notes")
+    before = _files(target)
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(OSError, match="No space left"):
+        _other(tiny).save(target)
+    assert _files(target) == before and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_every_moment_of_a_save_shows_one_whole_checkpoint(tiny, tmp_path, monkeypatch):
+    """Watch the target at every rename and file write of a save over a sharded checkpoint."""
+    from hebrus.weights import checkpoint
+    target = tmp_path / "ckpt"
+    _write_sharded(_other(tiny), target)
+    old, seen = _files(target), []
+    real_rename, real_save = os.rename, checkpoint.save_file
+
+    def rename(*args, **kwargs):
+        seen.append(_files(target))
+        real_rename(*args, **kwargs)
+        seen.append(_files(target))
+
+    def save_file(*args, **kwargs):
+        seen.append(_files(target))
+        real_save(*args, **kwargs)
+        seen.append(_files(target))
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    tiny.save(target)
+    new = _files(target)
+    assert seen and all(state in (old, new, None) for state in seen)
+
+
+def test_a_folder_replaced_while_it_is_read_is_refused(tiny, tmp_path, monkeypatch):
+    from hebrus.weights import checkpoint
+    target = tiny.save(tmp_path / "ckpt")
+    real_open, other = checkpoint.safe_open, _other(tiny)
+
+    def open_during_a_save(*args, **kwargs):
+        monkeypatch.setattr(checkpoint, "safe_open", real_open)
+        other.save(target)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "safe_open", open_during_a_save)
+    with pytest.raises(hebrus.CheckpointError, match="replaced while it was being read"):
+        hebrus.load(target)

@@ -1,75 +1,92 @@
 """`HebrusConfig`: the model's shape, validated on construction, plus the named presets.
 
 Field names are the `config.json` keys of the checkpoint format (docs/checkpoint.md); `from_dict`
-keeps the keys it knows, so files written by later versions with extra keys still load.
+keeps the keys it knows, so files written by later versions with extra keys still load. Every
+field has a type and an allowed range (`bounded`); a config outside them raises `InvalidInput`.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
-from typing import Any
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Iterator
+
+from hebrus.errors import InvalidInput
+from hebrus.weights.limits import bounded, canonical, json_kind, shown, value_problems
 
 LAYER_KINDS = ("gdn", "qsa")
+# What loading a checkpoint may allocate, from its config alone (`weights.layout.load_bytes`):
+# every parameter at 8 bytes plus the rotary tables' float64 build. 8 GiB is 14 times the
+# `small` preset; a larger model needs this raised on purpose.
+MAX_LOAD_BYTES = 8 * 2**30
+
+# Field bounds (docs/checkpoint.md has the table): far above real models, far below overflow.
+MAX_HEADS = 1024        # attention and delta-rule heads, and their head dims
+MAX_WIDTH = 2**16       # model and per-layer-embedding widths
+MAX_ROWS = 2**24        # table rows: vocabulary, n-gram buckets
+MAX_KERNEL = 64         # causal conv taps (a session keeps kernel - 1 rows)
 
 
 @dataclass(slots=True)
 class HebrusConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    layer_types: tuple[str, ...]
+    vocab_size: int = bounded(1, MAX_ROWS)
+    hidden_size: int = bounded(1, MAX_WIDTH)
+    num_layers: int = bounded(1, 1024)
+    layer_types: tuple[str, ...] = bounded(choices=LAYER_KINDS)
     # multi-stream hyper-connection residual
-    hc_streams: int = 4
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    rms_norm_eps: float = 1e-6
+    hc_streams: int = bounded(1, 16, 4)
+    hc_sinkhorn_iters: int = bounded(1, 200, 20)            # runs per sublayer per token
+    hc_eps: float = bounded(0, 1, 1e-6)
+    rms_norm_eps: float = bounded(0, 1, 1e-6, open_low=True)
     # Gated DeltaNet
-    gdn_key_heads: int = 2
-    gdn_value_heads: int = 4
-    gdn_key_dim: int = 16
-    gdn_value_dim: int = 16
-    gdn_conv_kernel: int = 4
+    gdn_key_heads: int = bounded(1, MAX_HEADS, 2)
+    gdn_value_heads: int = bounded(1, MAX_HEADS, 4)
+    gdn_key_dim: int = bounded(1, MAX_HEADS, 16)
+    gdn_value_dim: int = bounded(1, MAX_HEADS, 16)
+    gdn_conv_kernel: int = bounded(1, MAX_KERNEL, 4)
     # query-selected sparse attention and its indexer
-    qsa_heads: int = 4
-    qsa_kv_heads: int = 2
-    qsa_head_dim: int = 16
-    qsa_index_heads: int = 2
-    qsa_index_dim: int = 16
-    qsa_top_k: int = 4
-    rope_theta: float = 10000.0
+    qsa_heads: int = bounded(1, MAX_HEADS, 4)
+    qsa_kv_heads: int = bounded(1, MAX_HEADS, 2)
+    qsa_head_dim: int = bounded(2, MAX_HEADS, 16)
+    qsa_index_heads: int = bounded(1, MAX_HEADS, 2)
+    qsa_index_dim: int = bounded(2, MAX_HEADS, 16)
+    qsa_top_k: int = bounded(1, 2**20, 4)
+    rope_theta: float = bounded(0, math.inf, 10000.0, open_low=True)
     # mixture of experts
-    moe_experts: int = 4
-    moe_top_k: int = 2
-    moe_intermediate: int = 32
-    moe_shared_intermediate: int = 32
+    moe_experts: int = bounded(1, 4096, 4)
+    moe_top_k: int = bounded(1, 4096, 2)
+    moe_intermediate: int = bounded(1, 2**18, 32)
+    moe_shared_intermediate: int = bounded(1, 2**18, 32)
     # per-layer embeddings
-    ple_dim: int = 8
-    ple_ngram: int = 3
-    ple_buckets: tuple[int, ...] = (509, 1021)
-    ple_conv_kernel: int = 4
-    tie_embeddings: bool = False
-    max_context: int = 1024
-    init_seed: int = field(default=0)
+    ple_dim: int = bounded(1, MAX_WIDTH, 8)
+    ple_ngram: int = bounded(2, 16, 3)
+    ple_buckets: tuple[int, ...] = bounded(1, MAX_ROWS, (509, 1021))
+    ple_conv_kernel: int = bounded(1, MAX_KERNEL, 4)
+    tie_embeddings: bool = bounded(default=False)
+    max_context: int = bounded(1, 2**20, 1024)              # rotary tables hold every position
+    init_seed: int = bounded(0, 2**64 - 1, 0)               # torch.Generator's seed range
 
     def __post_init__(self) -> None:
-        self.layer_types = tuple(self.layer_types)
-        self.ple_buckets = tuple(int(b) for b in self.ple_buckets)
-        problems = list(self._problems())
+        problems = list(self._field_problems())
+        if not problems:
+            self._canonicalise()
+            problems = list(self._shape_problems())
         if problems:
-            raise ValueError("invalid hebrus config: " + "; ".join(problems))
+            more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+            raise InvalidInput("invalid hebrus config: " + "; ".join(problems[:8]) + more)
 
-    def _problems(self):
+    def _field_problems(self) -> Iterator[str]:
+        """Each field's type and range, on its own (values may come from an untrusted file)."""
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                yield f"{f.name} must be an integer, got {value!r}"
-            elif f.type == "int" and value < 1 and f.name != "init_seed":
-                yield f"{f.name} must be >= 1, got {value}"
+            yield from value_problems(f.name, f.type, getattr(self, f.name), f.metadata["range"])
+
+    def _canonicalise(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, canonical(f.type, getattr(self, f.name)))
+
+    def _shape_problems(self) -> Iterator[str]:
         if len(self.layer_types) != self.num_layers:
             yield f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}"
-        for kind in self.layer_types:
-            if kind not in LAYER_KINDS:
-                yield f"layer type {kind!r} is not one of {LAYER_KINDS}"
         if self.gdn_value_heads % self.gdn_key_heads:
             yield "gdn_value_heads must be a multiple of gdn_key_heads"
         if self.qsa_heads % self.qsa_kv_heads:
@@ -79,10 +96,11 @@ class HebrusConfig:
                 yield f"{name} must be even (rotary embedding)"
         if self.moe_top_k > self.moe_experts:
             yield f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}"
-        if self.ple_ngram < 2 or len(self.ple_buckets) != self.ple_ngram - 1:
-            yield "ple_buckets needs one bucket count per n-gram order 2..ple_ngram (ple_ngram >= 2)"
-        if any(b < 1 for b in self.ple_buckets):
-            yield "every ple bucket count must be >= 1"
+        if len(self.ple_buckets) != self.ple_ngram - 1:
+            yield (f"ple_buckets has {len(self.ple_buckets)} entries; it needs one bucket count per "
+                   f"n-gram order 2..ple_ngram, {self.ple_ngram - 1} for ple_ngram={self.ple_ngram}")
+        if self.qsa_top_k > self.max_context:
+            yield f"qsa_top_k={self.qsa_top_k} exceeds max_context={self.max_context}"
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -106,15 +124,19 @@ class HebrusConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HebrusConfig":
+    def from_dict(cls, data: Any) -> "HebrusConfig":
+        """A config from parsed JSON: an object with model_type "hebrus" (or none) and every
+        required key; unknown keys are ignored. Anything else raises InvalidInput."""
+        if not isinstance(data, dict):
+            raise InvalidInput(f"a hebrus config is a JSON object, got {json_kind(data)}")
         model_type = data.get("model_type", "hebrus")
         if model_type != "hebrus":
-            raise ValueError(f"config model_type is {model_type!r}; this loader reads 'hebrus'")
-        known = {f.name for f in fields(cls)}
+            raise InvalidInput(f"model_type is {shown(model_type)}; this loader reads 'hebrus'")
         required = {f.name for f in fields(cls) if f.default is dataclasses.MISSING}
         missing = sorted(required - data.keys())
         if missing:
-            raise ValueError(f"config is missing required keys: {', '.join(missing)}")
+            raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def replace(self, **changes: Any) -> "HebrusConfig":
@@ -144,5 +166,5 @@ PRESETS = {"tiny": _tiny, "small": _small}
 
 def preset(name: str) -> HebrusConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
+        raise InvalidInput(f"unknown preset {name!r}; presets are: {', '.join(PRESETS)}")
     return PRESETS[name]()

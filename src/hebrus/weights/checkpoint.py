@@ -1,72 +1,237 @@
 """Save and load Hebrus checkpoints: `config.json` + `model.safetensors` (or shards listed in
-`model.safetensors.index.json`)."""
+`model.safetensors.index.json`).
+
+Loading treats the folder as untrusted input: the config is type- and range-checked and its
+allocation bounded before any weights file is opened; every tensor's name, shape and dtype are
+checked from the safetensors headers before any data is read. Every problem raises one
+`CheckpointError` naming the file. Saving writes a new folder and swaps it in (`atomic`).
+"""
 from __future__ import annotations
 
 import json
+import os
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hebrus.config import HebrusConfig
-from hebrus.weights.layout import parameter_shapes
+from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
+from hebrus.errors import CheckpointError, InvalidInput
+from hebrus.weights.atomic import fsync, replace_folder
+from hebrus.weights.files import is_shard_name, read_json, regular_file
+from hebrus.weights.layout import load_bytes, parameter_shapes, stored_dtypes
+from hebrus.weights.limits import shown
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError, TypeError)
 
+
+class Header(NamedTuple):
+    """One tensor as a safetensors header describes it."""
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# ---- save ---------------------------------------------------------------------------------
 
 def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]) -> Path:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    """Write a checkpoint into the folder `path`, replacing any checkpoint there in one step;
+    other plain files in the folder are kept. InvalidInput (nothing changed) if `path` is not a
+    directory or holds subdirectories."""
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.items()}
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "hebrus"})
-    return path
+    target = Path(os.path.realpath(path))
 
+    def write(folder: Path) -> None:
+        _write_text(folder / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "hebrus"})
+        fsync(folder / WEIGHTS)
+
+    replace_folder(target, write, drop=_checkpoint_files(target))
+    return Path(path)
+
+
+def _write_text(file: Path, text: str) -> None:
+    with open(file, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _checkpoint_files(folder: Path) -> set[str]:
+    """The names a checkpoint in `folder` owns: config, weights, index and the shards it names."""
+    names = {CONFIG, WEIGHTS, INDEX}
+    if os.path.lexists(folder / INDEX):
+        try:
+            names |= set(_weight_map(folder / INDEX).values())
+        except CheckpointError:
+            pass                                # a broken index names no shards to drop
+    return names
+
+
+# ---- load ---------------------------------------------------------------------------------
 
 def read_config(path: str | Path) -> HebrusConfig:
+    """The checked config of the checkpoint folder `path`."""
     file = Path(path) / CONFIG
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a Hebrus checkpoint: {CONFIG} is missing")
-    return HebrusConfig.from_dict(json.loads(file.read_text()))
+    if not os.path.lexists(file):
+        raise CheckpointError(f"{file} is missing: {path} is not a Hebrus checkpoint")
+    data = read_json(file)
+    try:
+        return HebrusConfig.from_dict(data)
+    except InvalidInput as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
 
 
 def load(path: str | Path) -> tuple[HebrusConfig, dict[str, torch.Tensor]]:
     """Read and check a checkpoint; tensors come back as stored, on the CPU."""
-    path = Path(path)
-    config = read_config(path)
-    params: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                params[name] = f.get_tensor(name)
-    _check(config, params, path)
+    folder = Path(path)
+    identity = _identity(folder)
+    config = read_config(folder)
+    _check_allocation(config, folder / CONFIG)
+    params = _read_weights(config, folder)
+    if _identity(folder) != identity:
+        raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
+                              f"load it again")
     return config, params
 
 
-def _weight_files(path: Path) -> list[Path]:
-    if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    if (path / WEIGHTS).is_file():
-        return [path / WEIGHTS]
-    raise FileNotFoundError(f"{path} has neither {WEIGHTS} nor {INDEX}")
+def _read_weights(config: HebrusConfig, folder: Path) -> dict[str, torch.Tensor]:
+    """Every file checked to be regular before any is opened; every header checked before any
+    tensor data is read."""
+    source, weight_map = _listing(folder)
+    files = sorted(set(weight_map.values())) if weight_map is not None else [WEIGHTS]
+    for name in files:
+        regular_file(folder / name)
+    with ExitStack() as stack:
+        handles = {name: stack.enter_context(_open(folder / name)) for name in files}
+        headers = _headers(handles, folder, source, weight_map)
+        _check_against(config, headers, source)
+        return {name: _tensor(handles[h.file], name, folder / h.file) for name, h in headers.items()}
 
 
-def _check(config: HebrusConfig, params: dict[str, torch.Tensor], path: Path) -> None:
-    expected = parameter_shapes(config)
-    missing = sorted(expected.keys() - params.keys())
-    unexpected = sorted(params.keys() - expected.keys())
-    wrong = [f"{n}: {tuple(params[n].shape)} (expected {expected[n]})"
-             for n in sorted(expected.keys() & params.keys()) if tuple(params[n].shape) != expected[n]]
+def _identity(folder: Path) -> tuple[int, int]:
+    try:
+        info = os.stat(folder)
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot be read ({exc})") from None
+    return info.st_dev, info.st_ino
+
+
+def _check_allocation(config: HebrusConfig, file: Path) -> None:
+    need = load_bytes(config)
+    if need > MAX_LOAD_BYTES:
+        raise CheckpointError(f"{file}: loading this config would allocate up to {need / 2**30:.1f} GiB "
+                              f"(parameters at 8 bytes each and the rotary tables for max_context="
+                              f"{config.max_context}); the limit is MAX_LOAD_BYTES = "
+                              f"{MAX_LOAD_BYTES / 2**30:.0f} GiB (hebrus.config)")
+
+
+def _listing(folder: Path) -> tuple[Path, dict[str, str] | None]:
+    """(the file that lists the tensors, the index's weight map, or None for a single file)."""
+    has_index, has_single = os.path.lexists(folder / INDEX), os.path.lexists(folder / WEIGHTS)
+    if has_index and has_single:
+        raise CheckpointError(f"{folder / WEIGHTS}: the folder also holds {INDEX}; a checkpoint is one "
+                              f"file or an index of shards, not both")
+    if has_index:
+        return folder / INDEX, _weight_map(folder / INDEX)
+    if has_single:
+        return folder / WEIGHTS, None
+    raise CheckpointError(f"{folder}: has neither {WEIGHTS} nor {INDEX}")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{index}: needs "weight_map", an object {{tensor name: shard file name}}; '
+                              f"got {shown(data)}")
+    for name, shard in weight_map.items():
+        if not is_shard_name(shard):
+            raise CheckpointError(f"{index}: {shown(name)} maps to {shown(shard)}; a shard must be a file "
+                                  f"name inside the checkpoint folder (no '/', '\\' or '..', not an "
+                                  f"absolute path)")
+    return weight_map
+
+
+def _open(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{file}: is not a readable safetensors file ({exc})") from None
+
+
+def _headers(handles: dict[str, Any], folder: Path, source: Path,
+             weight_map: dict[str, str] | None) -> dict[str, Header]:
+    """Every tensor's header, checked against the index: each tensor in exactly one shard, the one
+    its index entry names."""
+    found: dict[str, list[Header]] = {}
+    for file, handle in handles.items():
+        for name, header in _file_headers(handle, file, folder / file):
+            found.setdefault(name, []).append(header)
+    if weight_map is not None:
+        _check_placement(found, weight_map, source)
+    return {name: headers[0] for name, headers in found.items()}
+
+
+def _file_headers(handle: Any, file: str, path: Path) -> list[tuple[str, Header]]:
+    try:
+        slices = [(name, handle.get_slice(name)) for name in handle.keys()]
+        return [(name, Header(file, part.get_dtype(), tuple(part.get_shape()))) for name, part in slices]
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{path}: has an unreadable safetensors header ({exc})") from None
+
+
+def _check_placement(found: dict[str, list[Header]], weight_map: dict[str, str], index: Path) -> None:
     problems = []
-    if missing:
-        problems.append("missing tensors: " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
-    if unexpected:
-        problems.append("unexpected tensors: " + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""))
-    if wrong:
-        problems.append("wrong shapes: " + "; ".join(wrong[:8]))
+    for name, headers in sorted(found.items()):
+        files = [h.file for h in headers]
+        if len(files) > 1:
+            problems.append(f"{name} is in both {' and '.join(files)}")
+        elif name not in weight_map:
+            problems.append(f"{name} is in {files[0]}, but the index does not list it")
+        elif weight_map[name] != files[0]:
+            problems.append(f"{name} is in {files[0]}, but the index names {weight_map[name]}")
+    for name, file in sorted(weight_map.items()):
+        if file not in [h.file for h in found.get(name, [])]:
+            problems.append(f"the index names {name} in {file}, which does not hold it")
     if problems:
-        raise ValueError(f"checkpoint {path} does not match its config: " + " | ".join(problems))
+        raise CheckpointError(f"{index}: does not match its shards: " + "; ".join(_first(problems)))
+
+
+def _check_against(config: HebrusConfig, headers: dict[str, Header], source: Path) -> None:
+    """Names, shapes and dtypes against the config's table, before any data is read."""
+    expected = parameter_shapes(config)
+    missing = sorted(expected.keys() - headers.keys())
+    unexpected = sorted(headers.keys() - expected.keys())
+    common = sorted(expected.keys() & headers.keys())
+    shapes = [f"{n}: {headers[n].shape} (expected {expected[n]})"
+              for n in common if headers[n].shape != expected[n]]
+    dtypes = [f"{n}: {headers[n].dtype} (allowed: {', '.join(stored_dtypes(n))})"
+              for n in common if headers[n].dtype not in stored_dtypes(n)]
+    problems = [f"{title}: {', '.join(_first(items))}" for title, items in
+                (("missing tensors", missing), ("unexpected tensors", unexpected),
+                 ("wrong shapes", shapes), ("wrong dtypes", dtypes)) if items]
+    if problems:
+        raise CheckpointError(f"{source}: does not match its config ({CONFIG}): " + " | ".join(problems))
+
+
+def _tensor(handle: Any, name: str, file: Path) -> torch.Tensor:
+    try:
+        tensor = handle.get_tensor(name)
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc})") from None
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"{file}: tensor {name} holds NaN or infinite values; weights must be finite")
+    return tensor
+
+
+def _first(items: list[str], count: int = 8) -> list[str]:
+    """The first `count` items, each cut to 200 characters (names come from untrusted files)."""
+    cut = [item if len(item) <= 200 else item[:200] + "..." for item in items[:count]]
+    return cut + ([f"... ({len(items) - count} more)"] if len(items) > count else [])

@@ -1,9 +1,12 @@
-"""The tensor names and shapes of a Hebrus checkpoint (docs/checkpoint.md), from a config.
+"""The tensor names, shapes and stored dtypes of a Hebrus checkpoint (docs/checkpoint.md), from a
+config, and what loading that config allocates.
 
 This table is the single source of truth: initialisation draws from it and the loader checks
 files against it.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -95,5 +98,28 @@ def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+# safetensors dtype names a file may store: weights in a float type, the hash constants in an
+# integer type that int64 holds exactly.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32")
+
+
+def stored_dtypes(name: str) -> tuple[str, ...]:
+    return INTEGER_DTYPES if name == "ple.hash_constants" else FLOAT_DTYPES
+
+
 def parameter_count(c: HebrusConfig) -> int:
-    return sum(torch.Size(s).numel() for name, s in parameter_shapes(c).items() if name != "ple.hash_constants")
+    return sum(math.prod(s) for name, s in parameter_shapes(c).items() if name != "ple.hash_constants")
+
+
+def rotary_widths(c: HebrusConfig) -> set[int]:
+    """The widths the model builds rotary tables for (one [max_context, width] cos/sin pair each)."""
+    return {c.qsa_head_dim, c.qsa_index_dim} if "qsa" in c.layer_types else set()
+
+
+def load_bytes(c: HebrusConfig) -> int:
+    """An upper bound on what loading `c` allocates, from the config alone: every parameter at
+    8 bytes, and per rotary width the float64 build of its tables (angles, cos, sin and the cast
+    copy: 4 × 8 bytes per [max_context, width] entry)."""
+    params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
+    return 8 * params + 32 * c.max_context * sum(rotary_widths(c))

@@ -1,0 +1,514 @@
+"""A checkpoint folder is untrusted input: whatever its files hold, `hebrus.load` either returns
+a working model or raises one `CheckpointError` naming the file, quickly, before allocating much."""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import re
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import hebrus
+from hebrus.weights import checkpoint
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+LONG = os.environ.get("HEBRUS_HYPOTHESIS") == "long"
+FUZZ = settings(max_examples=1000 if LONG else 100, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+SECONDS = 15            # a load that is refused or succeeds, plus one small feed, on a busy 2-core machine
+
+
+@pytest.fixture
+def folder(tiny, tmp_path) -> Path:
+    return tiny.save(tmp_path / "ckpt")
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    data = json.loads((folder / CONFIG).read_text())
+    data.update(changes)
+    (folder / CONFIG).write_text(json.dumps(data))
+
+
+def _refused(folder: Path, pattern: str, file: str = CONFIG) -> hebrus.CheckpointError:
+    with pytest.raises(hebrus.CheckpointError, match=pattern) as info:
+        hebrus.load(folder)
+    assert str(folder / file) in str(info.value)
+    return info.value
+
+
+def _shard(folder: Path, layout: dict[str, list[str]], index: dict | None = None) -> None:
+    """Rewrite the single-file checkpoint as the shards `layout` ({file: tensor names}) and an index
+    (by default naming each tensor's file)."""
+    tensors = load_file(str(folder / WEIGHTS))
+    (folder / WEIGHTS).unlink()
+    for file, names in layout.items():
+        save_file({name: tensors[name] for name in names}, str(folder / file))
+    if index is None:
+        index = {name: file for file, names in layout.items() for name in names}
+    (folder / INDEX).write_text(json.dumps({"weight_map": index}))
+
+
+def _halves(folder: Path) -> dict[str, list[str]]:
+    names = sorted(load_file(str(folder / WEIGHTS)))
+    return {"a.safetensors": names[:len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+
+
+# ---- 1. malformed files ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [b"[1, 2]", b"null", b'"hebrus"', b"{not json", b"\xff\xfe\x00{}", b"",
+                                  b"[" * 100_000, b'{"vocab_size": 1, "vocab_size": 2}'])
+def test_config_that_is_not_one_json_object_is_refused(folder, text):
+    (folder / CONFIG).write_bytes(text)
+    _refused(folder, "config.json")
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("layer_types", None, "layer_types must be a list of layer types ('gdn', 'qsa'), got None"),
+    ("layer_types", "gdnqsagdnqsa", "layer_types must be a list"),
+    ("layer_types", ["gdn", 3, "qsa", "qsa"], "layer_types[1] is 3, not one of 'gdn', 'qsa'"),
+    ("rope_theta", "abc", "rope_theta must be a finite number > 0, got 'abc'"),
+    ("vocab_size", True, "vocab_size must be an integer in [1, 16777216], got True"),
+    ("vocab_size", 256.0, "vocab_size must be an integer in [1, 16777216], got 256.0"),
+    ("vocab_size", "256", "vocab_size must be an integer in [1, 16777216], got '256'"),
+    ("hidden_size", None, "hidden_size must be an integer"),
+    ("ple_buckets", [509.9, "1021"], "ple_buckets[0] must be an integer in [1, 16777216], got 509.9"),
+    ("ple_buckets", 509, "ple_buckets must be a list of integers, got 509"),
+    ("tie_embeddings", "yes", "tie_embeddings must be true or false, got 'yes'"),
+    ("tie_embeddings", 0, "tie_embeddings must be true or false, got 0"),
+    ("model_type", "llama", "model_type is 'llama'; this loader reads 'hebrus'"),
+])
+def test_config_fields_of_the_wrong_type_are_refused(folder, key, value, problem):
+    _edit_config(folder, **{key: value})
+    _refused(folder, re.escape(problem))
+
+
+def test_config_missing_a_key_is_refused_and_unknown_keys_are_ignored(folder):
+    data = json.loads((folder / CONFIG).read_text())
+    data["added_in_a_later_version"] = {"anything": [1, 2]}
+    (folder / CONFIG).write_text(json.dumps(data))
+    hebrus.load(folder)
+    del data["hidden_size"]
+    (folder / CONFIG).write_text(json.dumps(data))
+    _refused(folder, "missing required keys: hidden_size")
+
+
+def test_missing_config_is_a_checkpoint_error(tmp_path):
+    _refused(tmp_path, "config.json is missing")
+
+
+@pytest.mark.parametrize("text", [b"{}", b'{"weight_map": []}', b'{"weight_map": null}', b"[1]", b"{",
+                                  b'{"weight_map": {"embed.weight": 3}}', b"\xc3\x28"])
+def test_index_without_a_weight_map_of_file_names_is_refused(folder, text):
+    _shard(folder, _halves(folder))
+    (folder / INDEX).write_bytes(text)
+    _refused(folder, "weight_map|JSON|UTF-8|shard", file=INDEX)
+
+
+@pytest.mark.parametrize("keep", [0, 7, 8, 9, 200, -1])
+def test_truncated_weights_are_refused(folder, keep):
+    data = (folder / WEIGHTS).read_bytes()
+    (folder / WEIGHTS).write_bytes(data[:keep])
+    _refused(folder, "safetensors", file=WEIGHTS)
+
+
+@pytest.mark.parametrize("data", [b"\x00" * 64, os.urandom(4096), struct.pack("<Q", 2**62) + b"{}",
+                                  struct.pack("<Q", 2) + b"{}", struct.pack("<Q", 4) + b"[1] "])
+def test_garbage_weights_are_refused(folder, data):
+    (folder / WEIGHTS).write_bytes(data)
+    _refused(folder, "safetensors", file=WEIGHTS)
+
+
+# ---- 2. values that would load but fail every feed ------------------------------------------
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("rope_theta", 0, "rope_theta must be a finite number > 0, got 0"),
+    ("rope_theta", -1, "rope_theta must be a finite number > 0, got -1"),
+    ("rope_theta", float("inf"), "rope_theta must be a finite number > 0, got inf"),
+    ("rms_norm_eps", -1, "rms_norm_eps must be a finite number in (0, 1], got -1"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite number in (0, 1], got nan"),
+    ("rms_norm_eps", 0, "rms_norm_eps must be a finite number in (0, 1], got 0"),
+    ("hc_eps", -1e-9, "hc_eps must be a finite number in [0, 1], got -1e-09"),
+    ("hc_eps", 10**400, "hc_eps must be a finite number in [0, 1], got 1000"),
+    ("hc_sinkhorn_iters", 0, "hc_sinkhorn_iters must be an integer in [1, 200], got 0"),
+    ("qsa_top_k", 2000, "qsa_top_k=2000 exceeds max_context=1024"),
+    ("init_seed", -1, "init_seed must be an integer in [0, 18446744073709551615], got -1"),
+])
+def test_config_values_out_of_range_are_refused(folder, key, value, problem):
+    _edit_config(folder, **{key: value})
+    _refused(folder, re.escape(problem))
+
+
+def test_hc_eps_may_be_zero(folder):
+    _edit_config(folder, hc_eps=0)
+    hebrus.load(folder).session().feed([1, 2, 3])
+
+
+# ---- 3. resource bombs ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [("max_context", 10**7), ("hc_sinkhorn_iters", 10**7)])
+def test_resource_bombs_are_refused_at_once(folder, key, value):
+    _edit_config(folder, **{key: value})
+    start = time.perf_counter()
+    _refused(folder, f"{key} must be an integer in")
+    assert time.perf_counter() - start < 2
+
+
+@pytest.mark.parametrize("changes", [{"max_context": 2**20, "qsa_head_dim": 1024},
+                                     {"vocab_size": 2**24, "hidden_size": 2**16}])
+def test_a_config_may_not_ask_to_allocate_more_than_the_bound(folder, changes):
+    _edit_config(folder, **changes)
+    (folder / WEIGHTS).unlink()                 # refused from the config alone: no weights are looked at
+    _refused(folder, "MAX_LOAD_BYTES")
+
+
+def test_the_estimate_counts_parameters_and_the_rotary_build(tiny):
+    from hebrus.weights.layout import load_bytes, parameter_shapes
+    c = tiny.config
+    params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
+    assert load_bytes(c) == 8 * params + 32 * c.max_context * c.qsa_head_dim     # one width: dh == di
+    wider = c.replace(qsa_index_dim=32)
+    params = sum(math.prod(shape) for shape in parameter_shapes(wider).values())
+    assert load_bytes(wider) == 8 * params + 32 * c.max_context * (16 + 32)
+    gdn_only = c.replace(layer_types=("gdn",) * 4)
+    assert load_bytes(gdn_only) == 8 * sum(math.prod(s) for s in parameter_shapes(gdn_only).values())
+
+
+class _HeadersOnly:
+    """A safe_open that refuses to hand out tensor data."""
+
+    def __init__(self, *args, **kwargs):
+        self._file = safe_open(*args, **kwargs)
+
+    def __enter__(self):
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def get_tensor(self, name):
+        raise AssertionError(f"tensor {name} was read before every header was checked")
+
+
+@pytest.mark.parametrize("name, tensor", [("norm.weight", torch.ones(3)),
+                                          ("norm.weight", torch.ones(64, dtype=torch.int32))])
+def test_headers_are_checked_before_any_tensor_is_read(folder, monkeypatch, name, tensor):
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors[name] = tensor
+    save_file(tensors, str(folder / WEIGHTS))
+    monkeypatch.setattr(checkpoint, "safe_open", _HeadersOnly)
+    _refused(folder, name, file=WEIGHTS)
+
+
+# ---- 4. file names and file kinds -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["../outside/all.safetensors", "ABSOLUTE", "sub/all.safetensors", "..",
+                                  "sub/../../outside/all.safetensors"])
+def test_index_names_must_stay_inside_the_folder(folder, tmp_path, name):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (folder / "sub").mkdir()
+    tensors = load_file(str(folder / WEIGHTS))
+    for place in (outside, folder / "sub"):
+        save_file(tensors, str(place / "all.safetensors"))
+    name = str(outside / "all.safetensors") if name == "ABSOLUTE" else name
+    (folder / WEIGHTS).unlink()
+    (folder / INDEX).write_text(json.dumps({"weight_map": {t: name for t in tensors}}))
+    _refused(folder, "a shard must be a file name inside the checkpoint folder", file=INDEX)
+
+
+def _load_in_child(folder: Path, seconds: float = 30) -> str:
+    """Load in a forked child, so that a load blocked in open() (which holds the GIL) is killed
+    instead of hanging the test run. Returns the child's report."""
+    context = multiprocessing.get_context("fork")
+    reports = context.SimpleQueue()
+
+    def run():
+        try:
+            hebrus.load(folder)
+            reports.put("loaded")
+        except BaseException as exc:     # noqa: BLE001 - the report names it
+            reports.put(f"{type(exc).__name__}: {exc}")
+
+    child = context.Process(target=run, daemon=True)
+    child.start()
+    child.join(seconds)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"loading {folder} was still blocked after {seconds} s")
+    if reports.empty():
+        pytest.fail(f"the child loading {folder} exited with code {child.exitcode} and no report")
+    return reports.get()
+
+
+@pytest.mark.parametrize("which", [CONFIG, INDEX, "shard", "symlink to a FIFO"])
+def test_fifos_are_refused_without_being_opened(folder, which):
+    fifo = {CONFIG: CONFIG, INDEX: INDEX}.get(which, "b.safetensors")
+    if which != CONFIG:
+        _shard(folder, _halves(folder))
+    os.unlink(folder / fifo)
+    if which == "symlink to a FIFO":
+        os.mkfifo(folder / "pipe")
+        os.symlink("pipe", folder / fifo)
+    else:
+        os.mkfifo(folder / fifo)
+    report = _load_in_child(folder)
+    assert report.startswith("CheckpointError") and "not a regular file" in report
+    assert str(folder / fifo) in report
+
+
+def test_symlinks_to_regular_files_still_load(tiny, tmp_path):
+    """The layout of a Hugging Face cache: snapshot files are symlinks into ../../blobs."""
+    source = tiny.save(tmp_path / "source")
+    blobs, snapshot = tmp_path / "repo" / "blobs", tmp_path / "repo" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate((CONFIG, WEIGHTS)):
+        (blobs / f"blob{i}").write_bytes((source / name).read_bytes())
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    assert torch.equal(hebrus.load(snapshot).session().feed([5, 6]), tiny.session().feed([5, 6]))
+
+
+def test_a_symlink_to_a_directory_is_refused(folder, tmp_path):
+    (folder / WEIGHTS).unlink()
+    os.symlink(tmp_path, folder / WEIGHTS)
+    _refused(folder, "not a regular file", file=WEIGHTS)
+
+
+# ---- 5. where each tensor lives -------------------------------------------------------------
+
+def test_a_tensor_in_two_shards_is_refused(folder):
+    halves = _halves(folder)
+    twice = halves["a.safetensors"][0]
+    index = {n: f for f, names in halves.items() for n in names}
+    halves["b.safetensors"].append(twice)
+    _shard(folder, halves, index=index)
+    _refused(folder, f"{twice} is in both a.safetensors and b.safetensors", file=INDEX)
+
+
+def test_a_tensor_in_another_shard_than_its_index_entry_is_refused(folder):
+    halves = _halves(folder)
+    moved = halves["a.safetensors"][0]
+    index = {n: f for f, names in halves.items() for n in names}
+    index[moved] = "b.safetensors"
+    _shard(folder, halves, index=index)
+    _refused(folder, f"{moved} is in a.safetensors, but the index names b.safetensors", file=INDEX)
+
+
+def test_an_index_entry_its_shard_does_not_hold_is_refused(folder):
+    halves = _halves(folder)
+    index = {n: f for f, names in halves.items() for n in names} | {"extra.weight": "a.safetensors"}
+    _shard(folder, halves, index=index)
+    _refused(folder, "the index names extra.weight in a.safetensors, which does not hold it", file=INDEX)
+
+
+def test_both_a_single_file_and_an_index_is_refused(folder):
+    data = (folder / WEIGHTS).read_bytes()
+    _shard(folder, _halves(folder))
+    (folder / WEIGHTS).write_bytes(data)
+    _refused(folder, "both", file=WEIGHTS)
+
+
+# ---- 6. dtypes and values -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, dtype", [("norm.weight", torch.int32), ("norm.weight", torch.bool),
+                                         ("layers.0.gdn.A_log", torch.float8_e4m3fn),
+                                         ("embed.weight", torch.int64), ("ple.hash_constants", torch.float32),
+                                         ("ple.hash_constants", torch.bool)])
+def test_tensor_dtypes_are_checked(folder, name, dtype):
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(folder / WEIGHTS))
+    _refused(folder, f"wrong dtypes: {re.escape(name)}", file=WEIGHTS)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_weights_are_refused(folder, value):
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors["layers.0.gdn.A_log"][1] = value
+    save_file(tensors, str(folder / WEIGHTS))
+    _refused(folder, "tensor layers.0.gdn.A_log holds NaN or infinite values", file=WEIGHTS)
+
+
+def test_other_float_storage_dtypes_load(folder):
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors = {n: t.to(torch.bfloat16 if t.is_floating_point() else torch.int32) for n, t in tensors.items()}
+    save_file(tensors, str(folder / WEIGHTS))
+    hebrus.load(folder).session().feed([1, 2, 3])
+
+
+# ---- fuzzing: whatever the bytes, a working model or one CheckpointError --------------------
+
+def _holds(folder: Path) -> None:
+    start = time.perf_counter()
+    try:
+        model = hebrus.load(folder)
+    except hebrus.CheckpointError:
+        pass
+    else:
+        try:
+            model.session().feed([1, 2, 3][:model.config.max_context])
+        except hebrus.ChunkAborted:
+            pass
+    assert time.perf_counter() - start < SECONDS
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> dict[str, bytes]:
+    """The files of a saved tiny checkpoint, and of the same weights in two shards."""
+    folder = hebrus.load("tiny").save(tmp_path_factory.mktemp("pristine") / "ckpt")
+    files = {name: (folder / name).read_bytes() for name in (CONFIG, WEIGHTS)}
+    _shard(folder, _halves_from_bytes(files[WEIGHTS]))
+    files.update({name: (folder / name).read_bytes() for name in (INDEX, "a.safetensors", "b.safetensors")})
+    return files
+
+
+def _halves_from_bytes(data: bytes) -> dict[str, list[str]]:
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    names = sorted(name for name in header if name != "__metadata__")
+    return {"a.safetensors": names[:len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+
+
+def _holds_for(files: dict[str, bytes]) -> None:
+    with tempfile.TemporaryDirectory(prefix="hebrus-fuzz-") as folder:
+        for name, data in files.items():
+            (Path(folder) / name).write_bytes(data)
+        _holds(Path(folder))
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+NUMBERS = st.sampled_from([0, 1, -1, 2, 3, 7, 16, 1023, 1024, 2**20, 2**20 + 1, 10**7, 2**63,
+                           0.5, 1e-300, 1e300])
+
+
+@st.composite
+def config_edits(draw, config: dict) -> dict | list | None:
+    data = dict(config)
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(config)))
+        action = draw(st.sampled_from(["value", "number", "delete", "layers", "whole"]))
+        if action == "whole":
+            return draw(JSON)
+        if action == "delete":
+            data.pop(key, None)
+        elif action == "layers":
+            data["layer_types"] = draw(st.lists(st.sampled_from(["gdn", "qsa", "lstm"]), max_size=6))
+        else:
+            data[key] = draw(NUMBERS if action == "number" else JSON)
+    return data
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_config(pristine, data):
+    edited = data.draw(config_edits(json.loads(pristine[CONFIG])))
+    _holds_for({CONFIG: json.dumps(edited).encode(), WEIGHTS: pristine[WEIGHTS]})
+
+
+@st.composite
+def byte_edits(draw, blob: bytes) -> bytes:
+    header_end = 8 + struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:header_end])
+    name = draw(st.sampled_from(sorted(n for n in header if n != "__metadata__")))
+    action = draw(st.sampled_from(["truncate", "flip header", "flip body", "header entry", "retype",
+                                   "reshape", "nonfinite"]))
+    if action == "truncate":
+        return blob[:draw(st.integers(0, len(blob) - 1))]
+    if action in ("flip header", "flip body"):
+        lo, hi = (0, header_end) if action == "flip header" else (header_end, len(blob))
+        return _flipped(draw, blob, lo, hi)
+    if action == "nonfinite":
+        return _nonfinite(draw, blob, header_end, header)
+    header[name] = dict(header[name])
+    header[name].update(_entry_edit(draw, action, header[name]))
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + blob[header_end:]
+
+
+def _flipped(draw, blob: bytes, lo: int, hi: int) -> bytes:
+    data = bytearray(blob)
+    for _ in range(draw(st.integers(1, 8))):
+        data[draw(st.integers(lo, hi - 1))] ^= draw(st.integers(1, 255))
+    return bytes(data)
+
+
+def _nonfinite(draw, blob: bytes, header_end: int, header: dict) -> bytes:
+    """One float32 entry of one tensor set to NaN or ±inf."""
+    floats = sorted(n for n, h in header.items() if n != "__metadata__" and h["dtype"] == "F32")
+    name = draw(st.sampled_from(floats))
+    begin, end = header[name]["data_offsets"]
+    at = header_end + begin + 4 * draw(st.integers(0, (end - begin) // 4 - 1))
+    value = struct.pack("<f", draw(st.sampled_from([math.nan, math.inf, -math.inf])))
+    return blob[:at] + value + blob[at + 4:]
+
+
+def _entry_edit(draw, action: str, entry: dict) -> dict:
+    """A changed header entry: same-size dtype or same-size shape (still a valid file), or junk."""
+    numel = math.prod(entry["shape"])
+    if action == "retype":
+        same_size = {"F32": ["I32", "U32", "F32"], "I64": ["F64", "U64", "I64"]}[entry["dtype"]]
+        return {"dtype": draw(st.sampled_from(same_size))}
+    if action == "reshape":
+        return {"shape": draw(st.sampled_from([[numel], [1, numel], [numel, 1], entry["shape"][::-1]]))}
+    key = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+    values = {"dtype": st.sampled_from(["F16", "BF16", "F64", "I32", "I64", "BOOL", "U8", "F8_E4M3", "X"]),
+              "shape": st.lists(st.integers(0, 2**40), max_size=3),
+              "data_offsets": st.lists(st.integers(0, 2**40), min_size=2, max_size=2)}
+    return {key: draw(values[key] | JSON)}
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_weights(pristine, data):
+    blob = data.draw(byte_edits(pristine[WEIGHTS]))
+    _holds_for({CONFIG: pristine[CONFIG], WEIGHTS: blob})
+
+
+NAMES = st.sampled_from(["a.safetensors", "b.safetensors", "c.safetensors", "", ".", "..", "../a.safetensors",
+                         "/etc/passwd", "/dev/zero", "a.safetensors/..", "config.json", INDEX, "x\x00y",
+                         "a" * 300])
+
+
+@st.composite
+def index_edits(draw, index: dict) -> object:
+    weight_map = dict(index["weight_map"])
+    action = draw(st.sampled_from(["rename", "delete", "add", "map", "whole"]))
+    if action == "whole":
+        return draw(JSON)
+    if action == "map":
+        return {"weight_map": draw(JSON)}
+    names = sorted(weight_map)
+    for _ in range(draw(st.integers(1, 4))):
+        name = draw(st.sampled_from(names))
+        if action == "delete":
+            weight_map.pop(name, None)
+        elif action == "add":
+            weight_map[draw(st.text(max_size=12))] = draw(NAMES | JSON)
+        else:
+            weight_map[name] = draw(NAMES | JSON)
+    return {"weight_map": weight_map}
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_index(pristine, data):
+    edited = data.draw(index_edits(json.loads(pristine[INDEX])))
+    files = {name: pristine[name] for name in (CONFIG, "a.safetensors", "b.safetensors")}
+    _holds_for(files | {INDEX: json.dumps(edited).encode()})
