@@ -38,8 +38,9 @@ class InPlace:
 
     def feed(self, ids) -> torch.Tensor:
         ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64, device=self.model.device))
-        for stage in self.model.stages:
-            stage.run(ctx)
+        with torch.inference_mode():                  # as the transactional session runs
+            for stage in self.model.stages:
+                stage.run(ctx)
         self.frontier += len(ids)
         self.bank["frontier"].fill_(self.frontier)
         return self.bank["logits"].clone()
