@@ -269,3 +269,217 @@ def test_api_arguments_raise_invalid_input(tiny):
 def test_asking_for_cuda_without_it_is_invalid_input():
     with pytest.raises(hebrus.InvalidInput, match="no CUDA device is available"):
         hebrus.load("tiny", device="cuda")
+
+
+# ---- found by a hunt for bad inputs ------------------------------------------------------
+
+class Timeout(Exception):
+    pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGALRM, signal.SIGINT, signal.SIGTERM])
+def test_any_raising_signal_handler_during_publication_comes_after_the_flip(warm, tiny, monkeypatch, signum):
+    """A timeout handler (or an app's own Ctrl-C or SIGTERM handler) that raises while the chunk
+    publishes: its exception arrives after the flip, `out` and the state agree, and it is not
+    reported as an abort that published nothing."""
+    def raise_timeout(*_):
+        raise Timeout("deadline")
+
+    previous = signal.signal(signum, raise_timeout)
+    real = Image.publish
+
+    def interrupted(self, record):
+        signal.raise_signal(signum)
+        real(self, record)
+
+    monkeypatch.setattr(Image, "publish", interrupted)
+    out = torch.full((V,), SENTINEL)
+    try:
+        with pytest.raises(Timeout):
+            warm.feed([4, 5], out=out)
+    finally:
+        signal.signal(signum, previous)
+    monkeypatch.undo()
+    digest, logits = _published(tiny, tokens(5, seed=1) + [4, 5])
+    assert warm.digest() == digest and torch.equal(out, logits)
+
+
+@pytest.mark.parametrize("call", ["feed", "digest", "logits"])
+def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocked(warm, tiny, monkeypatch, call):
+    """A handler that runs while the main thread is inside a call on the same session used to
+    wait for the lock its own thread held: a hang. Now the inner call raises InvalidInput."""
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)          # a regression hangs: fail loudly
+    seen = []
+
+    def handler(*_):
+        try:
+            getattr(warm, call)([9]) if call == "feed" else getattr(warm, call)() if call == "digest" else warm.logits
+        except hebrus.InvalidInput as exc:
+            seen.append(str(exc))
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    stage = next(st for st in tiny.stages if st.name == "layers.0.gdn")
+    real = stage.run
+
+    def signalled(txn):
+        real(txn)
+        signal.raise_signal(signal.SIGUSR1)
+
+    monkeypatch.setattr(stage, "run", signalled)
+    try:
+        warm.feed([1, 2])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        faulthandler.cancel_dump_traceback_later()
+    assert seen and "session busy" in seen[0]
+    monkeypatch.undo()
+    assert warm.digest() == _published(tiny, tokens(5, seed=1) + [1, 2])[0]
+
+
+def _resized(t):
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def test_tensors_whose_storage_was_resized_away_are_refused(warm):
+    """Both used to crash the process (a segfault reading or writing freed memory)."""
+    before = warm.digest()
+    with pytest.raises(hebrus.InvalidInput, match="storage is smaller"):
+        warm.feed([1], out=_resized(torch.zeros(V)))
+    with pytest.raises(hebrus.InvalidInput, match="storage is smaller"):
+        warm.feed(_resized(torch.tensor([1, 2, 3])))
+    assert warm.digest() == before
+
+
+def test_out_may_not_alias_the_models_weights(warm, tiny):
+    weight = dict(tiny.named_parameters())["lm_head.weight"]
+    snapshot = weight.clone()
+    with pytest.raises(hebrus.InvalidInput, match="model's weights"):
+        warm.feed([1], out=weight[:, 0])
+    assert torch.equal(weight, snapshot)
+
+
+class _LyingLength(list):
+    def __init__(self, length):
+        super().__init__([1, 2])
+        self._length = length
+
+    def __len__(self):
+        if isinstance(self._length, Exception):
+            raise self._length
+        return self._length
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _LyingInt(int):
+    def __lt__(self, other):
+        return False
+
+    def __index__(self):
+        return 64
+
+
+@pytest.mark.parametrize("ids,message", [
+    (range(10**30), "context limit"),
+    (_LyingLength(10**30), "context limit"),
+    (_LyingLength(-1), "length"),
+    (_LyingLength(RuntimeError("no")), "length"),
+    (torch.zeros(3, dtype=torch.uint8).view(torch.bits8), "integers"),
+    (torch.tensor([1, 2]).as_subclass(_Subclass), "plain torch.Tensor"),
+    (torch.tensor([2**63], dtype=torch.uint64), "2\\*\\*63"),
+    (np.array([2**63], dtype=np.uint64), "int64 range"),
+])
+def test_more_odd_ids_are_invalid_input(warm, ids, message):
+    before = warm.digest()
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        warm.feed(ids)
+    assert warm.digest() == before
+
+
+def test_counts_take_the_true_value_of_int_subclasses_and_numpy_ints(tiny):
+    s = tiny.session()
+    with pytest.raises(hebrus.InvalidInput, match="chunk_size"):
+        s.prefill([1, 2, 3], chunk_size=_LyingInt(-5))
+    assert s.frontier == 0
+    tokens_ = list(s.generate([1, 2], max_new_tokens=np.int64(3), chunk_size=np.int32(2), seed=np.uint8(4)))
+    assert len(tokens_) == 3 and s.frontier == 5
+    assert tiny.session(memory_budget=np.int64(10**9)).budget.limit == 10**9
+
+
+def test_long_numbers_are_cut_in_messages(tiny):
+    with pytest.raises(hebrus.InvalidInput) as info:
+        tiny.session().generate([1], temperature=10**400)
+    assert len(str(info.value)) < 200
+
+
+class _Path:
+    def __init__(self, value):
+        self.value = value
+
+    def __fspath__(self):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+@pytest.mark.parametrize("path", ["", _Path(b"/tmp"), _Path(RuntimeError("no")), b"/tmp", None, 3, "a\0b"])
+def test_odd_paths_are_invalid_input(tiny, path):
+    with pytest.raises(hebrus.InvalidInput):
+        hebrus.load(path)
+    with pytest.raises(hebrus.InvalidInput):
+        tiny.save(path)
+
+
+def test_save_refuses_paths_that_cannot_be_folders(tiny, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for path in (tmp_path / "afile" / "sub" / "ck", tmp_path / ("x" * 300)):
+        with pytest.raises(hebrus.InvalidInput, match="cannot save"):
+            tiny.save(path)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_save_refuses_the_working_directory(tiny, tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for path in (".", str(tmp_path), str(tmp_path.parent)):
+        with pytest.raises(hebrus.InvalidInput, match="working directory"):
+            tiny.save(path)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and tmp_path.is_dir()
+
+
+def test_saved_files_are_readable_by_others(tiny, tmp_path):
+    tiny.save(tmp_path / "ck")
+    assert (tmp_path / "ck" / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+
+def test_preset_weights_do_not_depend_on_torch_defaults(tiny):
+    reference = tiny.session()
+    reference.feed([1, 2, 3])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = hebrus.load("tiny")
+    finally:
+        torch.set_default_dtype(previous)
+    s = model.session()
+    s.feed([1, 2, 3])
+    assert s.digest() == reference.digest()
+
+
+def test_names_from_an_untrusted_file_cannot_drive_the_terminal(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from hebrus.cli import main
+    tiny.save(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["\x1b]0;owned\x07\x1b[2J\u202erab"] = torch.zeros(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(hebrus.CheckpointError) as info:
+        hebrus.load(tmp_path)
+    assert "\x1b" not in str(info.value) and "\u202e" not in str(info.value)
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\u202e" not in err and "\\x1b" in err

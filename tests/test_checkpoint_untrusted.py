@@ -176,12 +176,12 @@ def test_the_estimate_counts_parameters_and_the_rotary_build(tiny):
     from hebrus.weights.layout import load_bytes, parameter_shapes
     c = tiny.config
     params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
-    assert load_bytes(c) == 8 * params + 32 * c.max_context * c.qsa_head_dim     # one width: dh == di
+    assert load_bytes(c) == 16 * params + 32 * c.max_context * c.qsa_head_dim    # one width: dh == di
     wider = c.replace(qsa_index_dim=32)
     params = sum(math.prod(shape) for shape in parameter_shapes(wider).values())
-    assert load_bytes(wider) == 8 * params + 32 * c.max_context * (16 + 32)
+    assert load_bytes(wider) == 16 * params + 32 * c.max_context * (16 + 32)
     gdn_only = c.replace(layer_types=("gdn",) * 4)
-    assert load_bytes(gdn_only) == 8 * sum(math.prod(s) for s in parameter_shapes(gdn_only).values())
+    assert load_bytes(gdn_only) == 16 * sum(math.prod(s) for s in parameter_shapes(gdn_only).values())
 
 
 class _HeadersOnly:

@@ -16,6 +16,10 @@ from hebrus.errors import InvalidInput
 SEED_RANGE = (-(2**63), 2**64)        # what torch.Generator.manual_seed accepts
 
 
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                  torch.uint16, torch.uint32, torch.uint64)
+
+
 def token_ids(ids, max_tokens: int) -> torch.Tensor:
     """A fresh 1-D int64 CPU tensor (never the caller's storage) from a list/tuple/range of
     ints, an integer tensor or an integer array, of at most `max_tokens` ids."""
@@ -33,7 +37,14 @@ def token_ids(ids, max_tokens: int) -> torch.Tensor:
 
 def _check_length(ids, max_tokens: int) -> None:
     """Refuse what can never fit before converting it (a huge range would cost seconds)."""
-    size = ids.numel() if isinstance(ids, torch.Tensor) else ids.size if isinstance(ids, np.ndarray) else len(ids)
+    try:
+        size = ids.numel() if isinstance(ids, torch.Tensor) else ids.size if isinstance(ids, np.ndarray) else len(ids)
+    except OverflowError:
+        size = max_tokens + 1
+    except Exception as exc:
+        raise InvalidInput(f"could not take the length of the token ids: {type(exc).__name__}: {exc}") from None
+    if not isinstance(size, int) or size < 0:
+        raise InvalidInput(f"the token ids report a length of {shown(size)}")
     if size > max_tokens:
         raise InvalidInput(f"{size} token ids are more than the model's context limit of {max_tokens}")
 
@@ -43,29 +54,52 @@ def _from_array(ids: np.ndarray) -> torch.Tensor:
         raise InvalidInput(f"token ids must be integers, got an array of dtype {ids.dtype}")
     if ids.ndim != 1:
         raise InvalidInput(f"token ids must be one-dimensional, got shape {ids.shape}")
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= 2**63:
+        raise InvalidInput(f"token id {int(ids.max())} is outside the int64 range")
     return torch.from_numpy(ids.astype(np.int64, copy=True))
 
 
 def _from_tensor(ids: torch.Tensor) -> torch.Tensor:
-    if ids.layout != torch.strided or ids.is_nested or ids.is_quantized:
+    if type(ids) is not torch.Tensor:
+        raise InvalidInput(f"token ids must be a plain torch.Tensor, got {type(ids).__name__}")
+    if ids.layout != torch.strided or ids.is_nested:
         raise InvalidInput(f"token ids must be a dense tensor, got layout {ids.layout}")
     if ids.device.type == "meta":
         raise InvalidInput("token ids are on the meta device: they have no values")
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+    if ids.dtype not in INTEGER_DTYPES:
         raise InvalidInput(f"token ids must be integers, got a tensor of dtype {ids.dtype}")
     if ids.dim() != 1:
         raise InvalidInput(f"token ids must be one-dimensional, got shape {tuple(ids.shape)}")
-    return ids.detach().to(device="cpu", dtype=torch.int64, copy=True).contiguous()
+    if not storage_covers(ids):
+        raise InvalidInput("the token id tensor's storage is smaller than the tensor (was it resized?)")
+    copy = ids.detach().to(device="cpu", copy=True).contiguous()
+    if copy.dtype == torch.uint64 and bool((copy.view(torch.int64) < 0).any()):
+        raise InvalidInput("a token id is at least 2**63, outside the int64 range")
+    return copy.to(torch.int64)
+
+
+def storage_covers(t: torch.Tensor) -> bool:
+    """Does the tensor's storage hold every element its shape and strides reach?"""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((n - 1) * step for n, step in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
 
 
 def _from_sequence(ids) -> torch.Tensor:
     for i, x in enumerate(ids):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise InvalidInput(f"token ids must be integers; item {i} is {x!r}")
+            raise InvalidInput(f"token ids must be integers; item {i} is {shown(x)}")
     try:
         return torch.tensor(list(ids), dtype=torch.int64)
     except (OverflowError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"token ids must fit in int64: {exc}") from None
+
+
+def shown(value, width: int = 60) -> str:
+    """repr(value), cut to `width` characters: a message never prints a 400-digit number."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def in_vocabulary(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -75,8 +109,10 @@ def in_vocabulary(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return tokens
 
 
-def output_buffer(out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """`out` must be a plain dense tensor that a copy of the logits cannot fail to write."""
+def output_buffer(out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  forbidden: frozenset[int] = frozenset()) -> None:
+    """`out` must be a plain dense tensor that a copy of the logits cannot fail to write, and
+    must not share storage with the model (`forbidden`: data pointers of its weights)."""
     if out is None:
         return
     if type(out) is not torch.Tensor:
@@ -92,6 +128,10 @@ def output_buffer(out, shape: tuple[int, ...], dtype: torch.dtype, device: torch
                            "tensor with its own storage, e.g. torch.empty(...)")
     if out.is_neg() or out.is_conj():
         raise InvalidInput("out must not be a negated or conjugated view")
+    if not storage_covers(out):
+        raise InvalidInput("out's storage is smaller than the tensor (was it resized?)")
+    if out.untyped_storage().data_ptr() in forbidden:
+        raise InvalidInput("out shares storage with the model's weights; writing it would change the model")
 
 
 def chunk_size(value) -> int:
@@ -99,22 +139,30 @@ def chunk_size(value) -> int:
 
 
 def positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
-    return value
+    number = _integer(name, value)
+    if number < 1:
+        raise InvalidInput(f"{name} must be a positive integer, got {shown(value)}")
+    return number
 
 
 def count(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
-    return value
+    number = _integer(name, value)
+    if number < 0:
+        raise InvalidInput(f"{name} must be a non-negative integer, got {shown(value)}")
+    return number
+
+
+def _integer(name: str, value) -> int:
+    """The plain int an int (or numpy integer) holds; subclasses cannot change its value."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidInput(f"{name} must be an integer, got {shown(value)}")
+    return int.__index__(value) if isinstance(value, int) else int(value)
 
 
 def generator(seed) -> torch.Generator:
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise InvalidInput(f"seed must be an integer, got {seed!r}")
+    seed = _integer("seed", seed)
     if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise InvalidInput(f"seed must lie in [-2**63, 2**64), got {seed}")
+        raise InvalidInput(f"seed must lie in [-2**63, 2**64), got {shown(seed)}")
     return torch.Generator().manual_seed(seed)
 
 
@@ -122,21 +170,23 @@ def temperature(value) -> float:
     """0 (greedy) or a finite positive number."""
     number = _real("temperature", value)
     if not (math.isfinite(number) and number >= 0):
-        raise InvalidInput(f"temperature must be a finite number >= 0 (0 = greedy), got {value!r}")
+        raise InvalidInput(f"temperature must be a finite number >= 0 (0 = greedy), got {shown(value)}")
     return number
 
 
 def top_p(value) -> float:
     number = _real("top_p", value)
     if not 0 < number <= 1:
-        raise InvalidInput(f"top_p must be in (0, 1], got {value!r}")
+        raise InvalidInput(f"top_p must be in (0, 1], got {shown(value)}")
     return number
 
 
 def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidInput(f"{name} must be a number, got {value!r}")
+        raise InvalidInput(f"{name} must be a number, got {shown(value)}")
     try:
-        return float(value)
+        if isinstance(value, int):
+            return float(int.__index__(value))
+        return float.__float__(value) if isinstance(value, float) else float(value)
     except OverflowError:
-        raise InvalidInput(f"{name} {value!r} is too large for a float") from None
+        raise InvalidInput(f"{name} {shown(value)} is too large for a float") from None

@@ -7,8 +7,9 @@ import sys
 import time
 
 from hebrus.config import PRESETS
-from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
+from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput, escaped
 from hebrus.runtime import DTYPES, MODES, load
+
 
 MODEL_HELP = f"a preset ({', '.join(PRESETS)}) or a checkpoint directory (default: tiny)"
 
@@ -19,26 +20,43 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if sys.stdout is None:
+        print("hebrus: error: standard output is closed", file=sys.stderr)
+        return 2
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")       # an ASCII terminal still shows something
     try:
         return args.handler(args)
     except InvalidInput as exc:
-        print(f"hebrus: error: {exc}", file=sys.stderr)
+        _error(f"hebrus: error: {exc}")
         return 2
     except ChunkAborted as exc:
-        print(f"hebrus: {exc}", file=sys.stderr)
+        _error(f"hebrus: {exc}")
         return 1
     except BrokenPipeError:                 # the reader went away (`hebrus generate ... | head`)
         _detach_stdout()
         return 141
+    except OSError as exc:                  # output that cannot be written (a full disk, ...)
+        _detach_stdout()
+        _error(f"hebrus: error: cannot write the output: {exc.strerror or exc}")
+        return 1
     except KeyboardInterrupt:
         return 130
 
 
+def _error(message: str) -> None:
+    """Messages can quote names from untrusted files: escape what would drive the terminal."""
+    print(escaped(message), file=sys.stderr)
+
+
 def _detach_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):      # stdout is not a real file (tests, IDEs)
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:

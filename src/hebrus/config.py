@@ -16,8 +16,8 @@ from hebrus.weights.limits import bounded, canonical, json_kind, shown, value_pr
 
 LAYER_KINDS = ("gdn", "qsa")
 # What loading a checkpoint may allocate, from its config alone (`weights.layout.load_bytes`):
-# every parameter at 8 bytes plus the rotary tables' float64 build. 8 GiB is 14 times the
-# `small` preset; a larger model needs this raised on purpose.
+# every parameter twice at 8 bytes (as read and as converted) plus the rotary tables' float64
+# build. 8 GiB is 7 times the `small` preset; a larger model needs this raised on purpose.
 MAX_LOAD_BYTES = 8 * 2**30
 
 # Field bounds (docs/checkpoint.md has the table): far above real models, far below overflow.

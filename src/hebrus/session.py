@@ -15,6 +15,7 @@ the published record and needs no lock.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -31,7 +32,7 @@ from hebrus.state.txn import Transaction
 class Session:
     def __init__(self, model, memory_budget: int | None = None):
         if memory_budget is not None:
-            arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
+            memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
         self.model = model
         self.config = model.config
         self.budget = MemoryBudget(memory_budget)
@@ -42,7 +43,24 @@ class Session:
             raise InvalidInput(f"memory_budget too small for a session of this model: {exc}") from None
         self.image = _allocate_image(model)
         self._stage_names = model.stage_names
-        self._lock = threading.Lock()           # one transaction at a time per session
+        self._weights = frozenset(p.untyped_storage().data_ptr() for _, p in model.named_parameters())
+        self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
+        self._busy = False
+
+    @contextmanager
+    def _exclusive(self):
+        """Hold the session lock. Another thread waits; the thread already inside (a signal
+        handler or a hook that calls back into the session) is refused, not left waiting for
+        itself forever."""
+        with self._lock:
+            if self._busy:
+                raise InvalidInput("session busy: a call on this session is already running in this thread "
+                                   "(a re-entrant call from a signal handler or a hook); call it afterwards")
+            self._busy = True
+            try:
+                yield
+            finally:
+                self._busy = False
 
     # ---- reading the public image ----------------------------------------------------------
     @property
@@ -50,13 +68,13 @@ class Session:
         return self.image.public.frontier
 
     def digest(self) -> str:
-        with self._lock:
+        with self._exclusive():
             return self.image.digest()
 
     @property
     def logits(self) -> torch.Tensor:
         """A copy of the last committed token's logits."""
-        with self._lock:
+        with self._exclusive():
             return self.image.read("logits").clone()
 
     # ---- transactions ----------------------------------------------------------------------
@@ -66,7 +84,7 @@ class Session:
         chunk = self._ids(ids)
         self._check_out(out)
         self._check_faults()
-        with self._lock:
+        with self._exclusive():
             self._check_room(len(chunk))
             return self._transact(chunk, out)
 
@@ -74,10 +92,10 @@ class Session:
         """Feed `ids` in chunks of `chunk_size`, one transaction each, with no other caller's
         chunk in between. If a chunk fails, the error's `.published` says how many tokens of
         this call were published before it."""
-        arguments.chunk_size(chunk_size)
+        chunk_size = arguments.chunk_size(chunk_size)
         tokens = self._ids(ids)
         self._check_faults()
-        with self._lock:
+        with self._exclusive():
             self._check_room(len(tokens))
             return self._prefill(tokens, chunk_size)
 
@@ -86,12 +104,12 @@ class Session:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction. Every argument is checked now; tokens come as you iterate."""
         prompt = self._ids(ids, allow_empty=True)
-        arguments.chunk_size(chunk_size)
-        arguments.count("max_new_tokens", max_new_tokens)
+        chunk_size = arguments.chunk_size(chunk_size)
+        max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
         temperature, top_p = arguments.temperature(temperature), arguments.top_p(top_p)
         generator = arguments.generator(seed)
         self._check_faults()
-        with self._lock:
+        with self._exclusive():
             if not len(prompt) and self.frontier == 0:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
@@ -124,6 +142,14 @@ class Session:
         txn = Transaction(self.image, len(ids), self._stage_names, self.budget,
                           max_rows=self.config.max_context)
         try:
+            self._prepare(txn, ids)
+            txn.publish(out)             # what is raised after the flip is not an abort
+        finally:
+            txn.abort()
+
+    def _prepare(self, txn: Transaction, ids: torch.Tensor) -> None:
+        """Every stage, then validation; any exception becomes the abort of its kind."""
+        try:
             txn.local["ids"] = ids.to(self.model.device)
             for slot, stage in enumerate(self.model.stages):
                 txn.enter(slot)
@@ -131,13 +157,10 @@ class Session:
                 faults.after(stage.name, txn)
                 txn.seal()
             txn.validate()
-            txn.publish(out)
         except ChunkAborted:
             raise
         except Exception as exc:
             raise _abort_error(txn.stage, exc) from exc
-        finally:
-            txn.abort()
 
     # ---- checks (stateless ones before the lock, the rest under it) ------------------------
     def _ids(self, ids, allow_empty: bool = False) -> torch.Tensor:
@@ -153,7 +176,7 @@ class Session:
                                f"context limit of {limit} ({limit - self.frontier} tokens left)")
 
     def _check_out(self, out) -> None:
-        arguments.output_buffer(out, (self.config.vocab_size,), self.model.dtype, self.model.device)
+        arguments.output_buffer(out, (self.config.vocab_size,), self.model.dtype, self.model.device, self._weights)
 
     def _check_faults(self) -> None:
         unknown = [f.stage for f in faults.armed() if f.stage not in self._stage_names]

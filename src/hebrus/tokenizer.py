@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import codecs
-import unicodedata
+
+from hebrus.errors import InvalidInput, hidden
 
 
 def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    """UTF-8 bytes. Bytes that were not UTF-8 on the command line reach Python as escapes
+    (U+DC80..U+DCFF) and come back as those bytes; any other lone surrogate is refused."""
+    if not isinstance(text, str):
+        raise InvalidInput(f"text must be a str, got {type(text).__name__}")
+    try:
+        return list(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"the text holds a lone surrogate U+{ord(exc.object[exc.start]):04X} at "
+                           f"index {exc.start}, which has no UTF-8 encoding") from None
 
 
 class StreamDecoder:
@@ -22,15 +31,7 @@ class StreamDecoder:
         return _printable(self._decoder.decode(b"", final=True))
 
 
-# Bidirectional controls reorder what a terminal shows (U+202E makes text read backwards).
-_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
 def _printable(text: str) -> str:
     """Control characters other than newline and tab would drive the terminal, and bidi
     controls would reorder it; each is shown as U+FFFD."""
-    return "".join("\ufffd" if _hidden(c) else c for c in text)
-
-
-def _hidden(c: str) -> bool:
-    return c in _BIDI_CONTROLS or (c not in "\n\t" and unicodedata.category(c) == "Cc")
+    return "".join("\ufffd" if hidden(c) else c for c in text)

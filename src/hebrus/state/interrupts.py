@@ -1,41 +1,47 @@
-"""Publication is not torn by Ctrl-C.
+"""Publication is not torn by a signal.
 
-Python runs signal handlers in the main thread between bytecodes, so a `KeyboardInterrupt` can
-land between copying the output to the caller and flipping the public record, leaving the two
-disagreeing. Inside `deferred_interrupts()` a SIGINT is held and delivered to the original
-handler when the block ends, after the publication is complete. Other threads never receive
-Python-level signals, so there nothing needs deferring.
+Python runs signal handlers in the main thread between bytecodes, so a handler that raises
+(Ctrl-C's `KeyboardInterrupt`, a timeout's exception, `SystemExit` on SIGTERM) could land between
+copying the output to the caller and flipping the public record, leaving the two disagreeing.
+Inside `deferred_signals()` the Python-level handlers of the usual signals are held, and each
+held signal is delivered to its own handler when the block ends, after the publication is
+complete. Other threads never run Python-level handlers, so there nothing needs deferring.
 """
 from __future__ import annotations
 
 import signal
 import threading
 
+DEFERRED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1", "SIGUSR2")
+                 if hasattr(signal, name))
 
-class deferred_interrupts:
-    """Context manager: hold SIGINT for the duration of the block (main thread only)."""
 
-    __slots__ = ("_original", "_held", "_active")
+class deferred_signals:
+    """Context manager: hold the Python-level handlers of `DEFERRED` for the block (main
+    thread only); deliver what arrived, in order, when it ends."""
 
-    def __enter__(self) -> "deferred_interrupts":
-        self._original, self._held, self._active = None, [], True
+    __slots__ = ("_originals", "_held", "_active")
+
+    def __enter__(self) -> "deferred_signals":
+        self._originals, self._held, self._active = {}, [], True
         if threading.current_thread() is threading.main_thread():
-            handler = signal.getsignal(signal.SIGINT)
-            if callable(handler):
-                self._original = handler
-                signal.signal(signal.SIGINT, self._hold)
+            for signum in DEFERRED:
+                handler = signal.getsignal(signum)
+                if callable(handler):
+                    self._originals[signum] = handler
+                    signal.signal(signum, self._hold)
         return self
 
     def _hold(self, signum, frame) -> None:
         if self._active:
             self._held.append((signum, frame))
         else:                                        # restoring was itself interrupted
-            self._original(signum, frame)
+            self._originals[signum](signum, frame)
 
     def __exit__(self, *exc_info) -> bool:
         self._active = False
-        if self._original is not None:
-            signal.signal(signal.SIGINT, self._original)
-            for signum, frame in self._held:
-                self._original(signum, frame)        # may raise KeyboardInterrupt, now harmless
+        for signum, handler in self._originals.items():
+            signal.signal(signum, handler)
+        for signum, frame in self._held:
+            self._originals[signum](signum, frame)   # may raise; publication is already done
         return False

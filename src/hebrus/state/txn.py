@@ -16,7 +16,7 @@ from hebrus.errors import (AllocationError, CommandError, DeviceStatusError,
                            NonFiniteError, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
-from hebrus.state.interrupts import deferred_interrupts
+from hebrus.state.interrupts import deferred_signals
 from hebrus.state.status import Completion, DeviceChecks, Status
 
 
@@ -132,19 +132,27 @@ class Transaction:
         """Copy the output to the caller, then make the private image public in one assignment.
 
         `out` must already be known to accept the copy (the session checks it before the
-        transaction begins). Ctrl-C is held until both are done, so the caller's buffer and the
-        public image never disagree."""
+        transaction begins). Signals are held until both are done, so the caller's buffer and
+        the public image never disagree; an exception a held signal raises comes after the
+        flip, from the end of this call, and the chunk stays published."""
         if self._done:
             raise StructuralError("publish", "transaction already finished")
         old = self.record.storages
         released = sum(o.numel() * o.element_size() for o, n in zip(old, self.storages) if o is not n)
         record = Published(1 - self.record.bank, self.start + self.length, tuple(self.storages))
-        with deferred_interrupts():
-            if out is not None:
-                out.copy_(self.private[self.output])
+        with deferred_signals():
+            self._copy_out(out)
             self.image.publish(record)
             self._done = True
             self.budget.commit(released)
+
+    def _copy_out(self, out: torch.Tensor | None) -> None:
+        if out is None:
+            return
+        try:
+            out.copy_(self.private[self.output])
+        except Exception as exc:
+            raise StructuralError("publish", f"could not write out: {type(exc).__name__}: {exc}") from exc
 
     def abort(self) -> None:
         if not self._done:

@@ -8,6 +8,7 @@ checked from the safetensors headers before any data is read. Every problem rais
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from contextlib import ExitStack
@@ -19,9 +20,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
-from hebrus.errors import CheckpointError, InvalidInput
+from hebrus.errors import CheckpointError, InvalidInput, escaped
 from hebrus.weights.atomic import fsync, replace_folder
-from hebrus.weights.files import is_shard_name, read_json, regular_file
+from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.weights.layout import load_bytes, parameter_shapes, stored_dtypes
 from hebrus.weights.limits import shown
 
@@ -44,16 +45,37 @@ def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]
     """Write a checkpoint into the folder `path`, replacing any checkpoint there in one step;
     other plain files in the folder are kept. InvalidInput (nothing changed) if `path` is not a
     directory or holds subdirectories."""
+    target = _save_target(path)
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.items()}
-    target = Path(os.path.realpath(path))
 
     def write(folder: Path) -> None:
         _write_text(folder / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
         save_file(tensors, str(folder / WEIGHTS), metadata={"format": "hebrus"})
+        os.chmod(folder / WEIGHTS, 0o644)
         fsync(folder / WEIGHTS)
 
-    replace_folder(target, write, drop=_checkpoint_files(target))
+    try:
+        replace_folder(target, write, drop=_checkpoint_files(target))
+    except OSError as exc:
+        if exc.errno not in _PATH_ERRORS:
+            raise
+        raise InvalidInput(f"cannot save into {path}: {exc.strerror}") from None
     return Path(path)
+
+
+# Errors that say the path itself cannot be a folder; others (a full disk, no permission) stay OSError.
+_PATH_ERRORS = {errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EINVAL}
+
+
+def _save_target(path) -> Path:
+    """The real folder a save replaces. Not the working directory or a folder holding it: the
+    swap would leave the process in a deleted folder."""
+    target = Path(os.path.realpath(folder_path(path, "the checkpoint folder")))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if cwd == target or target in cwd.parents:
+        raise InvalidInput(f"{path} is (or holds) the working directory; save replaces the whole folder, "
+                           f"so save into a folder of its own")
+    return target
 
 
 def _write_text(file: Path, text: str) -> None:
@@ -233,5 +255,5 @@ def _tensor(handle: Any, name: str, file: Path) -> torch.Tensor:
 
 def _first(items: list[str], count: int = 8) -> list[str]:
     """The first `count` items, each cut to 200 characters (names come from untrusted files)."""
-    cut = [item if len(item) <= 200 else item[:200] + "..." for item in items[:count]]
+    cut = [escaped(item if len(item) <= 200 else item[:200] + "...", lines=False) for item in items[:count]]
     return cut + ([f"... ({len(items) - count} more)"] if len(items) > count else [])

@@ -13,13 +13,28 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from hebrus.errors import CheckpointError
+from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.weights.limits import shown
 
 MAX_JSON_BYTES = 64 * 2**20          # an index of a very large model is a few MiB; config.json is 1 KiB
 
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def folder_path(value, what: str) -> Path:
+    """A caller's str or path-like as a Path: not bytes, not empty, no NUL (InvalidInput)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidInput(f"{what} must be a str or a path, got {type(value).__name__}")
+    try:
+        text = os.fspath(value)
+    except Exception as exc:
+        raise InvalidInput(f"{what}: os.fspath failed ({type(exc).__name__}: {exc})") from None
+    if not isinstance(text, str):
+        raise InvalidInput(f"{what} must be a str path, got {type(text).__name__}")
+    if not text or "\0" in text:
+        raise InvalidInput(f"{what} must be a non-empty path without NUL characters, got {shown(text)}")
+    return Path(text)
 
 
 def regular_file(path: Path) -> Path:

@@ -13,6 +13,9 @@ from hebrus.config import HebrusConfig
 from hebrus.weights.layout import parameter_shapes
 
 
+_CPU32 = {"dtype": torch.float32, "device": "cpu"}      # whatever torch's defaults are set to
+
+
 def init_parameters(c: HebrusConfig, seed: int | None = None) -> dict[str, torch.Tensor]:
     """float32 (int64 for hash constants) tensors on the CPU, keyed by checkpoint name."""
     gen = torch.Generator().manual_seed(c.init_seed if seed is None else seed)
@@ -21,15 +24,15 @@ def init_parameters(c: HebrusConfig, seed: int | None = None) -> dict[str, torch
 
 def _draw(c: HebrusConfig, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, **_CPU32) * std
 
     def uniform(lo: float, hi: float) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+        return lo + (hi - lo) * torch.rand(shape, generator=gen, **_CPU32)
 
     leaf = name.rsplit(".", 1)[-1]
     if name == "ple.hash_constants":
-        odd = torch.randint(0, 2**61, shape, generator=gen, dtype=torch.int64) * 2 + 1
-        keep = torch.arange(shape[1])[None, :] < torch.arange(2, shape[0] + 2)[:, None]
+        odd = torch.randint(0, 2**61, shape, generator=gen, dtype=torch.int64, device="cpu") * 2 + 1
+        keep = torch.arange(shape[1], device="cpu")[None, :] < torch.arange(2, shape[0] + 2, device="cpu")[:, None]
         return torch.where(keep, odd, 0)
     if leaf == "A_log":
         return uniform(1.0, 8.0).log()
@@ -42,7 +45,7 @@ def _draw(c: HebrusConfig, name: str, shape: tuple[int, ...], gen: torch.Generat
     if leaf == "bias":
         return normal(0.1)
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, **_CPU32)
     if name in ("embed.weight", "ple.unigram.weight") or name.startswith("ple.ngram."):
         return normal(1.0)
     if name == "ple.conv.weight" or name.endswith("gdn.conv.weight"):

@@ -118,8 +118,9 @@ def rotary_widths(c: HebrusConfig) -> set[int]:
 
 
 def load_bytes(c: HebrusConfig) -> int:
-    """An upper bound on what loading `c` allocates, from the config alone: every parameter at
-    8 bytes, and per rotary width the float64 build of its tables (angles, cos, sin and the cast
-    copy: 4 × 8 bytes per [max_context, width] entry)."""
+    """An upper bound on what loading `c` allocates, from the config alone: every parameter
+    twice at 8 bytes (the tensor read from the file and its copy in the model's dtype are alive
+    together), and per rotary width the float64 build of its tables (angles, cos, sin and the
+    cast copy: 4 × 8 bytes per [max_context, width] entry)."""
     params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
-    return 8 * params + 32 * c.max_context * sum(rotary_widths(c))
+    return 16 * params + 32 * c.max_context * sum(rotary_widths(c))
