@@ -1,11 +1,13 @@
 """Chunk size is a scheduling choice: exact mode is bit-identical under any chunking or
-interleaving (float32 and float64); fast mode is within tolerance of exact and greedy-identical."""
+interleaving (float32 and float64); fast mode, with exact's discrete choices replayed, is within
+tolerance of exact, flips a choice only at a near-tie, and decodes the same greedy tokens except
+at near-ties (see tests/test_fast_bound.py)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hebrus.verify import TOLERANCE, relative_error, state_error
+from hebrus.verify import BOUNDS, fast_greedy_like_exact, compare_replayed
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -69,27 +71,20 @@ def test_exact_interleaved_sessions_match_solo_runs(tiny, conversations, schedul
 
 @SETTINGS
 @given(ids_and_cuts)
-def test_fast_is_within_tolerance_of_exact(tiny, tiny_fast, case):
+def test_fast_with_exacts_choices_is_within_tolerance_of_exact(tiny_fast, case):
     ids, cuts = case
-    exact, logits = _feed(tiny, [ids])
-    fast, fast_logits = _feed(tiny_fast, _chunks(ids, cuts))
-    err, where = state_error(fast, exact)
-    assert err <= TOLERANCE, f"{where}: {err:.2e}"
-    assert relative_error(fast_logits, logits) <= TOLERANCE
+    result = compare_replayed(tiny_fast, ids, [[len(c) for c in _chunks(ids, cuts)]])
+    assert result.problems(BOUNDS[torch.float32]) == []
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_fast_greedy_tokens_equal_exact(tiny, tiny_fast, seed):
+def test_fast_greedy_tokens_equal_exact_except_at_near_ties(tiny_fast, seed):
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(seed)).tolist()
-    a = list(tiny.session().generate(prompt, max_new_tokens=32, chunk_size=7))
-    b = list(tiny_fast.session().generate(prompt, max_new_tokens=32, chunk_size=20))
-    assert a == b
+    verdict = fast_greedy_like_exact(tiny_fast, prompt, 32)
+    assert verdict.passed, verdict.detail
 
 
-def test_fast_long_prefill_crosses_gdn_chunk_boundaries(tiny, tiny_fast):
+def test_fast_long_prefill_crosses_gdn_chunk_boundaries(tiny_fast):
     ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(4)).tolist()
-    exact, logits = _feed(tiny, [ids[:70], ids[70:]])
-    fast, fast_logits = _feed(tiny_fast, [ids[:130], ids[130:]])
-    err, where = state_error(fast, exact)
-    assert err <= TOLERANCE, f"{where}: {err:.2e}"
-    assert relative_error(fast_logits, logits) <= TOLERANCE
+    result = compare_replayed(tiny_fast, ids, [[130, 20], [64, 1, 85]])
+    assert result.problems(BOUNDS[torch.float32]) == []

@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 
+from hebrus.ops.choose import gaps, top_k
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.hyper import hc_post, hc_pre, sinkhorn
@@ -117,6 +118,25 @@ def test_sparse_attention_matches_per_query_softmax():
             kv = h // 2
             w = torch.softmax(torch.stack([q[t, h] @ k[s, kv] / dh ** 0.5 for s in rows]), 0)
             torch.testing.assert_close(got[t, h], sum(w[i] * v[s, kv] for i, s in enumerate(rows)))
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_top_k_and_its_gap_match_their_definitions(ordered):
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randint(0, 6, (40, 7), generator=g).double()          # many exact ties
+    scores[::5, 3:] = float("-inf")                                       # rows with few candidates
+    k = 3
+    chosen, gap = top_k(scores, k), gaps(scores, k, ordered)
+    for row, picked, d in zip(scores.tolist(), chosen.tolist(), gap.tolist()):
+        live = sorted((s for s in range(7) if row[s] > float("-inf")), key=lambda s: (-row[s], s))
+        assert picked[:min(k, len(live))] == live[:k]
+        v = [row[s] for s in live]
+        steps = [v[i] - v[i + 1] for i in range(min(k, len(v) - 1))]
+        if ordered:
+            want = min(steps, default=float("inf"))
+        else:
+            want = steps[k - 1] if len(v) > k else float("inf")
+        assert d == want
 
 
 def test_route_ties_go_to_the_smaller_expert():

@@ -114,7 +114,7 @@ def test_real_memory_error_inside_a_stage_is_an_allocation_failure(tiny, monkeyp
     s = _warm_session(tiny)
     before = s.digest()
     ffn = next(st for st in tiny.stages if st.name == "layers.0.ffn")
-    monkeypatch.setattr(ffn.moe, "route", lambda h: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr(ffn.moe, "route", lambda h, start: (_ for _ in ()).throw(MemoryError("no room")))
     with pytest.raises(hebrus.AllocationError) as info:
         s.feed(CHUNK)
     assert info.value.stage == "layers.0.ffn" and s.digest() == before
@@ -169,7 +169,7 @@ def test_device_status_bit_from_an_out_of_range_route(tiny, monkeypatch):
     before = s.digest()
     ffn = next(st for st in tiny.stages if st.name == "layers.1.ffn")
     real = ffn.moe.route
-    monkeypatch.setattr(ffn.moe, "route", lambda h: (real(h)[0], real(h)[1] + 100))
+    monkeypatch.setattr(ffn.moe, "route", lambda h, start: (real(h, start)[0], real(h, start)[1] + 100))
     with pytest.raises(hebrus.DeviceStatusError, match="route_range") as info:
         s.feed(CHUNK)
     assert info.value.stage == "layers.1.ffn" and s.digest() == before

@@ -10,10 +10,12 @@ import torch
 from hebrus.config import PRESETS, HebrusConfig, preset
 from hebrus.errors import InvalidInput
 from hebrus.model.graph import build_stages
+from hebrus.model.kernels import Chooser, kernels
 from hebrus.model.owners import owner_specs
 from hebrus.ops.norm import accum_dtype
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
+from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 
@@ -24,21 +26,23 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 class Model:
     def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact"):
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
+                 chooser: Chooser | None = None):
         device = _device(device)
         # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
         # read from a file need not be aligned; exact mode must not depend on where bytes came from.
         placed = {name: t.to(device=device, dtype=storage_dtype(name, dtype), copy=True)
                   for name, t in params.items()}
-        self._build(config, placed, device, dtype, mode)
+        self._build(config, placed, device, dtype, mode, chooser)
 
-    def _build(self, config, params, device, dtype, mode) -> None:
+    def _build(self, config, params, device, dtype, mode, chooser=None) -> None:
         if not isinstance(mode, str) or mode not in MODES:
             raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
         self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
-        self.stages = build_stages(config, params, fast=mode == "fast")
+        self.kernels = kernels(mode, chooser)              # the op table, chosen once, here
+        self.stages = build_stages(config, params, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)
 
     @property
@@ -51,10 +55,11 @@ class Model:
     def save(self, path: str | Path) -> Path:
         return checkpoint.save(path, self.config, self._params)
 
-    def with_mode(self, mode: str) -> "Model":
-        """The same weights (shared, not copied) run in another mode."""
+    def with_mode(self, mode: str, chooser: Chooser | None = None) -> "Model":
+        """The same weights (shared, not copied) run in `mode`, making discrete choices with
+        `chooser` (default: the spec's top-k; see `hebrus.model.kernels`)."""
         twin = Model.__new__(Model)
-        twin._build(self.config, self._params, self.device, self.dtype, mode)
+        twin._build(self.config, self._params, self.device, self.dtype, mode, chooser)
         return twin
 
     def session(self, memory_budget: int | None = None):
@@ -75,12 +80,10 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     device = _device(device)
     if not isinstance(mode, str) or mode not in MODES:
         raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise InvalidInput(f"load takes a preset name or a checkpoint directory, got {type(name_or_path).__name__}")
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
         return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
-    path = Path(name_or_path)
+    path = folder_path(name_or_path, "the model (a preset name or a checkpoint directory)")
     if not path.is_dir():
         raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     config, params = checkpoint.load(path)

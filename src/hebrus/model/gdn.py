@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from hebrus.config import HebrusConfig
 from hebrus.ops.conv import causal_conv
-from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.norm import gated_rms_norm, l2_norm
 
 
@@ -21,7 +20,7 @@ class GatedDeltaNet:
         self.hk, self.hv, self.dk, self.dv = c.gdn_key_heads, c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim
         self.eps = c.rms_norm_eps
 
-    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, fast: bool):
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, delta_rule):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S)."""
         T = h.shape[0]
         mixed, conv_state = causal_conv(F.linear(h, self.w_qkv), conv_state, self.conv_w)
@@ -32,8 +31,7 @@ class GatedDeltaNet:
         v = v.view(T, self.hv, self.dv)
         beta = torch.sigmoid(F.linear(h, self.w_b).to(S.dtype))
         g = self.neg_a * F.softplus(F.linear(h, self.w_a).to(S.dtype) + self.dt_bias)
-        rule = gdn_chunked if fast and T > 1 else gdn_recurrent
-        o, S = rule(q, k, v, g, beta, S)
+        o, S = delta_rule(q, k, v, g, beta, S)
         z = F.linear(h, self.w_z).view(T, self.hv, self.dv)
         o = gated_rms_norm(o.to(h.dtype), z, self.norm_w, self.eps)
         return F.linear(o.flatten(1), self.w_out), conv_state, S

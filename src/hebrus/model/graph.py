@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hebrus.config import HebrusConfig
 from hebrus.model.gdn import GatedDeltaNet
 from hebrus.model.hyper import HyperConnection
+from hebrus.model.kernels import Kernels
 from hebrus.model.moe import LayerEmbedding, MixtureOfExperts
 from hebrus.model.ple import PerLayerEmbedding
 from hebrus.model.qsa import RotaryTables, SparseAttention
@@ -24,10 +25,10 @@ from hebrus.state.status import Status
 Params = dict[str, torch.Tensor]
 
 
-def scan(step: Callable, fast: bool, start: int, inputs: tuple[torch.Tensor, ...], state):
-    """`step(position, *inputs, state) -> (out, state)` over the chunk: once in fast mode, once
-    per token (on fresh copies) in exact mode."""
-    if fast:
+def scan(step: Callable, batched: bool, start: int, inputs: tuple[torch.Tensor, ...], state):
+    """`step(position, *inputs, state) -> (out, state)` over the chunk: once when batched (fast
+    mode), once per token (on fresh copies) in exact mode."""
+    if batched:
         return step(start, *inputs, state)
     outs = []
     for t in range(inputs[0].shape[0]):
@@ -52,8 +53,8 @@ class Embed:
 class PLE:
     name = "ple"
 
-    def __init__(self, c: HebrusConfig, params: Params, fast: bool):
-        self.ple, self.fast, self.keep = PerLayerEmbedding(c, params), fast, c.ple_ngram - 1
+    def __init__(self, c: HebrusConfig, params: Params, ops: Kernels):
+        self.ple, self.ops, self.keep = PerLayerEmbedding(c, params), ops, c.ple_ngram - 1
         self.vocab = c.vocab_size
 
     def run(self, txn) -> None:
@@ -64,7 +65,7 @@ class PLE:
             txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
         ids = ids.clamp(0, self.vocab - 1)
-        ple, conv = scan(self._step, self.fast, txn.start, (ids, *hashes), txn.read("ple.conv"))
+        ple, conv = scan(self._step, self.ops.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
         txn.emit("ple", ple)
         txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
         txn.write("ple.conv", conv)
@@ -77,9 +78,9 @@ class PLE:
 class Sublayer:
     """Shared shape of the mixer and ffn stages: mHC pre, RMSNorm, the sublayer, mHC post."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, part: str, fast: bool):
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, part: str, ops: Kernels):
         p = f"layers.{layer}."
-        self.layer, self.fast, self.eps = layer, fast, c.rms_norm_eps
+        self.layer, self.ops, self.eps = layer, ops, c.rms_norm_eps
         self.hc = HyperConnection(c, params, f"{p}{part}_hc")
         self.norm = params[f"{p}{part}_norm.weight"]
 
@@ -93,14 +94,14 @@ class Sublayer:
 
 
 class GDNMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, fast: bool):
-        super().__init__(c, params, layer, "mixer", fast)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels):
+        super().__init__(c, params, layer, "mixer", ops)
         self.name = f"layers.{layer}.gdn"
         self.gdn = GatedDeltaNet(c, params, self.name + ".")
 
     def run(self, txn) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
-        X, (conv_state, S) = scan(self._step, self.fast, txn.start, (txn.local["streams"],),
+        X, (conv_state, S) = scan(self._step, self.ops.batched, txn.start, (txn.local["streams"],),
                                   (txn.read(conv).T, txn.read(rec)))
         txn.write(conv, conv_state.T)
         txn.write(rec, S)
@@ -108,15 +109,15 @@ class GDNMixer(Sublayer):
 
     def _step(self, pos, X, state):
         h, post, comb = self.mix_in(X)
-        y, conv_state, S = self.gdn(h, *state, self.fast)
+        y, conv_state, S = self.gdn(h, *state, self.ops.delta_rule)
         return self.mix_out(X, y, post, comb), (conv_state, S)
 
 
 class QSAMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, fast: bool, rotary: RotaryTables):
-        super().__init__(c, params, layer, "mixer", fast)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels, rotary: RotaryTables):
+        super().__init__(c, params, layer, "mixer", ops)
         self.name = f"layers.{layer}.qsa"
-        self.attn = SparseAttention(c, params, self.name + ".", rotary)
+        self.attn = SparseAttention(c, params, self.name + ".", rotary, ops)
 
     def run(self, txn) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in ("k", "v", "index")]
@@ -125,17 +126,17 @@ class QSAMixer(Sublayer):
             h, post, comb = self.mix_in(X)
             return self.mix_out(X, self.attn(h, pos, *rows, txn.check_range), post, comb), state
 
-        X, _ = scan(step, self.fast, txn.start, (txn.local["streams"],), None)
+        X, _ = scan(step, self.ops.batched, txn.start, (txn.local["streams"],), None)
         txn.emit("streams", X)
 
 
 class FFN(Sublayer):
     """y = MoE(h) + PLE_l(h); records the chosen experts in the `routes` rows."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, fast: bool):
-        super().__init__(c, params, layer, "ffn", fast)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels):
+        super().__init__(c, params, layer, "ffn", ops)
         self.name = f"layers.{layer}.ffn"
-        self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.")
+        self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", ops, self.name)
         self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.")
         self.experts = c.moe_experts
 
@@ -144,14 +145,15 @@ class FFN(Sublayer):
 
         def step(pos, X, ple, state):
             h, post, comb = self.mix_in(X)
-            weights, experts = self.moe.route(h)
+            weights, experts = self.moe.route(h, pos)
             txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
             routes[pos:pos + len(X), self.layer] = experts.to(routes.dtype)
-            y = self.moe(h, weights, experts, self.fast) + self.ple(h, ple)
+            y = self.moe(h, weights, experts) + self.ple(h, ple)
             return self.mix_out(X, y, post, comb), state
 
-        X, _ = scan(step, self.fast, txn.start, (txn.local["streams"], txn.local["ple"][:, self.layer]), None)
+        inputs = (txn.local["streams"], txn.local["ple"][:, self.layer])
+        X, _ = scan(step, self.ops.batched, txn.start, inputs, None)
         txn.emit("streams", X)
 
 
@@ -170,11 +172,12 @@ class Head:
         txn.write("logits", logits[0])
 
 
-def build_stages(c: HebrusConfig, params: Params, fast: bool) -> list:
-    stages: list = [Embed(c, params), PLE(c, params, fast)]
+def build_stages(c: HebrusConfig, params: Params, ops: Kernels) -> list:
+    """The stages, in order, running on the op table `ops` (see `model.kernels`)."""
+    stages: list = [Embed(c, params), PLE(c, params, ops)]
     rotary = RotaryTables(c, params["embed.weight"])
     for layer, kind in enumerate(c.layer_types):
-        mixer = GDNMixer(c, params, layer, fast) if kind == "gdn" else QSAMixer(c, params, layer, fast, rotary)
-        stages += [mixer, FFN(c, params, layer, fast)]
+        mixer = GDNMixer(c, params, layer, ops) if kind == "gdn" else QSAMixer(c, params, layer, ops, rotary)
+        stages += [mixer, FFN(c, params, layer, ops)]
     stages.append(Head(c, params))
     return stages

@@ -8,13 +8,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hebrus.ops.choose import top_k as choose_top_k
+
+
+def router_probs(logits: torch.Tensor) -> torch.Tensor:
+    """softmax in ≥ float32: the scores experts are chosen by  -> p [T, E]."""
+    return torch.softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
+
+
+def route_weights(p: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The chosen experts' probabilities, renormalised to sum to one  -> [T, k]."""
+    w = p.gather(-1, experts)
+    return w / w.sum(-1, keepdim=True)
+
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax in ≥ float32, top-k by a stable sort, renormalised -> (weights [T, k], experts [T, k])."""
-    p = torch.softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
-    order = torch.sort(p, dim=-1, descending=True, stable=True)
-    w, idx = order.values[:, :top_k], order.indices[:, :top_k]
-    return w / w.sum(-1, keepdim=True), idx
+    """The router softmax's top k (ties to the smaller id), renormalised  -> (weights, experts) [T, k]."""
+    p = router_probs(logits)
+    experts = choose_top_k(p, top_k)
+    return route_weights(p, experts), experts
 
 
 def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,32 @@ from __future__ import annotations
 
 import torch
 
+from hebrus.ops.choose import top_k as choose_top_k
+
 
 def index_scores(qi: torch.Tensor, iw: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
     """score(t, s) = Σ_h iw[t,h] · Hi^-½ · di^-½ · ReLU(qi[t,h] · ki[s])  -> [T, S]."""
     hi, di = qi.shape[1], qi.shape[2]
     dots = torch.relu(torch.einsum("thd,sd->ths", qi, ki))
     return torch.einsum("ths,th->ts", dots, iw * (hi ** -0.5 * di ** -0.5))
+
+
+def visible(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """scores with -inf past each query's own position: the candidates of its selection."""
+    seen = torch.arange(scores.shape[1], device=scores.device)[None, :] <= positions[:, None]
+    return scores.masked_fill(~seen, float("-inf"))
+
+
+def picked_rows(chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chosen [T, K] (a top-K of `visible` scores) -> (rows [T, K] ascending, valid [T, K]).
+
+    A query at position p has min(K, p+1) real choices; the other slots point at row 0 and
+    must be masked."""
+    K = chosen.shape[1]
+    valid = torch.arange(K, device=chosen.device)[None, :] <= positions[:, None]
+    picked = torch.where(valid, chosen, torch.iinfo(chosen.dtype).max)     # invalid sort last
+    picked = torch.sort(picked, dim=-1).values
+    return torch.where(valid, picked, 0), valid
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,16 +43,8 @@ def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[t
     highest scores among them, ties going to the smaller s. Returns (rows [T, K] ascending,
     valid [T, K]) with K = min(top_k, S); invalid slots point at row 0 and must be masked.
     """
-    S = scores.shape[1]
-    visible = torch.arange(S, device=scores.device)[None, :] <= positions[:, None]
-    masked = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
-    K = min(top_k, S)
-    picked = order[:, :K]
-    valid = torch.arange(K, device=scores.device)[None, :] <= positions[:, None]
-    picked = torch.where(valid, picked, S)                   # invalid sort last
-    picked = torch.sort(picked, dim=-1).values
-    return torch.where(valid, picked, 0), valid
+    K = min(top_k, scores.shape[1])
+    return picked_rows(choose_top_k(visible(scores, positions), K), positions)
 
 
 def sparse_attention(q, k_rows, v_rows, picked, valid) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""The op table a model is built with: chosen once, when the model is built, and handed to every
+layer (DESIGN §9). A mode is a table; so is the chooser, the one op that makes discrete choices.
+
+A chooser is called as `choose(site, start, scores, k, ordered)`: `site` names the stage that
+chooses, rows of `scores` [T, N] are the positions start..start+T-1, entries of -inf may not be
+chosen, and it returns indices [T, k], best first. `ordered` says whether the rank order of the
+choice matters downstream (experts: yes, their order is stored; attended rows: no, a set).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from hebrus.ops.choose import top_k
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+from hebrus.ops.moe import experts_grouped, experts_per_token
+
+
+class Chooser(Protocol):
+    def __call__(self, site: str, start: int, scores: torch.Tensor, k: int,
+                 ordered: bool = True) -> torch.Tensor: ...
+
+
+def choose_top_k(site: str, start: int, scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
+    """The default chooser: the spec's top-k, ties to the smaller index. No host sync."""
+    return top_k(scores, k)
+
+
+def delta_rule_batched(q, k, v, g, beta, state):
+    """The chunked (WY) form over a chunk; the recurrence for a single token."""
+    rule = gdn_chunked if q.shape[0] > 1 else gdn_recurrent
+    return rule(q, k, v, g, beta, state)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    batched: bool              # True: each stage runs the whole chunk at once; False: token by token
+    delta_rule: Callable       # (q, k, v, g, beta, state) -> (o, state)
+    experts: Callable          # (h, weights, experts, gate_up, down) -> y
+    choose: Chooser
+
+
+def kernels(mode: str, chooser: Chooser | None = None) -> Kernels:
+    """The table for `mode` ("exact" or "fast"), with `chooser` (default: `choose_top_k`)."""
+    choose = choose_top_k if chooser is None else chooser
+    if mode == "fast":
+        return Kernels(True, delta_rule_batched, experts_grouped, choose)
+    return Kernels(False, gdn_recurrent, experts_per_token, choose)
