@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hebrus
-from hebrus import verify
+from hebrus import bound
 
 KEEP_FLIPS = 20          # flips written to the JSON: those with the largest margins
 
@@ -50,9 +50,9 @@ def cases(args, vocab: int, rng: random.Random) -> list[tuple[list[int], list[li
 def errors(fast, exact, fast_logits, exact_logits) -> tuple[float, str, int]:
     """Largest relative error over floating owners and the logits (where), and how many rows of
     `routes` differ."""
-    owners = verify.owner_errors(fast, exact)
+    owners = bound.owner_errors(fast, exact)
     routes = int((fast.image.rows("routes") != exact.image.rows("routes")).flatten(1).any(-1).sum())
-    owners["logits"] = verify.relative_error(fast_logits, exact_logits)
+    owners["logits"] = bound.relative_error(fast_logits, exact_logits)
     where = max((name for name in owners if name != "routes"), key=owners.get)
     return owners[where], where, routes
 
@@ -60,7 +60,7 @@ def errors(fast, exact, fast_logits, exact_logits) -> tuple[float, str, int]:
 class Tally:
     """Everything measured for one dtype."""
 
-    def __init__(self, bound: verify.Bound):
+    def __init__(self, bound: bound.Bound):
         self.bound = bound
         self.errors: list[float] = []            # per replayed run: owners and logits
         self.score_errors: list[float] = []      # per replayed run: chooser scores
@@ -71,13 +71,13 @@ class Tally:
         self.tokens = 0
 
     def exact(self, recorder, label: str) -> None:
-        base = verify.Replayed.of(recorder)
+        base = bound.Replayed.of(recorder)
         self.choices += len(recorder.log)
         self.ties += base.ties
         self.closest = min(self.closest, (base.closest, f"{base.closest_where} ({label})"))
 
     def replayed(self, err: float, where: str, replayer, scales: dict, run: str) -> None:
-        one = verify.Replayed()
+        one = bound.Replayed()
         one.add(err, where, replayer, scales)
         self.errors.append(err)
         self.score_errors.append(one.score_error)
@@ -120,15 +120,15 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 
 
 def run_case(model, tokens, chunkings, label: str, tally: Tally) -> None:
-    ref, ref_logits, recorder = verify.record(model, tokens)
+    ref, ref_logits, recorder = bound.record(model, tokens)
     tally.exact(recorder, label)
     scales = recorder.scales()
     for sizes in chunkings:
         run = f"{label}, chunks {_describe(sizes)}"
-        s, logits, replayer = verify.replay(model, recorder, tokens, sizes)
+        s, logits, replayer = bound.replay(model, recorder, tokens, sizes)
         err, where, _ = errors(s, ref, logits, ref_logits)
         tally.replayed(err, where, replayer, scales, run)
-        own, own_logits = verify._run(model.with_mode("fast"), tokens, sizes)
+        own, own_logits = bound.run_chunks(model.with_mode("fast"), tokens, sizes)
         err, where, rows = errors(own, ref, own_logits, ref_logits)
         tally.own(err, f"{where} ({run})", rows, int(torch.argmax(own_logits)) != int(torch.argmax(ref_logits)))
         tally.tokens += len(tokens)
@@ -140,7 +140,7 @@ def _describe(sizes: list[int]) -> str:
 
 def measure(args, dtype: str, rng: random.Random) -> dict:
     model = hebrus.load(args.preset, dtype=dtype, device=args.device)
-    tally = Tally(verify.BOUNDS[model.dtype])
+    tally = Tally(bound.BOUNDS[model.dtype])
     started = time.perf_counter()
     for i, (ids, chunkings) in enumerate(cases(args, model.config.vocab_size, rng)):
         run_case(model, ids, chunkings, f"prompt {i}, {len(ids)} tokens", tally)

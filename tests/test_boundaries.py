@@ -483,3 +483,13 @@ def test_names_from_an_untrusted_file_cannot_drive_the_terminal(tiny, tmp_path, 
     assert main(["info", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\u202e" not in err and "\\x1b" in err
+
+
+def test_a_weight_that_does_not_fit_the_models_dtype_is_refused_at_load(tiny, tmp_path):
+    """Finite in the file, infinite after the cast: every chunk would have been non-finite."""
+    params = {k: v.clone() for k, v in tiny.named_parameters()}
+    params["layers.0.gdn.out_proj.weight"][0, 0] = 1e5
+    hebrus.Model(tiny.config, params).save(tmp_path)
+    assert hebrus.load(tmp_path).session().feed([1]) is not None
+    with pytest.raises(hebrus.InvalidInput, match="layers.0.gdn.out_proj.weight does not fit in torch.float16"):
+        hebrus.load(tmp_path, dtype="float16")

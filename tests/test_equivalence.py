@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hebrus.verify import BOUNDS, fast_greedy_like_exact, compare_replayed
+from hebrus.bound import BOUNDS, compare_replayed
+from hebrus.verify import fast_greedy_like_exact
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import tokens
 
-from hebrus import verify
+from hebrus import bound, verify
 from hebrus.model.kernels import choose_top_k
 from hebrus.model.replay import Recorder, Replayer
 from hebrus.ops.choose import top_k
@@ -47,7 +47,7 @@ def _feed(model, ids, sizes=None):
 
 
 def _float_error(fast, exact) -> float:
-    errors = verify.owner_errors(fast, exact)
+    errors = bound.owner_errors(fast, exact)
     return max(err for name, err in errors.items() if name != "routes")
 
 
@@ -56,26 +56,26 @@ def test_a_near_tie_flips_a_route_and_the_replayed_check_explains_it(twin_expert
     # What the old check saw: a route flipped, and everything after it moved far past 1e-5.
     assert not torch.equal(fast.image.rows("routes"), exact.image.rows("routes"))
     assert _float_error(fast, exact) > 1e-5
-    result = verify.compare_replayed(twin_experts.with_mode("fast"), IDS, CHUNKINGS)
-    bound = verify.BOUNDS[torch.float32]
-    assert result.problems(bound) == [], result.problems(bound)
+    result = bound.compare_replayed(twin_experts.with_mode("fast"), IDS, CHUNKINGS)
+    limit = bound.BOUNDS[torch.float32]
+    assert result.problems(limit) == [], result.problems(limit)
     assert result.flips and all(margin <= 1e-6 for margin, _ in result.flips)
-    assert result.error <= bound.tolerance
+    assert result.error <= limit.tolerance
 
 
 def test_a_near_tie_of_the_real_router_fails_the_old_check_and_passes_the_new(tiny, tiny_fast):
-    old = verify.state_error(_feed(tiny_fast, NEAR_TIE, NEAR_TIE_CHUNKS), _feed(tiny, NEAR_TIE))
+    old = bound.state_error(_feed(tiny_fast, NEAR_TIE, NEAR_TIE_CHUNKS), _feed(tiny, NEAR_TIE))
     assert old == (float("inf"), "routes")                  # the old check: a failure
-    result = verify.compare_replayed(tiny_fast, NEAR_TIE, [NEAR_TIE_CHUNKS])
-    assert result.problems(verify.BOUNDS[torch.float32]) == []
+    result = bound.compare_replayed(tiny_fast, NEAR_TIE, [NEAR_TIE_CHUNKS])
+    assert result.problems(bound.BOUNDS[torch.float32]) == []
     assert [(f.site, f.position, f.recorded, f.own) for _, f in result.flips] == [
         ("layers.3.ffn", 62, (2, 1), (2, 0))]
     assert result.flips[0][0] < 1e-6
 
 
 def test_the_replayer_makes_fast_follow_exacts_routes(twin_experts):
-    exact, _, recorder = verify.record(twin_experts, IDS)
-    fast, _, replayer = verify.replay(twin_experts, recorder, IDS, [13, 27])
+    exact, _, recorder = bound.record(twin_experts, IDS)
+    fast, _, replayer = bound.replay(twin_experts, recorder, IDS, [13, 27])
     assert replayer.flips, "the case must contain a flip for this test to mean anything"
     assert torch.equal(fast.image.rows("routes")[:40], exact.image.rows("routes")[:40])
     routes = exact.image.rows("routes")

@@ -1,7 +1,6 @@
 """`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -31,8 +30,7 @@ class Model:
         device = _device(device)
         # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
         # read from a file need not be aligned; exact mode must not depend on where bytes came from.
-        placed = {name: t.to(device=device, dtype=storage_dtype(name, dtype), copy=True)
-                  for name, t in params.items()}
+        placed = {name: _place(name, t, device, storage_dtype(name, dtype)) for name, t in params.items()}
         self._build(config, placed, device, dtype, mode, chooser)
 
     def _build(self, config, params, device, dtype, mode, chooser=None) -> None:
@@ -88,6 +86,17 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     config, params = checkpoint.load(path)
     return Model(config, params, device=device, dtype=dtype, mode=mode)
+
+
+def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh copy in the model's dtype; a weight that does not fit that dtype (1e5 in float16)
+    would turn every chunk non-finite, so it is refused here."""
+    placed = tensor.to(device=device, dtype=dtype, copy=True)
+    if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
+        what = "is not finite" if not bool(torch.isfinite(tensor).all()) else f"does not fit in {dtype}"
+        raise InvalidInput(f"weight {name} {what} (largest magnitude {float(tensor.double().abs().max()):.3g}); "
+                           f"load the model in a wider dtype")
+    return placed
 
 
 def _device(device: str | torch.device) -> torch.device:
