@@ -493,3 +493,10 @@ def test_a_weight_that_does_not_fit_the_models_dtype_is_refused_at_load(tiny, tm
     assert hebrus.load(tmp_path).session().feed([1]) is not None
     with pytest.raises(hebrus.InvalidInput, match="layers.0.gdn.out_proj.weight does not fit in torch.float16"):
         hebrus.load(tmp_path, dtype="float16")
+
+
+def test_non_finite_weights_are_refused_when_a_model_is_built(tiny):
+    params = {k: v.clone() for k, v in tiny.named_parameters()}
+    params["norm.weight"][0] = float("nan")
+    with pytest.raises(hebrus.InvalidInput, match="norm.weight holds NaN"):
+        hebrus.Model(tiny.config, params)

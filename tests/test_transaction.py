@@ -78,10 +78,12 @@ def test_unknown_fault_kind_and_stage_are_rejected(tiny):
 # ---- real failures, not injected ------------------------------------------------------------
 
 def _model_with(tiny, **overrides):
-    params = {k: v.clone() for k, v in tiny.named_parameters()}
+    """A model whose weights go bad after loading (loading itself refuses non-finite weights)."""
+    model = hebrus.Model(tiny.config, {k: v.clone() for k, v in tiny.named_parameters()}, mode=tiny.mode)
+    params = dict(model.named_parameters())
     for name, fill in overrides.items():
         params[name].view(-1)[0] = fill
-    return hebrus.Model(tiny.config, params, mode=tiny.mode)
+    return model
 
 
 def test_real_nan_in_a_layer_is_caught_at_that_layer(tiny):

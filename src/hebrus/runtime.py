@@ -93,9 +93,10 @@ def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.d
     would turn every chunk non-finite, so it is refused here."""
     placed = tensor.to(device=device, dtype=dtype, copy=True)
     if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
-        what = "is not finite" if not bool(torch.isfinite(tensor).all()) else f"does not fit in {dtype}"
-        raise InvalidInput(f"weight {name} {what} (largest magnitude {float(tensor.double().abs().max()):.3g}); "
-                           f"load the model in a wider dtype")
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")
+        raise InvalidInput(f"weight {name} does not fit in {dtype} (largest magnitude "
+                           f"{float(tensor.double().abs().max()):.3g}); load the model in a wider dtype")
     return placed
 
 
