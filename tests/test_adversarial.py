@@ -26,8 +26,8 @@ import hebrus
 from hebrus.state.image import Image
 
 LONG = os.environ.get("HEBRUS_HYPOTHESIS") == "long"
-STEPS = 60 if LONG else 24
-EXAMPLES = 300 if LONG else 40
+STEPS = 40 if LONG else 24
+EXAMPLES = 120 if LONG else 40
 CONTEXT = 48
 SENTINEL = -31.0
 

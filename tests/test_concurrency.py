@@ -5,6 +5,7 @@ Each race is forced, not hoped for: one thread is parked at a chosen point (a Ga
 other runs until it finishes or blocks on the lock.
 """
 import threading
+import time
 import types
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import hebrus
 import hebrus.state.image
+from hebrus.state.image import Image
 from conftest import tokens
 from races import Gate, WatchedLock, Worker
 
@@ -100,30 +102,48 @@ def _digests_along(model, warm, chunks):
 @pytest.mark.parametrize("call", ["feed", "prefill"])
 def test_returned_logits_belong_to_the_callers_chunk(tiny, monkeypatch, call):
     """Finding: feed()/prefill() read the session's logits after releasing the lock, so a
-    delayed thread could return another thread's logits."""
+    delayed thread could return another thread's logits. Thread A parks right after its chunk
+    publishes, while B waits for the lock; if A then reads the logits through the `logits`
+    property (outside the transaction) it parks there too, until B has published."""
     s = tiny.session()
     mine, theirs = tokens(6, seed=6), tokens(5, seed=7)
-    ref = tiny.session()
-    expected = ref.feed(mine)
+    expected = tiny.session().feed(mine)
     a = Worker(lambda: getattr(s, call)(mine))
-    gate = Gate(park=lambda: threading.get_ident() == a.ident)
-    real = hebrus.Session.logits
+    published = Gate(park=lambda: threading.get_ident() == a.ident)
+    late_read = Gate(park=lambda: threading.get_ident() == a.ident)
+    real_publish, real_logits = Image.publish, hebrus.Session.logits
 
-    def parked_logits(self):
-        gate()
-        return real.fget(self)
+    def publish_then_park(self, record):
+        real_publish(self, record)
+        published()
 
-    monkeypatch.setattr(hebrus.Session, "logits", property(parked_logits))
+    def park_then_read(self):
+        late_read()
+        return real_logits.fget(self)
+
+    monkeypatch.setattr(Image, "publish", publish_then_park)
+    monkeypatch.setattr(hebrus.Session, "logits", property(park_then_read))
     WatchedLock.install(s)
     a.start()
-    a.wait_settled()                      # parked before reading the logits, or done
+    assert published.arrived.wait(20)
     b = Worker(lambda: s.feed(theirs))
     b.start()
-    b.wait_settled()
-    gate.release()
+    b.wait_settled()                      # b waits for the lock a holds
+    published.release()
+    _until(lambda: not a.is_alive() or late_read.arrived.is_set())
+    if late_read.arrived.is_set():        # a reads outside its transaction: let b publish first
+        b.finish()
+    late_read.release()
     a.finish(), b.finish()
     assert a.error is None and b.error is None
     assert torch.equal(a.result, expected)
+
+
+def _until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.001)
 
 
 def test_logits_property_reads_one_published_image(tiny):

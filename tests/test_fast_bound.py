@@ -6,7 +6,7 @@ import torch
 from conftest import tokens
 
 from hebrus import bound, verify
-from hebrus.model.kernels import choose_top_k
+from hebrus.model.kernels import top_k_chooser
 from hebrus.model.replay import Recorder, Replayer
 from hebrus.ops.choose import top_k
 from hebrus.runtime import Model
@@ -87,7 +87,7 @@ def test_the_replayer_makes_fast_follow_exacts_routes(twin_experts):
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_a_chooser_that_chooses_like_the_default_changes_no_bit(tiny, mode):
     model = tiny.with_mode(mode)
-    assert model.kernels.choose is choose_top_k
+    assert model.kernels.choose is top_k_chooser
     want = _feed(model, IDS, [13, 27]).digest()
     recorder = Recorder()
     assert _feed(tiny.with_mode(mode, recorder), IDS, [13, 27]).digest() == want

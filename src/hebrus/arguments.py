@@ -12,11 +12,12 @@ import numpy as np
 import torch
 
 from hebrus.errors import InvalidInput
+from hebrus.text import shown
 
 SEED_RANGE = (-(2**63), 2**64)        # what torch.Generator.manual_seed accepts
 
 
-INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                   torch.uint16, torch.uint32, torch.uint64)
 
 
@@ -66,7 +67,7 @@ def _from_tensor(ids: torch.Tensor) -> torch.Tensor:
         raise InvalidInput(f"token ids must be a dense tensor, got layout {ids.layout}")
     if ids.device.type == "meta":
         raise InvalidInput("token ids are on the meta device: they have no values")
-    if ids.dtype not in INTEGER_DTYPES:
+    if ids.dtype not in ID_DTYPES:
         raise InvalidInput(f"token ids must be integers, got a tensor of dtype {ids.dtype}")
     if ids.dim() != 1:
         raise InvalidInput(f"token ids must be one-dimensional, got shape {tuple(ids.shape)}")
@@ -87,19 +88,17 @@ def storage_covers(t: torch.Tensor) -> bool:
 
 
 def _from_sequence(ids) -> torch.Tensor:
-    for i, x in enumerate(ids):
+    try:
+        items = list(ids)                      # one walk: what is checked is what is converted
+    except Exception as exc:
+        raise InvalidInput(f"could not read the token ids: {type(exc).__name__}: {exc}") from None
+    for i, x in enumerate(items):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
             raise InvalidInput(f"token ids must be integers; item {i} is {shown(x)}")
     try:
-        return torch.tensor(list(ids), dtype=torch.int64)
+        return torch.tensor(items, dtype=torch.int64)
     except (OverflowError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"token ids must fit in int64: {exc}") from None
-
-
-def shown(value, width: int = 60) -> str:
-    """repr(value), cut to `width` characters: a message never prints a 400-digit number."""
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def in_vocabulary(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -65,16 +65,12 @@ def owner_errors(fast_session, exact_session) -> dict[str, float]:
     """Per owner of the public image: the relative error, or for an integer owner 0 (equal) / inf."""
     out = {}
     for spec in exact_session.image.specs:
-        a, b = (_public(s, spec) for s in (fast_session, exact_session))
+        a, b = (s.image.value(spec.name) for s in (fast_session, exact_session))
         if b.is_floating_point():
             out[spec.name] = relative_error(a, b)
         else:
             out[spec.name] = 0.0 if torch.equal(a, b) else float("inf")
     return out
-
-
-def _public(session, spec) -> torch.Tensor:
-    return session.image.read(spec.name) if spec.kind == "banked" else session.image.rows(spec.name)
 
 
 def state_error(fast_session, exact_session) -> tuple[float, str]:

@@ -7,8 +7,9 @@ import sys
 import time
 
 from hebrus.config import PRESETS
-from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput, escaped
+from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
+from hebrus.text import escaped
 
 
 MODEL_HELP = f"a preset ({', '.join(PRESETS)}) or a checkpoint directory (default: tiny)"
@@ -20,11 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if sys.stdout is None:
-        print("hebrus: error: standard output is closed", file=sys.stderr)
-        return 2
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")       # an ASCII terminal still shows something
     try:
         return args.handler(args)
     except InvalidInput as exc:
@@ -172,5 +168,15 @@ def _info(args) -> int:
     return 0
 
 
+def console() -> int:
+    """The `hebrus` command: the process's streams made safe, then `main`."""
+    if sys.stdout is None:
+        print("hebrus: error: standard output is closed", file=sys.stderr)
+        return 2
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")       # an ASCII terminal still shows something
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 from hebrus.errors import InvalidInput
-from hebrus.weights.limits import bounded, canonical, json_kind, shown, value_problems
+from hebrus.text import shown
+from hebrus.weights.limits import bounded, canonical, json_kind, value_problems
 
 LAYER_KINDS = ("gdn", "qsa")
 # What loading a checkpoint may allocate, from its config alone (`weights.layout.load_bytes`):

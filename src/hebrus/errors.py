@@ -6,8 +6,6 @@ public state is exactly what it was before the call.
 """
 from __future__ import annotations
 
-import unicodedata
-
 FAULT_KINDS = ("structural", "nonfinite", "alloc", "command", "status")
 
 
@@ -71,20 +69,3 @@ ERROR_CLASSES: dict[str, type[ChunkAborted]] = {
     cls.kind: cls
     for cls in (StructuralError, NonFiniteError, AllocationError, CommandError, DeviceStatusError)
 }
-
-
-# Bidirectional controls reorder what a terminal shows (U+202E makes text read backwards).
-_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def hidden(c: str) -> bool:
-    """Would this character drive or reorder a terminal (a control other than newline and tab,
-    or a bidi control)?"""
-    return c in _BIDI_CONTROLS or (c not in "\n\t" and unicodedata.category(c) == "Cc")
-
-
-def escaped(text: str, lines: bool = True) -> str:
-    """`text` with every such character written as an escape (newlines too unless `lines`):
-    for messages that quote names from untrusted files."""
-    return "".join(c.encode("unicode_escape").decode() if hidden(c) or (c == "\n" and not lines) else c
-                   for c in text)

@@ -27,15 +27,14 @@ class Model:
     def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
                  chooser: Chooser | None = None):
-        device = _device(device)
+        device, mode = _device(device), _mode(mode)
         # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
         # read from a file need not be aligned; exact mode must not depend on where bytes came from.
         placed = {name: _place(name, t, device, storage_dtype(name, dtype)) for name, t in params.items()}
         self._build(config, placed, device, dtype, mode, chooser)
 
     def _build(self, config, params, device, dtype, mode, chooser=None) -> None:
-        if not isinstance(mode, str) or mode not in MODES:
-            raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+        mode = _mode(mode)
         self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
@@ -75,9 +74,7 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     """A preset name (randomly initialised from the config's seed) or a checkpoint directory.
     Every argument is checked before anything is read or allocated; bad ones raise InvalidInput."""
     dtype = resolve_dtype(dtype)
-    device = _device(device)
-    if not isinstance(mode, str) or mode not in MODES:
-        raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    device, mode = _device(device), _mode(mode)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
         return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
@@ -86,6 +83,12 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     config, params = checkpoint.load(path)
     return Model(config, params, device=device, dtype=dtype, mode=mode)
+
+
+def _mode(mode) -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise InvalidInput(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    return mode
 
 
 def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, Structura
 from hebrus.sampling import sample
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image
-from hebrus.state.owners import BANKED
+from hebrus.state.owners import bank_bytes
 from hebrus.state.txn import Transaction
 
 
@@ -37,15 +37,14 @@ class Session:
         self.config = model.config
         self.budget = MemoryBudget(memory_budget)
         try:
-            self.budget.hold(2 * sum(s.nbytes for s in model.owners if s.kind == BANKED),
-                             "the session's two banks")
+            self.budget.hold(bank_bytes(model.owners), "the session's two banks")
         except Refused as exc:
             raise InvalidInput(f"memory_budget too small for a session of this model: {exc}") from None
         self.image = _allocate_image(model)
         self._stage_names = model.stage_names
         self._weights = frozenset(p.untyped_storage().data_ptr() for _, p in model.named_parameters())
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
-        self._busy = False
+        self._inside: int | None = None         # the thread running a call on this session
 
     @contextmanager
     def _exclusive(self):
@@ -53,14 +52,14 @@ class Session:
         handler or a hook that calls back into the session) is refused, not left waiting for
         itself forever."""
         with self._lock:
-            if self._busy:
+            if self._inside is not None:        # only this thread can hold the lock here
                 raise InvalidInput("session busy: a call on this session is already running in this thread "
                                    "(a re-entrant call from a signal handler or a hook); call it afterwards")
-            self._busy = True
             try:
+                self._inside = threading.get_ident()
                 yield
             finally:
-                self._busy = False
+                self._inside = None
 
     # ---- reading the public image ----------------------------------------------------------
     @property
@@ -116,18 +115,26 @@ class Session:
         return self._generate(prompt, max_new_tokens, temperature, top_p, generator, chunk_size)
 
     def _generate(self, prompt, max_new_tokens, temperature, top_p, generator, chunk_size):
-        logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
-        for _ in range(max_new_tokens):
-            token = sample(logits, temperature, top_p, generator)
-            logits = self.feed([token])
-            yield token
+        start = self.frontier
+        try:
+            logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
+            for _ in range(max_new_tokens):
+                token = sample(logits, temperature, top_p, generator)
+                logits = self.feed([token])
+                yield token
+        except GeneratorExit:                     # the caller closed the generator
+            raise
+        except BaseException as exc:              # Ctrl-C: the token may be committed, not yet yielded
+            _published(exc, self.frontier - start)
+            raise
 
     def _prefill(self, tokens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        start = self.frontier
         for begin in range(0, len(tokens), chunk_size):
             try:
                 logits = self._transact(tokens[begin:begin + chunk_size], None)
-            except ChunkAborted as exc:
-                exc.with_published(begin)
+            except BaseException as exc:
+                _published(exc, self.frontier - start)
                 raise
         return logits
 
@@ -183,6 +190,18 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+def _published(exc: BaseException, count: int) -> None:
+    """Tell the caller of a multi-transaction call how many of its tokens were committed
+    before `exc` (a signal's exception can arrive after a chunk published)."""
+    if isinstance(exc, ChunkAborted):
+        exc.with_published(count)
+        return
+    try:
+        exc.published = count
+    except AttributeError:                      # an exception type that takes no attributes
+        pass
 
 
 def _abort_error(stage: str, exc: Exception) -> ChunkAborted:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import codecs
 
-from hebrus.errors import InvalidInput, hidden
+from hebrus.errors import InvalidInput
+from hebrus.text import hidden
 
 
 def encode(text: str) -> list[int]:

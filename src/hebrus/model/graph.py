@@ -53,8 +53,8 @@ class Embed:
 class PLE:
     name = "ple"
 
-    def __init__(self, c: HebrusConfig, params: Params, ops: Kernels):
-        self.ple, self.ops, self.keep = PerLayerEmbedding(c, params), ops, c.ple_ngram - 1
+    def __init__(self, c: HebrusConfig, params: Params, kernels: Kernels):
+        self.ple, self.kernels, self.keep = PerLayerEmbedding(c, params), kernels, c.ple_ngram - 1
         self.vocab = c.vocab_size
 
     def run(self, txn) -> None:
@@ -65,7 +65,7 @@ class PLE:
             txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
         ids = ids.clamp(0, self.vocab - 1)
-        ple, conv = scan(self._step, self.ops.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
+        ple, conv = scan(self._step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
         txn.emit("ple", ple)
         txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
         txn.write("ple.conv", conv)
@@ -78,9 +78,9 @@ class PLE:
 class Sublayer:
     """Shared shape of the mixer and ffn stages: mHC pre, RMSNorm, the sublayer, mHC post."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, part: str, ops: Kernels):
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
-        self.layer, self.ops, self.eps = layer, ops, c.rms_norm_eps
+        self.layer, self.kernels, self.eps = layer, kernels, c.rms_norm_eps
         self.hc = HyperConnection(c, params, f"{p}{part}_hc")
         self.norm = params[f"{p}{part}_norm.weight"]
 
@@ -94,14 +94,14 @@ class Sublayer:
 
 
 class GDNMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels):
-        super().__init__(c, params, layer, "mixer", ops)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels):
+        super().__init__(c, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.gdn"
         self.gdn = GatedDeltaNet(c, params, self.name + ".")
 
     def run(self, txn) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
-        X, (conv_state, S) = scan(self._step, self.ops.batched, txn.start, (txn.local["streams"],),
+        X, (conv_state, S) = scan(self._step, self.kernels.batched, txn.start, (txn.local["streams"],),
                                   (txn.read(conv).T, txn.read(rec)))
         txn.write(conv, conv_state.T)
         txn.write(rec, S)
@@ -109,15 +109,15 @@ class GDNMixer(Sublayer):
 
     def _step(self, pos, X, state):
         h, post, comb = self.mix_in(X)
-        y, conv_state, S = self.gdn(h, *state, self.ops.delta_rule)
+        y, conv_state, S = self.gdn(h, *state, self.kernels.delta_rule)
         return self.mix_out(X, y, post, comb), (conv_state, S)
 
 
 class QSAMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels, rotary: RotaryTables):
-        super().__init__(c, params, layer, "mixer", ops)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels, rotary: RotaryTables):
+        super().__init__(c, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.qsa"
-        self.attn = SparseAttention(c, params, self.name + ".", rotary, ops)
+        self.attn = SparseAttention(c, params, self.name + ".", rotary, kernels)
 
     def run(self, txn) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in ("k", "v", "index")]
@@ -126,17 +126,17 @@ class QSAMixer(Sublayer):
             h, post, comb = self.mix_in(X)
             return self.mix_out(X, self.attn(h, pos, *rows, txn.check_range), post, comb), state
 
-        X, _ = scan(step, self.ops.batched, txn.start, (txn.local["streams"],), None)
+        X, _ = scan(step, self.kernels.batched, txn.start, (txn.local["streams"],), None)
         txn.emit("streams", X)
 
 
 class FFN(Sublayer):
     """y = MoE(h) + PLE_l(h); records the chosen experts in the `routes` rows."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, ops: Kernels):
-        super().__init__(c, params, layer, "ffn", ops)
+    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels):
+        super().__init__(c, params, layer, "ffn", kernels)
         self.name = f"layers.{layer}.ffn"
-        self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", ops, self.name)
+        self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", kernels, self.name)
         self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.")
         self.experts = c.moe_experts
 
@@ -153,7 +153,7 @@ class FFN(Sublayer):
             return self.mix_out(X, y, post, comb), state
 
         inputs = (txn.local["streams"], txn.local["ple"][:, self.layer])
-        X, _ = scan(step, self.ops.batched, txn.start, inputs, None)
+        X, _ = scan(step, self.kernels.batched, txn.start, inputs, None)
         txn.emit("streams", X)
 
 
@@ -172,12 +172,15 @@ class Head:
         txn.write("logits", logits[0])
 
 
-def build_stages(c: HebrusConfig, params: Params, ops: Kernels) -> list:
-    """The stages, in order, running on the op table `ops` (see `model.kernels`)."""
-    stages: list = [Embed(c, params), PLE(c, params, ops)]
+def build_stages(c: HebrusConfig, params: Params, kernels: Kernels) -> list:
+    """The stages, in order, running on the op table `kernels` (see `model.kernels`)."""
+    stages: list = [Embed(c, params), PLE(c, params, kernels)]
     rotary = RotaryTables(c, params["embed.weight"])
     for layer, kind in enumerate(c.layer_types):
-        mixer = GDNMixer(c, params, layer, ops) if kind == "gdn" else QSAMixer(c, params, layer, ops, rotary)
-        stages += [mixer, FFN(c, params, layer, ops)]
+        if kind == "gdn":
+            mixer = GDNMixer(c, params, layer, kernels)
+        else:
+            mixer = QSAMixer(c, params, layer, kernels, rotary)
+        stages += [mixer, FFN(c, params, layer, kernels)]
     stages.append(Head(c, params))
     return stages

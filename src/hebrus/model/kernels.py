@@ -23,7 +23,7 @@ class Chooser(Protocol):
                  ordered: bool = True) -> torch.Tensor: ...
 
 
-def choose_top_k(site: str, start: int, scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
+def top_k_chooser(site: str, start: int, scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """The default chooser: the spec's top-k, ties to the smaller index. No host sync."""
     return top_k(scores, k)
 
@@ -43,8 +43,8 @@ class Kernels:
 
 
 def kernels(mode: str, chooser: Chooser | None = None) -> Kernels:
-    """The table for `mode` ("exact" or "fast"), with `chooser` (default: `choose_top_k`)."""
-    choose = choose_top_k if chooser is None else chooser
+    """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`)."""
+    choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
         return Kernels(True, delta_rule_batched, experts_grouped, choose)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

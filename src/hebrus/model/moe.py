@@ -1,31 +1,31 @@
 """Routed experts with a gated shared expert, and the per-layer-embedding branch of the ffn."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from hebrus.config import HebrusConfig
 from hebrus.model.kernels import Kernels
-from hebrus.ops.moe import route_weights, router_probs
+from hebrus.ops.moe import route
 from hebrus.ops.norm import rms_norm
 
 
 class MixtureOfExperts:
-    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, ops: Kernels, site: str):
+    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels, site: str):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.router, self.gate_up, self.down = w["router.weight"], w["experts.gate_up"], w["experts.down"]
         self.s_gate, self.s_up = w["shared.gate_proj.weight"], w["shared.up_proj.weight"]
         self.s_down, self.shared_gate = w["shared.down_proj.weight"], w["shared_gate.weight"]
-        self.top_k, self.ops, self.site = c.moe_top_k, ops, site
+        self.top_k, self.kernels, self.site = c.moe_top_k, kernels, site
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
-        p = router_probs(F.linear(h, self.router))
-        experts = self.ops.choose(self.site, start, p, self.top_k, True)
-        return route_weights(p, experts), experts
+        return route(F.linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start))
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        routed = self.ops.experts(h, weights, experts, self.gate_up, self.down)
+        routed = self.kernels.experts(h, weights, experts, self.gate_up, self.down)
         shared = F.linear(F.silu(F.linear(h, self.s_gate)) * F.linear(h, self.s_up), self.s_down)
         return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * shared
 

@@ -1,13 +1,15 @@
 """Query-selected sparse attention with its indexer, over append-only K/V/index rows."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from hebrus.config import HebrusConfig
 from hebrus.model.kernels import Kernels
 from hebrus.ops.norm import layer_norm, rms_norm
-from hebrus.ops.qsa import index_scores, picked_rows, sparse_attention, visible
+from hebrus.ops.qsa import index_scores, select, sparse_attention
 from hebrus.ops.rope import apply_rope, rope_tables
 from hebrus.state.status import Status
 
@@ -29,9 +31,9 @@ class RotaryTables:
 
 class SparseAttention:
     def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, rotary: RotaryTables,
-                 ops: Kernels):
+                 kernels: Kernels):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
-        self.w, self.choose, self.site = w, ops.choose, prefix.removesuffix(".")
+        self.w, self.choose, self.site = w, kernels.choose, prefix.removesuffix(".")
         self.hq, self.hkv, self.dh = c.qsa_heads, c.qsa_kv_heads, c.qsa_head_dim
         self.hi, self.di, self.top_k = c.qsa_index_heads, c.qsa_index_dim, c.qsa_top_k
         self.eps = c.rms_norm_eps
@@ -63,8 +65,6 @@ class SparseAttention:
         return F.linear((o * gate).flatten(1), w["o_proj.weight"])
 
     def select(self, scores: torch.Tensor, start: int, positions: torch.Tensor):
-        """The rows each query attends to: the top_k of its visible scores (`ops.qsa.select`,
-        with the model's chooser making the choice)."""
-        K = min(self.top_k, scores.shape[1])
-        chosen = self.choose(self.site, start, visible(scores, positions), K, False)
-        return picked_rows(chosen, positions)
+        """The rows each query attends to: the top_k of its visible scores, the model's chooser
+        making the choice (a set: rank order does not matter)."""
+        return select(scores, positions, self.top_k, partial(self.choose, self.site, start, ordered=False))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hebrus.model.kernels import Chooser, choose_top_k
+from hebrus.model.kernels import Chooser, top_k_chooser
 from hebrus.ops.choose import gaps
 
 
@@ -62,7 +62,7 @@ def score_distance(own: Choice, recorded: Choice) -> float:
 class Recorder:
     """Chooses with `inner` and logs every choice: `log[(site, position)] -> Choice`."""
 
-    def __init__(self, inner: Chooser = choose_top_k):
+    def __init__(self, inner: Chooser = top_k_chooser):
         self.inner = inner
         self.log: dict[tuple[str, int], Choice] = {}
 
@@ -87,7 +87,7 @@ class Replayer:
     of its scores from the recorded ones (rows with something to choose), and returns the
     recorded choice."""
 
-    def __init__(self, log: dict[tuple[str, int], Choice], inner: Chooser = choose_top_k):
+    def __init__(self, log: dict[tuple[str, int], Choice], inner: Chooser = top_k_chooser):
         self.log, self.inner = log, inner
         self.flips: list[Flip] = []
         self.distances: dict[str, tuple[float, int]] = {}      # site -> (largest distance, position)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hebrus.ops.choose import top_k as choose_top_k
+from hebrus.ops.choose import top_k as best_k
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -22,10 +22,11 @@ def route_weights(p: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return w / w.sum(-1, keepdim=True)
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router softmax's top k (ties to the smaller id), renormalised  -> (weights, experts) [T, k]."""
+def route(logits: torch.Tensor, top_k: int, choose=best_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router softmax's top k, renormalised  -> (weights, experts) [T, k], best first.
+    `choose(p, k)` makes the choice (default: ties to the smaller id)."""
     p = router_probs(logits)
-    experts = choose_top_k(p, top_k)
+    experts = choose(p, top_k)
     return route_weights(p, experts), experts
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.ops.choose import top_k as choose_top_k
+from hebrus.ops.choose import top_k as best_k
 
 
 def index_scores(qi: torch.Tensor, iw: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
@@ -36,15 +36,17 @@ def picked_rows(chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Te
     return torch.where(valid, picked, 0), valid
 
 
-def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int,
+           choose=best_k) -> tuple[torch.Tensor, torch.Tensor]:
     """For each query row t (at absolute position positions[t]) pick the rows it attends to.
 
     If positions[t] + 1 <= top_k every row s <= positions[t] is picked; otherwise the top_k
-    highest scores among them, ties going to the smaller s. Returns (rows [T, K] ascending,
-    valid [T, K]) with K = min(top_k, S); invalid slots point at row 0 and must be masked.
+    highest scores among them, ties going to the smaller s (`choose(scores, k)` makes the choice).
+    Returns (rows [T, K] ascending, valid [T, K]) with K = min(top_k, S); invalid slots point at
+    row 0 and must be masked.
     """
     K = min(top_k, scores.shape[1])
-    return picked_rows(choose_top_k(visible(scores, positions), K), positions)
+    return picked_rows(choose(visible(scores, positions), K), positions)
 
 
 def sparse_attention(q, k_rows, v_rows, picked, valid) -> torch.Tensor:

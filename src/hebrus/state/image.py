@@ -34,10 +34,6 @@ class Image:
         empty = tuple(torch.empty((0,) + s.shape, dtype=s.dtype, device=device) for s in self.appended)
         self.public = Published(bank=0, frontier=0, storages=empty)
 
-    @property
-    def bank_bytes(self) -> int:
-        return 2 * sum(s.nbytes for s in self.banked)
-
     def read(self, name: str) -> torch.Tensor:
         """The public value of a banked owner."""
         return self.banks[self.public.bank][name]
@@ -45,6 +41,10 @@ class Image:
     def rows(self, name: str) -> torch.Tensor:
         """The public rows [0, frontier) of an appended owner."""
         return self.public.storages[self.slot[name]][: self.public.frontier]
+
+    def value(self, name: str) -> torch.Tensor:
+        """The public value of any owner: a banked owner's tensor, or an appended owner's rows."""
+        return self.rows(name) if name in self.slot else self.read(name)
 
     def publish(self, record: Published) -> None:
         self.public = record                                    # the publication point

@@ -9,6 +9,7 @@ complete. Other threads never run Python-level handlers, so there nothing needs 
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -24,12 +25,18 @@ class deferred_signals:
 
     def __enter__(self) -> "deferred_signals":
         self._originals, self._held, self._active = {}, [], True
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        try:
             for signum in DEFERRED:
                 handler = signal.getsignal(signum)
                 if callable(handler):
                     self._originals[signum] = handler
                     signal.signal(signum, self._hold)
+        except BaseException:                        # a handler ran (and raised) while installing
+            self._active = False
+            self._restore()
+            raise
         return self
 
     def _hold(self, signum, frame) -> None:
@@ -40,8 +47,31 @@ class deferred_signals:
 
     def __exit__(self, *exc_info) -> bool:
         self._active = False
-        for signum, handler in self._originals.items():
-            signal.signal(signum, handler)
-        for signum, frame in self._held:
-            self._originals[signum](signum, frame)   # may raise; publication is already done
+        try:
+            self._restore()
+        finally:
+            self._deliver()
         return False
+
+    def _restore(self) -> None:
+        """Put every original handler back, even if a signal interrupts one of the calls."""
+        pending = list(self._originals.items())
+        while pending:
+            signum, handler = pending.pop()
+            try:
+                signal.signal(signum, handler)
+            except BaseException:
+                for other, original in pending:
+                    signal.signal(other, original)
+                raise
+
+    def _deliver(self) -> None:
+        """Run the held signals' handlers; if one raises, the later ones are sent again so
+        their handlers still run (from the next bytecode on)."""
+        for i, (signum, frame) in enumerate(self._held):
+            try:
+                self._originals[signum](signum, frame)
+            except BaseException:
+                for later, _ in self._held[i + 1:]:
+                    os.kill(os.getpid(), later)
+                raise

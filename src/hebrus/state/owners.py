@@ -26,3 +26,8 @@ class OwnerSpec:
     def nbytes(self) -> int:
         """Bytes of one bank's copy (banked) or of one row (appended)."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def bank_bytes(specs: list[OwnerSpec]) -> int:
+    """Bytes of both banks of the banked owners in `specs`."""
+    return 2 * sum(s.nbytes for s in specs if s.kind == BANKED)

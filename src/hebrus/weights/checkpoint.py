@@ -20,11 +20,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
-from hebrus.errors import CheckpointError, InvalidInput, escaped
+from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.weights.layout import load_bytes, parameter_shapes, stored_dtypes
-from hebrus.weights.limits import shown
+from hebrus.text import escaped, shown
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -91,8 +91,8 @@ def _checkpoint_files(folder: Path) -> set[str]:
     if os.path.lexists(folder / INDEX):
         try:
             names |= set(_weight_map(folder / INDEX).values())
-        except CheckpointError:
-            pass                                # a broken index names no shards to drop
+        except CheckpointError:                 # a broken index: drop every shard-like file
+            names |= {p.name for p in folder.glob("*.safetensors")}
     return names
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Callable, Iterator
 
+from hebrus.text import shown
+
 
 @dataclass(frozen=True)
 class Range:
@@ -33,15 +35,6 @@ def bounded(low: float = -math.inf, high: float = math.inf, default: Any = datac
             open_low: bool = False, choices: tuple[str, ...] = ()) -> Any:
     """A dataclass field whose values must lie in [low, high] (or (low, high])."""
     return dataclasses.field(default=default, metadata={"range": Range(low, high, open_low, choices)})
-
-
-def shown(value: Any) -> str:
-    """repr(value), cut short: a value from an untrusted file can be as long as the file."""
-    try:
-        text = repr(value)
-    except ValueError:                      # an int too long to print
-        return f"an integer of {value.bit_length()} bits"
-    return text if len(text) <= 60 else f"{text[:50]}... ({len(text)} characters)"
 
 
 def json_kind(value: Any) -> str:
