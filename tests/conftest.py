@@ -33,3 +33,21 @@ def tiny64():
 def tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+WARM = tokens(5, seed=1)          # what the `warmed` session holds
+
+
+@pytest.fixture
+def warmed(tiny):
+    """A tiny exact session that has committed WARM."""
+    s = tiny.session()
+    s.feed(WARM)
+    return s
+
+
+def published(model, ids) -> tuple[str, torch.Tensor]:
+    """The digest and logits of a new session of `model` fed `ids` in one chunk."""
+    ref = model.session()
+    logits = ref.feed(ids)
+    return ref.digest(), logits

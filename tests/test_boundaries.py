@@ -6,22 +6,9 @@ import pytest
 import torch
 
 import hebrus
-from conftest import tokens
+from conftest import WARM, published, tokens
 
 V = 256
-
-
-@pytest.fixture
-def warm(tiny):
-    s = tiny.session()
-    s.feed(tokens(5, seed=1))
-    return s
-
-
-def _published(model, ids):
-    ref = model.session()
-    logits = ref.feed(ids)
-    return ref.digest(), logits
 
 
 # ---- caller tensors are copied at the boundary ----------------------------------------------
@@ -44,7 +31,7 @@ def test_caller_changing_its_ids_mid_chunk_changes_nothing(tiny, monkeypatch, mo
     s = model.session()
     s.feed(ids)
     monkeypatch.undo()
-    assert s.digest() == _published(model, original)[0]
+    assert s.digest() == published(model, original)[0]
 
 
 @pytest.mark.parametrize("make", [lambda: np.array([1, 2, 3]), lambda: [1, 2, 3]])
@@ -61,7 +48,7 @@ def test_arrays_and_lists_changed_mid_chunk_change_nothing(tiny, monkeypatch, ma
     s = tiny.session()
     s.feed(ids)
     monkeypatch.undo()
-    assert s.digest() == _published(tiny, [1, 2, 3])[0]
+    assert s.digest() == published(tiny, [1, 2, 3])[0]
 
 
 class _ChangingList(list):
@@ -73,14 +60,14 @@ class _ChangingList(list):
         return iter(items)
 
 
-def test_a_list_is_read_once_so_what_is_checked_is_what_is_used(warm, tiny):
-    warm.feed(_ChangingList([4, 5, 6]))
-    assert warm.digest() == _published(tiny, tokens(5, seed=1) + [4, 5, 6])[0]
+def test_a_list_is_read_once_so_what_is_checked_is_what_is_used(warmed, tiny):
+    warmed.feed(_ChangingList([4, 5, 6]))
+    assert warmed.digest() == published(tiny, WARM + [4, 5, 6])[0]
 
 
 # ---- real out-of-memory -----------------------------------------------------------------------
 
-def test_a_real_cpu_out_of_memory_is_an_allocation_failure(warm, tiny, monkeypatch):
+def test_a_real_cpu_out_of_memory_is_an_allocation_failure(warmed, tiny, monkeypatch):
     """Finding: torch's CPU allocator raises a plain RuntimeError, which was reported as a
     structural failure."""
     ffn = next(st for st in tiny.stages if st.name == "layers.1.ffn")
@@ -91,10 +78,10 @@ def test_a_real_cpu_out_of_memory_is_an_allocation_failure(warm, tiny, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ffn.moe, "route", route_then_ask_too_much)
-    before = warm.digest()
+    before = warmed.digest()
     with pytest.raises(hebrus.AllocationError, match="can't allocate memory") as info:
-        warm.feed([1, 2, 3])
-    assert info.value.stage == "layers.1.ffn" and warm.digest() == before
+        warmed.feed([1, 2, 3])
+    assert info.value.stage == "layers.1.ffn" and warmed.digest() == before
 
 
 def test_out_of_memory_for_a_new_sessions_banks_is_an_allocation_failure(tiny):
@@ -152,9 +139,9 @@ def test_a_tiny_temperature_samples_the_greedy_token(tiny):
     (torch.tensor([1, 2, 3]).to_sparse(), "dense"),
     (torch.tensor(5), "one-dimensional"),
 ])
-def test_odd_id_tensors_are_invalid_input(warm, ids, message):
+def test_odd_id_tensors_are_invalid_input(warmed, ids, message):
     with pytest.raises(hebrus.InvalidInput, match=message):
-        warm.feed(ids)
+        warmed.feed(ids)
 
 
 class _NeverIterate(list):
@@ -167,12 +154,12 @@ class _NeverIterate(list):
         raise AssertionError("the ids were converted before the length was checked")
 
 
-def test_a_chunk_longer_than_the_context_is_refused_before_conversion(warm):
+def test_a_chunk_longer_than_the_context_is_refused_before_conversion(warmed):
     """Finding: feed(range(3 * 10**7)) spent seconds and 900 MiB before refusing."""
     with pytest.raises(hebrus.InvalidInput, match="more than the model's context limit of 1024"):
-        warm.feed(_NeverIterate())
+        warmed.feed(_NeverIterate())
     with pytest.raises(hebrus.InvalidInput, match="context limit"):
-        warm.feed(range(3 * 10**7))
+        warmed.feed(range(3 * 10**7))
 
 
 def test_api_arguments_raise_invalid_input(tiny):
@@ -233,11 +220,11 @@ class _LyingInt(int):
     (torch.tensor([2**63], dtype=torch.uint64), "2\\*\\*63"),
     (np.array([2**63], dtype=np.uint64), "int64 range"),
 ])
-def test_more_odd_ids_are_invalid_input(warm, ids, message):
-    before = warm.digest()
+def test_more_odd_ids_are_invalid_input(warmed, ids, message):
+    before = warmed.digest()
     with pytest.raises(hebrus.InvalidInput, match=message):
-        warm.feed(ids)
-    assert warm.digest() == before
+        warmed.feed(ids)
+    assert warmed.digest() == before
 
 
 def test_counts_take_the_true_value_of_int_subclasses_and_numpy_ints(tiny):

@@ -6,37 +6,24 @@ import pytest
 import torch
 
 import hebrus
-from conftest import tokens
+from conftest import WARM, published, tokens
 from hebrus.state.image import Image
 
 V = 256
 SENTINEL = 777.0
 
 
-@pytest.fixture
-def warm(tiny):
-    s = tiny.session()
-    s.feed(tokens(5, seed=1))
-    return s
-
-
-def _published(model, ids):
-    ref = model.session()
-    logits = ref.feed(ids)
-    return ref.digest(), logits
-
-
 # ---- out= -----------------------------------------------------------------------------------
 
-def test_out_made_under_inference_mode_is_written_at_publication(warm, tiny):
+def test_out_made_under_inference_mode_is_written_at_publication(warmed, tiny):
     """Finding: such an `out` received the logits and then a RuntimeError was raised, with
     nothing published."""
     with torch.inference_mode():
         out = torch.full((V,), SENTINEL)
     ids = tokens(4, seed=2)
-    returned = warm.feed(ids, out=out)
-    digest, logits = _published(tiny, tokens(5, seed=1) + ids)
-    assert returned is out and torch.equal(out, logits) and warm.digest() == digest
+    returned = warmed.feed(ids, out=out)
+    digest, logits = published(tiny, WARM + ids)
+    assert returned is out and torch.equal(out, logits) and warmed.digest() == digest
 
 
 def test_state_made_under_inference_mode_keeps_working_outside_it(tiny):
@@ -57,25 +44,25 @@ def test_state_made_under_inference_mode_keeps_working_outside_it(tiny):
     (lambda: torch.zeros(V, device="meta"), "device"),
     (lambda: torch.zeros(V)._neg_view(), "negated"),
 ])
-def test_out_that_a_copy_could_not_write_is_refused_up_front(warm, make, message):
+def test_out_that_a_copy_could_not_write_is_refused_up_front(warmed, make, message):
     """Finding: expanded, grad-requiring and Parameter buffers passed the check and then
     failed the copy with a raw RuntimeError."""
     out = make()
-    before, frontier = warm.digest(), warm.frontier
+    before, frontier = warmed.digest(), warmed.frontier
     with pytest.raises(hebrus.InvalidInput, match=message):
-        warm.feed([1, 2], out=out)
-    assert warm.digest() == before and warm.frontier == frontier
+        warmed.feed([1, 2], out=out)
+    assert warmed.digest() == before and warmed.frontier == frontier
 
 
-def test_non_contiguous_out_is_fine(warm, tiny):
+def test_non_contiguous_out_is_fine(warmed, tiny):
     backing = torch.full((2 * V,), SENTINEL)
     out = backing[::2]
-    warm.feed([9], out=out)
-    _, logits = _published(tiny, tokens(5, seed=1) + [9])
+    warmed.feed([9], out=out)
+    _, logits = published(tiny, WARM + [9])
     assert torch.equal(out, logits) and bool((backing[1::2] == SENTINEL).all())
 
 
-def test_ctrl_c_during_publication_cannot_split_out_from_the_state(warm, tiny, monkeypatch):
+def test_ctrl_c_during_publication_cannot_split_out_from_the_state(warmed, tiny, monkeypatch):
     """Finding: a KeyboardInterrupt between the copy into `out` and the flip left `out` written
     and the state unpublished. Now Ctrl-C is held until both are done, then delivered."""
     real = Image.publish
@@ -88,13 +75,13 @@ def test_ctrl_c_during_publication_cannot_split_out_from_the_state(warm, tiny, m
     out = torch.full((V,), SENTINEL)
     ids = [7, 8, 9]
     with pytest.raises(KeyboardInterrupt):
-        warm.feed(ids, out=out)
+        warmed.feed(ids, out=out)
     monkeypatch.undo()
-    digest, logits = _published(tiny, tokens(5, seed=1) + ids)
-    assert warm.digest() == digest and torch.equal(out, logits)
+    digest, logits = published(tiny, WARM + ids)
+    assert warmed.digest() == digest and torch.equal(out, logits)
 
 
-def test_ctrl_c_inside_a_stage_publishes_nothing(warm, tiny, monkeypatch):
+def test_ctrl_c_inside_a_stage_publishes_nothing(warmed, tiny, monkeypatch):
     stage = next(st for st in tiny.stages if st.name == "layers.2.gdn")
 
     def interrupted(txn):
@@ -102,18 +89,18 @@ def test_ctrl_c_inside_a_stage_publishes_nothing(warm, tiny, monkeypatch):
 
     monkeypatch.setattr(stage, "run", interrupted)
     out = torch.full((V,), SENTINEL)
-    before = warm.digest()
+    before = warmed.digest()
     with pytest.raises(KeyboardInterrupt):
-        warm.feed([1, 2], out=out)
+        warmed.feed([1, 2], out=out)
     monkeypatch.undo()
-    assert warm.digest() == before and bool((out == SENTINEL).all())
-    warm.feed([1, 2])
-    assert warm.digest() == _published(tiny, tokens(5, seed=1) + [1, 2])[0]
+    assert warmed.digest() == before and bool((out == SENTINEL).all())
+    warmed.feed([1, 2])
+    assert warmed.digest() == published(tiny, WARM + [1, 2])[0]
 
 
-def test_a_sigint_handler_is_restored_after_publication(warm):
+def test_a_sigint_handler_is_restored_after_publication(warmed):
     handler = signal.getsignal(signal.SIGINT)
-    warm.feed([3])
+    warmed.feed([3])
     assert signal.getsignal(signal.SIGINT) is handler
 
 
@@ -124,7 +111,7 @@ class Timeout(Exception):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGALRM, signal.SIGINT, signal.SIGTERM])
-def test_any_raising_signal_handler_during_publication_comes_after_the_flip(warm, tiny, monkeypatch, signum):
+def test_any_raising_signal_handler_during_publication_comes_after_the_flip(warmed, tiny, monkeypatch, signum):
     """A timeout handler (or an app's own Ctrl-C or SIGTERM handler) that raises while the chunk
     publishes: its exception arrives after the flip, `out` and the state agree, and it is not
     reported as an abort that published nothing."""
@@ -142,16 +129,16 @@ def test_any_raising_signal_handler_during_publication_comes_after_the_flip(warm
     out = torch.full((V,), SENTINEL)
     try:
         with pytest.raises(Timeout):
-            warm.feed([4, 5], out=out)
+            warmed.feed([4, 5], out=out)
     finally:
         signal.signal(signum, previous)
     monkeypatch.undo()
-    digest, logits = _published(tiny, tokens(5, seed=1) + [4, 5])
-    assert warm.digest() == digest and torch.equal(out, logits)
+    digest, logits = published(tiny, WARM + [4, 5])
+    assert warmed.digest() == digest and torch.equal(out, logits)
 
 
 @pytest.mark.parametrize("call", ["feed", "digest", "logits"])
-def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocked(warm, tiny, monkeypatch, call):
+def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocked(warmed, tiny, monkeypatch, call):
     """A handler that runs while the main thread is inside a call on the same session used to
     wait for the lock its own thread held: a hang. Now the inner call raises InvalidInput."""
     import faulthandler
@@ -160,7 +147,7 @@ def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocke
 
     def handler(*_):
         try:
-            getattr(warm, call)([9]) if call == "feed" else getattr(warm, call)() if call == "digest" else warm.logits
+            getattr(warmed, call)([9]) if call == "feed" else getattr(warmed, call)() if call == "digest" else warmed.logits
         except hebrus.InvalidInput as exc:
             seen.append(str(exc))
 
@@ -174,13 +161,13 @@ def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocke
 
     monkeypatch.setattr(stage, "run", signalled)
     try:
-        warm.feed([1, 2])
+        warmed.feed([1, 2])
     finally:
         signal.signal(signal.SIGUSR1, previous)
         faulthandler.cancel_dump_traceback_later()
     assert seen and "session busy" in seen[0]
     monkeypatch.undo()
-    assert warm.digest() == _published(tiny, tokens(5, seed=1) + [1, 2])[0]
+    assert warmed.digest() == published(tiny, WARM + [1, 2])[0]
 
 
 def _resized(t):
@@ -188,21 +175,21 @@ def _resized(t):
     return t
 
 
-def test_tensors_whose_storage_was_resized_away_are_refused(warm):
+def test_tensors_whose_storage_was_resized_away_are_refused(warmed):
     """Both used to crash the process (a segfault reading or writing freed memory)."""
-    before = warm.digest()
+    before = warmed.digest()
     with pytest.raises(hebrus.InvalidInput, match="storage is smaller"):
-        warm.feed([1], out=_resized(torch.zeros(V)))
+        warmed.feed([1], out=_resized(torch.zeros(V)))
     with pytest.raises(hebrus.InvalidInput, match="storage is smaller"):
-        warm.feed(_resized(torch.tensor([1, 2, 3])))
-    assert warm.digest() == before
+        warmed.feed(_resized(torch.tensor([1, 2, 3])))
+    assert warmed.digest() == before
 
 
-def test_out_may_not_alias_the_models_weights(warm, tiny):
+def test_out_may_not_alias_the_models_weights(warmed, tiny):
     weight = dict(tiny.named_parameters())["lm_head.weight"]
     snapshot = weight.clone()
     with pytest.raises(hebrus.InvalidInput, match="model's weights"):
-        warm.feed([1], out=weight[:, 0])
+        warmed.feed([1], out=weight[:, 0])
     assert torch.equal(weight, snapshot)
 
 
@@ -236,7 +223,7 @@ def test_ctrl_c_in_generate_says_what_was_committed(tiny, monkeypatch):
     assert whole[:2] == got
 
 
-def test_ctrl_c_in_prefill_says_what_was_published(tiny, monkeypatch):
+def test_ctrl_c_in_prefill_says_what_waspublished(tiny, monkeypatch):
     s = tiny.session()
     _interrupt_publication(monkeypatch, at=1)
     with pytest.raises(KeyboardInterrupt) as info:
