@@ -15,10 +15,8 @@ from hebrus.errors import InvalidInput
 from hebrus.text import shown
 
 SEED_RANGE = (-(2**63), 2**64)        # what torch.Generator.manual_seed accepts
-
-
 ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                  torch.uint16, torch.uint32, torch.uint64)
+             torch.uint16, torch.uint32, torch.uint64)
 
 
 def token_ids(ids, max_tokens: int) -> torch.Tensor:

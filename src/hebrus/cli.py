@@ -11,7 +11,6 @@ from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.text import escaped
 
-
 MODEL_HELP = f"a preset ({', '.join(PRESETS)}) or a checkpoint directory (default: tiny)"
 
 

@@ -38,6 +38,7 @@ class Model:
         self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
+        self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in params.values())
         self.kernels = kernels(mode, chooser)              # the op table, chosen once, here
         self.stages = build_stages(config, params, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)
@@ -118,9 +119,9 @@ def _device(device: str | torch.device) -> torch.device:
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise InvalidInput(f"device {str(device)!r} asked for, but no CUDA device is available "
                            f"(torch {torch.__version__}, {build}); use --device cpu")
-    count = torch.cuda.device_count()
     if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
     if device.index >= count:
         raise InvalidInput(f"device {str(device)!r} does not exist; {count} CUDA device(s) are visible")
     return device

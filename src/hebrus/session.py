@@ -42,7 +42,6 @@ class Session:
             raise InvalidInput(f"memory_budget too small for a session of this model: {exc}") from None
         self.image = _allocate_image(model)
         self._stage_names = model.stage_names
-        self._weights = frozenset(p.untyped_storage().data_ptr() for _, p in model.named_parameters())
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
         self._inside: int | None = None         # the thread running a call on this session
 
@@ -183,7 +182,8 @@ class Session:
                                f"context limit of {limit} ({limit - self.frontier} tokens left)")
 
     def _check_out(self, out) -> None:
-        arguments.output_buffer(out, (self.config.vocab_size,), self.model.dtype, self.model.device, self._weights)
+        arguments.output_buffer(out, (self.config.vocab_size,), self.model.dtype, self.model.device,
+                                  self.model.weight_storages)
 
     def _check_faults(self) -> None:
         unknown = [f.stage for f in faults.armed() if f.stage not in self._stage_names]

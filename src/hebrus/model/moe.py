@@ -13,7 +13,8 @@ from hebrus.ops.norm import rms_norm
 
 
 class MixtureOfExperts:
-    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels, site: str):
+    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels,
+                 site: str):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.router, self.gate_up, self.down = w["router.weight"], w["experts.gate_up"], w["experts.down"]
         self.s_gate, self.s_up = w["shared.gate_proj.weight"], w["shared.up_proj.weight"]

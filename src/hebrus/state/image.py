@@ -42,9 +42,13 @@ class Image:
         """The public rows [0, frontier) of an appended owner."""
         return self.public.storages[self.slot[name]][: self.public.frontier]
 
-    def value(self, name: str) -> torch.Tensor:
-        """The public value of any owner: a banked owner's tensor, or an appended owner's rows."""
-        return self.rows(name) if name in self.slot else self.read(name)
+    def value(self, name: str, record: Published | None = None) -> torch.Tensor:
+        """The value of any owner in `record` (default: the public one): a banked owner's tensor,
+        or an appended owner's rows below the frontier."""
+        record = self.public if record is None else record
+        if name in self.slot:
+            return record.storages[self.slot[name]][: record.frontier]
+        return self.banks[record.bank][name]
 
     def publish(self, record: Published) -> None:
         self.public = record                                    # the publication point
@@ -54,10 +58,7 @@ class Image:
         one published record. The caller keeps the next transaction from writing meanwhile."""
         record, h = self.public, hashlib.sha256()
         for spec in self.specs:
-            if spec.kind == BANKED:
-                value = self.banks[record.bank][spec.name]
-            else:
-                value = record.storages[self.slot[spec.name]][: record.frontier]
+            value = self.value(spec.name, record)
             h.update(f"{spec.name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
             h.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

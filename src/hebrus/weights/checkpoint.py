@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 
 from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
 from hebrus.errors import CheckpointError, InvalidInput
+from hebrus.text import escaped, shown
 from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.weights.layout import load_bytes, parameter_shapes, stored_dtypes
-from hebrus.text import escaped, shown
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -149,7 +149,7 @@ def _check_allocation(config: HebrusConfig, file: Path) -> None:
     need = load_bytes(config)
     if need > MAX_LOAD_BYTES:
         raise CheckpointError(f"{file}: loading this config would allocate up to {need / 2**30:.1f} GiB "
-                              f"(parameters at 8 bytes each and the rotary tables for max_context="
+                              f"(parameters twice at 8 bytes each and the rotary tables for max_context="
                               f"{config.max_context}); the limit is MAX_LOAD_BYTES = "
                               f"{MAX_LOAD_BYTES / 2**30:.0f} GiB (hebrus.config)")
 
