@@ -6,8 +6,8 @@ import torch
 from conftest import tokens
 
 from hebrus import bound, verify
-from hebrus.model.kernels import top_k_chooser
-from hebrus.model.replay import Recorder, Replayer
+from hebrus.layers.kernels import top_k_chooser
+from hebrus.layers.replay import Recorder, Replayer
 from hebrus.ops.choose import top_k
 from hebrus.runtime import Model
 

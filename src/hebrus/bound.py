@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hebrus.model.replay import Flip, Recorder, Replayer
+from hebrus.layers.replay import Flip, Recorder, Replayer
 
 if TYPE_CHECKING:
     from hebrus.session import Session

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 from hebrus.errors import InvalidInput
+from hebrus.layers.spec import ModelSpec
 from hebrus.text import shown
 from hebrus.weights.limits import bounded, canonical, json_kind, value_problems
 
@@ -116,6 +117,24 @@ class HebrusConfig:
     @property
     def hc_mix_dim(self) -> int:
         return (2 + self.hc_streams) * self.hc_streams
+
+    def spec(self) -> ModelSpec:
+        """The Hebrus model in the shared layers' terms: hyper-connection residual, w·x̂ norms,
+        gdn/qsa mixers, a routed ffn with a shared expert and a PLE branch in every layer."""
+        return ModelSpec(
+            family="hebrus", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            mixers=self.layer_types, ffns=("moe",) * self.num_layers, max_context=self.max_context,
+            rms_norm_eps=self.rms_norm_eps, norm_offset=0.0, tie_embeddings=self.tie_embeddings,
+            residual="hyper", hc_streams=self.hc_streams, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
+            hc_eps=self.hc_eps, gdn_key_heads=self.gdn_key_heads, gdn_value_heads=self.gdn_value_heads,
+            gdn_key_dim=self.gdn_key_dim, gdn_value_dim=self.gdn_value_dim, gdn_conv_kernel=self.gdn_conv_kernel,
+            attn_heads=self.qsa_heads, attn_kv_heads=self.qsa_kv_heads, attn_head_dim=self.qsa_head_dim,
+            rotary_dim=self.qsa_head_dim, rope_theta=self.rope_theta, index_heads=self.qsa_index_heads,
+            index_dim=self.qsa_index_dim, top_k=self.qsa_top_k, moe_experts=self.moe_experts,
+            moe_top_k=self.moe_top_k, moe_intermediate=self.moe_intermediate,
+            moe_shared_intermediate=self.moe_shared_intermediate, moe_normalize=True, ple_dim=self.ple_dim,
+            ple_ngram=self.ple_ngram, ple_buckets=self.ple_buckets, ple_conv_kernel=self.ple_conv_kernel,
+        )
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

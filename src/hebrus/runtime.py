@@ -8,9 +8,10 @@ import torch
 
 from hebrus.config import PRESETS, HebrusConfig, preset
 from hebrus.errors import InvalidInput
-from hebrus.model.graph import build_stages
-from hebrus.model.kernels import Chooser, kernels
-from hebrus.model.owners import owner_specs
+from hebrus.layers.graph import build_stages
+from hebrus.layers.kernels import Chooser, kernels
+from hebrus.layers.owners import owner_specs
+from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import accum_dtype
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
@@ -28,20 +29,29 @@ class Model:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
                  chooser: Chooser | None = None):
         device, mode = _device(device), _mode(mode)
-        # Fresh allocations: CPU BLAS results can depend on a buffer's alignment, and tensors
-        # read from a file need not be aligned; exact mode must not depend on where bytes came from.
         placed = {name: _place(name, t, device, storage_dtype(name, dtype)) for name, t in params.items()}
-        self._build(config, placed, device, dtype, mode, chooser)
+        self._build(config, config.spec(), placed, device, dtype, mode, chooser)
 
-    def _build(self, config, params, device, dtype, mode, chooser=None) -> None:
+    @classmethod
+    def _placed(cls, config, spec: ModelSpec, params, device, dtype, mode) -> "Model":
+        """A model on parameters already placed (by `_place`), as a checkpoint load leaves them."""
+        model = cls.__new__(cls)
+        model._build(config, spec, params, device, dtype, mode)
+        return model
+
+    def _build(self, config, spec, params, device, dtype, mode, chooser=None) -> None:
         mode = _mode(mode)
-        self.config, self.device, self.dtype, self.mode = config, device, dtype, mode
+        self.config, self.spec, self.device, self.dtype, self.mode = config, spec, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in params.values())
         self.kernels = kernels(mode, chooser)              # the op table, chosen once, here
-        self.stages = build_stages(config, params, self.kernels)
-        self.owners: list[OwnerSpec] = owner_specs(config, dtype, self.state_dtype)
+        self.stages = build_stages(spec, params, self.kernels)
+        self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
 
     @property
     def stage_names(self) -> list[str]:
@@ -51,13 +61,16 @@ class Model:
         yield from self._params.items()
 
     def save(self, path: str | Path) -> Path:
+        if not isinstance(self.config, HebrusConfig):
+            raise InvalidInput(f"save writes Hebrus checkpoints; this model is {self.spec.family}, whose own "
+                               f"checkpoint it was loaded from")
         return checkpoint.save(path, self.config, self._params)
 
     def with_mode(self, mode: str, chooser: Chooser | None = None) -> "Model":
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
-        `chooser` (default: the spec's top-k; see `hebrus.model.kernels`)."""
+        `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
         twin = Model.__new__(Model)
-        twin._build(self.config, self._params, self.device, self.dtype, mode, chooser)
+        twin._build(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser)
         return twin
 
     def session(self, memory_budget: int | None = None):
@@ -65,8 +78,8 @@ class Model:
         return Session(self, memory_budget=memory_budget)
 
     def __repr__(self) -> str:
-        c = self.config
-        return (f"Model(layers={c.layer_types}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
+        c = self.spec
+        return (f"Model(family={c.family}, layers={c.mixers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
                 f"device={self.device}, dtype={str(self.dtype).removeprefix('torch.')}, mode={self.mode!r})")
 
 
@@ -82,8 +95,12 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     path = folder_path(name_or_path, "the model (a preset name or a checkpoint directory)")
     if not path.is_dir():
         raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    config, params = checkpoint.load(path)
-    return Model(config, params, device=device, dtype=dtype, mode=mode)
+
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _place(name, tensor, device, storage_dtype(name, dtype))
+
+    loaded = checkpoint.load(path, place)
+    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
 
 
 def _mode(mode) -> str:
@@ -95,7 +112,7 @@ def _mode(mode) -> str:
 def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A fresh copy in the model's dtype; a weight that does not fit that dtype (1e5 in float16)
     would turn every chunk non-finite, so it is refused here."""
-    placed = tensor.to(device=device, dtype=dtype, copy=True)
+    placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
     if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")

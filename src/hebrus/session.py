@@ -34,7 +34,7 @@ class Session:
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
         self.model = model
-        self.config = model.config
+        self.config, self.spec = model.config, model.spec
         self.budget = MemoryBudget(memory_budget)
         try:
             self.budget.hold(bank_bytes(model.owners), "the session's two banks")
@@ -146,7 +146,7 @@ class Session:
 
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         txn = Transaction(self.image, len(ids), self._stage_names, self.budget,
-                          max_rows=self.config.max_context)
+                          max_rows=self.spec.max_context)
         try:
             self._prepare(txn, ids)
             txn.publish(out)             # what is raised after the flip is not an abort
@@ -170,19 +170,19 @@ class Session:
 
     # ---- checks (stateless ones before the lock, the rest under it) ------------------------
     def _ids(self, ids, allow_empty: bool = False) -> torch.Tensor:
-        tokens = arguments.token_ids(ids, self.config.max_context)
+        tokens = arguments.token_ids(ids, self.spec.max_context)
         if tokens.numel() == 0 and not allow_empty:
             raise InvalidInput("empty chunk: give at least one token id")
-        return arguments.in_vocabulary(tokens, self.config.vocab_size)
+        return arguments.in_vocabulary(tokens, self.spec.vocab_size)
 
     def _check_room(self, count: int) -> None:
-        limit = self.config.max_context
+        limit = self.spec.max_context
         if self.frontier + count > limit:
             raise InvalidInput(f"{count} more tokens would take the session to {self.frontier + count}, past its "
                                f"context limit of {limit} ({limit - self.frontier} tokens left)")
 
     def _check_out(self, out) -> None:
-        arguments.output_buffer(out, (self.config.vocab_size,), self.model.dtype, self.model.device,
+        arguments.output_buffer(out, (self.spec.vocab_size,), self.model.dtype, self.model.device,
                                   self.model.weight_storages)
 
     def _check_faults(self) -> None:

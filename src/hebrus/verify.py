@@ -20,7 +20,7 @@ from hebrus.errors import FAULT_KINDS, ChunkAborted
 from hebrus.faults import inject
 from hebrus.bound import BOUNDS, Replayed, compare_replayed, greedy, relative_error
 from hebrus.bound import run_chunks
-from hebrus.model.replay import Recorder, Replayer
+from hebrus.layers.replay import Recorder, Replayer
 
 WARM = 7                  # tokens committed before the chunk under test
 CHUNK = 9                 # the chunk under test (longer than the tiny model's QSA top_k)
@@ -51,7 +51,7 @@ class Result:
 
 def checks(model, seed: int = 0) -> list[Check]:
     rng = random.Random(seed)
-    vocab = model.config.vocab_size
+    vocab = model.spec.vocab_size
     warm = [rng.randrange(vocab) for _ in range(WARM)]
     chunk = [rng.randrange(vocab) for _ in range(CHUNK)]
     reference = _Reference(model, warm, chunk)
@@ -82,7 +82,7 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Ver
         s = model.session()
         s.feed(warm)
         before, frontier = s.digest(), s.frontier
-        sentinel = torch.full((model.config.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
+        sentinel = torch.full((model.spec.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
         try:
             with inject(stage=stage, kind=kind):
                 s.feed(chunk, out=sentinel)
@@ -110,7 +110,7 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Ver
 
 
 def _equivalence_checks(model, rng: random.Random) -> Iterator[Check]:
-    vocab = model.config.vocab_size
+    vocab = model.spec.vocab_size
     tokens = [rng.randrange(vocab) for _ in range(40)]
     splits = [_random_split(len(tokens), rng) for _ in range(3)]
     if model.mode == "exact":
@@ -146,7 +146,7 @@ def _same_bits(model, tokens, chunkings) -> Verdict:
 
 
 def _interleaved(model, tokens, rng) -> Verdict:
-    others = [[rng.randrange(model.config.vocab_size) for _ in tokens] for _ in range(2)]
+    others = [[rng.randrange(model.spec.vocab_size) for _ in tokens] for _ in range(2)]
     streams = [tokens] + others
     refs = [run_chunks(model, t, [len(t)]) for t in streams]
     sessions = [model.session() for _ in streams]

@@ -16,18 +16,19 @@ def router_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
 
 
-def route_weights(p: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """The chosen experts' probabilities, renormalised to sum to one  -> [T, k]."""
+def route_weights(p: torch.Tensor, experts: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """The chosen experts' probabilities, renormalised to sum to one (unless not `normalize`)
+    -> [T, k]."""
     w = p.gather(-1, experts)
-    return w / w.sum(-1, keepdim=True)
+    return w / w.sum(-1, keepdim=True) if normalize else w
 
 
-def route(logits: torch.Tensor, top_k: int, choose=best_k) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The router softmax's top k, renormalised  -> (weights, experts) [T, k], best first.
     `choose(p, k)` makes the choice (default: ties to the smaller id)."""
     p = router_probs(logits)
     experts = choose(p, top_k)
-    return route_weights(p, experts), experts
+    return route_weights(p, experts, normalize), experts
 
 
 def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

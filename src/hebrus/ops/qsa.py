@@ -1,4 +1,5 @@
-"""Query-selected sparse attention: indexer scores, deterministic top-k, attention over the pick.
+"""Attention over append-only rows: the indexer's scores, deterministic top-k, attention over the
+pick (query-selected sparse attention), and attention over every visible row (dense).
 
 Keys and values come from the layer's append-only rows: row s holds position s. A query at
 position p sees rows [0, p]. Shapes: qi [T, Hi, di], iw [T, Hi], ki [S, di], q [T, Hq, dh],
@@ -59,3 +60,16 @@ def sparse_attention(q, k_rows, v_rows, picked, valid) -> torch.Tensor:
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
     return torch.einsum("thk,tkhd->thd", weights.to(q.dtype), v)
+
+
+def dense_attention(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """Softmax over every row s <= position of q·k/√dh, per query head (GQA as above).
+    q [T, Hq, dh]; k_rows, v_rows [S, Hkv, dh]; positions [T]."""
+    group = q.shape[1] // k_rows.shape[1]
+    k = k_rows.repeat_interleave(group, dim=1)                # [S, Hq, dh]
+    v = v_rows.repeat_interleave(group, dim=1)
+    logits = torch.einsum("thd,shd->ths", q, k) * q.shape[-1] ** -0.5
+    future = torch.arange(k.shape[0], device=q.device)[None, :] > positions[:, None]
+    logits = logits.masked_fill(future[:, None, :], float("-inf"))
+    weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
+    return torch.einsum("ths,shd->thd", weights.to(q.dtype), v)

@@ -13,7 +13,7 @@ import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,7 +24,10 @@ from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.text import escaped, shown
 from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
-from hebrus.weights.layout import load_bytes, parameter_shapes, stored_dtypes
+from hebrus.layers.spec import ModelSpec
+from hebrus.models import family_of
+from hebrus.models.table import NamesTable
+from hebrus.weights.layout import load_bytes
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -98,32 +101,55 @@ def _checkpoint_files(folder: Path) -> set[str]:
 
 # ---- load ---------------------------------------------------------------------------------
 
+class Loaded(NamedTuple):
+    family: Any                     # the module in hebrus.models that read it
+    config: Any                     # the family's checked config
+    spec: ModelSpec
+    params: dict[str, torch.Tensor]
+
+
 def read_config(path: str | Path) -> HebrusConfig:
-    """The checked config of the checkpoint folder `path`."""
-    file = Path(path) / CONFIG
+    """The checked config of the Hebrus checkpoint folder `path`."""
+    family, config = _read_family_config(Path(path))
+    if not isinstance(config, HebrusConfig):
+        raise CheckpointError(f"{Path(path) / CONFIG}: is a {family.NAME} config, not a Hebrus one")
+    return config
+
+
+def _read_family_config(folder: Path):
+    file = folder / CONFIG
     if not os.path.lexists(file):
-        raise CheckpointError(f"{file} is missing: {path} is not a Hebrus checkpoint")
+        raise CheckpointError(f"{file} is missing: {folder} is not a checkpoint")
     data = read_json(file)
     try:
-        return HebrusConfig.from_dict(data)
+        family = family_of(data)
+        return family, family.config(data)
     except InvalidInput as exc:
         raise CheckpointError(f"{file}: {exc}") from None
 
 
-def load(path: str | Path) -> tuple[HebrusConfig, dict[str, torch.Tensor]]:
-    """Read and check a checkpoint; tensors come back as stored, on the CPU."""
+def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+         progress: Callable[[int, int], None] | None = None) -> Loaded:
+    """Read and check a checkpoint of any supported family. Each of the model's tensors is built
+    from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
+    the next one read, so a load holds the placed model plus one tensor's sources at a time.
+    `progress(done, total)` is called after each tensor."""
     folder = Path(path)
     identity = _identity(folder)
-    config = read_config(folder)
-    _check_allocation(config, folder / CONFIG)
-    params = _read_weights(config, folder)
+    family, config = _read_family_config(folder)
+    try:
+        spec = family.spec(config)
+    except InvalidInput as exc:
+        raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
+    _check_allocation(spec, folder / CONFIG)
+    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
                               f"load it again")
-    return config, params
+    return Loaded(family, config, spec, params)
 
 
-def _read_weights(config: HebrusConfig, folder: Path) -> dict[str, torch.Tensor]:
+def _read_weights(family, spec: ModelSpec, folder: Path, place, progress) -> dict[str, torch.Tensor]:
     """Every file checked to be regular before any is opened; every header checked before any
     tensor data is read."""
     source, weight_map = _listing(folder)
@@ -133,8 +159,16 @@ def _read_weights(config: HebrusConfig, folder: Path) -> dict[str, torch.Tensor]
     with ExitStack() as stack:
         handles = {name: stack.enter_context(_open(folder / name)) for name in files}
         headers = _headers(handles, folder, source, weight_map)
-        _check_against(config, headers, source)
-        return {name: _tensor(handles[h.file], name, folder / h.file) for name, h in headers.items()}
+        table = family.names(spec, set(headers))
+        _check_against(table, headers, source)
+        params = {}
+        for name, recipe in table.sources.items():
+            parts = [_tensor(handles[headers[n].file], n, folder / headers[n].file) for n in recipe.names]
+            params[name] = place(name, recipe.build(*parts))
+            del parts
+            if progress is not None:
+                progress(len(params), len(table.sources))
+        return params
 
 
 def _identity(folder: Path) -> tuple[int, int]:
@@ -145,12 +179,12 @@ def _identity(folder: Path) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def _check_allocation(config: HebrusConfig, file: Path) -> None:
-    need = load_bytes(config)
+def _check_allocation(spec: ModelSpec, file: Path) -> None:
+    need = load_bytes(spec)
     if need > MAX_LOAD_BYTES:
         raise CheckpointError(f"{file}: loading this config would allocate up to {need / 2**30:.1f} GiB "
                               f"(parameters twice at 8 bytes each and the rotary tables for max_context="
-                              f"{config.max_context}); the limit is MAX_LOAD_BYTES = "
+                              f"{spec.max_context}); the limit is MAX_LOAD_BYTES = "
                               f"{MAX_LOAD_BYTES / 2**30:.0f} GiB (hebrus.config)")
 
 
@@ -226,16 +260,17 @@ def _check_placement(found: dict[str, list[Header]], weight_map: dict[str, str],
         raise CheckpointError(f"{index}: does not match its shards: " + "; ".join(_first(problems)))
 
 
-def _check_against(config: HebrusConfig, headers: dict[str, Header], source: Path) -> None:
-    """Names, shapes and dtypes against the config's table, before any data is read."""
-    expected = parameter_shapes(config)
-    missing = sorted(expected.keys() - headers.keys())
-    unexpected = sorted(headers.keys() - expected.keys())
-    common = sorted(expected.keys() & headers.keys())
+def _check_against(table: NamesTable, headers: dict[str, Header], source: Path) -> None:
+    """Names, shapes and dtypes against the family's names table, before any data is read."""
+    expected = table.shapes
+    present = {name for name in headers if not table.ignored(name)}
+    missing = sorted(expected.keys() - present)
+    unexpected = sorted(present - expected.keys())
+    common = sorted(expected.keys() & present)
     shapes = [f"{n}: {headers[n].shape} (expected {expected[n]})"
               for n in common if headers[n].shape != expected[n]]
-    dtypes = [f"{n}: {headers[n].dtype} (allowed: {', '.join(stored_dtypes(n))})"
-              for n in common if headers[n].dtype not in stored_dtypes(n)]
+    dtypes = [f"{n}: {headers[n].dtype} (allowed: {', '.join(table.dtypes(n))})"
+              for n in common if headers[n].dtype not in table.dtypes(n)]
     problems = [f"{title}: {', '.join(_first(items))}" for title, items in
                 (("missing tensors", missing), ("unexpected tensors", unexpected),
                  ("wrong shapes", shapes), ("wrong dtypes", dtypes)) if items]

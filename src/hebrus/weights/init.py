@@ -10,19 +10,23 @@ import math
 import torch
 
 from hebrus.config import HebrusConfig
+from hebrus.layers.spec import ModelSpec
 from hebrus.weights.layout import parameter_shapes
 
 
 _CPU32 = {"dtype": torch.float32, "device": "cpu"}      # whatever torch's defaults are set to
 
 
-def init_parameters(c: HebrusConfig, seed: int | None = None) -> dict[str, torch.Tensor]:
-    """float32 (int64 for hash constants) tensors on the CPU, keyed by checkpoint name."""
-    gen = torch.Generator().manual_seed(c.init_seed if seed is None else seed)
-    return {name: _draw(c, name, shape, gen) for name, shape in parameter_shapes(c).items()}
+def init_parameters(c: HebrusConfig | ModelSpec, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """float32 (int64 for hash constants) tensors on the CPU, keyed by the model's own names.
+    A Hebrus config seeds from its `init_seed`; a bare spec from `seed` (default 0)."""
+    if isinstance(c, HebrusConfig):
+        seed, c = c.init_seed if seed is None else seed, c.spec()
+    gen = torch.Generator().manual_seed(0 if seed is None else seed)
+    return {name: _draw(name, shape, gen) for name, shape in parameter_shapes(c).items()}
 
 
-def _draw(c: HebrusConfig, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, **_CPU32) * std
 

@@ -1,8 +1,8 @@
-"""The tensor names, shapes and stored dtypes of a Hebrus checkpoint (docs/checkpoint.md), from a
-config, and what loading that config allocates.
+"""The model's own tensor names and shapes (docs/checkpoint.md), from its spec, and what loading
+allocates.
 
-This table is the single source of truth: initialisation draws from it and the loader checks
-files against it.
+This table is the single source of truth: initialisation draws from it, a Hebrus checkpoint
+stores exactly these names, and every family's names table (`hebrus.models`) builds them.
 """
 from __future__ import annotations
 
@@ -11,50 +11,66 @@ import math
 import torch
 
 from hebrus.config import HebrusConfig
+from hebrus.layers.spec import ModelSpec
 
 
-def parameter_shapes(c: HebrusConfig) -> dict[str, tuple[int, ...]]:
-    V, D, n, LP = c.vocab_size, c.hidden_size, c.hc_streams, c.ple_width
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D), "ple.unigram.weight": (V, LP)}
-    for m, buckets in zip(range(2, c.ple_ngram + 1), c.ple_buckets):
-        shapes[f"ple.ngram.{m}.weight"] = (buckets, LP)
-    shapes["ple.hash_constants"] = (c.ple_ngram - 1, c.ple_ngram)
-    shapes["ple.conv.weight"] = (LP, c.ple_conv_kernel)
-    for layer, kind in enumerate(c.layer_types):
-        shapes.update(_layer_shapes(c, f"layers.{layer}.", kind))
-    shapes.update({"head_hc.fn": (n, n * D), "head_hc.base": (n,), "head_hc.scale": (1,),
-                   "norm.weight": (D,)})
+def spec_of(c: ModelSpec | HebrusConfig) -> ModelSpec:
+    """A spec, or a Hebrus config's spec: the functions here take either."""
+    return c if isinstance(c, ModelSpec) else c.spec()
+
+
+def parameter_shapes(c: ModelSpec | HebrusConfig) -> dict[str, tuple[int, ...]]:
+    c = spec_of(c)
+    V, D, n = c.vocab_size, c.hidden_size, c.hc_streams
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D)}
+    if c.ple_dim:
+        LP = c.ple_width
+        shapes["ple.unigram.weight"] = (V, LP)
+        for m, buckets in zip(range(2, c.ple_ngram + 1), c.ple_buckets):
+            shapes[f"ple.ngram.{m}.weight"] = (buckets, LP)
+        shapes["ple.hash_constants"] = (c.ple_ngram - 1, c.ple_ngram)
+        shapes["ple.conv.weight"] = (LP, c.ple_conv_kernel)
+    for layer in range(c.num_layers):
+        shapes.update(_layer_shapes(c, layer))
+    if c.residual == "hyper":
+        shapes.update({"head_hc.fn": (n, n * D), "head_hc.base": (n,), "head_hc.scale": (1,)})
+    shapes["norm.weight"] = (D,)
     if not c.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
 
 
-def _layer_shapes(c: HebrusConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
-    D, n, P = c.hidden_size, c.hc_streams, c.ple_dim
-    E, I, Is = c.moe_experts, c.moe_intermediate, c.moe_shared_intermediate
+def _layer_shapes(c: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    D, n, P, p = c.hidden_size, c.hc_streams, c.ple_dim, f"layers.{layer}."
     s: dict[str, tuple[int, ...]] = {}
-    for hc in ("mixer_hc", "ffn_hc"):
-        s.update({f"{p}{hc}.fn": (c.hc_mix_dim, n * D), f"{p}{hc}.base": (c.hc_mix_dim,),
-                  f"{p}{hc}.scale": (3,)})
+    if c.residual == "hyper":
+        for hc in ("mixer_hc", "ffn_hc"):
+            s.update({f"{p}{hc}.fn": (c.hc_mix_dim, n * D), f"{p}{hc}.base": (c.hc_mix_dim,),
+                      f"{p}{hc}.scale": (3,)})
     s[f"{p}mixer_norm.weight"] = (D,)
     s[f"{p}ffn_norm.weight"] = (D,)
-    s.update(_gdn_shapes(c, p + "gdn.") if kind == "gdn" else _qsa_shapes(c, p + "qsa."))
-    s.update({
-        f"{p}moe.router.weight": (E, D),
-        f"{p}moe.experts.gate_up": (E, 2 * I, D),
-        f"{p}moe.experts.down": (E, D, I),
-        f"{p}moe.shared.gate_proj.weight": (Is, D),
-        f"{p}moe.shared.up_proj.weight": (Is, D),
-        f"{p}moe.shared.down_proj.weight": (D, Is),
-        f"{p}moe.shared_gate.weight": (1, D),
-        f"{p}ple.gate.weight": (P, D),
-        f"{p}ple.down.weight": (D, P),
-        f"{p}ple.norm.weight": (D,),
-    })
+    mixer = c.mixers[layer]
+    s.update(_gdn_shapes(c, p + "gdn.") if mixer == "gdn" else _attention_shapes(c, f"{p}{mixer}.", mixer))
+    s.update(_moe_shapes(c, p + "moe.") if c.ffns[layer] == "moe" else _mlp_shapes(D, c.mlp_intermediate, p + "mlp."))
+    if P:
+        s.update({f"{p}ple.gate.weight": (P, D), f"{p}ple.down.weight": (D, P), f"{p}ple.norm.weight": (D,)})
     return s
 
 
-def _gdn_shapes(c: HebrusConfig, p: str) -> dict[str, tuple[int, ...]]:
+def _mlp_shapes(D: int, inner: int, p: str) -> dict[str, tuple[int, ...]]:
+    return {f"{p}gate_proj.weight": (inner, D), f"{p}up_proj.weight": (inner, D), f"{p}down_proj.weight": (D, inner)}
+
+
+def _moe_shapes(c: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    D, E, I, Is = c.hidden_size, c.moe_experts, c.moe_intermediate, c.moe_shared_intermediate
+    s = {f"{p}router.weight": (E, D), f"{p}experts.gate_up": (E, 2 * I, D), f"{p}experts.down": (E, D, I)}
+    if Is:
+        s.update(_mlp_shapes(D, Is, p + "shared."))
+        s[f"{p}shared_gate.weight"] = (1, D)
+    return s
+
+
+def _gdn_shapes(c: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     D, Hv, dv = c.hidden_size, c.gdn_value_heads, c.gdn_value_dim
     return {
         f"{p}in_proj_qkv.weight": (c.gdn_conv_dim, D),
@@ -69,10 +85,9 @@ def _gdn_shapes(c: HebrusConfig, p: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _qsa_shapes(c: HebrusConfig, p: str) -> dict[str, tuple[int, ...]]:
-    D, Hq, Hkv, dh = c.hidden_size, c.qsa_heads, c.qsa_kv_heads, c.qsa_head_dim
-    Hi, di = c.qsa_index_heads, c.qsa_index_dim
-    return {
+def _attention_shapes(c: ModelSpec, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    D, Hq, Hkv, dh = c.hidden_size, c.attn_heads, c.attn_kv_heads, c.attn_head_dim
+    s = {
         f"{p}q_proj.weight": (Hq * dh, D),
         f"{p}gate_proj.weight": (Hq * dh, D),
         f"{p}k_proj.weight": (Hkv * dh, D),
@@ -80,12 +95,17 @@ def _qsa_shapes(c: HebrusConfig, p: str) -> dict[str, tuple[int, ...]]:
         f"{p}q_norm.weight": (dh,),
         f"{p}k_norm.weight": (dh,),
         f"{p}o_proj.weight": (D, Hq * dh),
-        f"{p}index_q.weight": (Hi * di, D),
-        f"{p}index_k.weight": (di, D),
-        f"{p}index_k_norm.weight": (di,),
-        f"{p}index_k_norm.bias": (di,),
-        f"{p}index_w.weight": (Hi, D),
     }
+    if kind == "qsa":
+        Hi, di = c.index_heads, c.index_dim
+        s.update({
+            f"{p}index_q.weight": (Hi * di, D),
+            f"{p}index_k.weight": (di, D),
+            f"{p}index_k_norm.weight": (di,),
+            f"{p}index_k_norm.bias": (di,),
+            f"{p}index_w.weight": (Hi, D),
+        })
+    return s
 
 
 def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -108,19 +128,21 @@ def stored_dtypes(name: str) -> tuple[str, ...]:
     return INTEGER_DTYPES if name == "ple.hash_constants" else FLOAT_DTYPES
 
 
-def parameter_count(c: HebrusConfig) -> int:
+def parameter_count(c: ModelSpec | HebrusConfig) -> int:
     return sum(math.prod(s) for name, s in parameter_shapes(c).items() if name != "ple.hash_constants")
 
 
-def rotary_widths(c: HebrusConfig) -> set[int]:
+def rotary_widths(c: ModelSpec) -> set[int]:
     """The widths the model builds rotary tables for (one [max_context, width] cos/sin pair each)."""
-    return {c.qsa_head_dim, c.qsa_index_dim} if "qsa" in c.layer_types else set()
+    widths = {c.rotary_dim} if c.has_attention else set()
+    return widths | ({c.index_dim} if "qsa" in c.mixers else set())
 
 
-def load_bytes(c: HebrusConfig) -> int:
+def load_bytes(c: ModelSpec | HebrusConfig) -> int:
     """An upper bound on what loading `c` allocates, from the config alone: every parameter
     twice at 8 bytes (the tensor read from the file and its copy in the model's dtype are alive
     together), and per rotary width the float64 build of its tables (angles, cos, sin and the
     cast copy: 4 × 8 bytes per [max_context, width] entry)."""
+    c = spec_of(c)
     params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
     return 16 * params + 32 * c.max_context * sum(rotary_widths(c))

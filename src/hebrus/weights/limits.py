@@ -94,6 +94,11 @@ def _kinds(name: str, value: Any, allowed: Range) -> Iterator[str]:
             yield f"{name}[{i}] is {shown(kind)}, not one of {names}"
 
 
+def _choice(name: str, value: Any, allowed: Range) -> Iterator[str]:
+    if not isinstance(value, str) or value not in allowed.choices:
+        yield f"{name} must be one of {', '.join(map(repr, allowed.choices))}, got {shown(value)}"
+
+
 def _integers(name: str, value: Any, allowed: Range) -> Iterator[str]:
     if not isinstance(value, (list, tuple)):
         yield f"{name} must be a list of integers, got {shown(value)}"
@@ -107,7 +112,7 @@ def _number(x: float) -> str:
 
 
 _CHECKS: dict[str, Callable[[str, Any, Range], Iterator[str]]] = {
-    "int": _integer, "float": _finite, "bool": _boolean,
+    "int": _integer, "float": _finite, "bool": _boolean, "str": _choice,
     "tuple[str, ...]": _kinds, "tuple[int, ...]": _integers,
 }
 _CANONICAL: dict[str, Callable[[Any], Any]] = {

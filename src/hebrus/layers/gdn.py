@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hebrus.config import HebrusConfig
+from hebrus.layers.spec import ModelSpec
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.norm import gated_rms_norm, l2_norm
 
 
 class GatedDeltaNet:
-    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, c: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w_qkv, self.w_z = w["in_proj_qkv.weight"], w["in_proj_z.weight"]
         self.w_b, self.w_a, self.w_out = w["in_proj_b.weight"], w["in_proj_a.weight"], w["out_proj.weight"]

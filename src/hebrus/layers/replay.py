@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hebrus.model.kernels import Chooser, top_k_chooser
+from hebrus.layers.kernels import Chooser, top_k_chooser
 from hebrus.ops.choose import gaps
 
 

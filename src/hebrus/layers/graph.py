@@ -1,9 +1,10 @@
-"""The stage graph: embed, ple, then per layer its mixer and its ffn, then head.
+"""The stage graph: embed, ple (when the model has per-layer embeddings), then per layer its
+mixer and its ffn, then head.
 
 Each stage reads public state and chunk-local values from the transaction and writes private
 state back through it. In exact mode every stage runs its math one token at a time (`scan`), so
 a token's arithmetic never depends on how the tokens were chunked; fast mode runs the chunk as
-one batch.
+one batch. Which layers a model has, and in which form, comes from its `ModelSpec`.
 """
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hebrus.config import HebrusConfig
-from hebrus.model.gdn import GatedDeltaNet
-from hebrus.model.hyper import HyperConnection
-from hebrus.model.kernels import Kernels
-from hebrus.model.moe import LayerEmbedding, MixtureOfExperts
-from hebrus.model.ple import PerLayerEmbedding
-from hebrus.model.qsa import RotaryTables, SparseAttention
+from hebrus.layers.gdn import GatedDeltaNet
+from hebrus.layers.hyper import residual
+from hebrus.layers.kernels import Kernels
+from hebrus.layers.moe import MLP, LayerEmbedding, MixtureOfExperts
+from hebrus.layers.ple import PerLayerEmbedding
+from hebrus.layers.qsa import Attention, RotaryTables
+from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import rms_norm
 from hebrus.state.status import Status
 
@@ -40,7 +41,7 @@ def scan(step: Callable, batched: bool, start: int, inputs: tuple[torch.Tensor, 
 class Embed:
     name = "embed"
 
-    def __init__(self, c: HebrusConfig, params: Params):
+    def __init__(self, c: ModelSpec, params: Params):
         self.table, self.streams, self.vocab = params["embed.weight"], c.hc_streams, c.vocab_size
 
     def run(self, txn) -> None:
@@ -53,7 +54,7 @@ class Embed:
 class PLE:
     name = "ple"
 
-    def __init__(self, c: HebrusConfig, params: Params, kernels: Kernels):
+    def __init__(self, c: ModelSpec, params: Params, kernels: Kernels):
         self.ple, self.kernels, self.keep = PerLayerEmbedding(c, params), kernels, c.ple_ngram - 1
         self.vocab = c.vocab_size
 
@@ -76,25 +77,26 @@ class PLE:
 
 
 class Sublayer:
-    """Shared shape of the mixer and ffn stages: mHC pre, RMSNorm, the sublayer, mHC post."""
+    """Shared shape of the mixer and ffn stages: the residual's pre, RMSNorm, the sublayer, the
+    residual's post."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, part: str, kernels: Kernels):
+    def __init__(self, c: ModelSpec, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
-        self.layer, self.kernels, self.eps = layer, kernels, c.rms_norm_eps
-        self.hc = HyperConnection(c, params, f"{p}{part}_hc")
+        self.layer, self.kernels, self.eps, self.offset = layer, kernels, c.rms_norm_eps, c.norm_offset
+        self.residual = residual(c, params, f"{p}{part}_hc")
         self.norm = params[f"{p}{part}_norm.weight"]
 
     def mix_in(self, X: torch.Tensor):
         """X [T, n, D] -> (normed sublayer input h [T, D], post, comb)."""
-        c, post, comb = self.hc.pre(X)
-        return rms_norm(c, self.norm, self.eps), post, comb
+        c, post, comb = self.residual.pre(X)
+        return rms_norm(c, self.norm, self.eps, self.offset), post, comb
 
     def mix_out(self, X, y, post, comb) -> torch.Tensor:
-        return self.hc.post(X, y, post, comb)
+        return self.residual.post(X, y, post, comb)
 
 
 class GDNMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels):
+    def __init__(self, c: ModelSpec, params: Params, layer: int, kernels: Kernels):
         super().__init__(c, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.gdn"
         self.gdn = GatedDeltaNet(c, params, self.name + ".")
@@ -113,46 +115,64 @@ class GDNMixer(Sublayer):
         return self.mix_out(X, y, post, comb), (conv_state, S)
 
 
-class QSAMixer(Sublayer):
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels, rotary: RotaryTables):
+class AttentionMixer(Sublayer):
+    """Gated attention over the layer's K/V rows: `qsa` (indexer-selected rows, its index keys
+    are rows too) or `attention` (every row)."""
+
+    def __init__(self, c: ModelSpec, params: Params, layer: int, kernels: Kernels, rotary: RotaryTables,
+                 kind: str):
         super().__init__(c, params, layer, "mixer", kernels)
-        self.name = f"layers.{layer}.qsa"
-        self.attn = SparseAttention(c, params, self.name + ".", rotary, kernels)
+        self.name = f"layers.{layer}.{kind}"
+        self.parts = ("k", "v", "index") if kind == "qsa" else ("k", "v")
+        self.attn = Attention(c, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
 
     def run(self, txn) -> None:
-        rows = [txn.rows(f"{self.name}.{part}") for part in ("k", "v", "index")]
+        rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
 
         def step(pos, X, state):
             h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, pos, *rows, txn.check_range), post, comb), state
+            return self.mix_out(X, self.attn(h, pos, rows, txn.check_range), post, comb), state
 
         X, _ = scan(step, self.kernels.batched, txn.start, (txn.local["streams"],), None)
         txn.emit("streams", X)
 
 
 class FFN(Sublayer):
-    """y = MoE(h) + PLE_l(h); records the chosen experts in the `routes` rows."""
+    """y = MoE(h) or MLP(h), plus PLE_l(h) when the model has per-layer embeddings. A routed
+    layer records its chosen experts in its column of the `routes` rows."""
 
-    def __init__(self, c: HebrusConfig, params: Params, layer: int, kernels: Kernels):
+    def __init__(self, c: ModelSpec, params: Params, layer: int, kernels: Kernels):
         super().__init__(c, params, layer, "ffn", kernels)
         self.name = f"layers.{layer}.ffn"
-        self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", kernels, self.name)
-        self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.")
-        self.experts = c.moe_experts
+        self.routed = c.ffns[layer] == "moe"
+        if self.routed:
+            self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", kernels, self.name)
+            self.column, self.experts = c.moe_layers.index(layer), c.moe_experts
+        else:
+            self.mlp = MLP(params, f"layers.{layer}.mlp.")
+        self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.") if c.ple_dim else None
 
     def run(self, txn) -> None:
-        routes = txn.rows("routes")
+        routes = txn.rows("routes") if self.routed else None
 
-        def step(pos, X, ple, state):
+        def step(pos, X, *rest):
+            *ple, state = rest
             h, post, comb = self.mix_in(X)
-            weights, experts = self.moe.route(h, pos)
-            txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
-            experts = experts.clamp(0, self.experts - 1)
-            routes[pos:pos + len(X), self.layer] = experts.to(routes.dtype)
-            y = self.moe(h, weights, experts) + self.ple(h, ple)
+            if self.routed:
+                weights, experts = self.moe.route(h, pos)
+                txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
+                experts = experts.clamp(0, self.experts - 1)
+                routes[pos:pos + len(X), self.column] = experts.to(routes.dtype)
+                y = self.moe(h, weights, experts)
+            else:
+                y = self.mlp(h)
+            if self.ple is not None:
+                y = y + self.ple(h, ple[0])
             return self.mix_out(X, y, post, comb), state
 
-        inputs = (txn.local["streams"], txn.local["ple"][:, self.layer])
+        inputs = (txn.local["streams"],)
+        if self.ple is not None:
+            inputs += (txn.local["ple"][:, self.layer],)
         X, _ = scan(step, self.kernels.batched, txn.start, inputs, None)
         txn.emit("streams", X)
 
@@ -160,27 +180,31 @@ class FFN(Sublayer):
 class Head:
     name = "head"
 
-    def __init__(self, c: HebrusConfig, params: Params):
-        self.hc = HyperConnection(c, params, "head_hc")
-        self.norm, self.eps = params["norm.weight"], c.rms_norm_eps
+    def __init__(self, c: ModelSpec, params: Params):
+        self.residual = residual(c, params, "head_hc")
+        self.norm, self.eps, self.offset = params["norm.weight"], c.rms_norm_eps, c.norm_offset
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
     def run(self, txn) -> None:
         X = txn.local["streams"][-1:].clone()                 # only the last position is published
-        logits = F.linear(rms_norm(self.hc.head(X), self.norm, self.eps), self.out)
+        logits = F.linear(rms_norm(self.residual.head(X), self.norm, self.eps, self.offset), self.out)
         txn.write("residual", X[0])
         txn.write("logits", logits[0])
 
 
-def build_stages(c: HebrusConfig, params: Params, kernels: Kernels) -> list:
-    """The stages, in order, running on the op table `kernels` (see `model.kernels`)."""
-    stages: list = [Embed(c, params), PLE(c, params, kernels)]
+def build_stages(c: ModelSpec, params: Params, kernels: Kernels) -> list:
+    """The stages, in order, running on the op table `kernels` (see `layers.kernels`)."""
+    stages: list = [Embed(c, params)]
+    if c.ple_dim:
+        stages.append(PLE(c, params, kernels))
     rotary = RotaryTables(c, params["embed.weight"])
-    for layer, kind in enumerate(c.layer_types):
+    for layer, kind in enumerate(c.mixers):
         if kind == "gdn":
             mixer = GDNMixer(c, params, layer, kernels)
+        elif kind in ("qsa", "attention"):
+            mixer = AttentionMixer(c, params, layer, kernels, rotary, kind)
         else:
-            mixer = QSAMixer(c, params, layer, kernels, rotary)
+            raise ValueError(f"unknown mixer {kind!r}")
         stages += [mixer, FFN(c, params, layer, kernels)]
     stages.append(Head(c, params))
     return stages

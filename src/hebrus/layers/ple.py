@@ -4,13 +4,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hebrus.config import HebrusConfig
+from hebrus.layers.spec import ModelSpec
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.ple import ngram_buckets
 
 
 class PerLayerEmbedding:
-    def __init__(self, c: HebrusConfig, params: dict[str, torch.Tensor]):
+    def __init__(self, c: ModelSpec, params: dict[str, torch.Tensor]):
         self.unigram = params["ple.unigram.weight"]
         self.tables = [params[f"ple.ngram.{m}.weight"] for m in range(2, c.ple_ngram + 1)]
         self.constants = params["ple.hash_constants"]

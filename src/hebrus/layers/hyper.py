@@ -1,0 +1,56 @@
+"""The residual around a sublayer, in its two forms.
+
+Both take the streams X [T, n, D]: `pre` gives the sublayer's input (before its norm) and what
+`post` needs; `post` folds the sublayer's output back in; `head` gives the final hidden state.
+"""
+from __future__ import annotations
+
+import torch
+
+from hebrus.layers.spec import ModelSpec
+from hebrus.ops.hyper import hc_head, hc_post, hc_pre
+
+
+class HyperConnection:
+    """n streams mixed by learned gates and a Sinkhorn-projected stream mix (mHC)."""
+
+    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
+        self.fn, self.base, self.scale = (params[f"{prefix}.{k}"] for k in ("fn", "base", "scale"))
+        self.iters, self.hc_eps, self.rms_eps = s.hc_sinkhorn_iters, s.hc_eps, s.rms_norm_eps
+
+    def pre(self, X: torch.Tensor):
+        """X [T, n, D] -> (c [T, D], post [T, n], comb [T, n, n])."""
+        return hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.rms_eps)
+
+    @staticmethod
+    def post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return hc_post(X, y, post, comb)
+
+    def head(self, X: torch.Tensor) -> torch.Tensor:
+        """The head's single mix-down: X [T, n, D] -> h [T, D]."""
+        return hc_head(X, self.fn, self.base, self.scale, self.hc_eps, self.rms_eps)
+
+
+class PlainResidual:
+    """One stream, x + f(norm(x)) exactly: no gates, no mixing."""
+
+    @staticmethod
+    def pre(X: torch.Tensor):
+        return X[:, 0], None, None
+
+    @staticmethod
+    def post(X: torch.Tensor, y: torch.Tensor, post, comb) -> torch.Tensor:
+        return X + y.unsqueeze(1)
+
+    @staticmethod
+    def head(X: torch.Tensor) -> torch.Tensor:
+        return X[:, 0]
+
+
+def residual(s: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
+    """The residual the spec names, reading its parameters under `prefix` (hyper only)."""
+    if s.residual == "hyper":
+        return HyperConnection(s, params, prefix)
+    if s.residual == "plain":
+        return PlainResidual()
+    raise ValueError(f"unknown residual {s.residual!r}")

@@ -1,0 +1,36 @@
+"""The owner table of a session, generated from the model's spec (one source of truth)."""
+from __future__ import annotations
+
+import torch
+
+from hebrus.layers.spec import ModelSpec
+from hebrus.state.owners import APPENDED, OwnerSpec
+
+
+def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:
+    n, D, V = c.hc_streams, c.hidden_size, c.vocab_size
+    specs = [
+        OwnerSpec("frontier", (), torch.int64),
+        OwnerSpec("residual", (n, D), dtype),
+        OwnerSpec("logits", (V,), dtype),
+    ]
+    if c.ple_dim:
+        specs += [
+            OwnerSpec("ple.history", (c.ple_ngram - 1,), torch.int64, fill=V),   # PAD = V
+            OwnerSpec("ple.conv", (c.ple_conv_kernel - 1, c.ple_width), dtype),
+        ]
+    for layer, kind in enumerate(c.mixers):
+        p = f"layers.{layer}."
+        if kind == "gdn":
+            specs += [
+                OwnerSpec(p + "gdn.conv", (c.gdn_conv_dim, c.gdn_conv_kernel - 1), dtype),
+                OwnerSpec(p + "gdn.recurrent", (c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim), state_dtype),
+            ]
+        else:
+            kv = (c.attn_kv_heads, c.attn_head_dim)
+            specs += [OwnerSpec(f"{p}{kind}.k", kv, dtype, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, dtype, APPENDED)]
+            if kind == "qsa":
+                specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), dtype, APPENDED))
+    if c.moe_layers:
+        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED))
+    return specs

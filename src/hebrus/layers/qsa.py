@@ -1,0 +1,84 @@
+"""Gated attention over append-only K/V rows: over the rows an indexer selects (qsa), or over
+every row (attention)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from hebrus.layers.kernels import Kernels
+from hebrus.layers.spec import ModelSpec
+from hebrus.ops.norm import layer_norm, rms_norm
+from hebrus.ops.qsa import dense_attention, index_scores, select, sparse_attention
+from hebrus.ops.rope import apply_rope, rope_tables
+from hebrus.state.status import Status
+
+
+class RotaryTables:
+    """cos/sin tables for every position up to `max_context`, built once per model and per
+    rotary width, and shared by every layer that rotates that width. A table of width r rotates
+    the first r features of a head (partial rotary) with frequencies over those r features."""
+
+    def __init__(self, s: ModelSpec, like: torch.Tensor):
+        self.theta, self.positions = s.rope_theta, s.max_context
+        self.dtype, self.device = like.dtype, like.device
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if dim not in self._tables:
+            self._tables[dim] = rope_tables(dim, self.theta, self.positions, self.dtype, self.device)
+        return self._tables[dim]
+
+
+class Attention:
+    """Gated attention; with `indexed`, over the top_k rows the indexer scores highest."""
+
+    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, rotary: RotaryTables,
+                 kernels: Kernels, indexed: bool):
+        w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
+        self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+        self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
+        self.eps, self.offset = s.rms_norm_eps, s.norm_offset
+        self.rope = rotary(s.rotary_dim)
+        self.index_rope = rotary(self.di) if indexed else None
+
+    def __call__(self, h: torch.Tensor, start: int, rows, check_range) -> torch.Tensor:
+        """h [T, D] at positions start..start+T-1. Writes rows [start, start+T) of the row logs
+        (k, v and, indexed, index), then attends over rows [0, position]. `check_range` takes
+        the device-side check that no query picked a row past its own position."""
+        T, w, end = h.shape[0], self.w, start + h.shape[0]
+        k_rows, v_rows = rows[0], rows[1]
+        q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps,
+                     self.offset)
+        k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps,
+                     self.offset)
+        cos, sin = (t[start:end] for t in self.rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_rows[start:end] = k
+        v_rows[start:end] = F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh)
+        positions = torch.arange(start, end, device=h.device)
+        if self.indexed:
+            o = self._sparse(h, start, end, positions, q, k_rows, v_rows, rows[2], check_range)
+        else:
+            o = dense_attention(q, k_rows[:end], v_rows[:end], positions)
+        gate = torch.sigmoid(F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+        return F.linear((o * gate).flatten(1), w["o_proj.weight"])
+
+    def _sparse(self, h, start, end, positions, q, k_rows, v_rows, index_rows, check_range):
+        T, w = h.shape[0], self.w
+        qi = F.linear(h, w["index_q.weight"]).view(T, self.hi, self.di)
+        ki = layer_norm(F.linear(h, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+        icos, isin = (t[start:end] for t in self.index_rope)
+        qi, ki = apply_rope(qi, icos, isin), apply_rope(ki, icos, isin)
+        index_rows[start:end] = ki
+        scores = index_scores(qi, F.linear(h, w["index_w.weight"]), index_rows[:end])
+        picked, valid = self.select(scores, start, positions)
+        check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
+        return sparse_attention(q, k_rows[:end], v_rows[:end], picked, valid)
+
+    def select(self, scores: torch.Tensor, start: int, positions: torch.Tensor):
+        """The rows each query attends to: the top_k of its visible scores, the model's chooser
+        making the choice (a set: rank order does not matter)."""
+        return select(scores, positions, self.top_k, partial(self.choose, self.site, start, ordered=False))

@@ -1,0 +1,223 @@
+"""What Qwen's hybrid families share (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the text config, the
+spec's common part and the names of the embedding, norms, attention and delta-rule tensors.
+
+Their layers: a plain residual, (1 + w) RMSNorms, Gated DeltaNet ("linear_attention") and gated
+full attention with partial rotary ("full_attention"), then a dense MLP or routed experts with a
+gated shared expert.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Iterator
+
+import torch
+
+from hebrus.config import MAX_HEADS, MAX_ROWS, MAX_WIDTH
+from hebrus.errors import InvalidInput
+from hebrus.layers.spec import ModelSpec
+from hebrus.models.table import NamesTable, Source
+from hebrus.text import shown
+from hebrus.weights.limits import bounded, canonical, json_kind, value_problems
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+MIXERS = {"linear_attention": "gdn", "full_attention": "attention"}
+# File tensors the text model does not use: a vision tower, multi-token-prediction layers.
+IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+@dataclass(slots=True)
+class QwenConfig:
+    """The text config keys the model reads, each checked like a Hebrus config's."""
+    vocab_size: int = bounded(1, MAX_ROWS)
+    hidden_size: int = bounded(1, MAX_WIDTH)
+    num_hidden_layers: int = bounded(1, 1024)
+    num_attention_heads: int = bounded(1, MAX_HEADS)
+    num_key_value_heads: int = bounded(1, MAX_HEADS)
+    head_dim: int = bounded(2, MAX_HEADS)
+    linear_num_key_heads: int = bounded(1, MAX_HEADS)
+    linear_num_value_heads: int = bounded(1, MAX_HEADS)
+    linear_key_head_dim: int = bounded(1, MAX_HEADS)
+    linear_value_head_dim: int = bounded(1, MAX_HEADS)
+    layer_types: tuple[str, ...] = bounded(choices=LAYER_KINDS)
+    linear_conv_kernel_dim: int = bounded(1, 64, 4)
+    rms_norm_eps: float = bounded(0, 1, 1e-6, open_low=True)
+    rope_theta: float = bounded(0, math.inf, 10000.0, open_low=True)
+    partial_rotary_factor: float = bounded(0, 1, 0.25, open_low=True)
+    max_position_embeddings: int = bounded(1, 2**20, 32768)
+    tie_word_embeddings: bool = bounded(default=False)
+    hidden_act: str = bounded(default="silu", choices=("silu",))
+    attention_bias: bool = bounded(default=False)
+    intermediate_size: int = bounded(1, 2**18, 1)
+    num_experts: int = bounded(0, 4096, 0)
+    num_experts_per_tok: int = bounded(1, 4096, 1)
+    moe_intermediate_size: int = bounded(1, 2**18, 1)
+    shared_expert_intermediate_size: int = bounded(0, 2**18, 0)
+    norm_topk_prob: bool = bounded(default=True)
+    decoder_sparse_step: int = bounded(1, 1024, 1)
+    mlp_only_layers: tuple[int, ...] = bounded(0, 1023, ())
+    model_type: str = bounded(default="qwen3_5", choices=("qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                                          "qwen3_5_moe_text", "qwen3_next"))
+
+    def __post_init__(self) -> None:
+        problems = [p for f in fields(self)
+                    for p in value_problems(f.name, f.type, getattr(self, f.name), f.metadata["range"])]
+        if not problems:
+            for f in fields(self):
+                setattr(self, f.name, canonical(f.type, getattr(self, f.name)))
+            problems = list(self._shape_problems())
+        if problems:
+            raise InvalidInput(f"invalid {self.model_type} config: " + "; ".join(problems[:8]))
+
+    def _shape_problems(self) -> Iterator[str]:
+        if len(self.layer_types) != self.num_hidden_layers:
+            yield f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"
+        if self.attention_bias:
+            yield "attention_bias=true is not supported (Qwen's hybrid checkpoints have no biases)"
+        if self.mlp_only_layers and max(self.mlp_only_layers) >= self.num_hidden_layers:
+            yield f"mlp_only_layers names a layer past num_hidden_layers={self.num_hidden_layers}"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "QwenConfig":
+        """The text config of a parsed config.json: the nested `text_config` of a multimodal
+        checkpoint, or the file itself. Unknown keys are ignored; layer_types defaults from
+        `full_attention_interval`, rope settings come from `rope_parameters`."""
+        if not isinstance(data, dict):
+            raise InvalidInput(f"a config is a JSON object, got {json_kind(data)}")
+        model_type = data.get("model_type")
+        text = data.get("text_config", data)
+        if not isinstance(text, dict):
+            raise InvalidInput(f"text_config must be an object, got {json_kind(text)}")
+        text = dict(text)
+        if "tie_word_embeddings" in data and "tie_word_embeddings" not in text:
+            text["tie_word_embeddings"] = data["tie_word_embeddings"]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise InvalidInput(f"rope_parameters must be an object, got {json_kind(rope)}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise InvalidInput(f"rope_type {shown(rope_type)} is not supported; only 'default' rotary is")
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope and key not in text:
+                text[key] = rope[key]
+        layers = text.get("num_hidden_layers")
+        if text.get("layer_types") is None and isinstance(layers, int) and 0 < layers <= 1024:
+            interval = text.get("full_attention_interval", 4)
+            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+                raise InvalidInput(f"full_attention_interval must be a positive integer, got {shown(interval)}")
+            text["layer_types"] = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(layers)]
+        text["model_type"] = model_type
+        if text.get("mlp_only_layers") is None:
+            text.pop("mlp_only_layers", None)
+        required = {f.name for f in fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - text.keys())
+        if missing:
+            raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in text.items() if k in known})
+
+
+def require_experts(c: QwenConfig) -> None:
+    if c.num_experts < 1:
+        raise InvalidInput(f"{c.model_type}: routed layers need num_experts >= 1")
+    if c.num_experts_per_tok > c.num_experts:
+        raise InvalidInput(f"num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}")
+
+
+def spec(c: QwenConfig, family: str, ffns: tuple[str, ...], moe_normalize: bool = True) -> ModelSpec:
+    return ModelSpec(
+        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        mixers=tuple(MIXERS[kind] for kind in c.layer_types), ffns=ffns,
+        max_context=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps, norm_offset=1.0,
+        tie_embeddings=c.tie_word_embeddings, residual="plain", hc_streams=1,
+        gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
+        gdn_key_dim=c.linear_key_head_dim, gdn_value_dim=c.linear_value_head_dim,
+        gdn_conv_kernel=c.linear_conv_kernel_dim, attn_heads=c.num_attention_heads,
+        attn_kv_heads=c.num_key_value_heads, attn_head_dim=c.head_dim,
+        rotary_dim=int(c.head_dim * c.partial_rotary_factor), rope_theta=c.rope_theta,
+        moe_experts=max(c.num_experts, 1), moe_top_k=c.num_experts_per_tok,
+        moe_intermediate=c.moe_intermediate_size, moe_shared_intermediate=c.shared_expert_intermediate_size,
+        moe_normalize=moe_normalize, mlp_intermediate=c.intermediate_size,
+    )
+
+
+# ---- names -------------------------------------------------------------------------------------
+
+def prefix(on_disk: set[str]) -> str:
+    """Where the text model's tensors live: under `model.language_model.` in the multimodal
+    checkpoints, under `model.` otherwise."""
+    return "model.language_model." if "model.language_model.embed_tokens.weight" in on_disk else "model."
+
+
+def base_table(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
+    """Embedding, norms, head, and each layer's mixer; `gdn_names(table, file_prefix,
+    model_prefix)` adds a delta-rule layer's projections, which differ between families."""
+    p = prefix(on_disk)
+    D, V = s.hidden_size, s.vocab_size
+    t = NamesTable({}, {}, ignored=lambda name: name.startswith(IGNORED_PREFIXES)
+                   or (s.tie_embeddings and name == "lm_head.weight"))
+    t.add("embed.weight", p + "embed_tokens.weight", (V, D))
+    t.add("norm.weight", p + "norm.weight", (D,))
+    if not s.tie_embeddings:
+        t.add("lm_head.weight", "lm_head.weight", (V, D))
+    for layer, mixer in enumerate(s.mixers):
+        f, m = f"{p}layers.{layer}.", f"layers.{layer}."
+        t.add(m + "mixer_norm.weight", f + "input_layernorm.weight", (D,))
+        t.add(m + "ffn_norm.weight", f + "post_attention_layernorm.weight", (D,))
+        if mixer == "gdn":
+            _gdn(t, s, f + "linear_attn.", m + "gdn.")
+            gdn_names(t, s, f + "linear_attn.", m + "gdn.")
+        else:
+            _attention(t, s, f + "self_attn.", m + "attention.")
+    return t
+
+
+def _gdn(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
+    D, Hv, dv, C, K = s.hidden_size, s.gdn_value_heads, s.gdn_value_dim, s.gdn_conv_dim, s.gdn_conv_kernel
+    t.add(m + "conv.weight", f + "conv1d.weight", (C, 1, K), lambda w: w[:, 0])
+    t.add(m + "A_log", f + "A_log", (Hv,))
+    t.add(m + "dt_bias", f + "dt_bias", (Hv,))
+    t.add(m + "norm.weight", f + "norm.weight", (dv,))
+    t.add(m + "out_proj.weight", f + "out_proj.weight", (D, Hv * dv))
+
+
+def _attention(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
+    """q_proj holds, per head, the query's head_dim rows and then the output gate's."""
+    D, H, Hkv, dh = s.hidden_size, s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+    t.shapes[f + "q_proj.weight"] = (2 * H * dh, D)
+    t.sources[m + "q_proj.weight"] = Source((f + "q_proj.weight",), lambda w: w.view(H, 2, dh, D)[:, 0].reshape(H * dh, D))
+    t.sources[m + "gate_proj.weight"] = Source((f + "q_proj.weight",), lambda w: w.view(H, 2, dh, D)[:, 1].reshape(H * dh, D))
+    t.add(m + "k_proj.weight", f + "k_proj.weight", (Hkv * dh, D))
+    t.add(m + "v_proj.weight", f + "v_proj.weight", (Hkv * dh, D))
+    t.add(m + "o_proj.weight", f + "o_proj.weight", (D, H * dh))
+    t.add(m + "q_norm.weight", f + "q_norm.weight", (dh,))
+    t.add(m + "k_norm.weight", f + "k_norm.weight", (dh,))
+
+
+def add_mlp(t: NamesTable, D: int, inner: int, f: str, m: str) -> None:
+    t.add(m + "gate_proj.weight", f + "gate_proj.weight", (inner, D))
+    t.add(m + "up_proj.weight", f + "up_proj.weight", (inner, D))
+    t.add(m + "down_proj.weight", f + "down_proj.weight", (D, inner))
+
+
+def add_moe(t: NamesTable, s: ModelSpec, on_disk: set[str], f: str, m: str) -> None:
+    """Router, experts (one tensor per expert and projection, or fused [E, 2I, D] / [E, D, I]
+    tensors), and the shared expert with its sigmoid gate."""
+    D, E, I = s.hidden_size, s.moe_experts, s.moe_intermediate
+    t.add(m + "router.weight", f + "gate.weight", (E, D))
+    if f + "experts.gate_up_proj" in on_disk:
+        t.add(m + "experts.gate_up", f + "experts.gate_up_proj", (E, 2 * I, D))
+        t.add(m + "experts.down", f + "experts.down_proj", (E, D, I))
+    else:
+        gates = [f"{f}experts.{e}.gate_proj.weight" for e in range(E)]
+        ups = [f"{f}experts.{e}.up_proj.weight" for e in range(E)]
+        downs = [f"{f}experts.{e}.down_proj.weight" for e in range(E)]
+        t.shapes.update({name: (I, D) for name in gates + ups})
+        t.shapes.update({name: (D, I) for name in downs})
+        t.sources[m + "experts.gate_up"] = Source(
+            tuple(gates + ups), lambda *w: torch.cat([torch.stack(w[:E]), torch.stack(w[E:])], dim=1))
+        t.sources[m + "experts.down"] = Source(tuple(downs), lambda *w: torch.stack(w))
+    if s.moe_shared_intermediate:
+        add_mlp(t, D, s.moe_shared_intermediate, f + "shared_expert.", m + "shared.")
+        t.add(m + "shared_gate.weight", f + "shared_expert_gate.weight", (1, D))

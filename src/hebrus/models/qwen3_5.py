@@ -1,0 +1,41 @@
+"""Qwen3.5 (dense): Gated DeltaNet and gated attention layers, a dense MLP in every layer.
+
+Text-only checkpoints (`qwen3_5_text`) keep the text model under `model.`; the multimodal ones
+(`qwen3_5`) nest its config in `text_config` and its tensors under `model.language_model.`, next
+to a vision tower this runtime ignores.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hebrus.layers.spec import ModelSpec
+from hebrus.models import qwen
+from hebrus.models.table import NamesTable
+
+NAME = "qwen3_5"
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def config(data: Any) -> qwen.QwenConfig:
+    return qwen.QwenConfig.from_dict(data)
+
+
+def spec(c: qwen.QwenConfig) -> ModelSpec:
+    return qwen.spec(c, NAME, ffns=("mlp",) * c.num_hidden_layers)
+
+
+def gdn_names(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
+    """Separate projections: in_proj_qkv (all query heads, all key heads, all value heads), z, b, a."""
+    D, Hv, dv = s.hidden_size, s.gdn_value_heads, s.gdn_value_dim
+    t.add(m + "in_proj_qkv.weight", f + "in_proj_qkv.weight", (s.gdn_conv_dim, D))
+    t.add(m + "in_proj_z.weight", f + "in_proj_z.weight", (Hv * dv, D))
+    t.add(m + "in_proj_b.weight", f + "in_proj_b.weight", (Hv, D))
+    t.add(m + "in_proj_a.weight", f + "in_proj_a.weight", (Hv, D))
+
+
+def names(s: ModelSpec, on_disk: set[str]) -> NamesTable:
+    t = qwen.base_table(s, on_disk, gdn_names)
+    p = qwen.prefix(on_disk)
+    for layer in range(s.num_layers):
+        qwen.add_mlp(t, s.hidden_size, s.mlp_intermediate, f"{p}layers.{layer}.mlp.", f"layers.{layer}.mlp.")
+    return t

@@ -1,0 +1,46 @@
+"""How a family's files become the model's tensors: a names table.
+
+`shapes` lists every tensor the checkpoint must hold (and its shape on disk); `sources` says, for
+every tensor the model needs (`weights.layout.parameter_shapes`), which file tensors it is built
+from and how. Tensors a family knows but the model does not use (a vision tower, a multi-token
+prediction head) are `ignored`; anything else unexpected is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class Source:
+    names: tuple[str, ...]                                   # file tensors, in the order build takes them
+    build: Callable[..., torch.Tensor] = _same
+
+
+@dataclass
+class NamesTable:
+    shapes: dict[str, tuple[int, ...]]
+    sources: dict[str, Source]
+    ignored: Callable[[str], bool] = lambda name: False
+    dtypes: Callable[[str], tuple[str, ...]] = lambda name: FLOAT_DTYPES
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def identity(cls, shapes: dict[str, tuple[int, ...]], dtypes=None) -> "NamesTable":
+        table = cls(dict(shapes), {name: Source((name,)) for name in shapes})
+        if dtypes is not None:
+            table.dtypes = dtypes
+        return table
+
+    def add(self, model_name: str, file_name: str, shape: tuple[int, ...], build=_same) -> None:
+        """One model tensor from one file tensor."""
+        self.shapes[file_name] = shape
+        self.sources[model_name] = Source((file_name,), build)
