@@ -1,7 +1,7 @@
 """How far is fast mode from exact mode, once exact's discrete choices are replayed?
 
 For random prompts (short ones and long ones) and random chunkings, per dtype: one exact run
-that records every choice (`hebrus.model.replay.Recorder`), then each chunking in fast mode twice:
+that records every choice (`hebrus.layers.replay.Recorder`), then each chunking in fast mode twice:
 with exact's choices replayed (the verified promise: continuous error within the dtype's
 tolerance, flips only at near-ties) and on its own (what a fast session really does: a flip at
 a near-tie sends the rest of that token's computation down another path).
@@ -161,7 +161,7 @@ def report(results: dict, meta: dict) -> str:
              f"{meta['long_length']} tokens, each in 3 chunkings (one chunk, chunks of ≤ 13, chunks of "
              f"≤ n/3); seed {meta['seed']}. Owners and logits: error relative to the largest magnitude of "
              "the tensor. Scores and margins: relative to the largest score magnitude at the site "
-             "(`hebrus.model.replay`).",
+             "(`hebrus.layers.replay`).",
              "", "With exact's choices replayed (what `hebrus verify --mode fast` checks):", "",
              "| dtype | runs | tokens | max error (p99) | max score error | bound | flips "
              "| largest flip margin (bound) | closest near-tie | exact ties | passed | s |",
