@@ -1,0 +1,99 @@
+"""Tiny random checkpoints of the foreign families, made with transformers (a test-only
+dependency) and saved with `save_pretrained`, and the reference run they are compared with."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+# Odd shapes on purpose: value heads a multiple (not equal) of key heads, key dim != value dim,
+# head_dim with a partial rotary of 1/4, several layer patterns.
+_COMMON = dict(vocab_size=101, hidden_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+               linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=256)
+_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=20)
+NORM_SPREAD = 0.3
+LINEAR, FULL = "linear_attention", "full_attention"
+
+FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(_COMMON, intermediate_size=56, num_hidden_layers=5,
+                     layer_types=[LINEAR, FULL, LINEAR, LINEAR, FULL])),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(_COMMON, **_MOE, num_hidden_layers=4, linear_num_key_heads=1, linear_num_value_heads=3,
+                         linear_key_head_dim=6, linear_value_head_dim=10, layer_types=[FULL, LINEAR, LINEAR, FULL])),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_COMMON, **_MOE, intermediate_size=56, num_hidden_layers=4, mlp_only_layers=[2],
+                        norm_topk_prob=False, layer_types=[LINEAR, LINEAR, FULL, LINEAR])),
+}
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter drawn so each part matters: norms away from their identity, decays in
+    range, projections at 1/sqrt(fan_in)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_((1 + 7 * torch.rand(p.shape, generator=gen)).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * NORM_SPREAD + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+
+
+def build(family: str, folder: Path, seed: int = 0, **overrides):
+    """(the folder with config.json + model.safetensors, the transformers model in float32)."""
+    config_name, model_name, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_name)(**dict(kwargs, **overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    randomise(model, seed)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def as_multimodal(folder: Path, model_type: str) -> None:
+    """Rewrite a text-only save as the multimodal checkpoints are laid out: the text config nested
+    in `text_config`, tensors under `model.language_model.`, and a vision tower beside them."""
+    from safetensors.torch import load_file, save_file
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "text_config": config,
+                                                    "vision_config": {"depth": 1},
+                                                    "tie_word_embeddings": config["tie_word_embeddings"]}))
+    tensors = load_file(folder / "model.safetensors")
+    moved = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+             for k, v in tensors.items()}
+    moved["model.visual.patch_embed.proj.weight"] = torch.zeros(3, 2)
+    save_file(moved, folder / "model.safetensors")
+
+
+def reference_run(model, ids: list[int], steps: int):
+    """transformers' logits at every prompt position, its cache after the prompt, and `steps`
+    greedy tokens with the logits that chose each."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        prompt_logits, cache = out.logits[0], out.cache
+        states = {}
+        for layer, kind in enumerate(model.config.layer_types):
+            if kind == LINEAR:
+                states[f"layers.{layer}.gdn.conv"] = cache.get_conv_state(layer)[0].clone()
+                states[f"layers.{layer}.gdn.recurrent"] = cache.get_recurrent_state(layer)[0].clone()
+            else:
+                states[f"layers.{layer}.attention.k"] = cache.layers[layer].keys[0].transpose(0, 1).clone()
+                states[f"layers.{layer}.attention.v"] = cache.layers[layer].values[0].transpose(0, 1).clone()
+        tokens, step_logits = [], []
+        logits = prompt_logits[-1]
+        for _ in range(steps):
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            step_logits.append(logits)
+            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+    return prompt_logits, states, tokens, step_logits
