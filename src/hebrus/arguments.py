@@ -178,6 +178,20 @@ def top_p(value) -> float:
     return number
 
 
+def min_p(value) -> float:
+    number = _real("min_p", value)
+    if not 0 <= number <= 1:
+        raise InvalidInput(f"min_p must be in [0, 1], got {shown(value)}")
+    return number
+
+
+def repetition_penalty(value) -> float:
+    number = _real("repetition_penalty", value)
+    if not (math.isfinite(number) and number > 0):
+        raise InvalidInput(f"repetition_penalty must be a finite number > 0 (1 = none), got {shown(value)}")
+    return number
+
+
 def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise InvalidInput(f"{name} must be a number, got {shown(value)}")

@@ -11,7 +11,8 @@ from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.text import escaped
 
-MODEL_HELP = f"a preset ({', '.join(PRESETS)}) or a checkpoint directory (default: tiny)"
+MODEL_HELP = (f"a preset ({', '.join(PRESETS)}), a checkpoint directory or a Hugging Face repo id in the "
+              f"local cache (default: tiny)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,15 +57,25 @@ def _detach_stdout() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hebrus", description="Transactional inference for hybrid language models.")
+    parser.add_argument("--version", action="version", version=f"hebrus {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="continue a text prompt, streaming the output",
-                         description="Byte-level generation with the given model; prints the continuation as it comes.")
-    gen.add_argument("prompt", help="the text to continue")
-    _model_args(gen, default_mode="exact")
+                         description="Generate with the given model, printing the continuation as it comes. "
+                                     "A checkpoint's tokenizer.json is used when it has one; otherwise text is bytes.")
+    gen.add_argument("prompt", help="the text to continue, or - to read it from standard input")
+    _model_args(gen, default_mode="fast")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens below min-p times the likeliest one's probability (default 0)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="divide the logits of tokens already seen by this (default 1: off)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when the output contains TEXT (repeatable); the checkpoint's EOS ids always stop")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.set_defaults(handler=_generate)
 
@@ -81,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("hebrus")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _model_args(p: argparse.ArgumentParser, default_mode: str) -> None:
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--mode", choices=MODES, default=default_mode, help=f"execution mode (default {default_mode})")
@@ -89,23 +108,100 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str) -> None:
 
 
 def _load(args):
-    return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode)
+    """The model, with a progress bar on stderr once loading has taken more than a second."""
+    from hebrus.progress import ProgressBar
+    started, bar = time.perf_counter(), []
+
+    def progress(done: int, total: int) -> None:
+        if not bar and time.perf_counter() - started > 1.0 and done < total:
+            bar.append(ProgressBar(f"load {args.model}"))
+        if bar:
+            bar[0](done, total, "tensors")
+
+    return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress)
 
 
 def _generate(args) -> int:
-    from hebrus.tokenizer import StreamDecoder, encode
+    from hebrus.chat import text_for
 
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    for text in args.stop:
+        if not text:
+            raise InvalidInput("--stop needs a non-empty text")
     model = _load(args)
-    tokens = model.session().generate(encode(args.prompt), max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    text = text_for(model)
+    ids = text.encode(text.chat(prompt) if args.chat else prompt)
+    session = model.session()
+    started = time.perf_counter()
+    _prefill(session, ids[:-1])
+    prompt_seconds = time.perf_counter() - started
+    tokens = session.generate(ids[-1:], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, stop_ids=text.stop_ids)
     if args.model in PRESETS:
         print(f"(preset {args.model!r} has random weights: expect noise, not language)", file=sys.stderr)
-    decoder = StreamDecoder()
+    stream, writer, shown, generated = text.stream(), _StopWriter(args.stop), "", 0
+    started = time.perf_counter()
     for token in tokens:
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
-    sys.stdout.write(decoder.flush() + "\n")
+        generated += 1
+        if token in text.stop_ids:
+            break
+        shown += stream.push(token)
+        if writer.write(shown):
+            break
+    else:
+        writer.write(shown + stream.flush(), final=True)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    _summary(len(ids), prompt_seconds, generated, time.perf_counter() - started)
     return 0
+
+
+class _StopWriter:
+    """Writes the text so far as it grows, up to the first stop text. A tail that could still
+    become a stop text is held back until it cannot."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.written = stops, 0
+
+    def write(self, shown: str, final: bool = False) -> bool:
+        """True once a stop text appeared."""
+        cut = min((shown.find(s) for s in self.stops if s in shown), default=-1)
+        held = 0 if final else max((_partial(shown, s) for s in self.stops), default=0)
+        end = cut if cut >= 0 else len(shown) - held
+        if end > self.written:
+            sys.stdout.write(shown[self.written:end])
+            sys.stdout.flush()
+            self.written = end
+        return cut >= 0
+
+
+def _partial(shown: str, stop: str) -> int:
+    """How many trailing characters of `shown` are a proper prefix of `stop`."""
+    for n in range(min(len(stop) - 1, len(shown)), 0, -1):
+        if shown.endswith(stop[:n]):
+            return n
+    return 0
+
+
+def _prefill(session, ids: list[int]) -> None:
+    """Feed the prompt in chunks, with progress on stderr when it is long."""
+    from hebrus.progress import ProgressBar
+    chunk = 256
+    bar = ProgressBar("prefill") if len(ids) > 4 * chunk else None
+    for begin in range(0, len(ids), chunk):
+        session.prefill(ids[begin:begin + chunk], chunk_size=64)
+        if bar is not None:
+            bar(min(begin + chunk, len(ids)), len(ids), "tokens")
+
+
+def _summary(prompt_tokens: int, prompt_seconds: float, generated: int, seconds: float) -> None:
+    """The closing line: prompt and generation speed and peak memory."""
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20       # KiB -> GiB (Linux)
+    print(f"prompt: {prompt_tokens} tokens, {prompt_tokens / max(prompt_seconds, 1e-9):.1f} tokens/s | "
+          f"generation: {generated} tokens, {generated / max(seconds, 1e-9):.1f} tokens/s | "
+          f"peak memory: {peak:.2f} GiB", file=sys.stderr)
 
 
 def _verify(args) -> int:
@@ -146,9 +242,9 @@ def _info(args) -> int:
     from hebrus.weights.layout import parameter_count
 
     model = _load(args)
-    c = model.config
-    print("config")
-    for key, value in c.to_dict().items():
+    c = model.spec
+    print(f"model ({c.family})")
+    for key, value in _spec_fields(c):
         print(f"  {key:26} {value}")
     print(f"  {'parameters':26} {parameter_count(c):,}")
     print(f"\nstages ({len(model.stages)})\n  " + "\n  ".join(model.stage_names))
@@ -165,6 +261,25 @@ def _info(args) -> int:
         print(f"  {spec.name:26} {spec.kind:9} {dtype:8} {str(shape):16} {size:>12,}{note}")
     print(f"  {'total':26} {'':9} {'':8} {'':16} {total:>12,}")
     return 0
+
+
+def _spec_fields(c):
+    """The spec's fields a reader needs: the ones its layers use (no PLE fields without PLE...)."""
+    import dataclasses
+    skip = set()
+    if c.residual == "plain":
+        skip |= {"hc_streams", "hc_sinkhorn_iters", "hc_eps"}
+    if not c.ple_dim:
+        skip |= {"ple_ngram", "ple_buckets", "ple_conv_kernel"}
+    if "qsa" not in c.mixers:
+        skip |= {"index_heads", "index_dim", "top_k"}
+    if "moe" not in c.ffns:
+        skip |= {"moe_experts", "moe_top_k", "moe_intermediate", "moe_shared_intermediate", "moe_normalize"}
+    if "mlp" not in c.ffns:
+        skip.add("mlp_intermediate")
+    for f in dataclasses.fields(c):
+        if f.name not in skip and f.name != "family":
+            yield f.name, getattr(c, f.name)
 
 
 def console() -> int:

@@ -1,6 +1,7 @@
 """`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -41,6 +42,7 @@ class Model:
 
     def _build(self, config, spec, params, device, dtype, mode, chooser=None) -> None:
         mode = _mode(mode)
+        self.source: Path | None = getattr(self, "source", None)     # the folder it was loaded from
         self.config, self.spec, self.device, self.dtype, self.mode = config, spec, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
@@ -70,6 +72,7 @@ class Model:
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
         `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
         twin = Model.__new__(Model)
+        twin.source = self.source
         twin._build(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser)
         return twin
 
@@ -84,23 +87,51 @@ class Model:
 
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | str = torch.float32, mode: str = "exact") -> Model:
-    """A preset name (randomly initialised from the config's seed) or a checkpoint directory.
-    Every argument is checked before anything is read or allocated; bad ones raise InvalidInput."""
+         dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None) -> Model:
+    """A preset name (randomly initialised from the config's seed), a checkpoint directory of
+    any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
+    the local cache. Every argument is checked before anything is read or allocated; bad ones
+    raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load."""
     dtype = resolve_dtype(dtype)
     device, mode = _device(device), _mode(mode)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
-        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
-    path = folder_path(name_or_path, "the model (a preset name or a checkpoint directory)")
+        model = Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
+        model.source = None
+        return model
+    path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
     if not path.is_dir():
-        raise InvalidInput(f"{name_or_path!s} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+        path = _cached_repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return _place(name, tensor, device, storage_dtype(name, dtype))
 
-    loaded = checkpoint.load(path, place)
-    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
+    loaded = checkpoint.load(path, place, progress)
+    model = Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
+    model.source = path
+    return model
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _cached_repo(name) -> Path:
+    """The local snapshot of a Hugging Face repo id, from the cache only: never the network."""
+    text = str(name)
+    if not _REPO_ID.fullmatch(text) or ".." in text:
+        raise InvalidInput(f"{text} is neither a preset ({', '.join(PRESETS)}), a checkpoint directory, "
+                           f"nor a Hugging Face repo id (Org/Name)")
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise InvalidInput(f"{text} is not a directory, and huggingface_hub (needed to find a repo id "
+                           f"in the local cache) is not installed") from None
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except Exception:                                       # not cached (hub errors vary by version)
+        raise InvalidInput(f"{text} is not a directory and not in the local Hugging Face cache "
+                           f"({constants.HF_HUB_CACHE}); download it first (hf download {text}) or "
+                           f"pass the checkpoint folder") from None
 
 
 def _mode(mode) -> str:

@@ -1,19 +1,52 @@
 """Choosing the next token from logits. Pure: randomness comes from the generator passed in."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0 (ties to the smaller id); otherwise nucleus sampling."""
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 keep every token; a repetition
+    penalty of 1 changes nothing (above 1, the logits of ids already seen are divided by it when
+    positive and multiplied when negative)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+def penalise(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    if penalty == 1.0 or not seen:
+        return logits
+    logits = logits.double().clone()
+    ids = torch.tensor(sorted(set(seen)), device=logits.device)
+    picked = logits[ids]
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+           top_k: int = 0, min_p: float = 0.0) -> int:
+    """Greedy at temperature 0 (ties to the smaller id); otherwise sampling from the softmax at
+    `temperature`, restricted to the top_k ids, then to the smallest set holding top_p of the
+    mass, then to ids with at least min_p times the largest probability."""
     if temperature == 0:
         return int(torch.argmax(logits))
     scaled = logits.double()
     scaled = (scaled - scaled.max()) / temperature          # <= 0, so no temperature overflows it
     probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True, stable=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_k:
+        keep[top_k:] = False
     if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True, stable=True)
         before = sorted_p.cumsum(0) - sorted_p                 # mass strictly before each token
-        sorted_p = torch.where(before < top_p, sorted_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        keep &= before < top_p
+    if min_p > 0.0:
+        keep &= sorted_p >= min_p * sorted_p[0]
+    sorted_p = torch.where(keep, sorted_p, 0.0)
+    probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

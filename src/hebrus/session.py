@@ -22,7 +22,7 @@ import torch
 
 from hebrus import arguments, faults
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, StructuralError
-from hebrus.sampling import sample
+from hebrus.sampling import Sampling, penalise, sample
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image
 from hebrus.state.owners import bank_bytes
@@ -98,29 +98,41 @@ class Session:
             return self._prefill(tokens, chunk_size)
 
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, chunk_size: int = 64) -> Iterator[int]:
+                 top_p: float = 1.0, seed: int = 0, chunk_size: int = 64, *, top_k: int = 0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=()) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
-        token per transaction. Every argument is checked now; tokens come as you iterate."""
+        token per transaction, ending after `max_new_tokens` or after a token in `stop_ids` (which
+        is yielded and committed). Every argument is checked now; tokens come as you iterate."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = arguments.chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
-        temperature, top_p = arguments.temperature(temperature), arguments.top_p(top_p)
+        sampling = Sampling(arguments.temperature(temperature), arguments.top_p(top_p),
+                            arguments.count("top_k", top_k), arguments.min_p(min_p),
+                            arguments.repetition_penalty(repetition_penalty))
+        stops = frozenset(arguments.in_vocabulary(arguments.token_ids(stop_ids, 2**20),
+                                                  self.spec.vocab_size).tolist())
         generator = arguments.generator(seed)
         self._check_faults()
         with self._exclusive():
             if not len(prompt) and self.frontier == 0:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
-        return self._generate(prompt, max_new_tokens, temperature, top_p, generator, chunk_size)
+        return self._generate(prompt, max_new_tokens, sampling, stops, generator, chunk_size)
 
-    def _generate(self, prompt, max_new_tokens, temperature, top_p, generator, chunk_size):
+    def _generate(self, prompt, max_new_tokens, sampling, stops, generator, chunk_size):
         start = self.frontier
+        seen = prompt.tolist() if sampling.repetition_penalty != 1.0 else []
         try:
             logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
             for _ in range(max_new_tokens):
-                token = sample(logits, temperature, top_p, generator)
+                token = sample(penalise(logits, seen, sampling.repetition_penalty), sampling.temperature,
+                               sampling.top_p, generator, sampling.top_k, sampling.min_p)
                 logits = self.feed([token])
+                if seen:
+                    seen.append(token)
                 yield token
+                if token in stops:
+                    return
         except GeneratorExit:                     # the caller closed the generator
             raise
         except BaseException as exc:              # Ctrl-C: the token may be committed, not yet yielded

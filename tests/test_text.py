@@ -1,0 +1,149 @@
+"""A checkpoint's text: tokenizer.json through `tokenizers`, the chat template, EOS ids, sampling
+options, and `hebrus generate --model DIR --chat` end to end."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+
+import hebrus
+from hebrus.chat import CheckpointText, text_for
+from hebrus.cli import main
+
+tokenizers = pytest.importorskip("tokenizers")
+from foreign import build  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["héllo wörld, the quick brown fox ☃ jumps over the lazy dog 😀"] * 20 + ["hi there, how are you?"] * 20
+
+
+def write_tokenizer(folder, vocab: int = 300) -> tokenizers.Tokenizer:
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|im_end|>")]}))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    folder, _ = build("qwen3_5", tmp_path_factory.mktemp("chat"), vocab_size=320)
+    write_tokenizer(folder)
+    return folder
+
+
+def test_round_trip_and_streaming_across_multibyte_characters(chat_model):
+    text = text_for(hebrus.load(chat_model))
+    assert isinstance(text, CheckpointText)
+    sample = "héllo wörld ☃ 😀 unseen ✓"
+    ids = text.encode(sample)
+    assert text.tokenizer.decode(ids) == sample
+    stream = text.stream()
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == sample
+
+
+def test_chat_template_and_eos(chat_model):
+    text = text_for(hebrus.load(chat_model))
+    assert text.chat("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert text.stop_ids == (text.tokenizer.token_to_id("<|im_end|>"),)
+    assert text.encode("<|im_end|>") == list(text.stop_ids)          # special tokens stay whole
+
+
+def test_generate_chat_streams_the_greedy_continuation(chat_model):
+    model = hebrus.load(chat_model, mode="fast")
+    text = text_for(model)
+    ids = text.encode(text.chat("hi"))
+    expected = []
+    for token in model.session().generate(ids, max_new_tokens=12, stop_ids=text.stop_ids):
+        if token in text.stop_ids:
+            break
+        expected.append(token)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["generate", "--model", str(chat_model), "--chat", "hi", "--max-new-tokens", "12"])
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == text.tokenizer.decode(expected) + "\n"
+    assert "tokens/s" in err.getvalue() and "peak memory" in err.getvalue()
+
+
+def test_stop_text_ends_the_output(chat_model):
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(io.StringIO()):
+        assert main(["generate", "--model", str(chat_model), "hi", "--max-new-tokens", "12"]) == 0
+    full = out.getvalue().rstrip("\n")
+    if len(full) < 3:
+        pytest.skip("the continuation is too short to cut")
+    stop = full[2:4]
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(io.StringIO()):
+        assert main(["generate", "--model", str(chat_model), "hi", "--max-new-tokens", "12", "--stop", stop]) == 0
+    assert out.getvalue() == full[:full.find(stop)] + "\n"
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    folder, _ = build("qwen3_5", tmp_path / "m")                     # vocabulary 101
+    write_tokenizer(folder)                                           # 300 tokens
+    with pytest.raises(hebrus.InvalidInput, match="does not belong to this model"):
+        text_for(hebrus.load(folder))
+
+
+def test_chat_without_a_template_is_a_clear_error(tmp_path):
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["generate", "--chat", "hi"]) == 2
+    assert "chat template" in err.getvalue()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("top_k", -1, "top_k"), ("min_p", 1.5, "min_p"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("stop_ids", [999], "outside the vocabulary"), ("top_p", 0.0, "top_p")])
+def test_sampling_options_are_checked_up_front(tiny, option, value, message):
+    session = tiny.session()
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        session.generate([1, 2], **{option: value})
+    assert session.frontier == 0
+
+
+def test_sampling_options_shape_the_choice(tiny):
+    def run(**options):
+        return list(tiny.session().generate([1, 2, 3], max_new_tokens=12, temperature=1.0, seed=3, **options))
+    assert run() == run()
+    assert run(top_k=1) == list(tiny.session().generate([1, 2, 3], max_new_tokens=12))    # top-1 is greedy
+    assert run(min_p=1.0) == run(top_k=1)
+    assert len(set(run(repetition_penalty=50.0))) >= len(set(run()))
+
+
+def test_stop_ids_end_generation_after_the_stop_token(tiny):
+    tokens = list(tiny.session().generate([1, 2, 3], max_new_tokens=12))
+    stop = tokens[4]
+    cut = tokens.index(stop)
+    assert list(tiny.session().generate([1, 2, 3], max_new_tokens=12, stop_ids=[stop])) == tokens[:cut + 1]
+
+
+def test_a_repo_id_resolves_from_the_local_cache_only(tmp_path):
+    folder, _ = build("qwen3_5", tmp_path / "src")
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / "abc123"
+    snapshot.parent.mkdir(parents=True)
+    folder.rename(snapshot)
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs" / "main").write_text("abc123")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    code = ("import hebrus; m = hebrus.load('Org/Tiny'); print(m.family);"
+            "\ntry: hebrus.load('Org/Absent')\nexcept hebrus.InvalidInput as e: print(e)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "qwen3_5", done.stderr
+    assert "not in the local Hugging Face cache" in lines[1] and str(tmp_path / "hub") in lines[1]
