@@ -104,9 +104,12 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         path = _cached_repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _place(name, tensor, device, storage_dtype(name, dtype))
+        return _place(name, tensor, device, storage_dtype(name, dtype), fresh=True)
 
-    loaded = checkpoint.load(path, place, progress)
+    def dtype_of(name: str) -> torch.dtype:                  # on the CPU, convert while reading
+        return storage_dtype(name, dtype)
+
+    loaded = checkpoint.load(path, place, progress, dtype_of if device.type == "cpu" else None)
     model = Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
     model.source = path
     return model
@@ -140,10 +143,15 @@ def _mode(mode) -> str:
     return mode
 
 
-def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh copy in the model's dtype; a weight that does not fit that dtype (1e5 in float16)
-    would turn every chunk non-finite, so it is refused here."""
-    placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
+def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
+           fresh: bool = False) -> torch.Tensor:
+    """A fresh copy in the model's dtype (a `fresh` tensor, one the loader just read into a
+    buffer of its own, is kept when it already is one); a weight that does not fit that dtype
+    (1e5 in float16) would turn every chunk non-finite, so it is refused here."""
+    if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
+        placed = tensor
+    else:
+        placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
     if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")

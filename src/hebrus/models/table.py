@@ -24,6 +24,11 @@ class Source:
     names: tuple[str, ...]                                   # file tensors, in the order build takes them
     build: Callable[..., torch.Tensor] = _same
 
+    @property
+    def is_copy(self) -> bool:
+        """One file tensor taken as it is."""
+        return len(self.names) == 1 and self.build is _same
+
 
 @dataclass
 class NamesTable:

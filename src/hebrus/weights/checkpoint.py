@@ -129,11 +129,13 @@ def _read_family_config(folder: Path):
 
 
 def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-         progress: Callable[[int, int], None] | None = None) -> Loaded:
+         progress: Callable[[int, int], None] | None = None,
+         dtype_of: Callable[[str], torch.dtype] | None = None) -> Loaded:
     """Read and check a checkpoint of any supported family. Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
     the next one read, so a load holds the placed model plus one tensor's sources at a time.
-    `progress(done, total)` is called after each tensor."""
+    `progress(done, total)` is called after each tensor. With `dtype_of(name)`, a tensor stored
+    as it is used is read in slices straight into a buffer of that dtype."""
     folder = Path(path)
     identity = _identity(folder)
     family, config = _read_family_config(folder)
@@ -142,14 +144,14 @@ def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | 
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
     _check_allocation(spec, folder / CONFIG)
-    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress)
+    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress, dtype_of)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
                               f"load it again")
     return Loaded(family, config, spec, params)
 
 
-def _read_weights(family, spec: ModelSpec, folder: Path, place, progress) -> dict[str, torch.Tensor]:
+def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_of) -> dict[str, torch.Tensor]:
     """Every file checked to be regular before any is opened; every header checked before any
     tensor data is read."""
     source, weight_map = _listing(folder)
@@ -161,11 +163,17 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress) -> dic
         headers = _headers(handles, folder, source, weight_map)
         table = family.names(spec, set(headers))
         _check_against(table, headers, source)
+        offsets = {file: _data_offsets(folder / file) for file in files}
         params = {}
         for name, recipe in table.sources.items():
-            parts = [_tensor(handles[headers[n].file], n, folder / headers[n].file) for n in recipe.names]
-            params[name] = place(name, recipe.build(*parts))
-            del parts
+            if dtype_of is not None and recipe.is_copy:
+                source = recipe.names[0]
+                params[name] = place(name, _tensor(folder / headers[source].file, source, headers[source],
+                                                   offsets[headers[source].file], dtype_of(name)))
+            else:
+                parts = [_tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file]) for n in recipe.names]
+                params[name] = place(name, recipe.build(*parts))
+                del parts
             if progress is not None:
                 progress(len(params), len(table.sources))
         return params
@@ -278,14 +286,66 @@ def _check_against(table: NamesTable, headers: dict[str, Header], source: Path) 
         raise CheckpointError(f"{source}: does not match its config ({CONFIG}): " + " | ".join(problems))
 
 
-def _tensor(handle: Any, name: str, file: Path) -> torch.Tensor:
+# safetensors dtype names as torch dtypes (the ones a header may pass `_check_against` with).
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                 "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                 "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32}
+
+
+def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's byte range in `file` (safetensors: an 8-byte header length, the JSON header,
+    then the data). safe_open has already checked the header; this only reads where data lies."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    base = 8 + length
+    return {name: (base + entry["data_offsets"][0], base + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+_SLICE = 16 * 2**20          # bytes read at a time when converting on the way in
+
+
+def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int, int]],
+            into: torch.dtype | None = None) -> torch.Tensor:
+    """One tensor, read straight into a buffer of its own (no file mapping: a load holds the
+    model and the tensor in hand, not the file's pages too). With `into`, the buffer has that
+    dtype and the file is read in slices converted as they arrive."""
+    begin, end = offsets[name]
+    stored = _TORCH_DTYPES[header.dtype]
+    into = stored if into is None or not stored.is_floating_point else into
+    out = torch.empty(header.shape, dtype=into)
+    flat = out.view(-1)
+    width = stored.itemsize
+    step = max(_SLICE // width, 1) if into != stored else flat.numel()
     try:
-        tensor = handle.get_tensor(name)
-    except _READ_ERRORS as exc:
+        with open(file, "rb") as f:
+            f.seek(begin)
+            for at in range(0, flat.numel(), step):
+                count = min(step, flat.numel() - at)
+                target = flat[at:at + count]
+                buffer = target.view(torch.uint8) if into == stored else torch.empty(count * width, dtype=torch.uint8)
+                got = f.readinto(buffer.numpy())
+                if got != count * width:
+                    raise CheckpointError(f"{file}: tensor {name} is cut short: the file is truncated")
+                if into != stored:
+                    source = buffer.view(stored)
+                    _check_finite(source, file, name)
+                    target.copy_(source)
+                    if not bool(torch.isfinite(target).all()):
+                        raise InvalidInput(f"weight {name} does not fit in {into} (largest magnitude "
+                                           f"{float(source.double().abs().max()):.3g}); load the model in a "
+                                           f"wider dtype")
+    except OSError as exc:
         raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc})") from None
+    if into == stored:
+        _check_finite(out, file, name)
+    return out
+
+
+def _check_finite(tensor: torch.Tensor, file: Path, name: str) -> None:
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         raise CheckpointError(f"{file}: tensor {name} holds NaN or infinite values; weights must be finite")
-    return tensor
 
 
 def _first(items: list[str], count: int = 8) -> list[str]:
