@@ -1,0 +1,81 @@
+"""Imported models against transformers, in numbers: the largest relative error (over the
+tensor's largest magnitude) per family, mode and compared quantity, for hebrus float32 against
+transformers float32, and for each of them against hebrus float64 (the closest to exact math
+available: transformers keeps norms and the delta rule in float32 even in a float64 model).
+
+Run: python benchmarks/foreign_parity.py [--out FILE]  (needs transformers; tests/foreign.py
+builds the models, 23 prompt tokens, 32 greedy steps; exact mode is fed one token at a
+time, fast mode in chunks of 8)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import hebrus  # noqa: E402
+from foreign import FAMILIES, build, reference_run  # noqa: E402
+
+STEPS = 32
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def measure(family: str, folder: Path, model) -> list[str]:
+    ids = torch.randint(0, model.config.vocab_size, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt, states, tokens, step_logits = reference_run(model, ids, STEPS)
+    truth = hebrus.load(folder, dtype=torch.float64).session()
+    truth_prompt = torch.stack([truth.feed([t]) for t in ids])
+    truth_states = {name: truth.image.value(name).clone() for name in states}
+    rows = []
+    for mode in ("exact", "fast"):
+        session = hebrus.load(folder, mode=mode).session()
+        # exact: one token at a time (every position's logits); fast: chunks of 8, its batched path
+        size = 1 if mode == "exact" else 8
+        ends = [min(at + size, len(ids)) - 1 for at in range(0, len(ids), size)]
+        ours = torch.stack([session.feed(ids[at:at + size]) for at in range(0, len(ids), size)])
+        found = {"prompt logits": (rel(ours, prompt[ends]), rel(ours, truth_prompt[ends]),
+                                   rel(prompt[ends], truth_prompt[ends]))}
+        for name, theirs in states.items():
+            kind = name.split(".", 2)[2]
+            mine, exact = session.image.value(name), truth_states[name]
+            if kind == "gdn.conv":
+                theirs = theirs[:, 1:]
+            errors = (rel(mine, theirs), rel(mine, exact), rel(theirs, exact))
+            old = found.get(kind, (0, 0, 0))
+            found[kind] = tuple(max(a, b) for a, b in zip(old, errors))
+        greedy, worst = [], 0.0
+        for step in range(STEPS):
+            worst = max(worst, rel(session.logits, step_logits[step]))
+            greedy.append(int(torch.argmax(session.logits)))
+            session.feed([tokens[step]])
+        found["decode logits (32 steps)"] = (worst, float("nan"), float("nan"))
+        for quantity, (a, b, c) in found.items():
+            rows.append(f"| {family} | {mode} | {quantity} | {a:.2e} | {b:.2e} | {c:.2e} |")
+        rows.append(f"| {family} | {mode} | greedy tokens identical | {greedy == tokens} | | |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    lines = ["| family | mode | quantity | hebrus f32 vs transformers f32 | hebrus f32 vs hebrus f64 | "
+             "transformers f32 vs hebrus f64 |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in sorted(FAMILIES):
+            folder, model = build(family, Path(tmp) / family)
+            lines += measure(family, folder, model)
+    text = "\n".join(lines).replace("nan", "-")
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
