@@ -44,7 +44,8 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * NORM_SPREAD + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+                centre = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0    # w, not 1 + w
+                p.copy_(torch.randn(p.shape, generator=gen) * NORM_SPREAD + centre)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 

@@ -53,7 +53,7 @@ def test_saved_names_config_and_shapes_follow_the_contract(tiny, tmp_path):
     assert set(tensors) == _contract_names(c.layer_types)
     D, n = c.hidden_size, c.hc_streams
     assert tensors["layers.0.mixer_hc.fn"].shape == ((2 + n) * n, n * D)
-    assert tensors["layers.0.gdn.in_proj_qkv.weight"].shape == (c.gdn_conv_dim, D)
+    assert tensors["layers.0.gdn.in_proj_qkv.weight"].shape == (c.spec().gdn_conv_dim, D)
     assert tensors["layers.1.qsa.index_k.weight"].shape == (c.qsa_index_dim, D)
     assert tensors["layers.0.moe.experts.gate_up"].shape == (c.moe_experts, 2 * c.moe_intermediate, D)
     assert tensors["ple.hash_constants"].dtype == torch.int64

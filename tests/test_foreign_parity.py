@@ -97,7 +97,8 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
     for layer in range(4):
         p = f"model.layers.{layer}.mlp.experts."
         E = 5
-        gate_up = [torch.cat([tensors[f"{p}{e}.gate_proj.weight"], tensors[f"{p}{e}.up_proj.weight"]]) for e in range(E)]
+        gate_up = [torch.cat([tensors[f"{p}{e}.gate_proj.weight"], tensors[f"{p}{e}.up_proj.weight"]])
+                   for e in range(E)]
         fused[p + "gate_up_proj"] = torch.stack(gate_up)
         fused[p + "down_proj"] = torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(E)])
     save_file(fused, folder / "model.safetensors")

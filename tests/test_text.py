@@ -10,7 +10,6 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
-import torch
 
 import hebrus
 from hebrus.chat import CheckpointText, text_for

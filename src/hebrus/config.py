@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from hebrus.errors import InvalidInput
 from hebrus.layers.spec import ModelSpec
 from hebrus.text import shown
-from hebrus.weights.limits import bounded, canonical, json_kind, value_problems
+from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
 
 LAYER_KINDS = ("gdn", "qsa")
 # What loading a checkpoint may allocate, from its config alone (`weights.layout.load_bytes`):
@@ -69,22 +69,12 @@ class HebrusConfig:
     init_seed: int = bounded(0, 2**64 - 1, 0)               # torch.Generator's seed range
 
     def __post_init__(self) -> None:
-        problems = list(self._field_problems())
+        problems = field_problems(self)
         if not problems:
-            self._canonicalise()
             problems = list(self._shape_problems())
         if problems:
             more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
             raise InvalidInput("invalid hebrus config: " + "; ".join(problems[:8]) + more)
-
-    def _field_problems(self) -> Iterator[str]:
-        """Each field's type and range, on its own (values may come from an untrusted file)."""
-        for f in fields(self):
-            yield from value_problems(f.name, f.type, getattr(self, f.name), f.metadata["range"])
-
-    def _canonicalise(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, canonical(f.type, getattr(self, f.name)))
 
     def _shape_problems(self) -> Iterator[str]:
         if len(self.layer_types) != self.num_layers:
@@ -103,20 +93,6 @@ class HebrusConfig:
                    f"n-gram order 2..ple_ngram, {self.ple_ngram - 1} for ple_ngram={self.ple_ngram}")
         if self.qsa_top_k > self.max_context:
             yield f"qsa_top_k={self.qsa_top_k} exceeds max_context={self.max_context}"
-
-    # ---- derived sizes -------------------------------------------------------------------
-    @property
-    def gdn_conv_dim(self) -> int:
-        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
-
-    @property
-    def ple_width(self) -> int:
-        """L·P: one P-wide slice per layer."""
-        return self.num_layers * self.ple_dim
-
-    @property
-    def hc_mix_dim(self) -> int:
-        return (2 + self.hc_streams) * self.hc_streams
 
     def spec(self) -> ModelSpec:
         """The Hebrus model in the shared layers' terms: hyper-connection residual, w·x̂ norms,
@@ -152,12 +128,7 @@ class HebrusConfig:
         model_type = data.get("model_type", "hebrus")
         if model_type != "hebrus":
             raise InvalidInput(f"model_type is {shown(model_type)}; this loader reads 'hebrus'")
-        required = {f.name for f in fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - data.keys())
-        if missing:
-            raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return from_json(cls, data)
 
     def replace(self, **changes: Any) -> "HebrusConfig":
         return dataclasses.replace(self, **changes)

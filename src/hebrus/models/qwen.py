@@ -7,9 +7,8 @@ gated shared expert.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -19,7 +18,7 @@ from hebrus.errors import InvalidInput
 from hebrus.layers.spec import ModelSpec
 from hebrus.models.table import NamesTable, Source
 from hebrus.text import shown
-from hebrus.weights.limits import bounded, canonical, json_kind, value_problems
+from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 MIXERS = {"linear_attention": "gdn", "full_attention": "attention"}
@@ -61,11 +60,8 @@ class QwenConfig:
                                                           "qwen3_5_moe_text", "qwen3_next"))
 
     def __post_init__(self) -> None:
-        problems = [p for f in fields(self)
-                    for p in value_problems(f.name, f.type, getattr(self, f.name), f.metadata["range"])]
+        problems = field_problems(self)
         if not problems:
-            for f in fields(self):
-                setattr(self, f.name, canonical(f.type, getattr(self, f.name)))
             problems = list(self._shape_problems())
         if problems:
             raise InvalidInput(f"invalid {self.model_type} config: " + "; ".join(problems[:8]))
@@ -110,12 +106,7 @@ class QwenConfig:
         text["model_type"] = model_type
         if text.get("mlp_only_layers") is None:
             text.pop("mlp_only_layers", None)
-        required = {f.name for f in fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - text.keys())
-        if missing:
-            raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in text.items() if k in known})
+        return from_json(cls, text)
 
 
 def require_experts(c: QwenConfig) -> None:
@@ -185,9 +176,12 @@ def _gdn(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
 def _attention(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     """q_proj holds, per head, the query's head_dim rows and then the output gate's."""
     D, H, Hkv, dh = s.hidden_size, s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+    def half(part: int):
+        return lambda w: w.view(H, 2, dh, D)[:, part].reshape(H * dh, D)
+
     t.shapes[f + "q_proj.weight"] = (2 * H * dh, D)
-    t.sources[m + "q_proj.weight"] = Source((f + "q_proj.weight",), lambda w: w.view(H, 2, dh, D)[:, 0].reshape(H * dh, D))
-    t.sources[m + "gate_proj.weight"] = Source((f + "q_proj.weight",), lambda w: w.view(H, 2, dh, D)[:, 1].reshape(H * dh, D))
+    t.sources[m + "q_proj.weight"] = Source((f + "q_proj.weight",), half(0))
+    t.sources[m + "gate_proj.weight"] = Source((f + "q_proj.weight",), half(1))
     t.add(m + "k_proj.weight", f + "k_proj.weight", (Hkv * dh, D))
     t.add(m + "v_proj.weight", f + "v_proj.weight", (Hkv * dh, D))
     t.add(m + "o_proj.weight", f + "o_proj.weight", (D, H * dh))

@@ -171,7 +171,8 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
                 params[name] = place(name, _tensor(folder / headers[source].file, source, headers[source],
                                                    offsets[headers[source].file], dtype_of(name)))
             else:
-                parts = [_tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file]) for n in recipe.names]
+                parts = [_tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file])
+                         for n in recipe.names]
                 params[name] = place(name, recipe.build(*parts))
                 del parts
             if progress is not None:

@@ -119,3 +119,26 @@ _CANONICAL: dict[str, Callable[[Any], Any]] = {
     "int": int, "float": float,
     "tuple[str, ...]": tuple, "tuple[int, ...]": lambda v: tuple(int(b) for b in v),
 }
+
+
+def field_problems(obj: Any) -> list[str]:
+    """What is wrong with each field of a `bounded` dataclass instance, on its own (values may
+    come from an untrusted file); when nothing is, the fields are made canonical in place."""
+    problems = [p for f in dataclasses.fields(obj)
+                for p in value_problems(f.name, f.type, getattr(obj, f.name), f.metadata["range"])]
+    if not problems:
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, canonical(f.type, getattr(obj, f.name)))
+    return problems
+
+
+def from_json(cls, data: dict[str, Any]):
+    """An instance of the `bounded` dataclass `cls` from the JSON object `data`: every required
+    key present, unknown keys ignored."""
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = sorted(required - data.keys())
+    if missing:
+        from hebrus.errors import InvalidInput
+        raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
