@@ -22,8 +22,15 @@ from foreign import FAMILIES, build, reference_run  # noqa: E402
 STEPS = 32
 
 
+METRIC = "max"
+
+
 def rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+    """max |a - b| / max |b| (METRIC "max"), or ||a - b|| / ||b|| over the whole tensor ("norm")."""
+    a, b = a.double(), b.double()
+    if METRIC == "norm":
+        return float((a - b).norm() / b.norm())
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def measure(family: str, folder: Path, model) -> list[str]:
@@ -64,7 +71,11 @@ def measure(family: str, folder: Path, model) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
+    parser.add_argument("--metric", choices=("max", "norm"), default="max",
+                        help="max: max |error| / max |reference|; norm: ||error|| / ||reference||")
     args = parser.parse_args()
+    global METRIC
+    METRIC = args.metric
     lines = ["| family | mode | quantity | hebrus f32 vs transformers f32 | hebrus f32 vs hebrus f64 | "
              "transformers f32 vs hebrus f64 |", "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:

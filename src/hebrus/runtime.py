@@ -149,9 +149,8 @@ def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.d
     buffer of its own, is kept when it already is one); a weight that does not fit that dtype
     (1e5 in float16) would turn every chunk non-finite, so it is refused here."""
     if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
-        placed = tensor
-    else:
-        placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
+        return tensor                           # the loader checked it is finite as it read it
+    placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
     if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")

@@ -210,8 +210,9 @@ def add_moe(t: NamesTable, s: ModelSpec, on_disk: set[str], f: str, m: str) -> N
         t.shapes.update({name: (I, D) for name in gates + ups})
         t.shapes.update({name: (D, I) for name in downs})
         t.sources[m + "experts.gate_up"] = Source(
-            tuple(gates + ups), lambda *w: torch.cat([torch.stack(w[:E]), torch.stack(w[E:])], dim=1))
-        t.sources[m + "experts.down"] = Source(tuple(downs), lambda *w: torch.stack(w))
+            tuple(gates + ups), lambda *w: torch.cat([torch.stack(w[:E]), torch.stack(w[E:])], dim=1),
+            part=lambda out, i: out[i % E, (i // E) * I:(i // E + 1) * I])
+        t.sources[m + "experts.down"] = Source(tuple(downs), lambda *w: torch.stack(w), part=lambda out, i: out[i])
     if s.moe_shared_intermediate:
         add_mlp(t, D, s.moe_shared_intermediate, f + "shared_expert.", m + "shared.")
         t.add(m + "shared_gate.weight", f + "shared_expert_gate.weight", (1, D))

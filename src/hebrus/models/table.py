@@ -23,6 +23,9 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 class Source:
     names: tuple[str, ...]                                   # file tensors, in the order build takes them
     build: Callable[..., torch.Tensor] = _same
+    # Optional: where file tensor i lies in the model tensor (a view of it), so each can be read
+    # straight into place instead of being built; must agree with `build`.
+    part: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     @property
     def is_copy(self) -> bool:

@@ -27,7 +27,7 @@ from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of
 from hebrus.models.table import NamesTable
-from hebrus.weights.layout import load_bytes
+from hebrus.weights.layout import load_bytes, parameter_shapes
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -164,17 +164,27 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
         table = family.names(spec, set(headers))
         _check_against(table, headers, source)
         offsets = {file: _data_offsets(folder / file) for file in files}
+        # Every final buffer first, then the reads: transient buffers then come after them and are
+        # reused, instead of freed memory staying trapped between long-lived tensors.
+        shapes = parameter_shapes(spec)
+        finals = {name: torch.empty(shapes[name], dtype=dtype_of(name)) for name in table.sources
+                  if dtype_of is not None}
         params = {}
         for name, recipe in table.sources.items():
-            if dtype_of is not None and recipe.is_copy:
-                source = recipe.names[0]
-                params[name] = place(name, _tensor(folder / headers[source].file, source, headers[source],
-                                                   offsets[headers[source].file], dtype_of(name)))
+            final = finals.pop(name, None)
+            if final is not None and (recipe.is_copy or recipe.part is not None):
+                for i, n in enumerate(recipe.names):
+                    into = final if recipe.is_copy else recipe.part(final, i)
+                    _tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file], into)
             else:
                 parts = [_tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file])
                          for n in recipe.names]
-                params[name] = place(name, recipe.build(*parts))
+                built = recipe.build(*parts)
                 del parts
+                if final is not None:
+                    _fill(final, built, name)
+                    del built
+            params[name] = place(name, final if final is not None else built)
             if progress is not None:
                 progress(len(params), len(table.sources))
         return params
@@ -307,29 +317,41 @@ def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
 _SLICE = 16 * 2**20          # bytes read at a time when converting on the way in
 
 
+def _fill(final: torch.Tensor, built: torch.Tensor, name: str) -> None:
+    """A built tensor copied into its final buffer; one that does not fit the buffer's dtype is refused."""
+    final.copy_(built)
+    if final.is_floating_point() and not bool(torch.isfinite(final).all()):
+        raise InvalidInput(f"weight {name} does not fit in {final.dtype} (largest magnitude "
+                           f"{float(built.double().abs().max()):.3g}); load the model in a wider dtype")
+
+
 def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int, int]],
-            into: torch.dtype | None = None) -> torch.Tensor:
-    """One tensor, read straight into a buffer of its own (no file mapping: a load holds the
-    model and the tensor in hand, not the file's pages too). With `into`, the buffer has that
-    dtype and the file is read in slices converted as they arrive."""
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor, read straight into a buffer (no file mapping: a load holds the model and the
+    tensor in hand, not the file's pages too): `out` when given, whose dtype may differ (the
+    file is then read in slices converted as they arrive), else a buffer of its own."""
     begin, end = offsets[name]
     stored = _TORCH_DTYPES[header.dtype]
-    into = stored if into is None or not stored.is_floating_point else into
-    out = torch.empty(header.shape, dtype=into)
+    if out is None:
+        out = torch.empty(header.shape, dtype=stored)
+    elif tuple(out.shape) != header.shape:
+        raise CheckpointError(f"{file}: tensor {name} has shape {header.shape}, not the model's {tuple(out.shape)}")
+    into = out.dtype
     flat = out.view(-1)
     width = stored.itemsize
     step = max(_SLICE // width, 1) if into != stored else flat.numel()
+    staging = torch.empty(min(step, flat.numel()) * width, dtype=torch.uint8) if into != stored else None
     try:
         with open(file, "rb") as f:
             f.seek(begin)
             for at in range(0, flat.numel(), step):
                 count = min(step, flat.numel() - at)
                 target = flat[at:at + count]
-                buffer = target.view(torch.uint8) if into == stored else torch.empty(count * width, dtype=torch.uint8)
+                buffer = target.view(torch.uint8) if staging is None else staging[:count * width]
                 got = f.readinto(buffer.numpy())
                 if got != count * width:
                     raise CheckpointError(f"{file}: tensor {name} is cut short: the file is truncated")
-                if into != stored:
+                if staging is not None:
                     source = buffer.view(stored)
                     _check_finite(source, file, name)
                     target.copy_(source)
