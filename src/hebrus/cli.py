@@ -114,9 +114,9 @@ def _load(args):
 
     def progress(done: int, total: int) -> None:
         if not bar and time.perf_counter() - started > 1.0 and done < total:
-            bar.append(ProgressBar(f"load {args.model}"))
+            bar.append(ProgressBar(f"load {args.model}", unit="tensor"))
         if bar:
-            bar[0](done, total, "tensors")
+            bar[0](done, total)
 
     return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress)
 
@@ -188,11 +188,11 @@ def _prefill(session, ids: list[int]) -> None:
     """Feed the prompt in chunks, with progress on stderr when it is long."""
     from hebrus.progress import ProgressBar
     chunk = 256
-    bar = ProgressBar("prefill") if len(ids) > 4 * chunk else None
+    bar = ProgressBar("prefill", unit="token") if len(ids) > 4 * chunk else None
     for begin in range(0, len(ids), chunk):
         session.prefill(ids[begin:begin + chunk], chunk_size=64)
         if bar is not None:
-            bar(min(begin + chunk, len(ids)), len(ids), "tokens")
+            bar(min(begin + chunk, len(ids)), len(ids))
 
 
 def _summary(prompt_tokens: int, prompt_seconds: float, generated: int, seconds: float) -> None:
@@ -210,7 +210,7 @@ def _verify(args) -> int:
 
     model = _load(args)
     started = time.perf_counter()
-    results = verify.run(model, ProgressBar(f"verify {args.model} {args.mode}"))
+    results = verify.run(model, ProgressBar(f"verify {args.model} {args.mode}", unit="check"))
     seconds = time.perf_counter() - started
     print(f"hebrus verify: model {args.model}, mode {args.mode}, device {model.device}, dtype {args.dtype}\n")
     _fault_table(model, [r for r in results if r.group == "fault"])

@@ -1,25 +1,25 @@
-"""A one-line progress bar on stderr (no dependency)."""
+"""Progress on stderr through tqdm, behind the callable the library takes: `bar(done, total, what)`."""
 from __future__ import annotations
 
 import sys
-import time
+
+from tqdm import tqdm
 
 
 class ProgressBar:
-    def __init__(self, label: str, stream=None, width: int = 28):
-        stream = sys.stderr if stream is None else stream
-        self.label, self.stream, self.width = label, stream, width
-        self.started = time.perf_counter()
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
+    """A tqdm bar created on the first call (so `total` is known), closed when done == total;
+    silent when the stream is not a terminal."""
 
-    def __call__(self, done: int, total: int, what: str) -> None:
-        filled = self.width * done // max(total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"{self.label} [{bar}] {done}/{total} {time.perf_counter() - self.started:5.1f}s {what}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line[:120])
-            if done == total:
-                self.stream.write("\n")
-        elif done == total or done % max(total // 10, 1) == 0:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+    def __init__(self, label: str, stream=None, unit: str = "it"):
+        self.label, self.stream, self.unit = label, sys.stderr if stream is None else stream, unit
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.label, unit=self.unit, file=self.stream, leave=True,
+                            dynamic_ncols=True, mininterval=0.2, disable=None)   # off when not a terminal
+        self.bar.update(done - self.bar.n)
+        if what:
+            self.bar.set_postfix_str(what[:60], refresh=False)
+        if done >= total:
+            self.bar.close()
