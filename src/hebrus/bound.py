@@ -35,6 +35,17 @@ class Bound:
     def margin(self) -> float:
         return 2 * self.tolerance
 
+    def widened(self, floor: float) -> "Bound":
+        """The bound for a model whose exact mode is itself `floor` away from exact arithmetic:
+        fast may differ from exact by its own rounding plus exact's, so up to FLOOR_FACTOR
+        times exact's when that is more than the dtype's tolerance."""
+        return Bound(max(self.tolerance, FLOOR_FACTOR * floor))
+
+
+# Fast mode counts as accurate if its distance from exact arithmetic is at most 3 times exact
+# mode's own; the two then differ by at most 4 times exact's.
+FLOOR_FACTOR = 4.0
+
 
 # A multiple of the dtype's machine epsilon, about 3x the worst measured by
 # benchmarks/fast_bound.py (results/fast-bound-cpu.md).
@@ -91,10 +102,11 @@ class Replayed:
     closest: float = float("inf")     # the smallest nonzero margin among exact's choices
     closest_where: str = ""
     ties: int = 0                     # exact's choices between equal scores (margin 0)
+    recorder: Recorder | None = None  # exact's run: its choices
 
     @classmethod
     def of(cls, recorder: Recorder) -> "Replayed":
-        out, scales = cls(), recorder.scales()
+        out, scales = cls(recorder=recorder), recorder.scales()
         for (site, position), choice in recorder.log.items():
             margin = choice.gap / scales[site]
             out.ties += margin == 0
@@ -151,6 +163,20 @@ def compare_replayed(model, tokens: list[int], chunkings: list[list[int]]) -> Re
         err, where = state_error(s, ref)
         out.add(*max((err, where), (relative_error(logits, ref_logits), "logits")), replayer, scales)
     return out
+
+
+def rounding_floor(model, recorder: Recorder, run) -> tuple[float, str]:
+    """How far exact mode in the model's dtype is from exact mode in float64 on the same input,
+    the float64 run following `recorder`'s choices: the model's own rounding error at its dtype.
+    `run(model) -> (session or None, list of logits)` repeats the recorded run on another model."""
+    wide = model.with_dtype(torch.float64)
+    replayer = Replayer(recorder.log, inner=wide.kernels.choose)
+    ours, our_logits = run(model.with_mode("exact"))
+    ref, ref_logits = run(wide.with_mode("exact", replayer))
+    found = [(relative_error(a, b), "logits") for a, b in zip(our_logits, ref_logits)]
+    if ours is not None:
+        found.append(state_error(ours, ref))
+    return max(found)
 
 
 def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -76,6 +76,15 @@ class Model:
         twin._build(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser)
         return twin
 
+    def with_dtype(self, dtype: torch.dtype | str) -> "Model":
+        """A copy of the weights in `dtype` (each converted from this model's), same mode and
+        device. For comparisons: a float32 model against its float64 twin."""
+        dtype = resolve_dtype(dtype)
+        params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
+        twin = Model._placed(self.config, self.spec, params, self.device, dtype, self.mode)
+        twin.source = self.source
+        return twin
+
     def session(self, memory_budget: int | None = None):
         from hebrus.session import Session
         return Session(self, memory_budget=memory_budget)

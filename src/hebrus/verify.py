@@ -18,8 +18,8 @@ import torch
 
 from hebrus.errors import FAULT_KINDS, ChunkAborted
 from hebrus.faults import inject
-from hebrus.bound import BOUNDS, Replayed, compare_replayed, greedy, relative_error
-from hebrus.bound import run_chunks
+from hebrus.bound import (BOUNDS, FLOOR_FACTOR, Replayed, compare_replayed, greedy, relative_error,
+                          rounding_floor, run_chunks)
 from hebrus.layers.replay import Recorder, Replayer
 
 WARM = 7                  # tokens committed before the chunk under test
@@ -165,14 +165,31 @@ def _interleaved(model, tokens, rng) -> Verdict:
 
 
 def fast_close_to_exact(fast, tokens, chunkings) -> Verdict:
-    return _verdict(compare_replayed(fast, tokens, chunkings), fast.dtype)
+    result = compare_replayed(fast, tokens, chunkings)
+
+    def repeat(model):
+        s, logits = run_chunks(model, tokens, [len(tokens)])
+        return s, [logits]
+
+    return _verdict(result, fast, lambda: rounding_floor(fast, result.recorder, repeat))
 
 
-def _verdict(result: Replayed, dtype: torch.dtype, prefix: str = "") -> Verdict:
-    problems = result.problems(BOUNDS[dtype])
+def _verdict(result: Replayed, model, floor_of, prefix: str = "") -> Verdict:
+    """Within the dtype's bound; or, where not, within FLOOR_FACTOR times exact mode's own
+    distance from float64 on the same run (`floor_of()`): a model whose rounding is amplified (a
+    delta-rule head with a tiny output normalised back to unit scale) is held to what its own
+    exact mode achieves, and the verdict says so."""
+    bound, floor = BOUNDS[model.dtype], ""
+    problems = result.problems(bound)
+    if problems and model.dtype != torch.float64:
+        error, where = floor_of()
+        bound = bound.widened(error)
+        floor = (f"bound {bound.tolerance:.2g} = max(dtype's, {FLOOR_FACTOR:g} × exact's own error {error:.1e} "
+                 f"({where}) against float64); ")
+        problems = result.problems(bound)
     if problems:
-        return Verdict(False, "FAILED", "; ".join(problems))
-    return Verdict(True, "ok", prefix + result.summary())
+        return Verdict(False, "FAILED", floor + "; ".join(problems))
+    return Verdict(True, "ok", prefix + floor + result.summary())
 
 
 def fast_greedy_like_exact(fast, prompt, steps) -> Verdict:
@@ -185,7 +202,11 @@ def fast_greedy_like_exact(fast, prompt, steps) -> Verdict:
     result.add(error, "logits", replayer, recorder.scales())
     ties = sum(f.site == "greedy" for _, f in result.flips)        # fast's own pick differed
     tokens = f"{steps} tokens, {ties} differ (at near-ties); " if ties else f"{steps} tokens, all equal; "
-    return _verdict(result, fast.dtype, tokens)
+
+    def repeat(model):
+        return None, greedy(model, prompt, steps)[1]
+
+    return _verdict(result, fast, lambda: rounding_floor(fast, recorder, repeat), tokens)
 
 
 def run(model, progress: Callable[[int, int, str], None] | None = None) -> list[Result]:

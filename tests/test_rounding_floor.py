@@ -1,0 +1,50 @@
+"""verify's fast-mode check on a model whose own rounding is amplified: the bound widens to what
+exact mode itself achieves against float64, and no further."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import hebrus
+from foreign import build
+from hebrus import verify
+from hebrus.layers import kernels as kernel_table
+
+
+@pytest.fixture(scope="module")
+def amplifying(tmp_path_factory):
+    """The tiny Qwen3.5 of the parity tests: a delta-rule head with a tiny output, normalised
+    back to unit scale, amplifies rounding past the float32 fast bound (2^-15)."""
+    return build("qwen3_5", tmp_path_factory.mktemp("q"))[0]
+
+
+def _fast_checks(model):
+    return [c for c in verify.checks(model) if c.group == "equivalence"]
+
+
+def test_the_dtype_bound_alone_fails_and_exacts_own_error_explains_it(amplifying):
+    verdicts = [check.run() for check in _fast_checks(hebrus.load(amplifying, mode="fast"))]
+    assert all(v.passed for v in verdicts), [v.detail for v in verdicts]
+    # the floor is measured only where the float32 bound (2^-15) alone failed
+    assert any("exact's own error" in v.detail for v in verdicts)
+
+
+def test_the_floor_does_not_excuse_a_fast_path_that_is_worse_than_exact(amplifying, monkeypatch):
+    fast = hebrus.load(amplifying, mode="fast")
+    original = kernel_table.kernels
+
+    def noisy(mode, chooser=None):                # fast mode's delta rule 1e-3 off
+        table = original(mode, chooser)
+        if mode != "fast":
+            return table
+        rule = table.delta_rule
+
+        def delta_rule(*args):
+            out, state = rule(*args)
+            return out * (1 + 1e-3), state
+        return dataclasses.replace(table, delta_rule=delta_rule)
+
+    monkeypatch.setattr("hebrus.runtime.kernels", noisy)
+    verdicts = [check.run() for check in _fast_checks(fast.with_mode("fast"))]
+    assert not any(v.passed for v in verdicts)
+    assert all("exact's own error" in v.detail for v in verdicts)
