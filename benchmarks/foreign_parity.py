@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import hebrus  # noqa: E402
-from foreign import FAMILIES, build, reference_run  # noqa: E402
+from foreign import FAMILIES, build, float64_everywhere, in_float64, reference_run  # noqa: E402
 
 STEPS = 32
 
@@ -39,7 +39,15 @@ def measure(family: str, folder: Path, model) -> list[str]:
     truth = hebrus.load(folder, dtype=torch.float64).session()
     truth_prompt = torch.stack([truth.feed([t]) for t in ids])
     truth_states = {name: truth.image.value(name).clone() for name in states}
-    rows = []
+    with float64_everywhere():
+        wide_prompt, wide_states, wide_tokens, wide_steps = reference_run(in_float64(model), ids, STEPS)
+    worst = max([rel(truth_prompt, wide_prompt)] +
+                [rel(truth_states[n], v[:, 1:] if n.endswith("gdn.conv") else v) for n, v in wide_states.items()])
+    for step in range(STEPS):
+        worst = max(worst, rel(truth.logits, wide_steps[step]))
+        truth.feed([wide_tokens[step]])
+    rows = [f"| {family} | float64 | everything: logits, states, 32 decode steps | {worst:.2e} "
+            f"(hebrus f64 vs transformers f64 throughout) | | |"]
     for mode in ("exact", "fast"):
         session = hebrus.load(folder, mode=mode).session()
         # exact: one token at a time (every position's logits); fast: chunks of 8, its batched path

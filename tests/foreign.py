@@ -2,6 +2,8 @@
 dependency) and saved with `save_pretrained`, and the reference run they are compared with."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 from pathlib import Path
@@ -74,6 +76,50 @@ def as_multimodal(folder: Path, model_type: str) -> None:
              for k, v in tensors.items()}
     moved["model.visual.patch_embed.proj.weight"] = torch.zeros(3, 2)
     save_file(moved, folder / "model.safetensors")
+
+
+@contextlib.contextmanager
+def float64_everywhere():
+    """transformers computes norms, rotary angles, the delta rule and softmaxes in float32 even
+    in a float64 model (`.float()`, `.to(torch.float32)`, `softmax(dtype=torch.float32)`);
+    inside this context those casts go to float64, so a float64 model is float64 throughout."""
+    import torch.nn.functional as F
+
+    def wide(dtype):
+        return torch.float64 if dtype == torch.float32 else dtype
+
+    orig_to, orig_float, orig_softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+
+    def to(self, *args, **kwargs):
+        args = tuple(wide(a) if isinstance(a, torch.dtype) else a for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = wide(kwargs["dtype"])
+        return orig_to(self, *args, **kwargs)
+
+    def softmax(x, *args, **kwargs):
+        if "dtype" in kwargs:
+            kwargs["dtype"] = wide(kwargs["dtype"])
+        return orig_softmax(x, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float, F.softmax = to, lambda self, *a, **k: self.double(), softmax
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, F.softmax = orig_to, orig_float, orig_softmax
+
+
+def in_float64(model):
+    """A float64 copy of a transformers model whose rotary frequencies are float64 too (they are
+    computed in float32 at construction) and whose experts run in the plain loop (the grouped
+    matmul takes no float64)."""
+    wide = copy.deepcopy(model).double()
+    if hasattr(wide, "set_experts_implementation") and getattr(wide.config, "num_experts", 0):
+        wide.set_experts_implementation("eager")
+    rotary = wide.model.rotary_emb
+    dim = 2 * rotary.inv_freq.numel()
+    rotary.inv_freq = 1.0 / (wide.config.rope_parameters["rope_theta"]
+                             ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return wide
 
 
 def reference_run(model, ids: list[int], steps: int):

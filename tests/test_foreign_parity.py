@@ -1,19 +1,22 @@
-"""Imported checkpoints of each family against transformers in float32: prompt logits under
-several chunkings, the delta-rule conv/recurrent states and attention K/V against transformers'
-cache, and 32 greedy decode steps, in exact and fast mode. Exact mode must also be bit-identical
-however the prompt is chunked."""
+"""Imported checkpoints of each family against transformers: prompt logits under several
+chunkings, the delta-rule conv/recurrent states and attention K/V against transformers' cache,
+and 32 greedy decode steps, in exact and fast mode. In float64 (transformers made float64
+throughout) the two agree to 1e-12: the same math. In float32 they agree to the rounding floor
+of two float32 implementations. Exact mode must also be bit-identical however the prompt is
+chunked."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import hebrus
-from foreign import FAMILIES, as_multimodal, build, reference_run
+from foreign import FAMILIES, as_multimodal, build, float64_everywhere, in_float64, reference_run
 
 # Two float32 implementations: transformers' own float32 prompt logits are up to 1.3e-5 (relative
 # to the largest logit) from the float64 result on these models, and ours up to 2e-5, so the two
 # can differ by about their sum. benchmarks/foreign_parity.py measures each side against float64.
 TOLERANCE = 5e-5
+TOLERANCE_64 = 1e-12
 STEPS = 32
 CHUNKINGS = ([23], [1] * 23, [7, 16], [3, 5, 15])
 
@@ -26,7 +29,28 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def family(request, tmp_path_factory):
     folder, model = build(request.param, tmp_path_factory.mktemp(request.param))
     ids = torch.randint(0, model.config.vocab_size, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    return request.param, folder, ids, reference_run(model, ids, STEPS)
+    with float64_everywhere():
+        wide = reference_run(in_float64(model), ids, STEPS)
+    return request.param, folder, ids, reference_run(model, ids, STEPS), wide
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_float64_matches_transformers_to_1e12(family, mode):
+    _, folder, ids, _, (prompt_logits, states, tokens, step_logits) = family
+    model = hebrus.load(folder, mode=mode, dtype=torch.float64)
+    for chunks in CHUNKINGS:
+        session, at = model.session(), 0
+        for size in chunks:
+            logits = session.feed(ids[at:at + size])
+            at += size
+            assert relative(logits, prompt_logits[at - 1]) <= TOLERANCE_64, (chunks, at)
+        for owner, theirs in states.items():
+            theirs = theirs[:, 1:] if owner.endswith("gdn.conv") else theirs
+            assert relative(session.image.value(owner), theirs) <= TOLERANCE_64, (owner, chunks)
+    for step in range(STEPS):
+        assert relative(session.logits, step_logits[step]) <= TOLERANCE_64, step
+        assert int(torch.argmax(session.logits)) == tokens[step]
+        session.feed([tokens[step]])
 
 
 def _state(session, name: str) -> torch.Tensor:
@@ -36,7 +60,7 @@ def _state(session, name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_prompt_logits_and_states_match_transformers(family, mode):
-    name, folder, ids, (prompt_logits, states, _, _) = family
+    name, folder, ids, (prompt_logits, states, _, _), _ = family
     model = hebrus.load(folder, mode=mode)
     assert model.family == name
     digests = set()
@@ -59,7 +83,7 @@ def test_prompt_logits_and_states_match_transformers(family, mode):
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_greedy_decode_matches_transformers(family, mode):
-    _, folder, ids, (_, _, tokens, step_logits) = family
+    _, folder, ids, (_, _, tokens, step_logits), _ = family
     model = hebrus.load(folder, mode=mode)
     session = model.session()
     session.prefill(ids, chunk_size=8)
