@@ -146,3 +146,28 @@ def test_a_repo_id_resolves_from_the_local_cache_only(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == "qwen3_5", done.stderr
     assert "not in the local Hugging Face cache" in lines[1] and str(tmp_path / "hub") in lines[1]
+
+
+def test_chat_template_file_and_named_templates(chat_model, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(chat_model, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["chat_template"] = [{"name": "tool_use", "template": "tools"},
+                                 {"name": "default", "template": "[{{ messages[0]['content'] }}]"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert text_for(hebrus.load(folder)).chat("hi") == "[hi]"
+    (folder / "chat_template.jinja").write_text("<{{ messages[0]['content'] }}>")    # the file wins
+    assert text_for(hebrus.load(folder)).chat("hi") == "<hi>"
+
+
+def test_a_template_that_fails_is_a_clear_error(chat_model, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(chat_model, folder)
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('no system role here') }}")
+    with pytest.raises(hebrus.InvalidInput, match="no system role here"):
+        text_for(hebrus.load(folder)).chat("hi")
+    (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}")                # sandboxed
+    with pytest.raises(hebrus.InvalidInput, match="chat template"):
+        text_for(hebrus.load(folder)).chat("hi")
