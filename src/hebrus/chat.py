@@ -1,15 +1,21 @@
 """Text at the edge: a checkpoint's tokenizer (`tokenizer.json` through `tokenizers`), its chat
-template (rendered in a sandboxed `jinja2`) and its end-of-sequence ids. Presets and folders
-without a tokenizer use the byte tokenizer (`hebrus.tokenizer`)."""
+template (rendered in a sandboxed `jinja2`, in a child process with a time and memory limit) and
+its end-of-sequence ids. Presets and folders without a tokenizer use the byte tokenizer
+(`hebrus.tokenizer`). Every file here is untrusted input, read like a checkpoint's."""
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 from hebrus.errors import InvalidInput
 from hebrus.text import shown
 from hebrus.tokenizer import StreamDecoder, encode
+from hebrus.weights.files import read_json, read_text, regular_file
+
+RENDER_SECONDS = 5.0            # a chat template that takes longer is refused
+RENDER_BYTES = 1 << 30          # the memory a template's rendering may use
+RENDER_CHARS = 1 << 22          # the longest prompt a template may produce
 
 
 class ByteText:
@@ -46,21 +52,33 @@ class CheckpointText:
     def __init__(self, folder: Path, vocab_size: int):
         from tokenizers import Tokenizer
         self.folder = folder
+        file = regular_file(folder / "tokenizer.json")
         try:
-            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            self.tokenizer = Tokenizer.from_str(read_text(file))
+        except InvalidInput:
+            raise
         except Exception as exc:                        # tokenizers raises a bare Exception
-            raise InvalidInput(f"{folder / 'tokenizer.json'}: cannot be read as a tokenizer ({exc})") from None
-        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            raise InvalidInput(f"{file}: cannot be read as a tokenizer ({exc})") from None
+        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+        size = max(ids, default=-1) + 1
         if size > vocab_size:
-            raise InvalidInput(f"{folder / 'tokenizer.json'} has {size} tokens but the model's vocabulary has "
+            raise InvalidInput(f"{file} has token ids up to {size - 1} but the model's vocabulary has "
                                f"{vocab_size}: the tokenizer does not belong to this model")
         self.name = "tokenizer.json"
         settings = _json(folder / "tokenizer_config.json")
         self.template = _template(folder, settings)
         self.special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
-        self.stop_ids = self._stop_ids(settings, vocab_size)
+        self.stop_ids = self._stop_ids(vocab_size)
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidInput(f"text must be a str, got {type(text).__name__}")
+        bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+        if bad is not None:
+            what = (f"the byte 0x{ord(text[bad]) - 0xDC00:02X}, which is not UTF-8" if ord(text[bad]) >= 0xDC80
+                    else f"a lone surrogate U+{ord(text[bad]):04X}")
+            raise InvalidInput(f"the text holds {what} at index {bad}; this model's tokenizer takes "
+                               f"Unicode text")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def stream(self):
@@ -70,21 +88,10 @@ class CheckpointText:
         """The prompt for one user message, with the assistant's turn opened."""
         if self.template is None:
             return ByteText().chat(text)
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        context = {"messages": [{"role": "user", "content": text}], "add_generation_prompt": True, **self.special}
+        return _render(self.template, context, self.folder)
 
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.template).render(
-                messages=[{"role": "user", "content": text}], add_generation_prompt=True, **self.special)
-        except TemplateError as exc:
-            raise InvalidInput(f"the chat template of {self.folder} failed: {exc}") from None
-
-    def _stop_ids(self, settings: dict, vocab_size: int) -> tuple[int, ...]:
+    def _stop_ids(self, vocab_size: int) -> tuple[int, ...]:
         """generation_config.json's eos_token_id, else config.json's, else the tokenizer's eos token."""
         for file in ("generation_config.json", "config.json"):
             ids = _json(self.folder / file).get("eos_token_id")
@@ -117,31 +124,104 @@ class _TokenStream:
 
 
 def text_for(model) -> ByteText | CheckpointText:
+    """The model's text: its checkpoint's tokenizer.json when the folder has one, else bytes."""
     folder = getattr(model, "source", None)
-    if folder is not None and (folder / "tokenizer.json").is_file():
+    if folder is not None and os.path.lexists(folder / "tokenizer.json"):
         return CheckpointText(folder, model.spec.vocab_size)
     return ByteText()
 
 
-def _json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
+def _render(template: str, context: dict[str, Any], folder: Path) -> str:
+    """The template rendered in a child process (fork) limited to RENDER_SECONDS and RENDER_BYTES,
+    so a template that loops or grows without end is refused instead of hanging the caller.
+    Where fork is unavailable it renders here, sandboxed but unlimited."""
+    import multiprocessing
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise InvalidInput(f"{file}: is not readable JSON ({exc})") from None
-    return data if isinstance(data, dict) else {}
+        ctx = multiprocessing.get_context("fork")
+    except ValueError:
+        return _render_here(template, context, folder)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_render_child, args=(template, context, folder, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(RENDER_SECONDS):
+            raise InvalidInput(f"the chat template of {folder} took more than {RENDER_SECONDS:g} s to render")
+        ok, value = receive.recv()
+    except EOFError:
+        raise InvalidInput(f"the chat template of {folder} failed: its rendering ran out of memory or "
+                           f"crashed") from None
+    finally:
+        child.kill()
+        child.join()
+        receive.close()
+    if not ok:
+        raise InvalidInput(value)
+    return value
+
+
+def _render_child(template, context, folder, send) -> None:
+    import resource
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (RENDER_BYTES, RENDER_BYTES))
+    except (ValueError, OSError):
+        pass
+    try:
+        send.send((True, _render_here(template, context, folder)))
+    except InvalidInput as exc:
+        send.send((False, str(exc)))
+    except BaseException as exc:                        # MemoryError, anything: report, never hang
+        send.send((False, f"the chat template of {folder} failed: {type(exc).__name__}"))
+
+
+def _render_here(template: str, context: dict[str, Any], folder: Path) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class TemplateRaised(Exception):
+        pass
+
+    def raise_exception(message):
+        raise TemplateRaised(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        parts, size = [], 0
+        for part in env.from_string(template).generate(**context):
+            size += len(part)
+            if size > RENDER_CHARS:
+                raise InvalidInput(f"the chat template of {folder} produced more than {RENDER_CHARS} characters")
+            parts.append(part)
+        return "".join(parts)
+    except InvalidInput:
+        raise
+    except Exception as exc:                            # any error of the template's own making
+        raise InvalidInput(f"the chat template of {folder} failed: {type(exc).__name__}: "
+                           f"{shown(str(exc))}") from None
+
+
+def _json(file: Path) -> dict[str, Any]:
+    """An optional JSON object file: {} when absent; an error when it is there but is not one."""
+    if not os.path.lexists(file):
+        return {}
+    data = read_json(file)
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{file}: must hold a JSON object, got {shown(data)}")
+    return data
 
 
 def _template(folder: Path, settings: dict) -> str | None:
     file = folder / "chat_template.jinja"
-    if file.is_file():
-        return file.read_text(encoding="utf-8")
+    if os.path.lexists(file):
+        return read_text(file)
     template = settings.get("chat_template")
     if isinstance(template, list):                      # named templates: take "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        named = [t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"]
+        template = named[0] if named else None
+    if template is not None and not isinstance(template, str):
+        raise InvalidInput(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                           f"{{name, template}}, got {shown(template)}")
+    return template
 
 
 def _token_text(value) -> str:

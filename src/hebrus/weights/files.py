@@ -67,6 +67,15 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: is not valid JSON ({exc})") from None
 
 
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a regular file of at most MAX_JSON_BYTES."""
+    data = _read_bytes(regular_file(path))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def is_shard_name(name: Any) -> bool:
     """A plain file name: no directory part, not '.' or '..', nothing the OS would refuse."""
     return (isinstance(name, str) and name not in ("", ".", "..")
