@@ -95,12 +95,12 @@ class HebrusConfig:
             yield f"qsa_top_k={self.qsa_top_k} exceeds max_context={self.max_context}"
 
     def spec(self) -> ModelSpec:
-        """The Hebrus model in the shared layers' terms: hyper-connection residual, w·x̂ norms,
+        """The Hebrus model in the shared layers' terms: hyper-connection residual,
         gdn/qsa mixers, a routed ffn with a shared expert and a PLE branch in every layer."""
         return ModelSpec(
             family="hebrus", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             mixers=self.layer_types, ffns=("moe",) * self.num_layers, max_context=self.max_context,
-            rms_norm_eps=self.rms_norm_eps, norm_offset=0.0, tie_embeddings=self.tie_embeddings,
+            rms_norm_eps=self.rms_norm_eps, tie_embeddings=self.tie_embeddings,
             residual="hyper", hc_streams=self.hc_streams, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
             hc_eps=self.hc_eps, gdn_key_heads=self.gdn_key_heads, gdn_value_heads=self.gdn_value_heads,
             gdn_key_dim=self.gdn_key_dim, gdn_value_dim=self.gdn_value_dim, gdn_conv_kernel=self.gdn_conv_kernel,

@@ -182,7 +182,10 @@ def _verdict(result: Replayed, model, floor_of, prefix: str = "") -> Verdict:
     bound, floor = BOUNDS[model.dtype], ""
     problems = result.problems(bound)
     if problems and model.dtype != torch.float64:
-        error, where = floor_of()
+        try:
+            error, where = floor_of()
+        except MemoryError as exc:
+            return Verdict(False, "FAILED", f"exact's own error not measured ({exc}); " + "; ".join(problems))
         bound = bound.widened(error)
         floor = (f"bound {bound.tolerance:.2g} = max(dtype's, {FLOOR_FACTOR:g} × exact's own error {error:.1e} "
                  f"({where}) against float64); ")

@@ -82,14 +82,14 @@ class Sublayer:
 
     def __init__(self, c: ModelSpec, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
-        self.layer, self.kernels, self.eps, self.offset = layer, kernels, c.rms_norm_eps, c.norm_offset
+        self.layer, self.kernels, self.eps = layer, kernels, c.rms_norm_eps
         self.residual = residual(c, params, f"{p}{part}_hc")
         self.norm = params[f"{p}{part}_norm.weight"]
 
     def mix_in(self, X: torch.Tensor):
         """X [T, n, D] -> (normed sublayer input h [T, D], post, comb)."""
         c, post, comb = self.residual.pre(X)
-        return rms_norm(c, self.norm, self.eps, self.offset), post, comb
+        return rms_norm(c, self.norm, self.eps), post, comb
 
     def mix_out(self, X, y, post, comb) -> torch.Tensor:
         return self.residual.post(X, y, post, comb)
@@ -182,12 +182,12 @@ class Head:
 
     def __init__(self, c: ModelSpec, params: Params):
         self.residual = residual(c, params, "head_hc")
-        self.norm, self.eps, self.offset = params["norm.weight"], c.rms_norm_eps, c.norm_offset
+        self.norm, self.eps = params["norm.weight"], c.rms_norm_eps
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
     def run(self, txn) -> None:
         X = txn.local["streams"][-1:].clone()                 # only the last position is published
-        logits = F.linear(rms_norm(self.residual.head(X), self.norm, self.eps, self.offset), self.out)
+        logits = F.linear(rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
         txn.write("residual", X[0])
         txn.write("logits", logits[0])
 

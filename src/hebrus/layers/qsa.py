@@ -40,7 +40,7 @@ class Attention:
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
-        self.eps, self.offset = s.rms_norm_eps, s.norm_offset
+        self.eps = s.rms_norm_eps
         self.rope = rotary(s.rotary_dim)
         self.index_rope = rotary(self.di) if indexed else None
 
@@ -50,10 +50,8 @@ class Attention:
         the device-side check that no query picked a row past its own position."""
         T, w, end = h.shape[0], self.w, start + h.shape[0]
         k_rows, v_rows = rows[0], rows[1]
-        q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps,
-                     self.offset)
-        k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps,
-                     self.offset)
+        q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps)
+        k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps)
         cos, sin = (t[start:end] for t in self.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_rows[start:end] = k

@@ -7,7 +7,6 @@ its "off" value (no PLE: `ple_dim=0`; no shared expert: `moe_shared_intermediate
 Variants the families differ in:
 - residual: "hyper" (n hyper-connection streams, Sinkhorn mixing) or "plain" (x + f(norm(x)),
   exactly; one stream);
-- norm_offset: RMSNorm scales by w (0.0) or by (1 + w) (1.0);
 - mixers, per layer: "gdn" (Gated DeltaNet), "qsa" (gated attention over the rows an indexer
   selects) or "attention" (gated attention over every row: no indexer);
 - ffns, per layer: "moe" (routed experts, optionally a gated shared expert) or "mlp";
@@ -36,7 +35,6 @@ class ModelSpec:
     ffns: tuple[str, ...]
     max_context: int
     rms_norm_eps: float
-    norm_offset: float = 0.0
     tie_embeddings: bool = False
     # residual
     residual: str = "hyper"

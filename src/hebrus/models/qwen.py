@@ -120,7 +120,7 @@ def spec(c: QwenConfig, family: str, ffns: tuple[str, ...], moe_normalize: bool 
     return ModelSpec(
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         mixers=tuple(MIXERS[kind] for kind in c.layer_types), ffns=ffns,
-        max_context=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps, norm_offset=1.0,
+        max_context=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         tie_embeddings=c.tie_word_embeddings, residual="plain", hc_streams=1,
         gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
         gdn_key_dim=c.linear_key_head_dim, gdn_value_dim=c.linear_value_head_dim,
@@ -134,6 +134,13 @@ def spec(c: QwenConfig, family: str, ffns: tuple[str, ...], moe_normalize: bool 
 
 
 # ---- names -------------------------------------------------------------------------------------
+
+def plus_one(w: torch.Tensor) -> torch.Tensor:
+    """Qwen's RMSNorms scale by (1 + w) and store w: the 1 is folded in here. The sum is exact in
+    float64 and rounded once to the norm's storage dtype (at least float32), which is what the
+    reference computes at every call."""
+    return w.double() + 1
+
 
 def prefix(on_disk: set[str]) -> str:
     """Where the text model's tensors live: under `model.language_model.` in the multimodal
@@ -149,13 +156,13 @@ def base_table(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
     t = NamesTable({}, {}, ignored=lambda name: name.startswith(IGNORED_PREFIXES)
                    or (s.tie_embeddings and name == "lm_head.weight"))
     t.add("embed.weight", p + "embed_tokens.weight", (V, D))
-    t.add("norm.weight", p + "norm.weight", (D,))
+    t.add("norm.weight", p + "norm.weight", (D,), plus_one)
     if not s.tie_embeddings:
         t.add("lm_head.weight", "lm_head.weight", (V, D))
     for layer, mixer in enumerate(s.mixers):
         f, m = f"{p}layers.{layer}.", f"layers.{layer}."
-        t.add(m + "mixer_norm.weight", f + "input_layernorm.weight", (D,))
-        t.add(m + "ffn_norm.weight", f + "post_attention_layernorm.weight", (D,))
+        t.add(m + "mixer_norm.weight", f + "input_layernorm.weight", (D,), plus_one)
+        t.add(m + "ffn_norm.weight", f + "post_attention_layernorm.weight", (D,), plus_one)
         if mixer == "gdn":
             _gdn(t, s, f + "linear_attn.", m + "gdn.")
             gdn_names(t, s, f + "linear_attn.", m + "gdn.")
@@ -185,8 +192,8 @@ def _attention(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     t.add(m + "k_proj.weight", f + "k_proj.weight", (Hkv * dh, D))
     t.add(m + "v_proj.weight", f + "v_proj.weight", (Hkv * dh, D))
     t.add(m + "o_proj.weight", f + "o_proj.weight", (D, H * dh))
-    t.add(m + "q_norm.weight", f + "q_norm.weight", (dh,))
-    t.add(m + "k_norm.weight", f + "k_norm.weight", (dh,))
+    t.add(m + "q_norm.weight", f + "q_norm.weight", (dh,), plus_one)
+    t.add(m + "k_norm.weight", f + "k_norm.weight", (dh,), plus_one)
 
 
 def add_mlp(t: NamesTable, D: int, inner: int, f: str, m: str) -> None:

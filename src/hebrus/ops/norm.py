@@ -10,12 +10,13 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """(offset + w) ⊙ x / sqrt(mean(x²) + eps) over the last dim; offset=1 gives the (1+w) form."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """w ⊙ x / sqrt(mean(x²) + eps) over the last dim (a family that stores w - 1 folds the 1 in
+    at load)."""
     xf = x.to(accum_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * (weight.to(y.dtype) + offset) if offset else y * weight.to(y.dtype)
+        y = y * weight.to(y.dtype)
     return y.to(x.dtype)
 
 

@@ -109,11 +109,12 @@ def _attention_shapes(c: ModelSpec, p: str, kind: str) -> dict[str, tuple[int, .
 
 
 def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """Hash constants are int64; hyper-connection and GDN decay parameters stay in at least
-    float32; everything else is in the model dtype."""
+    """Hash constants are int64; hyper-connection parameters, GDN decay parameters and norm
+    weights stay in at least float32 (a norm weight is a scale near 1, which a 16-bit type
+    rounds coarsely); everything else is in the model dtype."""
     if name == "ple.hash_constants":
         return torch.int64
-    if "_hc." in name or name.startswith("head_hc.") or name.endswith(("A_log", "dt_bias")):
+    if "_hc." in name or name.startswith("head_hc.") or name.endswith(("A_log", "dt_bias", "norm.weight")):
         return torch.float64 if dtype == torch.float64 else torch.float32
     return dtype
 
