@@ -148,22 +148,36 @@ def test_resource_bombs_are_refused_at_once(folder, key, value):
 
 @pytest.mark.parametrize("changes", [{"max_context": 2**20, "qsa_head_dim": 1024},
                                      {"vocab_size": 2**24, "hidden_size": 2**16}])
-def test_a_config_may_not_ask_to_allocate_more_than_the_bound(folder, changes):
+def test_a_config_may_not_ask_to_allocate_more_than_the_bound(folder, changes, monkeypatch):
+    monkeypatch.setattr("hebrus.weights.checkpoint.memory_limit", lambda device: 16 * 2**30)
     _edit_config(folder, **changes)
     (folder / WEIGHTS).unlink()                 # refused from the config alone: no weights are looked at
     _refused(folder, "MAX_LOAD_BYTES")
 
 
+def test_the_limit_is_the_constant_or_the_machine(monkeypatch):
+    from hebrus.config import MAX_LOAD_BYTES
+    from hebrus.weights.checkpoint import memory_limit
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert memory_limit(torch.device("cpu")) == min(MAX_LOAD_BYTES, physical)
+
+
 def test_the_estimate_counts_parameters_and_the_rotary_build(tiny):
-    from hebrus.weights.layout import load_bytes, parameter_shapes
+    from hebrus.weights.layout import load_bytes, parameter_shapes, storage_dtype
     c = tiny.config
-    params = sum(math.prod(shape) for shape in parameter_shapes(c).values())
-    assert load_bytes(c) == 16 * params + 32 * c.max_context * c.qsa_head_dim    # one width: dh == di
+
+    def stored(config, dtype):
+        shapes = parameter_shapes(config)
+        params = sum(math.prod(s) * storage_dtype(n, dtype).itemsize for n, s in shapes.items())
+        return params + 16 * max(math.prod(s) for s in shapes.values())
+
+    assert load_bytes(c) == stored(c, torch.float32) + 32 * c.max_context * c.qsa_head_dim    # dh == di
+    assert load_bytes(c, torch.bfloat16) == stored(c, torch.bfloat16) + 32 * c.max_context * c.qsa_head_dim
+    assert load_bytes(c, torch.bfloat16) < load_bytes(c)
     wider = c.replace(qsa_index_dim=32)
-    params = sum(math.prod(shape) for shape in parameter_shapes(wider).values())
-    assert load_bytes(wider) == 16 * params + 32 * c.max_context * (16 + 32)
+    assert load_bytes(wider) == stored(wider, torch.float32) + 32 * c.max_context * (16 + 32)
     gdn_only = c.replace(layer_types=("gdn",) * 4)
-    assert load_bytes(gdn_only) == 16 * sum(math.prod(s) for s in parameter_shapes(gdn_only).values())
+    assert load_bytes(gdn_only) == stored(gdn_only, torch.float32)
 
 
 class _HeadersOnly:

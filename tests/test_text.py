@@ -122,7 +122,6 @@ def test_sampling_options_shape_the_choice(tiny):
     assert run() == run()
     assert run(top_k=1) == list(tiny.session().generate([1, 2, 3], max_new_tokens=12))    # top-1 is greedy
     assert run(min_p=1.0) == run(top_k=1)
-    assert len(set(run(repetition_penalty=50.0))) >= len(set(run()))
 
 
 def test_stop_ids_end_generation_after_the_stop_token(tiny):
@@ -171,3 +170,69 @@ def test_a_template_that_fails_is_a_clear_error(chat_model, tmp_path):
     (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}")                # sandboxed
     with pytest.raises(hebrus.InvalidInput, match="chat template"):
         text_for(hebrus.load(folder)).chat("hi")
+
+
+def test_templates_may_break_loops_and_dump_json(chat_model, tmp_path):
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(chat_model, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+        "{% if strftime_now('%Y') | length == 4 %}!{% endif %}")
+    assert text_for(hebrus.load(folder)).chat("héllo") == '{"role": "user", "content": "héllo"}!'
+
+
+def test_a_template_that_never_ends_is_refused(chat_model, tmp_path, monkeypatch):
+    import shutil
+    import hebrus.chat
+    monkeypatch.setattr(hebrus.chat, "RENDER_SECONDS", 1.0)
+    folder = tmp_path / "m"
+    shutil.copytree(chat_model, folder)
+    for template, message in [("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                               "took more than"),
+                              ("{{ 'a' * 10**10 }}", "failed|more than"),
+                              ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "failed"),
+                              ("{{ 1/0 }}", "ZeroDivisionError")]:
+        (folder / "chat_template.jinja").write_text(template)
+        with pytest.raises(hebrus.InvalidInput, match=message):
+            text_for(hebrus.load(folder)).chat("hi")
+
+
+def test_text_that_is_not_unicode_is_refused_by_a_checkpoint_tokenizer(chat_model):
+    text = text_for(hebrus.load(chat_model))
+    with pytest.raises(hebrus.InvalidInput, match="0xFF, which is not UTF-8"):
+        text.encode("h\udcffi")
+    with pytest.raises(hebrus.InvalidInput, match="must be a str"):
+        text.encode(5)
+
+
+def _repeats(tokens):
+    return len(tokens) - len(set(tokens))
+
+
+def test_the_repetition_penalty_counts_the_prompt_the_output_and_what_was_seen(tiny):
+    prompt = [1, 2, 3]
+    plain = list(tiny.session().generate(prompt, max_new_tokens=24))
+    assert _repeats(prompt + plain) > 0, "greedy decoding of tiny repeats itself"
+    penalised = list(tiny.session().generate(prompt, max_new_tokens=24, repetition_penalty=100.0))
+    assert _repeats(prompt + penalised) < _repeats(prompt + plain)
+    # continuing a session: the earlier ids count when passed as `seen`, and only then
+    session = tiny.session()
+    session.prefill(prompt)
+    blind = list(session.generate([], max_new_tokens=24, repetition_penalty=100.0))
+    session = tiny.session()
+    session.prefill(prompt)
+    told = list(session.generate([], max_new_tokens=24, repetition_penalty=100.0, seen=prompt))
+    assert told == penalised
+    assert blind != told
+
+
+def test_a_held_back_stop_prefix_is_written_at_the_end():
+    from hebrus.cli import _StopWriter
+    out = io.StringIO()
+    with redirect_stdout(out):
+        writer = _StopWriter(["User:"])
+        assert not writer.write("hello U")
+        assert out.getvalue() == "hello "
+        writer.write("hello U", final=True)
+    assert out.getvalue() == "hello U"

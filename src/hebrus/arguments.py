@@ -19,14 +19,14 @@ ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
              torch.uint16, torch.uint32, torch.uint64)
 
 
-def token_ids(ids, max_tokens: int) -> torch.Tensor:
+def token_ids(ids, max_tokens: int, what: str = "token ids") -> torch.Tensor:
     """A fresh 1-D int64 CPU tensor (never the caller's storage) from a list/tuple/range of
     ints, an integer tensor or an integer array, of at most `max_tokens` ids."""
     if isinstance(ids, (str, bytes, bytearray)):
         raise InvalidInput("token ids expected, got text; encode it first (hebrus.tokenizer.encode)")
     if not isinstance(ids, (list, tuple, range, np.ndarray, torch.Tensor)):
         raise InvalidInput(f"token ids must be a list of ints or an integer tensor, got {type(ids).__name__}")
-    _check_length(ids, max_tokens)
+    _check_length(ids, max_tokens, what)
     if isinstance(ids, np.ndarray):
         return _from_array(ids)
     if isinstance(ids, torch.Tensor):
@@ -34,7 +34,7 @@ def token_ids(ids, max_tokens: int) -> torch.Tensor:
     return _from_sequence(ids)
 
 
-def _check_length(ids, max_tokens: int) -> None:
+def _check_length(ids, max_tokens: int, what: str = "token ids") -> None:
     """Refuse what can never fit before converting it (a huge range would cost seconds)."""
     try:
         size = ids.numel() if isinstance(ids, torch.Tensor) else ids.size if isinstance(ids, np.ndarray) else len(ids)
@@ -45,7 +45,8 @@ def _check_length(ids, max_tokens: int) -> None:
     if not isinstance(size, int) or size < 0:
         raise InvalidInput(f"the token ids report a length of {shown(size)}")
     if size > max_tokens:
-        raise InvalidInput(f"{size} token ids are more than the model's context limit of {max_tokens}")
+        limit = "the model's context limit" if what == "token ids" else "the most allowed"
+        raise InvalidInput(f"{size} {what} are more than {limit} of {max_tokens}")
 
 
 def _from_array(ids: np.ndarray) -> torch.Tensor:
@@ -187,8 +188,8 @@ def min_p(value) -> float:
 
 def repetition_penalty(value) -> float:
     number = _real("repetition_penalty", value)
-    if not (math.isfinite(number) and number > 0):
-        raise InvalidInput(f"repetition_penalty must be a finite number > 0 (1 = none), got {shown(value)}")
+    if not 0.01 <= number <= 100:
+        raise InvalidInput(f"repetition_penalty must be in [0.01, 100] (1 = none), got {shown(value)}")
     return number
 
 

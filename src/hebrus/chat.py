@@ -4,7 +4,9 @@ its end-of-sequence ids. Presets and folders without a tokenizer use the byte to
 (`hebrus.tokenizer`). Every file here is untrusted input, read like a checkpoint's."""
 from __future__ import annotations
 
+import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -183,8 +185,17 @@ def _render_here(template: str, context: dict[str, Any], folder: Path) -> str:
     def raise_exception(message):
         raise TemplateRaised(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    def tojson(value, indent=None):
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def strftime_now(form: str) -> str:
+        return datetime.now().strftime(form)
+
+    # What chat templates in the wild use: {% break %} / {% continue %}, tojson that keeps
+    # non-ASCII text, today's date, and raising an error with a message.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         parts, size = [], 0
         for part in env.from_string(template).generate(**context):

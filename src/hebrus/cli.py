@@ -137,19 +137,22 @@ def _generate(args) -> int:
     prompt_seconds = time.perf_counter() - started
     tokens = session.generate(ids[-1:], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, stop_ids=text.stop_ids)
+                              repetition_penalty=args.repetition_penalty, stop_ids=text.stop_ids,
+                              seen=ids[:-1])
     if args.model in PRESETS:
         print(f"(preset {args.model!r} has random weights: expect noise, not language)", file=sys.stderr)
     stream, writer, shown, generated = text.stream(), _StopWriter(args.stop), "", 0
     started = time.perf_counter()
+    stopped = False
     for token in tokens:
         generated += 1
         if token in text.stop_ids:
             break
         shown += stream.push(token)
-        if writer.write(shown):
+        stopped = writer.write(shown)
+        if stopped:
             break
-    else:
+    if not stopped:                             # what was held back as a possible stop text
         writer.write(shown + stream.flush(), final=True)
     sys.stdout.write("\n")
     sys.stdout.flush()

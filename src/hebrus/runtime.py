@@ -118,7 +118,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     def dtype_of(name: str) -> torch.dtype:                  # on the CPU, convert while reading
         return storage_dtype(name, dtype)
 
-    loaded = checkpoint.load(path, place, progress, dtype_of if device.type == "cpu" else None)
+    loaded = checkpoint.load(path, place, progress, dtype_of if device.type == "cpu" else None, dtype=dtype,
+                             device=device)
     model = Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
     model.source = path
     return model

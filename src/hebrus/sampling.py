@@ -19,6 +19,8 @@ class Sampling:
 
 
 def penalise(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """The logits of the ids in `seen` divided by `penalty` where positive, multiplied where
+    negative; in float64, so no penalty in range overflows."""
     if penalty == 1.0 or not seen:
         return logits
     logits = logits.double().clone()
@@ -28,11 +30,11 @@ def penalise(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Ten
     return logits
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-           top_k: int = 0, min_p: float = 0.0) -> int:
+def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> int:
     """Greedy at temperature 0 (ties to the smaller id); otherwise sampling from the softmax at
     `temperature`, restricted to the top_k ids, then to the smallest set holding top_p of the
     mass, then to ids with at least min_p times the largest probability."""
+    temperature, top_p, top_k, min_p = how.temperature, how.top_p, how.top_k, how.min_p
     if temperature == 0:
         return int(torch.argmax(logits))
     scaled = logits.double()

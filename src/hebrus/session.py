@@ -99,36 +99,40 @@ class Session:
 
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, chunk_size: int = 64, *, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=()) -> Iterator[int]:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=()) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction, ending after `max_new_tokens` or after a token in `stop_ids` (which
-        is yielded and committed). Every argument is checked now; tokens come as you iterate."""
+        is yielded and committed). The repetition penalty counts `ids`, `seen` (ids fed earlier
+        that should count too) and the tokens generated. Every argument is checked now; tokens
+        come as you iterate."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = arguments.chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
         sampling = Sampling(arguments.temperature(temperature), arguments.top_p(top_p),
                             arguments.count("top_k", top_k), arguments.min_p(min_p),
                             arguments.repetition_penalty(repetition_penalty))
-        stops = frozenset(arguments.in_vocabulary(arguments.token_ids(stop_ids, 2**20),
+        stops = frozenset(arguments.in_vocabulary(arguments.token_ids(stop_ids, self.spec.vocab_size, "stop ids"),
                                                   self.spec.vocab_size).tolist())
+        earlier = arguments.in_vocabulary(arguments.token_ids(seen, self.spec.max_context, "seen ids"),
+                                          self.spec.vocab_size).tolist()
         generator = arguments.generator(seed)
         self._check_faults()
         with self._exclusive():
             if not len(prompt) and self.frontier == 0:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
-        return self._generate(prompt, max_new_tokens, sampling, stops, generator, chunk_size)
+        return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
 
-    def _generate(self, prompt, max_new_tokens, sampling, stops, generator, chunk_size):
+    def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
         start = self.frontier
-        seen = prompt.tolist() if sampling.repetition_penalty != 1.0 else []
+        penalised = sampling.repetition_penalty != 1.0
+        seen = earlier + prompt.tolist() if penalised else []
         try:
             logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
             for _ in range(max_new_tokens):
-                token = sample(penalise(logits, seen, sampling.repetition_penalty), sampling.temperature,
-                               sampling.top_p, generator, sampling.top_k, sampling.min_p)
+                token = sample(penalise(logits, seen, sampling.repetition_penalty), sampling, generator)
                 logits = self.feed([token])
-                if seen:
+                if penalised:
                     seen.append(token)
                 yield token
                 if token in stops:

@@ -130,12 +130,14 @@ def _read_family_config(folder: Path):
 
 def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
          progress: Callable[[int, int], None] | None = None,
-         dtype_of: Callable[[str], torch.dtype] | None = None) -> Loaded:
+         dtype_of: Callable[[str], torch.dtype] | None = None, *, dtype: torch.dtype = torch.float32,
+         device: torch.device = torch.device("cpu")) -> Loaded:
     """Read and check a checkpoint of any supported family. Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
     the next one read, so a load holds the placed model plus one tensor's sources at a time.
     `progress(done, total)` is called after each tensor. With `dtype_of(name)`, a tensor stored
-    as it is used is read in slices straight into a buffer of that dtype."""
+    as it is used is read in slices straight into a buffer of that dtype. The config is refused
+    first if a model of it in `dtype` would not fit the memory of `device` (`memory_limit`)."""
     folder = Path(path)
     identity = _identity(folder)
     family, config = _read_family_config(folder)
@@ -143,7 +145,7 @@ def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | 
         spec = family.spec(config)
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
-    _check_allocation(spec, folder / CONFIG)
+    _check_allocation(spec, dtype, device, folder / CONFIG)
     params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress, dtype_of)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
@@ -198,13 +200,24 @@ def _identity(folder: Path) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def _check_allocation(spec: ModelSpec, file: Path) -> None:
-    need = load_bytes(spec)
-    if need > MAX_LOAD_BYTES:
-        raise CheckpointError(f"{file}: loading this config would allocate up to {need / 2**30:.1f} GiB "
-                              f"(parameters twice at 8 bytes each and the rotary tables for max_context="
-                              f"{spec.max_context}); the limit is MAX_LOAD_BYTES = "
-                              f"{MAX_LOAD_BYTES / 2**30:.0f} GiB (hebrus.config)")
+def memory_limit(device: torch.device) -> int:
+    """What a load may take: MAX_LOAD_BYTES, and no more than the device's memory (the
+    machine's physical memory for the CPU)."""
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(MAX_LOAD_BYTES, memory)
+
+
+def _check_allocation(spec: ModelSpec, dtype: torch.dtype, device: torch.device, file: Path) -> None:
+    need, limit = load_bytes(spec, dtype), memory_limit(device)
+    if need > limit:
+        raise CheckpointError(f"{file}: loading this config in {str(dtype).removeprefix('torch.')} would allocate "
+                              f"up to {need / 2**30:.1f} GiB (the parameters, the largest tensor twice at 8 "
+                              f"bytes, the rotary tables for max_context={spec.max_context}); the limit is "
+                              f"{limit / 2**30:.1f} GiB: MAX_LOAD_BYTES = {MAX_LOAD_BYTES / 2**30:.0f} GiB "
+                              f"(hebrus.config) or the memory of {device}, whichever is less")
 
 
 def _listing(folder: Path) -> tuple[Path, dict[str, str] | None]:
