@@ -13,6 +13,7 @@ from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
+from hebrus.models import family_of
 from hebrus.ops.norm import accum_dtype
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
@@ -118,8 +119,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     def dtype_of(name: str) -> torch.dtype:                  # on the CPU, convert while reading
         return storage_dtype(name, dtype)
 
-    loaded = checkpoint.load(path, place, progress, dtype_of if device.type == "cpu" else None, dtype=dtype,
-                             device=device)
+    loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
+                             dtype=dtype, device=device)
     model = Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
     model.source = path
     return model

@@ -144,12 +144,15 @@ class FFN(Sublayer):
     def __init__(self, c: ModelSpec, params: Params, layer: int, kernels: Kernels):
         super().__init__(c, params, layer, "ffn", kernels)
         self.name = f"layers.{layer}.ffn"
-        self.routed = c.ffns[layer] == "moe"
-        if self.routed:
+        kind = c.ffns[layer]
+        self.routed = kind == "moe"
+        if kind == "moe":
             self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", kernels, self.name)
             self.column, self.experts = c.moe_layers.index(layer), c.moe_experts
-        else:
+        elif kind == "mlp":
             self.mlp = MLP(params, f"layers.{layer}.mlp.")
+        else:
+            raise ValueError(f"unknown feed-forward kind {kind!r}")
         self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.") if c.ple_dim else None
 
     def run(self, txn) -> None:

@@ -26,11 +26,13 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
                 OwnerSpec(p + "gdn.conv", (c.gdn_conv_dim, c.gdn_conv_kernel - 1), dtype),
                 OwnerSpec(p + "gdn.recurrent", (c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim), state_dtype),
             ]
-        else:
+        elif kind in ("qsa", "attention"):
             kv = (c.attn_kv_heads, c.attn_head_dim)
             specs += [OwnerSpec(f"{p}{kind}.k", kv, dtype, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, dtype, APPENDED)]
             if kind == "qsa":
                 specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), dtype, APPENDED))
+        else:
+            raise ValueError(f"unknown mixer {kind!r}")
     if c.moe_layers:
         specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED))
     return specs

@@ -16,11 +16,12 @@ import torch
 from hebrus.config import MAX_HEADS, MAX_ROWS, MAX_WIDTH
 from hebrus.errors import InvalidInput
 from hebrus.layers.spec import ModelSpec
-from hebrus.models.table import NamesTable, Source
+from hebrus.models.table import NamesTable
 from hebrus.text import shown
 from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
 
 LAYER_KINDS = ("linear_attention", "full_attention")
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 MIXERS = {"linear_attention": "gdn", "full_attention": "attention"}
 # File tensors the text model does not use: a vision tower, multi-token-prediction layers.
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -75,10 +76,12 @@ class QwenConfig:
             yield f"mlp_only_layers names a layer past num_hidden_layers={self.num_hidden_layers}"
 
     @classmethod
-    def from_dict(cls, data: Any) -> "QwenConfig":
+    def from_dict(cls, data: Any, required: tuple[str, ...] = ()) -> "QwenConfig":
         """The text config of a parsed config.json: the nested `text_config` of a multimodal
-        checkpoint, or the file itself. Unknown keys are ignored; layer_types defaults from
-        `full_attention_interval`, rope settings come from `rope_parameters`."""
+        checkpoint (whose top-level `tie_word_embeddings` wins, as in the reference), or the file
+        itself. Unknown keys are ignored; layer_types defaults from `full_attention_interval`,
+        rope settings come from `rope_parameters`. `required`: keys the family needs besides
+        the shared sizes (its feed-forward sizes: no default would be right)."""
         if not isinstance(data, dict):
             raise InvalidInput(f"a config is a JSON object, got {json_kind(data)}")
         model_type = data.get("model_type")
@@ -86,8 +89,11 @@ class QwenConfig:
         if not isinstance(text, dict):
             raise InvalidInput(f"text_config must be an object, got {json_kind(text)}")
         text = dict(text)
-        if "tie_word_embeddings" in data and "tie_word_embeddings" not in text:
+        if text is not data and "tie_word_embeddings" in data:
             text["tie_word_embeddings"] = data["tie_word_embeddings"]
+        missing = sorted(key for key in required if key not in text)
+        if missing:
+            raise InvalidInput(f"config is missing required keys: {', '.join(missing)}")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise InvalidInput(f"rope_parameters must be an object, got {json_kind(rope)}")
@@ -98,11 +104,13 @@ class QwenConfig:
             if key in rope and key not in text:
                 text[key] = rope[key]
         layers = text.get("num_hidden_layers")
-        if text.get("layer_types") is None and isinstance(layers, int) and 0 < layers <= 1024:
+        if text.get("layer_types") is None and "num_hidden_layers" in text:
             interval = text.get("full_attention_interval", 4)
             if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
                 raise InvalidInput(f"full_attention_interval must be a positive integer, got {shown(interval)}")
-            text["layer_types"] = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(layers)]
+            valid = isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= 1024
+            # an invalid num_hidden_layers is reported as such by the field checks
+            text["layer_types"] = [LAYER_KINDS[(i + 1) % interval == 0] for i in range(layers)] if valid else []
         text["model_type"] = model_type
         if text.get("mlp_only_layers") is None:
             text.pop("mlp_only_layers", None)
@@ -148,9 +156,10 @@ def prefix(on_disk: set[str]) -> str:
     return "model.language_model." if "model.language_model.embed_tokens.weight" in on_disk else "model."
 
 
-def base_table(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
-    """Embedding, norms, head, and each layer's mixer; `gdn_names(table, file_prefix,
-    model_prefix)` adds a delta-rule layer's projections, which differ between families."""
+def names(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
+    """The names table of a Qwen hybrid: embedding, norms, head, each layer's mixer and
+    feed-forward. `gdn_names(table, spec, file_prefix, model_prefix)` adds a delta-rule layer's
+    input projections, the one part the families store differently."""
     p = prefix(on_disk)
     D, V = s.hidden_size, s.vocab_size
     t = NamesTable({}, {}, ignored=lambda name: name.startswith(IGNORED_PREFIXES)
@@ -166,8 +175,16 @@ def base_table(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
         if mixer == "gdn":
             _gdn(t, s, f + "linear_attn.", m + "gdn.")
             gdn_names(t, s, f + "linear_attn.", m + "gdn.")
-        else:
+        elif mixer == "attention":
             _attention(t, s, f + "self_attn.", m + "attention.")
+        else:
+            raise ValueError(f"{s.family} has no {mixer!r} layers")
+        if s.ffns[layer] == "moe":
+            add_moe(t, s, on_disk, f + "mlp.", m + "moe.")
+        elif s.ffns[layer] == "mlp":
+            add_mlp(t, D, s.mlp_intermediate, f + "mlp.", m + "mlp.")
+        else:
+            raise ValueError(f"unknown feed-forward kind {s.ffns[layer]!r}")
     return t
 
 
@@ -186,9 +203,8 @@ def _attention(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     def half(part: int):
         return lambda w: w.view(H, 2, dh, D)[:, part].reshape(H * dh, D)
 
-    t.shapes[f + "q_proj.weight"] = (2 * H * dh, D)
-    t.sources[m + "q_proj.weight"] = Source((f + "q_proj.weight",), half(0))
-    t.sources[m + "gate_proj.weight"] = Source((f + "q_proj.weight",), half(1))
+    t.add(m + "q_proj.weight", f + "q_proj.weight", (2 * H * dh, D), half(0))
+    t.add(m + "gate_proj.weight", f + "q_proj.weight", (2 * H * dh, D), half(1))
     t.add(m + "k_proj.weight", f + "k_proj.weight", (Hkv * dh, D))
     t.add(m + "v_proj.weight", f + "v_proj.weight", (Hkv * dh, D))
     t.add(m + "o_proj.weight", f + "o_proj.weight", (D, H * dh))
@@ -211,15 +227,15 @@ def add_moe(t: NamesTable, s: ModelSpec, on_disk: set[str], f: str, m: str) -> N
         t.add(m + "experts.gate_up", f + "experts.gate_up_proj", (E, 2 * I, D))
         t.add(m + "experts.down", f + "experts.down_proj", (E, D, I))
     else:
-        gates = [f"{f}experts.{e}.gate_proj.weight" for e in range(E)]
-        ups = [f"{f}experts.{e}.up_proj.weight" for e in range(E)]
-        downs = [f"{f}experts.{e}.down_proj.weight" for e in range(E)]
-        t.shapes.update({name: (I, D) for name in gates + ups})
-        t.shapes.update({name: (D, I) for name in downs})
-        t.sources[m + "experts.gate_up"] = Source(
-            tuple(gates + ups), lambda *w: torch.cat([torch.stack(w[:E]), torch.stack(w[E:])], dim=1),
-            part=lambda out, i: out[i % E, (i // E) * I:(i // E + 1) * I])
-        t.sources[m + "experts.down"] = Source(tuple(downs), lambda *w: torch.stack(w), part=lambda out, i: out[i])
+        # Expert e's gate and up rows are rows [0, I) and [I, 2I) of gate_up[e]: each file tensor
+        # is read straight into its slice (`part`), or stacked (`build`) where nothing is preallocated.
+        gates = {f"{f}experts.{e}.gate_proj.weight": (I, D) for e in range(E)}
+        ups = {f"{f}experts.{e}.up_proj.weight": (I, D) for e in range(E)}
+        t.add_source(m + "experts.gate_up", gates | ups,
+                     lambda *w: torch.cat([torch.stack(w[:E]), torch.stack(w[E:])], dim=1),
+                     part=lambda out, i: out[i % E, (i // E) * I:(i // E + 1) * I])
+        t.add_source(m + "experts.down", {f"{f}experts.{e}.down_proj.weight": (D, I) for e in range(E)},
+                     lambda *w: torch.stack(w), part=lambda out, i: out[i])
     if s.moe_shared_intermediate:
         add_mlp(t, D, s.moe_shared_intermediate, f + "shared_expert.", m + "shared.")
         t.add(m + "shared_gate.weight", f + "shared_expert_gate.weight", (1, D))

@@ -17,7 +17,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 def config(data: Any) -> qwen.QwenConfig:
-    return qwen.QwenConfig.from_dict(data)
+    return qwen.QwenConfig.from_dict(data, required=("intermediate_size",))
 
 
 def spec(c: qwen.QwenConfig) -> ModelSpec:
@@ -34,8 +34,4 @@ def gdn_names(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
 
 
 def names(s: ModelSpec, on_disk: set[str]) -> NamesTable:
-    t = qwen.base_table(s, on_disk, gdn_names)
-    p = qwen.prefix(on_disk)
-    for layer in range(s.num_layers):
-        qwen.add_mlp(t, s.hidden_size, s.mlp_intermediate, f"{p}layers.{layer}.mlp.", f"layers.{layer}.mlp.")
-    return t
+    return qwen.names(s, on_disk, gdn_names)

@@ -14,7 +14,7 @@ MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def config(data: Any) -> qwen.QwenConfig:
-    c = qwen.QwenConfig.from_dict(data)
+    c = qwen.QwenConfig.from_dict(data, required=qwen.MOE_KEYS)
     qwen.require_experts(c)
     return c
 
@@ -24,8 +24,4 @@ def spec(c: qwen.QwenConfig) -> ModelSpec:
 
 
 def names(s: ModelSpec, on_disk: set[str]) -> NamesTable:
-    t = qwen.base_table(s, on_disk, gdn_names)
-    p = qwen.prefix(on_disk)
-    for layer in range(s.num_layers):
-        qwen.add_moe(t, s, on_disk, f"{p}layers.{layer}.mlp.", f"layers.{layer}.moe.")
-    return t
+    return qwen.names(s, on_disk, gdn_names)

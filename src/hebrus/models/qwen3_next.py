@@ -9,14 +9,14 @@ import torch
 
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import qwen
-from hebrus.models.table import NamesTable, Source
+from hebrus.models.table import NamesTable
 
 NAME = "qwen3_next"
 MODEL_TYPES = ("qwen3_next",)
 
 
 def config(data: Any) -> qwen.QwenConfig:
-    return qwen.QwenConfig.from_dict(data)
+    return qwen.QwenConfig.from_dict(data, required=("intermediate_size",) + qwen.MOE_KEYS)
 
 
 def spec(c: qwen.QwenConfig) -> ModelSpec:
@@ -45,23 +45,14 @@ def gdn_names(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     def z(w):
         return w.view(Hk, per_head, D)[:, 2 * dk + g * dv:].reshape(Hv * dv, D)
 
-    t.shapes[f + "in_proj_qkvz.weight"] = (Hk * per_head, D)
-    t.sources[m + "in_proj_qkv.weight"] = Source((f + "in_proj_qkvz.weight",), qkv)
-    t.sources[m + "in_proj_z.weight"] = Source((f + "in_proj_qkvz.weight",), z)
-    t.shapes[f + "in_proj_ba.weight"] = (2 * Hv, D)
-    t.sources[m + "in_proj_b.weight"] = Source((f + "in_proj_ba.weight",),
-                                               lambda w: w.view(Hk, 2 * g, D)[:, :g].reshape(Hv, D))
-    t.sources[m + "in_proj_a.weight"] = Source((f + "in_proj_ba.weight",),
-                                               lambda w: w.view(Hk, 2 * g, D)[:, g:].reshape(Hv, D))
+    def ba(half: int):
+        return lambda w: w.view(Hk, 2 * g, D)[:, half * g:(half + 1) * g].reshape(Hv, D)
+
+    t.add(m + "in_proj_qkv.weight", f + "in_proj_qkvz.weight", (Hk * per_head, D), qkv)
+    t.add(m + "in_proj_z.weight", f + "in_proj_qkvz.weight", (Hk * per_head, D), z)
+    t.add(m + "in_proj_b.weight", f + "in_proj_ba.weight", (2 * Hv, D), ba(0))
+    t.add(m + "in_proj_a.weight", f + "in_proj_ba.weight", (2 * Hv, D), ba(1))
 
 
 def names(s: ModelSpec, on_disk: set[str]) -> NamesTable:
-    t = qwen.base_table(s, on_disk, gdn_names)
-    p = qwen.prefix(on_disk)
-    for layer, kind in enumerate(s.ffns):
-        f = f"{p}layers.{layer}.mlp."
-        if kind == "moe":
-            qwen.add_moe(t, s, on_disk, f, f"layers.{layer}.moe.")
-        else:
-            qwen.add_mlp(t, s.hidden_size, s.mlp_intermediate, f, f"layers.{layer}.mlp.")
-    return t
+    return qwen.names(s, on_disk, gdn_names)

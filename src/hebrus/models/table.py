@@ -7,7 +7,7 @@ prediction head) are `ignored`; anything else unexpected is an error.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,7 +39,6 @@ class NamesTable:
     sources: dict[str, Source]
     ignored: Callable[[str], bool] = lambda name: False
     dtypes: Callable[[str], tuple[str, ...]] = lambda name: FLOAT_DTYPES
-    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def identity(cls, shapes: dict[str, tuple[int, ...]], dtypes=None) -> "NamesTable":
@@ -50,5 +49,10 @@ class NamesTable:
 
     def add(self, model_name: str, file_name: str, shape: tuple[int, ...], build=_same) -> None:
         """One model tensor from one file tensor."""
-        self.shapes[file_name] = shape
-        self.sources[model_name] = Source((file_name,), build)
+        self.add_source(model_name, {file_name: shape}, build)
+
+    def add_source(self, model_name: str, files: dict[str, tuple[int, ...]], build=_same, part=None) -> None:
+        """One model tensor from file tensors (in the order `build` takes them), each expected
+        with its shape; a file tensor may feed several model tensors."""
+        self.shapes.update(files)
+        self.sources[model_name] = Source(tuple(files), build, part)

@@ -25,8 +25,6 @@ from hebrus.text import escaped, shown
 from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.layers.spec import ModelSpec
-from hebrus.models import family_of
-from hebrus.models.table import NamesTable
 from hebrus.weights.layout import load_bytes, parameter_shapes
 
 CONFIG = "config.json"
@@ -110,13 +108,15 @@ class Loaded(NamedTuple):
 
 def read_config(path: str | Path) -> HebrusConfig:
     """The checked config of the Hebrus checkpoint folder `path`."""
-    family, config = _read_family_config(Path(path))
-    if not isinstance(config, HebrusConfig):
-        raise CheckpointError(f"{Path(path) / CONFIG}: is a {family.NAME} config, not a Hebrus one")
-    return config
+    return _read_family_config(Path(path), lambda data: _HebrusFamily)[1]
 
 
-def _read_family_config(folder: Path):
+class _HebrusFamily:
+    """Just enough of a family for `read_config` (the families live in hebrus.models)."""
+    config = staticmethod(HebrusConfig.from_dict)
+
+
+def _read_family_config(folder: Path, family_of):
     file = folder / CONFIG
     if not os.path.lexists(file):
         raise CheckpointError(f"{file} is missing: {folder} is not a checkpoint")
@@ -128,11 +128,13 @@ def _read_family_config(folder: Path):
         raise CheckpointError(f"{file}: {exc}") from None
 
 
-def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+def load(path: str | Path, family_of: Callable[[Any], Any],
+         place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
          progress: Callable[[int, int], None] | None = None,
          dtype_of: Callable[[str], torch.dtype] | None = None, *, dtype: torch.dtype = torch.float32,
          device: torch.device = torch.device("cpu")) -> Loaded:
-    """Read and check a checkpoint of any supported family. Each of the model's tensors is built
+    """Read and check a checkpoint of the family `family_of(parsed config.json)` gives (a module
+    of hebrus.models: config, spec, names table). Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
     the next one read, so a load holds the placed model plus one tensor's sources at a time.
     `progress(done, total)` is called after each tensor. With `dtype_of(name)`, a tensor stored
@@ -140,7 +142,7 @@ def load(path: str | Path, place: Callable[[str, torch.Tensor], torch.Tensor] | 
     first if a model of it in `dtype` would not fit the memory of `device` (`memory_limit`)."""
     folder = Path(path)
     identity = _identity(folder)
-    family, config = _read_family_config(folder)
+    family, config = _read_family_config(folder, family_of)
     try:
         spec = family.spec(config)
     except InvalidInput as exc:
@@ -292,7 +294,7 @@ def _check_placement(found: dict[str, list[Header]], weight_map: dict[str, str],
         raise CheckpointError(f"{index}: does not match its shards: " + "; ".join(_first(problems)))
 
 
-def _check_against(table: NamesTable, headers: dict[str, Header], source: Path) -> None:
+def _check_against(table, headers: dict[str, Header], source: Path) -> None:
     """Names, shapes and dtypes against the family's names table, before any data is read."""
     expected = table.shapes
     present = {name for name in headers if not table.ignored(name)}

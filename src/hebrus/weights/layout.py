@@ -49,9 +49,19 @@ def _layer_shapes(c: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
                       f"{p}{hc}.scale": (3,)})
     s[f"{p}mixer_norm.weight"] = (D,)
     s[f"{p}ffn_norm.weight"] = (D,)
-    mixer = c.mixers[layer]
-    s.update(_gdn_shapes(c, p + "gdn.") if mixer == "gdn" else _attention_shapes(c, f"{p}{mixer}.", mixer))
-    s.update(_moe_shapes(c, p + "moe.") if c.ffns[layer] == "moe" else _mlp_shapes(D, c.mlp_intermediate, p + "mlp."))
+    mixer, ffn = c.mixers[layer], c.ffns[layer]
+    if mixer == "gdn":
+        s.update(_gdn_shapes(c, p + "gdn."))
+    elif mixer in ("qsa", "attention"):
+        s.update(_attention_shapes(c, f"{p}{mixer}.", mixer))
+    else:
+        raise ValueError(f"unknown mixer {mixer!r}")
+    if ffn == "moe":
+        s.update(_moe_shapes(c, p + "moe."))
+    elif ffn == "mlp":
+        s.update(_mlp_shapes(D, c.mlp_intermediate, p + "mlp."))
+    else:
+        raise ValueError(f"unknown feed-forward kind {ffn!r}")
     if P:
         s.update({f"{p}ple.gate.weight": (P, D), f"{p}ple.down.weight": (D, P), f"{p}ple.norm.weight": (D,)})
     return s
