@@ -82,3 +82,17 @@ def test_bidi_controls_are_hidden():
     d = StreamDecoder()
     text = "".join(d.push(t) for t in encode("a\u202eb\u2067c")) + d.flush()
     assert text == "a\ufffdb\ufffdc"
+
+
+def test_version_and_a_prompt_from_stdin(capsys, monkeypatch):
+    import io
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hebrus {version('hebrus')}"
+    assert main(["generate", "Hello", "--max-new-tokens", "5"]) == 0
+    direct = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello"))
+    assert main(["generate", "-", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == direct

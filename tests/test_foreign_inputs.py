@@ -81,3 +81,67 @@ def test_impossible_configs_are_refused_before_weights_are_read(folder, changes,
 def test_save_of_a_foreign_model_is_a_clear_error(folder, tmp_path):
     with pytest.raises(hebrus.InvalidInput, match="save writes Hebrus checkpoints"):
         hebrus.load(folder).save(tmp_path / "out")
+
+
+def test_names_that_are_neither_folders_nor_repo_ids(tmp_path):
+    for name in ["a" * 300, "Org/" + "a" * 300, "Org/a-", "Org/../x"]:
+        with pytest.raises(hebrus.InvalidInput):
+            hebrus.load(name)
+    with pytest.raises(hebrus.InvalidInput, match="is not a directory"):
+        hebrus.load(tmp_path / "x" / "y")                  # a path is never looked up as a repo id
+
+
+def _config(tmp_path, family, **changes):
+    folder = build(family, tmp_path / family)[0]
+    _edit_config(folder, **changes)
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_layer_types_from_the_interval_and_rope_settings_from_either_place(tmp_path):
+    from hebrus.models import family_of
+    data = _config(tmp_path, "qwen3_5")
+    del data["layer_types"]
+    data["num_hidden_layers"] = 8
+    data["full_attention_interval"] = 4
+    family = family_of(data)
+    spec = family.spec(family.config(data))
+    assert spec.mixers == ("gdn", "gdn", "gdn", "attention") * 2
+    nested = family.spec(family.config(dict(data, rope_parameters={"rope_theta": 500.0, "partial_rotary_factor": 0.5,
+                                                                    "rope_type": "default"})))
+    top = dict(data, rope_theta=500.0, partial_rotary_factor=0.5)
+    top.pop("rope_parameters")
+    flat = family.spec(family.config(top))
+    assert nested == flat and nested.rope_theta == 500.0 and nested.rotary_dim == 8
+
+
+def test_a_real_size_config_passes_the_allocation_check(tmp_path):
+    """A Qwen3.5-0.8B-shaped config is refused only for its missing weights, not its size."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    config = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, num_hidden_layers=24,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                  intermediate_size=3584, max_position_embeddings=262144, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(hebrus.CheckpointError, match="has neither model.safetensors"):
+        hebrus.load(folder)
+
+
+def test_multimodal_configs_take_the_top_level_tie(tmp_path):
+    from hebrus.models import family_of
+    text = _config(tmp_path, "qwen3_5")
+    data = {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": dict(text, tie_word_embeddings=False)}
+    family = family_of(data)
+    assert family.config(data).tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("family, key", [("qwen3_5", "intermediate_size"), ("qwen3_5_moe", "moe_intermediate_size"),
+                                         ("qwen3_next", "shared_expert_intermediate_size")])
+def test_feed_forward_sizes_are_required(tmp_path, family, key):
+    folder = build(family, tmp_path / family)[0]
+    data = json.loads((folder / "config.json").read_text())
+    del data[key]
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(hebrus.CheckpointError, match=f"missing required keys: {key}"):
+        hebrus.load(folder)

@@ -48,3 +48,10 @@ def test_the_floor_does_not_excuse_a_fast_path_that_is_worse_than_exact(amplifyi
     verdicts = [check.run() for check in _fast_checks(fast.with_mode("fast"))]
     assert not any(v.passed for v in verdicts)
     assert all("exact's own error" in v.detail for v in verdicts)
+
+
+def test_the_floor_is_not_measured_when_a_float64_copy_would_not_fit(amplifying, monkeypatch):
+    monkeypatch.setattr("hebrus.bound._free_memory", lambda device: 1024)
+    verdicts = [check.run() for check in _fast_checks(hebrus.load(amplifying, mode="fast"))]
+    failed = [v for v in verdicts if not v.passed]
+    assert failed and all("not measured" in v.detail for v in failed)

@@ -138,13 +138,19 @@ def test_a_repo_id_resolves_from_the_local_cache_only(tmp_path):
     folder.rename(snapshot)
     (tmp_path / "hub" / "models--Org--Tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--Org--Tiny" / "refs" / "main").write_text("abc123")
+    fifo = tmp_path / "hub" / "models--Org--Fifo" / "refs"
+    fifo.mkdir(parents=True)
+    os.mkfifo(fifo / "main")                                  # reading it would block forever
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    code = ("import hebrus; m = hebrus.load('Org/Tiny'); print(m.family);"
-            "\ntry: hebrus.load('Org/Absent')\nexcept hebrus.InvalidInput as e: print(e)")
+    code = ("import hebrus; m = hebrus.load('Org/Tiny'); print(m.family)\n"
+            "for name in ('Org/Absent', 'Org/Fifo'):\n"
+            "    try: hebrus.load(name)\n"
+            "    except hebrus.InvalidInput as e: print(e)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     lines = done.stdout.splitlines()
     assert lines[0] == "qwen3_5", done.stderr
     assert "not in the local Hugging Face cache" in lines[1] and str(tmp_path / "hub") in lines[1]
+    assert "is not a regular file" in lines[2]
 
 
 def test_chat_template_file_and_named_templates(chat_model, tmp_path):

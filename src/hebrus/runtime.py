@@ -1,6 +1,7 @@
 """`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -110,7 +111,9 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         model.source = None
         return model
     path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
-    if not path.is_dir():
+    if not _is_dir(path):
+        if not isinstance(name_or_path, str):
+            raise InvalidInput(f"{path} is not a directory")
         path = _cached_repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -126,26 +129,45 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     return model
 
 
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:                                         # a name too long for the file system
+        return False
+
+
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _cached_repo(name) -> Path:
     """The local snapshot of a Hugging Face repo id, from the cache only: never the network."""
     text = str(name)
-    if not _REPO_ID.fullmatch(text) or ".." in text:
+    if not _REPO_ID.fullmatch(text) or ".." in text or len(text) > 96 or text.endswith((".", "-")):
         raise InvalidInput(f"{text} is neither a preset ({', '.join(PRESETS)}), a checkpoint directory, "
                            f"nor a Hugging Face repo id (Org/Name)")
     try:
         from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.file_download import repo_folder_name
     except ImportError:
         raise InvalidInput(f"{text} is not a directory, and huggingface_hub (needed to find a repo id "
                            f"in the local cache) is not installed") from None
+    cache = Path(constants.HF_HUB_CACHE)
     try:
-        return Path(snapshot_download(text, local_files_only=True))
+        repo = cache / repo_folder_name(repo_id=text, repo_type="model")
+    except ValueError as exc:                               # the hub's own repo id rules
+        raise InvalidInput(f"{text} is not a valid Hugging Face repo id: {exc}") from None
+    ref = repo / "refs" / "main"
+    if os.path.lexists(ref) and not os.path.isfile(ref):     # a FIFO there would block the read
+        raise InvalidInput(f"{ref} is not a regular file; the cache entry of {text} is damaged")
+    try:
+        snapshot = Path(snapshot_download(text, local_files_only=True))
     except Exception:                                       # not cached (hub errors vary by version)
         raise InvalidInput(f"{text} is not a directory and not in the local Hugging Face cache "
-                           f"({constants.HF_HUB_CACHE}); download it first (hf download {text}) or "
+                           f"({cache}); download it first (hf download {text}) or "
                            f"pass the checkpoint folder") from None
+    if (repo / "snapshots").resolve() not in snapshot.resolve().parents:
+        raise InvalidInput(f"the cache entry of {text} points outside {repo / 'snapshots'}: {snapshot}")
+    return snapshot
 
 
 def _mode(mode) -> str:
