@@ -87,7 +87,7 @@ def test_names_that_are_neither_folders_nor_repo_ids(tmp_path):
     for name in ["a" * 300, "Org/" + "a" * 300, "Org/a-", "Org/../x"]:
         with pytest.raises(hebrus.InvalidInput):
             hebrus.load(name)
-    with pytest.raises(hebrus.InvalidInput, match="is not a directory"):
+    with pytest.raises(hebrus.InvalidInput, match="nor a checkpoint directory"):
         hebrus.load(tmp_path / "x" / "y")                  # a path is never looked up as a repo id
 
 

@@ -247,7 +247,7 @@ def _info(args) -> int:
     model = _load(args)
     c = model.spec
     print(f"model ({c.family})")
-    for key, value in _spec_fields(c):
+    for key, value in c.fields_in_use():
         print(f"  {key:26} {value}")
     print(f"  {'parameters':26} {parameter_count(c):,}")
     print(f"\nstages ({len(model.stages)})\n  " + "\n  ".join(model.stage_names))
@@ -264,25 +264,6 @@ def _info(args) -> int:
         print(f"  {spec.name:26} {spec.kind:9} {dtype:8} {str(shape):16} {size:>12,}{note}")
     print(f"  {'total':26} {'':9} {'':8} {'':16} {total:>12,}")
     return 0
-
-
-def _spec_fields(c):
-    """The spec's fields a reader needs: the ones its layers use (no PLE fields without PLE...)."""
-    import dataclasses
-    skip = set()
-    if c.residual == "plain":
-        skip |= {"hc_streams", "hc_sinkhorn_iters", "hc_eps"}
-    if not c.ple_dim:
-        skip |= {"ple_ngram", "ple_buckets", "ple_conv_kernel"}
-    if "qsa" not in c.mixers:
-        skip |= {"index_heads", "index_dim", "top_k"}
-    if "moe" not in c.ffns:
-        skip |= {"moe_experts", "moe_top_k", "moe_intermediate", "moe_shared_intermediate", "moe_normalize"}
-    if "mlp" not in c.ffns:
-        skip.add("mlp_intermediate")
-    for f in dataclasses.fields(c):
-        if f.name not in skip and f.name != "family":
-            yield f.name, getattr(c, f.name)
 
 
 def console() -> int:

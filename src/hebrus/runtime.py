@@ -112,8 +112,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
         return model
     path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
     if not _is_dir(path):
-        if not isinstance(name_or_path, str):
-            raise InvalidInput(f"{path} is not a directory")
+        if not isinstance(name_or_path, str):               # a path is never looked up as a repo id
+            raise InvalidInput(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
         path = _cached_repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -183,12 +183,10 @@ def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.d
     (1e5 in float16) would turn every chunk non-finite, so it is refused here."""
     if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
         return tensor                           # the loader checked it is finite as it read it
-    placed = tensor.to(device=device, dtype=dtype, copy=True).contiguous()
-    if placed.is_floating_point() and not bool(torch.isfinite(placed).all()):
-        if not bool(torch.isfinite(tensor).all()):
-            raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")
-        raise InvalidInput(f"weight {name} does not fit in {dtype} (largest magnitude "
-                           f"{float(tensor.double().abs().max()):.3g}); load the model in a wider dtype")
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")
+    placed = torch.empty(tensor.shape, dtype=dtype, device=device)
+    checkpoint.converted(placed, tensor, name)
     return placed
 
 

@@ -134,5 +134,26 @@ class ModelSpec:
     def hc_mix_dim(self) -> int:
         return (2 + self.hc_streams) * self.hc_streams
 
+    def fields_in_use(self) -> list[tuple[str, object]]:
+        """(name, value) of the fields the model's layers read: no hyper-connection fields for a
+        plain residual, no PLE fields without PLE, no indexer or expert fields without them."""
+        unused = set()
+        if self.residual == "plain":
+            unused |= {"hc_streams", "hc_sinkhorn_iters", "hc_eps"}
+        if not self.ple_dim:
+            unused |= {"ple_ngram", "ple_buckets", "ple_conv_kernel"}
+        if "qsa" not in self.mixers:
+            unused |= {"index_heads", "index_dim", "top_k"}
+        if "gdn" not in self.mixers:
+            unused |= {f.name for f in dataclasses.fields(self) if f.name.startswith("gdn_")}
+        if not self.has_attention:
+            unused |= {"attn_heads", "attn_kv_heads", "attn_head_dim", "rotary_dim", "rope_theta"}
+        if "moe" not in self.ffns:
+            unused |= {f.name for f in dataclasses.fields(self) if f.name.startswith("moe_")}
+        if "mlp" not in self.ffns:
+            unused.add("mlp_intermediate")
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in unused and f.name != "family"]
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

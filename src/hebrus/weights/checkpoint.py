@@ -1,10 +1,11 @@
-"""Save and load Hebrus checkpoints: `config.json` + `model.safetensors` (or shards listed in
-`model.safetensors.index.json`).
+"""Save Hebrus checkpoints, and load checkpoints of every family: `config.json` +
+`model.safetensors` (or shards listed in `model.safetensors.index.json`).
 
 Loading treats the folder as untrusted input: the config is type- and range-checked and its
 allocation bounded before any weights file is opened; every tensor's name, shape and dtype are
-checked from the safetensors headers before any data is read. Every problem raises one
-`CheckpointError` naming the file. Saving writes a new folder and swaps it in (`atomic`).
+checked from the safetensors headers before any data is read. Every problem with the files
+raises one `CheckpointError` naming the file; a weight that does not fit the requested dtype is
+an `InvalidInput` naming the weight. Saving writes a new folder and swaps it in (`atomic`).
 """
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
                 built = recipe.build(*parts)
                 del parts
                 if final is not None:
-                    _fill(final, built, name)
+                    converted(final, built, name)
                     del built
             params[name] = place(name, final if final is not None else built)
             if progress is not None:
@@ -332,12 +333,13 @@ def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
 _SLICE = 16 * 2**20          # bytes read at a time when converting on the way in
 
 
-def _fill(final: torch.Tensor, built: torch.Tensor, name: str) -> None:
-    """A built tensor copied into its final buffer; one that does not fit the buffer's dtype is refused."""
-    final.copy_(built)
-    if final.is_floating_point() and not bool(torch.isfinite(final).all()):
-        raise InvalidInput(f"weight {name} does not fit in {final.dtype} (largest magnitude "
-                           f"{float(built.double().abs().max()):.3g}); load the model in a wider dtype")
+def converted(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
+    """`source` copied into `target` (whose dtype may be narrower); a finite weight that does not
+    fit the target dtype (1e5 in float16) would turn every chunk non-finite: InvalidInput."""
+    target.copy_(source)
+    if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+        raise InvalidInput(f"weight {name} does not fit in {target.dtype} (largest magnitude "
+                           f"{float(source.double().abs().max()):.3g}); load the model in a wider dtype")
 
 
 def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int, int]],
@@ -354,7 +356,7 @@ def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int,
     into = out.dtype
     flat = out.view(-1)
     width = stored.itemsize
-    step = max(_SLICE // width, 1) if into != stored else flat.numel()
+    step = max(_SLICE // width, 1) if into != stored else max(flat.numel(), 1)
     staging = torch.empty(min(step, flat.numel()) * width, dtype=torch.uint8) if into != stored else None
     try:
         with open(file, "rb") as f:
@@ -369,11 +371,7 @@ def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int,
                 if staging is not None:
                     source = buffer.view(stored)
                     _check_finite(source, file, name)
-                    target.copy_(source)
-                    if not bool(torch.isfinite(target).all()):
-                        raise InvalidInput(f"weight {name} does not fit in {into} (largest magnitude "
-                                           f"{float(source.double().abs().max()):.3g}); load the model in a "
-                                           f"wider dtype")
+                    converted(target, source, name)
     except OSError as exc:
         raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc})") from None
     if into == stored:
