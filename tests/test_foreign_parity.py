@@ -34,28 +34,34 @@ def family(request, tmp_path_factory):
     return request.param, folder, ids, reference_run(model, ids, STEPS), wide
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_float64_matches_transformers_to_1e12(family, mode):
-    _, folder, ids, _, (prompt_logits, states, tokens, step_logits) = family
-    model = hebrus.load(folder, mode=mode, dtype=torch.float64)
+def _prompt_under_every_chunking(model, ids, prompt_logits, states, tolerance):
+    """Feed `ids` in each of CHUNKINGS; each chunk's logits and the final states (GDN conv and
+    recurrent, attention K/V) within `tolerance` of the reference. -> (last session, digests)."""
+    digests = set()
     for chunks in CHUNKINGS:
         session, at = model.session(), 0
         for size in chunks:
             logits = session.feed(ids[at:at + size])
             at += size
-            assert relative(logits, prompt_logits[at - 1]) <= TOLERANCE_64, (chunks, at)
+            assert relative(logits, prompt_logits[at - 1]) <= tolerance, (chunks, at)
         for owner, theirs in states.items():
-            theirs = theirs[:, 1:] if owner.endswith("gdn.conv") else theirs
-            assert relative(session.image.value(owner), theirs) <= TOLERANCE_64, (owner, chunks)
+            ours = session.image.value(owner)
+            theirs = theirs[:, 1:] if owner.endswith("gdn.conv") else theirs    # they keep K inputs, we K-1
+            assert ours.shape == theirs.shape, owner
+            assert relative(ours, theirs) <= tolerance, (owner, chunks)
+        digests.add(session.digest())
+    return session, digests
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_float64_matches_transformers_to_1e12(family, mode):
+    _, folder, ids, _, (prompt_logits, states, tokens, step_logits) = family
+    model = hebrus.load(folder, mode=mode, dtype=torch.float64)
+    session, _ = _prompt_under_every_chunking(model, ids, prompt_logits, states, TOLERANCE_64)
     for step in range(STEPS):
         assert relative(session.logits, step_logits[step]) <= TOLERANCE_64, step
         assert int(torch.argmax(session.logits)) == tokens[step]
         session.feed([tokens[step]])
-
-
-def _state(session, name: str) -> torch.Tensor:
-    value = session.image.value(name)
-    return value.T if name.endswith("gdn.conv") else value        # ours [C, K-1]; theirs [C, K]
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
@@ -63,20 +69,7 @@ def test_prompt_logits_and_states_match_transformers(family, mode):
     name, folder, ids, (prompt_logits, states, _, _), _ = family
     model = hebrus.load(folder, mode=mode)
     assert model.family == name
-    digests = set()
-    for chunks in CHUNKINGS:
-        session, at = model.session(), 0
-        for size in chunks:
-            logits = session.feed(ids[at:at + size])
-            at += size
-            assert relative(logits, prompt_logits[at - 1]) <= TOLERANCE, (chunks, at)
-        for owner, theirs in states.items():
-            ours = session.image.value(owner)
-            if owner.endswith("gdn.conv"):
-                ours, theirs = ours, theirs[:, 1:]                  # they keep K inputs, we keep K-1
-            assert ours.shape == theirs.shape, owner
-            assert relative(ours, theirs) <= TOLERANCE, (owner, chunks)
-        digests.add(session.digest())
+    _, digests = _prompt_under_every_chunking(model, ids, prompt_logits, states, TOLERANCE)
     if mode == "exact":
         assert len(digests) == 1, "exact mode must not depend on chunking"
 
