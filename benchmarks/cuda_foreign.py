@@ -81,7 +81,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     lines = [f"device: {name}, torch {torch.__version__}", "",
              "| family | dtype | mode | largest relative error against transformers (CPU, float32) | "
-             "greedy tokens equal | one digest over chunkings (exact mode promises it) | verify |", "|---|---|---|---|---|---|---|"]
+             "greedy tokens equal | one digest over chunkings (exact mode promises it) | verify |",
+             "|---|---|---|---|---|---|---|"]
     for family in sorted(p for p in folder.iterdir() if (p / "reference.pt").exists()):
         check(family, lines)
     out.write_text("\n".join(lines) + "\n")

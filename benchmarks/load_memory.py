@@ -1,13 +1,13 @@
 """Peak memory of `hebrus.load` against the size of the loaded model.
 
 Builds Qwen3.5-MoE-shaped checkpoints of about 0.8 and 2.8 GB (float32, hidden 1024 and 2048)
-with transformers (once each, in a child process), then loads it in fresh processes and reads the kernel's peak resident set
-(VmHWM): peak minus the resident set just before the load, over the bytes of the model's
-parameters. "cold" measures from a process that has only imported hebrus; "warm" first runs a
-preset once and converts between the dtypes, so torch's thread pools, first allocations and the
-code pages of its conversion kernels (shared-library pages count in the resident set) are not
-counted as the load's.
-The issue's target is <= 1.2. Run: python benchmarks/load_memory.py [--out FILE]
+with transformers (once each, in a child process), then loads them in fresh processes and reads
+the kernel's peak resident set (VmHWM): peak minus the resident set just before the load, over
+the bytes of the model's parameters. "cold" measures from a process that has only imported
+hebrus; "warm" first runs a preset once and converts between the dtypes, so torch's thread
+pools, first allocations and the code pages of its conversion kernels (shared-library pages count
+in the resident set) are not counted as the load's. The target is <= 1.2.
+Run: python benchmarks/load_memory.py [--out FILE]
 """
 from __future__ import annotations
 
