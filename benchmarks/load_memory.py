@@ -1,6 +1,6 @@
 """Peak memory of `hebrus.load` against the size of the loaded model.
 
-Builds Qwen3.5-MoE-shaped checkpoints of about 0.8 and 2.8 GB (float32, hidden 1024 and 2048)
+Builds Qwen3.5-MoE-shaped checkpoints of about 0.85 and 1.7 GB (float32, hidden 1024 and 2048)
 with transformers (once each, in a child process), then loads them in fresh processes and reads
 the kernel's peak resident set (VmHWM): peak minus the resident set just before the load, over
 the bytes of the model's parameters. "cold" measures from a process that has only imported
