@@ -233,11 +233,25 @@ def _verify(args) -> int:
 
 def _fault_table(model, results) -> None:
     cells = {r.name: r.verdict for r in results}
-    width = max(len(name) for name in model.stage_names)
-    print("faults".ljust(width) + "  " + "  ".join(k.ljust(10) for k in FAULT_KINDS))
-    for stage in model.stage_names:
-        row = "  ".join(cells.get(f"{stage} × {k}", "-").ljust(10) for k in FAULT_KINDS)
-        print(f"{stage.ljust(width)}  {row}")
+    _table(["faults", *FAULT_KINDS],
+           [[stage] + [cells.get(f"{stage} × {k}", "-") for k in FAULT_KINDS] for stage in model.stage_names])
+
+
+def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:
+    """A table on stdout through rich: plain columns (it is read by people and by scripts), no
+    markup or emoji codes read from the cells (names can come from a checkpoint's files), wide
+    enough that a pipe gets whole lines."""
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="right" if i in right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    tty = sys.stdout.isatty() if hasattr(sys.stdout, "isatty") else False
+    console = Console(file=sys.stdout, markup=False, emoji=False, highlight=False,
+                      width=None if tty else 10_000)
+    console.print(table)
 
 
 def _info(args) -> int:
@@ -253,16 +267,15 @@ def _info(args) -> int:
     print(f"\nstages ({len(model.stages)})\n  " + "\n  ".join(model.stage_names))
     print(f"\nowners (bytes per session; banked owners hold two banks, appended owners grow per token, "
           f"shown at max_context={c.max_context})")
-    print(f"  {'owner':26} {'kind':9} {'dtype':8} {'shape':16} {'bytes':>12}")
-    total = 0
+    rows, total = [], 0
     for spec in model.owners:
         shape = spec.shape if spec.kind == BANKED else ("rows",) + spec.shape
         size = 2 * spec.nbytes if spec.kind == BANKED else spec.nbytes * c.max_context
-        note = "" if spec.kind == BANKED else f"  ({spec.nbytes} per token)"
+        note = "" if spec.kind == BANKED else f"{spec.nbytes} per token"
         total += size
-        dtype = str(spec.dtype).removeprefix("torch.")
-        print(f"  {spec.name:26} {spec.kind:9} {dtype:8} {str(shape):16} {size:>12,}{note}")
-    print(f"  {'total':26} {'':9} {'':8} {'':16} {total:>12,}")
+        rows.append([spec.name, spec.kind, str(spec.dtype).removeprefix("torch."), str(shape), f"{size:,}", note])
+    rows.append(["total", "", "", "", f"{total:,}", ""])
+    _table(["owner", "kind", "dtype", "shape", "bytes", ""], rows, right=(4,))
     return 0
 
 
