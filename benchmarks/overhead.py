@@ -1,8 +1,8 @@
 """What does the transaction cost? Transactional sessions against an in-place variant.
 
-The in-place variant runs the same stages against a context that reads and writes one bank in
-place: no second bank, no seal, no validation, no injection point, no status word. It exists only
-here, to measure the guarantee; nothing in the package can reach it.
+The in-place variant (`hebrus.bench.InPlaceSession`) runs the same stages against a context that
+reads and writes one bank in place: no second bank, no seal, no validation, no injection point, no
+status word. It exists only to measure the guarantee; no session can become one.
 
     python benchmarks/overhead.py [--preset small] [--mode fast] [--rounds 5] [--threads N]
 
@@ -23,58 +23,7 @@ from pathlib import Path
 import torch
 
 import hebrus
-from hebrus.state.image import Image
-
-
-class InPlace:
-    """A session that overwrites its state in place (measurement only)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.image = Image(model.owners, model.device)
-        self.bank = self.image.banks[0]
-        self.storages = list(self.image.public.storages)
-        self.frontier = 0
-
-    def feed(self, ids) -> torch.Tensor:
-        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64, device=self.model.device))
-        with torch.inference_mode():                  # as the transactional session runs
-            for stage in self.model.stages:
-                stage.run(ctx)
-        self.frontier += len(ids)
-        self.bank["frontier"].fill_(self.frontier)
-        return self.bank["logits"].clone()
-
-
-class _InPlaceContext:
-    def __init__(self, owner: InPlace, ids: torch.Tensor):
-        self.owner, self.start, self.length = owner, owner.frontier, len(ids)
-        self.local = {"ids": ids}
-
-    def read(self, name):
-        return self.owner.bank[name]
-
-    def write(self, name, value):
-        self.owner.bank[name].copy_(value)
-
-    def rows(self, name):
-        i = self.owner.image.slot[name]
-        storage, need = self.owner.storages[i], self.start + self.length
-        if storage.shape[0] < need:
-            capacity = min(self.owner.model.config.max_context, max(need, 2 * storage.shape[0], 16))
-            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
-            grown[: self.start].copy_(storage[: self.start])
-            self.owner.storages[i] = storage = grown
-        return storage
-
-    def emit(self, key, value):
-        self.local[key] = value
-
-    def flag(self, bad, bit):
-        pass
-
-    def check_range(self, values, upper, bit, lower=0):
-        pass
+from hebrus.bench import InPlaceSession as InPlace
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -121,7 +70,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model = hebrus.load(args.preset, mode=args.mode, device=args.device)
-    prompt = torch.randint(0, model.config.vocab_size, (args.prefill,),
+    prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     variants = {"transactional": model.session, "in-place": lambda: InPlace(model)}
     _round(variants, prompt[:32], 4, flip=False)                       # warm up both paths

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
+from pathlib import Path
+
+from hebrus.bench import SHAPES
 from hebrus.config import PRESETS
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
@@ -84,6 +88,31 @@ def _parser() -> argparse.ArgumentParser:
                                      "Exit code 0 only when everything passed.")
     _model_args(ver, default_mode="exact")
     ver.set_defaults(handler=_verify)
+
+    bench = sub.add_parser("bench", help="prefill and decode speed against in-place writes and the device's limits",
+                           description="At each context: prefill, then decode, with transactional sessions and "
+                                       "an in-place variant taking turns; beside them the device's copy bandwidth "
+                                       "(the decode floor) and matrix throughput (the prefill roofline). Prints a "
+                                       "table; --json and --table write it.")
+    bench.add_argument("--model", default="small",
+                       help=f"{MODEL_HELP.removesuffix(' (default: tiny)')}, or a random-weight shape "
+                            f"({', '.join(SHAPES)}) written under --cache (default: small)")
+    bench.add_argument("--mode", choices=MODES, default="fast", help="execution mode (default fast)")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default=None,
+                       help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
+    bench.add_argument("--contexts", default="1024,32768",
+                       help="comma-separated prompt lengths; those past the model's max_context are skipped "
+                            "(default 1024,32768)")
+    bench.add_argument("--batch", type=int, default=1, help="sessions per step; this version measures 1 (default 1)")
+    bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
+    bench.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported (default 3)")
+    bench.add_argument("--chunk", type=int, default=2048, help="prefill chunk length (default 2048)")
+    bench.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    bench.add_argument("--table", metavar="FILE", help="also write the table as Markdown")
+    bench.add_argument("--cache", default=str(Path.home() / ".cache" / "hebrus" / "shapes"),
+                       help="where random-weight shapes are written and reused (default ~/.cache/hebrus/shapes)")
+    bench.set_defaults(handler=_bench)
 
     info = sub.add_parser("info", help="show the config, the stages and every owner with its bytes",
                           description="What a model is made of and what one session of it holds.")
@@ -252,6 +281,44 @@ def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()
     console = Console(file=sys.stdout, markup=False, emoji=False, highlight=False,
                       width=None if tty else 10_000)
     console.print(table)
+
+
+def _bench(args) -> int:
+    import torch
+
+    from hebrus import bench
+    from hebrus.progress import ProgressBar
+    for name in ("decode_steps", "rounds", "chunk"):
+        if getattr(args, name) < 1:
+            raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch != 1:
+        raise InvalidInput(f"--batch {args.batch}: this version measures batch 1 only (sessions are not "
+                           f"yet stepped together)")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        raise InvalidInput(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    if not contexts or min(contexts) < 1:
+        raise InvalidInput("--contexts needs positive lengths")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.model in bench.SHAPES:
+        args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
+    model = _load(args)
+    kept = [c for c in contexts if c <= model.spec.max_context]
+    for c in sorted(set(contexts) - set(kept)):
+        print(f"(context {c} skipped: past the model's max_context {model.spec.max_context})", file=sys.stderr)
+    if not kept:
+        raise InvalidInput(f"every context is past the model's max_context {model.spec.max_context}")
+    report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
+                       ProgressBar("bench", unit="context"))
+    text = bench.table(report)
+    print(text, end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(text)
+    return 0
 
 
 def _info(args) -> int:

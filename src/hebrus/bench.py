@@ -1,0 +1,281 @@
+"""`hebrus bench`: prefill and decode speed, measured side by side in one run.
+
+At each context length it prefills that many tokens and then decodes, twice over: with normal
+(transactional) sessions, and with an in-place variant that runs the same stages against one
+bank written in place (no second bank, no seal, no validation, no status word; it exists only
+here, to price the guarantee). The two take turns, so drift in machine speed hits both alike.
+Beside them, the same run measures what the device can do at all: its copy bandwidth (the floor
+for a decode step is the bytes it must read: weights, banked state, the K/V rows) and its matrix
+throughput in the model's dtype (the roofline for prefill, about 2 × parameters flops a token).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hebrus.errors import InvalidInput
+from hebrus.state.image import Image
+from hebrus.state.owners import BANKED
+
+# A Qwen3.5-shaped model of 1.68B parameters (3.37 GB in bfloat16), made with random weights and
+# loaded through the importer: the shape the speed targets are stated for.
+SHAPES = {
+    "qwen3.5-1.7b": {
+        "model_type": "qwen3_5_text", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+        "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    },
+}
+
+
+@dataclass
+class Point:
+    context: int
+    prefill_s_per_token: dict[str, float]
+    decode_s_per_step: dict[str, float]
+
+
+def random_checkpoint(shape: str, folder: Path, seed: int = 0) -> Path:
+    """A checkpoint of the named shape with random weights, written in its family's own file
+    layout (so loading it goes through the importer); kept and reused if already there."""
+    from safetensors.torch import save_file
+
+    from hebrus.models import family_of
+    if shape not in SHAPES:
+        raise InvalidInput(f"unknown shape {shape!r}; shapes are: {', '.join(SHAPES)}")
+    folder = Path(folder)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    data = SHAPES[shape]
+    family = family_of(data)
+    spec = family.spec(family.config(data))
+    table = family.names(spec, set())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, dims in table.shapes.items():
+        if name.endswith("A_log"):
+            tensor = (1 + 15 * torch.rand(dims, generator=gen)).log()
+        elif "norm" in name:
+            tensor = torch.zeros(dims) if "linear_attn.norm" not in name else torch.ones(dims)
+        else:
+            tensor = torch.randn(dims, generator=gen) / math.sqrt(dims[-1])
+        tensors[name] = tensor.to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    return folder
+
+
+class InPlaceSession:
+    """A session that overwrites its state in place: measurement only, never a product path."""
+
+    def __init__(self, model):
+        self.model = model
+        self.image = Image(model.owners, model.device)
+        self.bank = self.image.banks[0]
+        self.storages = list(self.image.public.storages)
+        self.frontier = 0
+
+    def feed(self, ids) -> torch.Tensor:
+        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64, device=self.model.device))
+        with torch.inference_mode():
+            for stage in self.model.stages:
+                stage.run(ctx)
+        self.frontier += len(ids)
+        self.bank["frontier"].fill_(self.frontier)
+        return self.bank["logits"].clone()
+
+
+class _InPlaceContext:
+    def __init__(self, owner: InPlaceSession, ids: torch.Tensor):
+        self.owner, self.start, self.length = owner, owner.frontier, len(ids)
+        self.local = {"ids": ids}
+
+    def read(self, name):
+        return self.owner.bank[name]
+
+    def write(self, name, value):
+        self.owner.bank[name].copy_(value)
+
+    def rows(self, name):
+        i = self.owner.image.slot[name]
+        storage, need = self.owner.storages[i], self.start + self.length
+        if storage.shape[0] < need:
+            capacity = min(self.owner.model.spec.max_context, max(need, 2 * storage.shape[0], 16))
+            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
+            grown[: self.start].copy_(storage[: self.start])
+            self.owner.storages[i] = storage = grown
+        return storage
+
+    def emit(self, key, value):
+        self.local[key] = value
+
+    def flag(self, bad, bit):
+        pass
+
+    def check_range(self, values, upper, bit, lower=0):
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second read plus written by a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / min(times)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """Matrix-multiply flops per second in `dtype` on an n × n × n product."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    _sync(device)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times)
+
+
+def decode_bytes(model, context: int) -> int:
+    """Bytes a decode step must read at `context`: every weight once, the banked state, the
+    appended rows (K/V, index keys) of every earlier position."""
+    weights = sum(p.numel() * p.element_size() for _, p in model.named_parameters())
+    state = sum(o.nbytes if o.kind == BANKED else o.nbytes * context for o in model.owners)
+    return weights + state
+
+
+def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Point:
+    variants = {"transactional": model.session, "in-place": lambda: InPlaceSession(model)}
+    prefill = {name: [] for name in variants}
+    decode = {name: [] for name in variants}
+    for r in range(rounds):
+        names = list(variants)[::-1] if r % 2 else list(variants)
+        sessions, logits = {name: variants[name]() for name in names}, {}
+        for name in names:
+            _sync(model.device)
+            t = time.perf_counter()
+            for begin in range(0, len(prompt), chunk):
+                logits[name] = sessions[name].feed(prompt[begin:begin + chunk])
+            _sync(model.device)
+            prefill[name].append((time.perf_counter() - t) / len(prompt))
+        spent = {name: 0.0 for name in names}
+        for step in range(steps):
+            for name in (names if step % 2 == 0 else names[::-1]):
+                token = int(torch.argmax(logits[name]))
+                t = time.perf_counter()
+                logits[name] = sessions[name].feed([token])
+                _sync(model.device)
+                spent[name] += time.perf_counter() - t
+        for name in names:
+            decode[name].append(spent[name] / max(steps, 1))
+    return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
+                 {n: statistics.median(v) for n, v in decode.items()})
+
+
+def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int,
+        progress=None) -> dict:
+    """The measurement, as a JSON-ready dict."""
+    device = model.device
+    bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
+    flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
+    params = sum(p.numel() for _, p in model.named_parameters())
+    gen = torch.Generator().manual_seed(0)
+    # warm up both paths (kernels compiled, allocator primed) before anything is timed
+    _point(model, torch.randint(0, model.spec.vocab_size, (32,), generator=gen).tolist(), 2, 1, chunk)
+    points = []
+    for i, context in enumerate(contexts):
+        prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
+        point = _point(model, prompt, steps, rounds, chunk)
+        floor = decode_bytes(model, context) / bandwidth
+        tx_decode, ip_decode = point.decode_s_per_step["transactional"], point.decode_s_per_step["in-place"]
+        tx_prefill, ip_prefill = point.prefill_s_per_token["transactional"], point.prefill_s_per_token["in-place"]
+        points.append({
+            "context": context, "batch": 1,
+            "prefill_tokens_per_s": 1 / tx_prefill, "prefill_in_place_tokens_per_s": 1 / ip_prefill,
+            "prefill_ratio_transactional_over_in_place": tx_prefill / ip_prefill,
+            "prefill_roofline_tokens_per_s": flops / (2 * params),
+            "prefill_fraction_of_roofline": (1 / tx_prefill) / (flops / (2 * params)),
+            "decode_ms_per_step": tx_decode * 1e3, "decode_in_place_ms_per_step": ip_decode * 1e3,
+            "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
+            "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,
+        })
+        if progress is not None:
+            progress(i + 1, len(contexts), f"context {context}")
+    return {
+        "model": label, "family": model.spec.family, "parameters": params, "device": _device_name(device),
+        "dtype": str(model.dtype).removeprefix("torch."), "mode": model.mode, "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(),
+        "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops, "decode_steps": steps,
+        "rounds": rounds, "prefill_chunk": chunk, "points": points,
+    }
+
+
+def table(report: dict) -> str:
+    """The report as a Markdown table."""
+    lines = [
+        f"# hebrus bench: {report['model']} ({report['family']}, {_count(report['parameters'])} parameters), "
+        f"{report['device']}, {report['dtype']}, {report['mode']} mode",
+        "",
+        f"{report['date']}, commit {report['commit']}, torch {report['torch']}; copy bandwidth "
+        f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write), matrix "
+        f"{report['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; medians of {report['rounds']} rounds, "
+        f"{report['decode_steps']} decode steps, prefill in chunks of {report['prefill_chunk']}.",
+        "",
+        "| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | tx / in-place "
+        "| floor ms | of floor |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in report["points"]:
+        lines.append(
+            f"| {p['context']} | {p['batch']} | {p['prefill_tokens_per_s']:,.0f} | "
+            f"{p['prefill_ratio_transactional_over_in_place']:.3f} | {p['prefill_fraction_of_roofline']:.1%} | "
+            f"{p['decode_ms_per_step']:.2f} | {p['decode_ratio_transactional_over_in_place']:.3f} | "
+            f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5)
+        return done.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,52 @@
+"""`hebrus bench`: the measurement runs end to end on the CPU (speed targets live in its output,
+never in tests) and a random-weight shape loads through the importer."""
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+
+import hebrus
+from hebrus import bench
+from hebrus.cli import main
+
+
+def test_bench_writes_a_table_and_json(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--model", "tiny", "--contexts", "16,5000", "--decode-steps", "2", "--rounds", "1",
+            "--json", str(tmp_path / "r.json"), "--table", str(tmp_path / "r.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [p["context"] for p in report["points"]] == [16]                 # 5000 > max_context 1024
+    assert "context 5000 skipped" in err.getvalue()
+    point = report["points"][0]
+    for key in ("prefill_ratio_transactional_over_in_place", "decode_ratio_transactional_over_in_place",
+                "decode_fraction_of_floor", "prefill_fraction_of_roofline"):
+        assert point[key] > 0
+    assert (tmp_path / "r.md").read_text() == out.getvalue()
+
+
+@pytest.mark.parametrize("argv, message", [(["--batch", "8"], "batch 1 only"), (["--contexts", "1,x"], "integers"),
+                                           (["--rounds", "0"], "--rounds"), (["--contexts", "0"], "positive")])
+def test_bench_arguments_are_checked(argv, message):
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--model", "tiny", *argv]) == 2
+    assert message in err.getvalue()
+
+
+def test_a_random_shape_is_written_in_its_family_layout(tmp_path, monkeypatch):
+    small = dict(bench.SHAPES["qwen3.5-1.7b"], vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"], intermediate_size=48,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                 linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    monkeypatch.setitem(bench.SHAPES, "mini", small)
+    folder = bench.random_checkpoint("mini", tmp_path / "mini")
+    model = hebrus.load(folder)
+    assert model.family == "qwen3_5"
+    assert model.session().feed([1, 2, 3]).isfinite().all()
+    with pytest.raises(hebrus.InvalidInput, match="unknown shape"):
+        bench.random_checkpoint("nope", tmp_path / "x")
