@@ -15,13 +15,13 @@ from hebrus.cli import main
 
 def test_bench_writes_a_table_and_json(tmp_path):
     out, err = io.StringIO(), io.StringIO()
-    argv = ["bench", "--model", "tiny", "--contexts", "16,5000", "--decode-steps", "2", "--rounds", "1",
+    argv = ["bench", "--model", "tiny", "--contexts", "16,1023", "--decode-steps", "2", "--rounds", "1",
             "--json", str(tmp_path / "r.json"), "--table", str(tmp_path / "r.md")]
     with redirect_stdout(out), redirect_stderr(err):
         assert main(argv) == 0, err.getvalue()
     report = json.loads((tmp_path / "r.json").read_text())
-    assert [p["context"] for p in report["points"]] == [16]                 # 5000 > max_context 1024
-    assert "context 5000 skipped" in err.getvalue()
+    assert [p["context"] for p in report["points"]] == [16]        # 1023 + 2 steps > max_context 1024
+    assert "context 1023 skipped" in err.getvalue()
     point = report["points"][0]
     for key in ("prefill_ratio_transactional_over_in_place", "decode_ratio_transactional_over_in_place",
                 "decode_fraction_of_floor", "prefill_fraction_of_roofline"):

@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     bench.add_argument("--contexts", default="1024,32768",
-                       help="comma-separated prompt lengths; those past the model's max_context are skipped "
-                            "(default 1024,32768)")
+                       help="comma-separated prompt lengths; those that leave no room for the decode steps "
+                            "within the model's max_context are skipped (default 1024,32768)")
     bench.add_argument("--batch", type=int, default=1, help="sessions per step; this version measures 1 (default 1)")
     bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
     bench.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported (default 3)")
@@ -305,11 +305,14 @@ def _bench(args) -> int:
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     model = _load(args)
-    kept = [c for c in contexts if c <= model.spec.max_context]
+    room = model.spec.max_context - args.decode_steps                  # the decode steps come after
+    kept = [c for c in contexts if c <= room]
     for c in sorted(set(contexts) - set(kept)):
-        print(f"(context {c} skipped: past the model's max_context {model.spec.max_context})", file=sys.stderr)
+        print(f"(context {c} skipped: with {args.decode_steps} decode steps it passes the model's max_context "
+              f"{model.spec.max_context})", file=sys.stderr)
     if not kept:
-        raise InvalidInput(f"every context is past the model's max_context {model.spec.max_context}")
+        raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within the model's "
+                           f"max_context {model.spec.max_context}")
     report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
                        ProgressBar("bench", unit="context"))
     text = bench.table(report)
