@@ -273,6 +273,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def _commit() -> str:
+    """The commit measured: $HEBRUS_COMMIT if set (a copied working tree's .git may be stale),
+    else git's HEAD."""
+    import os
+    if os.environ.get("HEBRUS_COMMIT"):
+        return os.environ["HEBRUS_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, timeout=5)
