@@ -42,9 +42,16 @@ class Kernels:
     choose: Chooser
 
 
-def kernels(mode: str, chooser: Chooser | None = None) -> Kernels:
-    """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`)."""
+def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None) -> Kernels:
+    """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`). Fast
+    mode on a CUDA device runs the delta rule through fla's kernels when fla is installed
+    (`hebrus.ops.cuda`); their readable twins are `ops.gdn`."""
     choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
-        return Kernels(True, delta_rule_batched, experts_grouped, choose)
+        rule = delta_rule_batched
+        if device is not None and device.type == "cuda":
+            from hebrus.ops.cuda import gdn as cuda_gdn
+            if cuda_gdn.available():
+                rule = cuda_gdn.gdn_fla
+        return Kernels(True, rule, experts_grouped, choose)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

@@ -1,0 +1,61 @@
+"""The CUDA route against the CPU reference: fla's gated delta rule against the readable twins,
+and verify on CUDA for the tiny preset and a tiny Qwen3.5. Skipped where there is no CUDA device
+or no fla (CI); run on the device machine, results in benchmarks/results/cuda-h200/."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hebrus
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _fla():
+    from hebrus.ops.cuda import gdn
+    if not gdn.available():
+        pytest.skip("needs fla (pip install hebrus[cuda])")
+    return gdn.gdn_fla
+
+
+def _inputs(T, H, dk, dv, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1)
+    v = torch.randn(T, H, dv, generator=gen)
+    g = -torch.rand(T, H, generator=gen) * 2
+    beta = torch.rand(T, H, generator=gen)
+    state = torch.randn(H, dk, dv, generator=gen) * 0.1
+    cpu = (q, k, v, g, beta, state)
+    gpu = tuple(t.cuda() for t in (q.to(dtype), k.to(dtype), v.to(dtype), g, beta, state))
+    return cpu, gpu
+
+
+def _rel(a, b):
+    return float((a.double().cpu() - b.double().cpu()).abs().max() / b.double().abs().max())
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 5, 64, 200])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fla_delta_rule_matches_the_twins(T, dtype, tolerance):
+    fla = _fla()
+    cpu, gpu = _inputs(T, 4, 64, 64, dtype)
+    want_o, want_s = (gdn_recurrent if T == 1 else gdn_chunked)(*(t.double() for t in cpu))
+    before = gpu[-1].clone()
+    o, s = fla(*gpu)
+    assert torch.equal(gpu[-1], before), "the state passed in must stay untouched"
+    assert o.shape == want_o.shape and s.shape == want_s.shape and s.dtype == torch.float32
+    assert _rel(o, want_o) <= tolerance
+    assert _rel(s, want_s) <= tolerance
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_verify_passes_on_cuda(dtype, mode):
+    from hebrus import verify
+    model = hebrus.load("tiny", device="cuda", dtype=dtype, mode=mode)
+    failed = [r for r in verify.run(model) if not r.passed]
+    assert not failed, [(r.name, r.detail) for r in failed]
