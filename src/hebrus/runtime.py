@@ -49,7 +49,7 @@ class Model:
         self.state_dtype = accum_dtype(dtype)
         self._params = params
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in params.values())
-        self.kernels = kernels(mode, chooser, device)      # the op table, chosen once, here
+        self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
         self.stages = build_stages(spec, params, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
 

@@ -42,14 +42,16 @@ class Kernels:
     choose: Chooser
 
 
-def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None) -> Kernels:
+def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
+            dtype: torch.dtype | None = None) -> Kernels:
     """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`). Fast
-    mode on a CUDA device runs the delta rule through fla's kernels when fla is installed
-    (`hebrus.ops.cuda`); their readable twins are `ops.gdn`."""
+    mode of a 16-bit model on a CUDA device runs the delta rule through fla's kernels when fla is
+    installed (`hebrus.ops.cuda`; their TF32 dots would not meet float32's fast bound); their
+    readable twins are `ops.gdn`."""
     choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
         rule = delta_rule_batched
-        if device is not None and device.type == "cuda":
+        if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
                 rule = cuda_gdn.gdn_fla

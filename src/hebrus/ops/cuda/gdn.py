@@ -1,7 +1,8 @@
 """The gated delta rule through fla's Triton kernels: the chunked form for a chunk, the fused
 recurrence for one token. Same contract as `hebrus.ops.gdn` (its readable twins): q, k [T, H, dk]
 (already l2-normalised, q already scaled), v [T, H, dv], g, beta [T, H], state [H, dk, dv] left
-untouched -> (o [T, H, dv], final state in the state's dtype)."""
+untouched -> (o [T, H, dv], final state in the state's dtype). fla's dots run in TF32 for float32
+inputs (about 1e-3 relative), so the op table uses it for 16-bit models only."""
 from __future__ import annotations
 
 import importlib
@@ -19,6 +20,8 @@ def gdn_fla(q, k, v, g, beta, state):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     rule = fused_recurrent_gated_delta_rule if q.shape[0] == 1 else chunk_gated_delta_rule
     dtype = q.dtype
-    o, final = rule(q[None], k[None].to(dtype), v[None].to(dtype), g[None].float(), beta[None].to(dtype),
-                    scale=1.0, initial_state=state[None].float().clone(), output_final_state=True)
+    # by keyword: the fused recurrence takes gk and gv between g and beta
+    o, final = rule(q[None].contiguous(), k[None].to(dtype).contiguous(), v[None].to(dtype).contiguous(),
+                    g=g[None].float().contiguous(), beta=beta[None].to(dtype).contiguous(), scale=1.0,
+                    initial_state=state[None].float().clone(), output_final_state=True)
     return o[0], final[0].to(state.dtype)
