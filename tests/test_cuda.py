@@ -60,3 +60,19 @@ def test_verify_passes_on_cuda(dtype, mode):
     model = hebrus.load("tiny", device="cuda", dtype=dtype, mode=mode)
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, [(r.name, r.detail) for r in failed]
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 40])
+def test_grouped_matmul_experts_on_cuda_match_the_twin(T):
+    from hebrus.ops.moe import experts_grouped_mm, experts_per_token, grouped_mm_supports, route
+    if not grouped_mm_supports(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("grouped_mm needs bfloat16 on compute capability 9.0")
+    g = torch.Generator().manual_seed(T)
+    D, E, I, k = 64, 8, 32, 2
+    h, gate_up, down = (torch.randn(*s, generator=g) for s in ((T, D), (E, 2 * I, D), (E, D, I)))
+    weights, experts = route(torch.randn(T, E, generator=g), k)
+    want = experts_per_token(h.double(), weights.double(), experts, gate_up.double(), down.double())
+    got = experts_grouped_mm(*(t.cuda() for t in (h.bfloat16(), weights, experts, gate_up.bfloat16(),
+                                                     down.bfloat16())))
+    assert _rel(got, want) <= 3e-2

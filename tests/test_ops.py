@@ -8,7 +8,7 @@ from hebrus.ops.choose import gaps, top_k
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.hyper import hc_post, hc_pre, sinkhorn
-from hebrus.ops.moe import experts_grouped, experts_per_token, route
+from hebrus.ops.moe import experts_grouped, experts_grouped_mm, experts_per_token, route
 from hebrus.ops.norm import l2_norm
 from hebrus.ops.ple import ngram_buckets
 from hebrus.ops.qsa import index_scores, select, sparse_attention
@@ -156,6 +156,21 @@ def test_grouped_experts_equal_per_token_experts():
                                experts_per_token(h, weights, experts, gate_up, down))
 
 
+@pytest.mark.parametrize("T", [1, 13, 40])
+def test_grouped_matmul_experts_equal_per_token_experts(T):
+    """float32 (grouped_mm takes no float64); an expert no token chose is an empty range."""
+    g = torch.Generator().manual_seed(T)
+    D, E, I, k = 24, 6, 8, 2
+    h = torch.randn(T, D, generator=g)
+    gate_up = torch.randn(E, 2 * I, D, generator=g)
+    down = torch.randn(E, D, I, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 3] = -1e9                                  # expert 3 is never chosen
+    weights, experts = route(logits, k)
+    torch.testing.assert_close(experts_grouped_mm(h, weights, experts, gate_up, down),
+                               experts_per_token(h, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
 def test_ngram_hash_wraps_like_int64():
     consts = torch.tensor([[2**61 + 1, 3**38, 0], [2**60 + 7, 5**26, 7**21 + 2]], dtype=torch.int64)
     ids, history, buckets = torch.tensor([250, 3, 77, 1]), torch.tensor([256, 256]), (509, 1021)
@@ -202,3 +217,14 @@ def test_rope_rotates_pairs_and_keeps_norm():
         angle = (5 + t) * 10000.0 ** (-2 * i / 8)
         a, b = x[t, :, i], x[t, :, i + 4]
         torch.testing.assert_close(y[t, :, i], a * torch.cos(torch.tensor(angle, dtype=torch.float64)) - b * torch.sin(torch.tensor(angle, dtype=torch.float64)))
+
+
+def test_grouped_matmul_experts_take_any_width():
+    """Widths grouped_mm refuses (rows not a multiple of 16 bytes) still give the twin's result."""
+    g = torch.Generator().manual_seed(1)
+    T, D, E, I, k = 5, 3, 4, 1, 2
+    h, gate_up = torch.randn(T, D, generator=g), torch.randn(E, 2 * I, D, generator=g)
+    down = torch.randn(E, D, I, generator=g)
+    weights, experts = route(torch.randn(T, E, generator=g), k)
+    torch.testing.assert_close(experts_grouped_mm(h, weights, experts, gate_up, down),
+                               experts_per_token(h, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 
 from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
-from hebrus.ops.moe import experts_grouped, experts_per_token
+from hebrus.ops.moe import experts_grouped, experts_grouped_mm, experts_per_token, grouped_mm_supports
 
 
 class Chooser(Protocol):
@@ -55,5 +55,8 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
                 rule = cuda_gdn.gdn_fla
-        return Kernels(True, rule, experts_grouped, choose)
+        experts = experts_grouped
+        if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
+            experts = experts_grouped_mm                  # no host synchronisation
+        return Kernels(True, rule, experts, choose)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)
