@@ -50,3 +50,22 @@ def test_a_random_shape_is_written_in_its_family_layout(tmp_path, monkeypatch):
     assert model.session().feed([1, 2, 3]).isfinite().all()
     with pytest.raises(hebrus.InvalidInput, match="unknown shape"):
         bench.random_checkpoint("nope", tmp_path / "x")
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_in_place_variant_computes_what_a_session_computes(tiny, mode):
+    """The baseline must not drift from the product path: same logits, chunk by chunk."""
+    model = tiny.with_mode(mode)
+    session, in_place = model.session(), bench.InPlaceSession(model)
+    for chunk in ([1, 2, 3], [4], list(range(5, 30))):
+        assert session.feed(chunk).equal(in_place.feed(chunk))
+
+
+def test_the_floor_counts_what_a_decode_step_reads(tiny):
+    s = tiny.spec
+    params = dict(tiny.named_parameters())
+    everything = sum(p.numel() * p.element_size() for p in params.values())
+    experts = sum(p.numel() * p.element_size() for n, p in params.items() if ".moe.experts." in n)
+    floor = bench.decode_bytes(tiny, 0)
+    assert floor < everything - experts * (1 - s.moe_top_k / s.moe_experts) + 1     # unused experts not read
+    assert bench.decode_bytes(tiny, 100) > floor                                     # K/V and index rows

@@ -41,8 +41,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])   # fla: TF32 dots
 def test_fla_delta_rule_matches_the_twins(T, dtype, tolerance):
     fla = _fla()
-    cpu, gpu = _inputs(T, 4, 64, 64, dtype)
-    want_o, want_s = (gdn_recurrent if T == 1 else gdn_chunked)(*(t.double() for t in cpu))
+    cpu, gpu = _inputs(T, 4, 64, 128, dtype)                       # dk != dv: a layout swap would show
+    rounded = tuple(t.to(dtype).double() if i < 3 else t.double() for i, t in enumerate(cpu))
+    want_o, want_s = (gdn_recurrent if T == 1 else gdn_chunked)(*rounded)
     before = gpu[-1].clone()
     o, s = fla(*gpu)
     assert torch.equal(gpu[-1], before), "the state passed in must stay untouched"
@@ -57,7 +58,10 @@ def test_fla_delta_rule_matches_the_twins(T, dtype, tolerance):
 def test_verify_passes_on_cuda(dtype, mode):
     """In bfloat16 fast mode the delta rule runs through fla (when installed)."""
     from hebrus import verify
+    from hebrus.ops.cuda import gdn
     model = hebrus.load("tiny", device="cuda", dtype=dtype, mode=mode)
+    if mode == "fast" and dtype == "bfloat16" and gdn.available():
+        assert model.kernels.delta_rule is gdn.gdn_fla
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, [(r.name, r.detail) for r in failed]
 
@@ -73,6 +77,11 @@ def test_grouped_matmul_experts_on_cuda_match_the_twin(T):
     h, gate_up, down = (torch.randn(*s, generator=g) for s in ((T, D), (E, 2 * I, D), (E, D, I)))
     weights, experts = route(torch.randn(T, E, generator=g), k)
     want = experts_per_token(h.double(), weights.double(), experts, gate_up.double(), down.double())
-    got = experts_grouped_mm(*(t.cuda() for t in (h.bfloat16(), weights, experts, gate_up.bfloat16(),
-                                                     down.bfloat16())))
+    inputs = tuple(t.cuda() for t in (h.bfloat16(), weights, experts, gate_up.bfloat16(), down.bfloat16()))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")                        # any host synchronisation raises
+    try:
+        got = experts_grouped_mm(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert _rel(got, want) <= 3e-2

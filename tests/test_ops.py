@@ -228,3 +228,13 @@ def test_grouped_matmul_experts_take_any_width():
     weights, experts = route(torch.randn(T, E, generator=g), k)
     torch.testing.assert_close(experts_grouped_mm(h, weights, experts, gate_up, down),
                                experts_per_token(h, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_the_op_table_picks_kernels_by_device_and_dtype():
+    from hebrus.layers.kernels import kernels
+    from hebrus.ops.moe import experts_grouped, experts_grouped_mm
+    cpu = torch.device("cpu")
+    assert kernels("fast", None, cpu, torch.float32).experts is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.bfloat16).experts is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.float64).experts is experts_grouped        # grouped_mm: no float64
+    assert kernels("exact", None, cpu, torch.float32).experts is experts_per_token

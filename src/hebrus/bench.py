@@ -5,8 +5,8 @@ At each context length it prefills that many tokens and then decodes, twice over
 bank written in place (no second bank, no seal, no validation, no status word; it exists only
 here, to price the guarantee). The two take turns, so drift in machine speed hits both alike.
 Beside them, the same run measures what the device can do at all: its copy bandwidth (the floor
-for a decode step is the bytes it must read: weights, banked state, the K/V rows) and its matrix
-throughput in the model's dtype (the roofline for prefill, about 2 × parameters flops a token).
+for a decode step is the bytes it must read: `decode_bytes`) and its matrix throughput in the
+model's dtype (the roofline for prefill: `prefill_flops_per_token`).
 """
 from __future__ import annotations
 
@@ -164,19 +164,71 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n ** 3 / min(times)
 
 
+def _active_weights(model) -> tuple[int, int, int]:
+    """(bytes a token reads of the weights, elements it multiplies in the body, elements of the
+    output head): routed experts count top_k of E, the input embedding one row, the head once."""
+    s = model.spec
+    read = body = 0
+    head = s.vocab_size * s.hidden_size
+    for name, p in model.named_parameters():
+        share = s.moe_top_k / s.moe_experts if ".moe.experts." in name else 1.0
+        if name == "embed.weight":
+            read += s.hidden_size * p.element_size() if not s.tie_embeddings else 0   # the head reads it
+            continue
+        if name.startswith(("ple.unigram.", "ple.ngram.")):                          # one row looked up
+            read += p.shape[-1] * p.element_size()
+            continue
+        if name in ("lm_head.weight",):
+            continue
+        read += int(p.numel() * p.element_size() * share)
+        body += int(p.numel() * share)
+    itemsize = model.dtype.itemsize
+    return read + head * itemsize, body, head
+
+
 def decode_bytes(model, context: int) -> int:
-    """Bytes a decode step must read at `context`: every weight once, the banked state, the
-    appended rows (K/V, index keys) of every earlier position."""
-    weights = sum(p.numel() * p.element_size() for _, p in model.named_parameters())
-    state = sum(o.nbytes if o.kind == BANKED else o.nbytes * context for o in model.owners)
+    """Bytes a decode step must read at `context`: the weights a token uses (top_k of the routed
+    experts, one row of an untied input embedding, the output head), the banked state, and of the
+    appended rows those attention reads: every K/V row of dense attention, every index key and
+    top_k K/V rows of sparse attention; routes are written, not read."""
+    s = model.spec
+    weights = _active_weights(model)[0]
+    state = 0
+    for o in model.owners:
+        if o.kind == BANKED:
+            state += o.nbytes
+        elif o.name.endswith((".qsa.k", ".qsa.v")):
+            state += o.nbytes * min(s.top_k, context)
+        elif o.name != "routes":
+            state += o.nbytes * context
     return weights + state
 
 
+def prefill_flops_per_token(model, context: int, chunk: int) -> float:
+    """Matrix flops a prefill token costs: 2 per body weight it uses, the output head once per
+    chunk (only the chunk's last position is published), and attention over the positions before
+    it (on average half the context): q·k and the weighted sum of v, the indexer's scores."""
+    s = model.spec
+    _, body, head = _active_weights(model)
+    flops = 2 * body + 2 * head / min(chunk, context)
+    mean_position = context / 2
+    for kind in s.mixers:
+        if kind == "attention":
+            flops += 4 * s.attn_heads * s.attn_head_dim * mean_position
+        elif kind == "qsa":
+            flops += 2 * s.index_heads * s.index_dim * mean_position
+            flops += 4 * s.attn_heads * s.attn_head_dim * min(s.top_k, mean_position)
+    return flops
+
+
 def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Point:
+    """Median seconds per prefill token and per decode step for both variants. Round 0 is not
+    timed: it warms both variants at this very context (allocations, kernel choices), so no
+    variant pays first-use costs inside a timed round; the variants alternate who goes first."""
     variants = {"transactional": model.session, "in-place": lambda: InPlaceSession(model)}
     prefill = {name: [] for name in variants}
     decode = {name: [] for name in variants}
-    for r in range(rounds):
+    for r in range(rounds + 1):
         names = list(variants)[::-1] if r % 2 else list(variants)
         sessions, logits = {name: variants[name]() for name in names}, {}
         for name in names:
@@ -194,6 +246,9 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Poi
                 logits[name] = sessions[name].feed([token])
                 _sync(model.device)
                 spent[name] += time.perf_counter() - t
+        if r == 0:
+            prefill, decode = {name: [] for name in variants}, {name: [] for name in variants}
+            continue
         for name in names:
             decode[name].append(spent[name] / max(steps, 1))
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
@@ -208,8 +263,6 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
     flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
     params = sum(p.numel() for _, p in model.named_parameters())
     gen = torch.Generator().manual_seed(0)
-    # warm up both paths (kernels compiled, allocator primed) before anything is timed
-    _point(model, torch.randint(0, model.spec.vocab_size, (32,), generator=gen).tolist(), 2, 1, chunk)
     points = []
     for i, context in enumerate(contexts):
         prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
@@ -221,8 +274,9 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
             "context": context, "batch": 1,
             "prefill_tokens_per_s": 1 / tx_prefill, "prefill_in_place_tokens_per_s": 1 / ip_prefill,
             "prefill_ratio_transactional_over_in_place": tx_prefill / ip_prefill,
-            "prefill_roofline_tokens_per_s": flops / (2 * params),
-            "prefill_fraction_of_roofline": (1 / tx_prefill) / (flops / (2 * params)),
+            "prefill_roofline_tokens_per_s": flops / prefill_flops_per_token(model, context, chunk),
+            "prefill_fraction_of_roofline": (1 / tx_prefill) / (flops / prefill_flops_per_token(model, context,
+                                                                                                   chunk)),
             "decode_ms_per_step": tx_decode * 1e3, "decode_in_place_ms_per_step": ip_decode * 1e3,
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,

@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                             "within the model's max_context are skipped (default 1024,32768)")
     bench.add_argument("--batch", type=int, default=1, help="sessions per step; this version measures 1 (default 1)")
     bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
-    bench.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported (default 3)")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="timed rounds after one untimed warm-up round at each context; medians are reported "
+                            "(default 3)")
     bench.add_argument("--chunk", type=int, default=2048, help="prefill chunk length (default 2048)")
     bench.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     bench.add_argument("--table", metavar="FILE", help="also write the table as Markdown")

@@ -74,15 +74,20 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
     row = h.element_size()
     if (h.shape[1] * row) % 16 or (down.shape[2] * row) % 16:
         return experts_grouped(h, weights, experts, gate_up, down)
-    k = experts.shape[1]
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
+    T, k = experts.shape
+    ranked, order = torch.sort(experts.flatten(), stable=True)
     token = order // k
-    ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    # each expert's rows end where the sorted ids pass it (bincount would read its range on the host)
+    ids = torch.arange(gate_up.shape[0], device=ranked.device, dtype=ranked.dtype)
+    ends = torch.searchsorted(ranked, ids, right=True).to(torch.int32)
     gate, up = F.grouped_mm(h[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
     y = y * weights.flatten()[order].to(h.dtype)[:, None]
-    return torch.zeros_like(h).index_add_(0, token, y)
+    # back to (token, choice) order, then summed over the choices in rank order: deterministic,
+    # where an atomic index_add would not be on a GPU
+    rows = torch.empty_like(y)
+    rows[order] = y
+    return rows.view(T, k, -1).sum(1)
 
 
 def grouped_mm_supports(device: torch.device, dtype: torch.dtype) -> bool:

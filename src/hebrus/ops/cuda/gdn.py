@@ -9,9 +9,10 @@ import importlib
 
 
 def available() -> bool:
+    """Whether fla is installed. A broken install raises rather than falling back quietly."""
     try:
         importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:                       # not installed, or no triton / GPU to build for
+    except ModuleNotFoundError:
         return False
     return True
 
@@ -22,6 +23,6 @@ def gdn_fla(q, k, v, g, beta, state):
     dtype = q.dtype
     # by keyword: the fused recurrence takes gk and gv between g and beta
     o, final = rule(q[None].contiguous(), k[None].to(dtype).contiguous(), v[None].to(dtype).contiguous(),
-                    g=g[None].float().contiguous(), beta=beta[None].to(dtype).contiguous(), scale=1.0,
-                    initial_state=state[None].float().clone(), output_final_state=True)
+                    g=g[None].float().contiguous(), beta=beta[None].float().contiguous(), scale=1.0,
+                    initial_state=state[None].float(), output_final_state=True)
     return o[0], final[0].to(state.dtype)
