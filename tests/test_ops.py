@@ -238,3 +238,17 @@ def test_the_op_table_picks_kernels_by_device_and_dtype():
     assert kernels("fast", None, cpu, torch.bfloat16).experts is experts_grouped_mm
     assert kernels("fast", None, cpu, torch.float64).experts is experts_grouped        # grouped_mm: no float64
     assert kernels("exact", None, cpu, torch.float32).experts is experts_per_token
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("T, S", [(1, 1), (1, 9), (6, 6), (4, 11)])
+def test_fused_dense_attention_equals_the_twin(dtype, tolerance, T, S):
+    """One token, a first chunk (T = S), and a later chunk (positions S-T .. S-1), with 2 query
+    heads per K/V head."""
+    from hebrus.ops.qsa import dense_attention, dense_attention_sdpa
+    g = torch.Generator().manual_seed(T * 100 + S)
+    q = torch.randn(T, 4, 8, generator=g, dtype=dtype)
+    k, v = torch.randn(S, 2, 8, generator=g, dtype=dtype), torch.randn(S, 2, 8, generator=g, dtype=dtype)
+    positions = torch.arange(S - T, S)
+    torch.testing.assert_close(dense_attention_sdpa(q, k, v, positions), dense_attention(q, k, v, positions),
+                               rtol=tolerance, atol=tolerance)

@@ -16,6 +16,7 @@ import torch
 from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped, experts_grouped_mm, experts_per_token, grouped_mm_supports
+from hebrus.ops.qsa import dense_attention, dense_attention_sdpa
 
 
 class Chooser(Protocol):
@@ -40,6 +41,7 @@ class Kernels:
     delta_rule: Callable       # (q, k, v, g, beta, state) -> (o, state)
     experts: Callable          # (h, weights, experts, gate_up, down) -> y
     choose: Chooser
+    attend: Callable = dense_attention    # (q, k_rows, v_rows, positions) -> o: attention over every row
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
@@ -58,5 +60,5 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         experts = experts_grouped
         if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
             experts = experts_grouped_mm                  # no host synchronisation
-        return Kernels(True, rule, experts, choose)
+        return Kernels(True, rule, experts, choose, dense_attention_sdpa)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

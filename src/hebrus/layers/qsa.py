@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import layer_norm, rms_norm
-from hebrus.ops.qsa import dense_attention, index_scores, select, sparse_attention
+from hebrus.ops.qsa import index_scores, select, sparse_attention
 from hebrus.ops.rope import apply_rope, rope_tables
 from hebrus.state.status import Status
 
@@ -38,6 +38,7 @@ class Attention:
                  kernels: Kernels, indexed: bool):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
+        self.attend = kernels.attend
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
         self.eps = s.rms_norm_eps
@@ -60,7 +61,7 @@ class Attention:
         if self.indexed:
             o = self._sparse(h, start, end, positions, q, k_rows, v_rows, rows[2], check_range)
         else:
-            o = dense_attention(q, k_rows[:end], v_rows[:end], positions)
+            o = self.attend(q, k_rows[:end], v_rows[:end], positions)
         gate = torch.sigmoid(F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return F.linear((o * gate).flatten(1), w["o_proj.weight"])
 

@@ -73,3 +73,13 @@ def dense_attention(q, k_rows, v_rows, positions) -> torch.Tensor:
     logits = logits.masked_fill(future[:, None, :], float("-inf"))
     weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
     return torch.einsum("ths,shd->thd", weights.to(q.dtype), v)
+
+
+def dense_attention_sdpa(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """`dense_attention` through torch's fused scaled-dot-product attention (flash or
+    memory-efficient kernels on a GPU): no [T, H, S] logits tensor is materialised."""
+    visible = torch.arange(k_rows.shape[0], device=q.device)[None, :] <= positions[:, None]     # [T, S]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k_rows.transpose(0, 1), v_rows.transpose(0, 1), attn_mask=visible,
+        enable_gqa=q.shape[1] != k_rows.shape[1])
+    return o.transpose(0, 1)
