@@ -36,15 +36,16 @@ class Model:
         self._build(config, config.spec(), placed, device, dtype, mode, chooser)
 
     @classmethod
-    def _placed(cls, config, spec: ModelSpec, params, device, dtype, mode) -> "Model":
+    def _placed(cls, config, spec: ModelSpec, params, device, dtype, mode, chooser=None,
+                source: Path | None = None) -> "Model":
         """A model on parameters already placed (by `_place`), as a checkpoint load leaves them."""
         model = cls.__new__(cls)
-        model._build(config, spec, params, device, dtype, mode)
+        model._build(config, spec, params, device, dtype, mode, chooser, source)
         return model
 
-    def _build(self, config, spec, params, device, dtype, mode, chooser=None) -> None:
+    def _build(self, config, spec, params, device, dtype, mode, chooser=None, source: Path | None = None) -> None:
         mode = _mode(mode)
-        self.source: Path | None = getattr(self, "source", None)     # the folder it was loaded from
+        self.source = source                                        # the folder it was loaded from
         self.config, self.spec, self.device, self.dtype, self.mode = config, spec, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
         self._params = params
@@ -73,19 +74,15 @@ class Model:
     def with_mode(self, mode: str, chooser: Chooser | None = None) -> "Model":
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
         `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
-        twin = Model.__new__(Model)
-        twin.source = self.source
-        twin._build(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser)
-        return twin
+        return Model._placed(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser,
+                             self.source)
 
     def with_dtype(self, dtype: torch.dtype | str) -> "Model":
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""
         dtype = resolve_dtype(dtype)
         params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
-        twin = Model._placed(self.config, self.spec, params, self.device, dtype, self.mode)
-        twin.source = self.source
-        return twin
+        return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source)
 
     def session(self, memory_budget: int | None = None):
         from hebrus.session import Session
@@ -107,9 +104,7 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     device, mode = _device(device), _mode(mode)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
-        model = Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
-        model.source = None
-        return model
+        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
     path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
     if not _is_dir(path):
         if not isinstance(name_or_path, str):               # a path is never looked up as a repo id
@@ -124,9 +119,7 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
 
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
                              dtype=dtype, device=device)
-    model = Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode)
-    model.source = path
-    return model
+    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path)
 
 
 def _is_dir(path: Path) -> bool:
@@ -179,11 +172,11 @@ def _mode(mode) -> str:
 def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
            fresh: bool = False) -> torch.Tensor:
     """A fresh copy in the model's dtype (a `fresh` tensor, one the loader just read into a
-    buffer of its own, is kept when it already is one); a weight that does not fit that dtype
-    (1e5 in float16) would turn every chunk non-finite, so it is refused here."""
+    buffer of its own and checked to be finite, is kept when it already is one); a weight that
+    does not fit that dtype (1e5 in float16) would turn every chunk non-finite, so it is refused."""
     if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
         return tensor                           # the loader checked it is finite as it read it
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not fresh and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")
     placed = torch.empty(tensor.shape, dtype=dtype, device=device)
     checkpoint.converted(placed, tensor, name)

@@ -14,7 +14,7 @@ import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, BinaryIO, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -169,6 +169,12 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
         table = family.names(spec, set(headers))
         _check_against(table, headers, source)
         offsets = {file: _data_offsets(folder / file) for file in files}
+        raw = {file: stack.enter_context(open(folder / file, "rb")) for file in files}   # one open per file
+
+        def read(n: str, into: torch.Tensor | None = None) -> torch.Tensor:
+            return _tensor(raw[headers[n].file], folder / headers[n].file, n, headers[n], offsets[headers[n].file],
+                           into)
+
         # Every final buffer first, then the reads: transient buffers then come after them and are
         # reused, instead of freed memory staying trapped between long-lived tensors.
         shapes = parameter_shapes(spec)
@@ -179,11 +185,9 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
             final = finals.pop(name, None)
             if final is not None and (recipe.is_copy or recipe.part is not None):
                 for i, n in enumerate(recipe.names):
-                    into = final if recipe.is_copy else recipe.part(final, i)
-                    _tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file], into)
+                    read(n, final if recipe.is_copy else recipe.part(final, i))
             else:
-                parts = [_tensor(folder / headers[n].file, n, headers[n], offsets[headers[n].file])
-                         for n in recipe.names]
+                parts = [read(n) for n in recipe.names]
                 built = recipe.build(*parts)
                 del parts
                 if final is not None:
@@ -342,7 +346,7 @@ def converted(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
                            f"{float(source.double().abs().max()):.3g}); load the model in a wider dtype")
 
 
-def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int, int]],
+def _tensor(f: BinaryIO, file: Path, name: str, header: Header, offsets: dict[str, tuple[int, int]],
             out: torch.Tensor | None = None) -> torch.Tensor:
     """One tensor, read straight into a buffer (no file mapping: a load holds the model and the
     tensor in hand, not the file's pages too): `out` when given, whose dtype may differ (the
@@ -359,19 +363,18 @@ def _tensor(file: Path, name: str, header: Header, offsets: dict[str, tuple[int,
     step = max(_SLICE // width, 1) if into != stored else max(flat.numel(), 1)
     staging = torch.empty(min(step, flat.numel()) * width, dtype=torch.uint8) if into != stored else None
     try:
-        with open(file, "rb") as f:
-            f.seek(begin)
-            for at in range(0, flat.numel(), step):
-                count = min(step, flat.numel() - at)
-                target = flat[at:at + count]
-                buffer = target.view(torch.uint8) if staging is None else staging[:count * width]
-                got = f.readinto(buffer.numpy())
-                if got != count * width:
-                    raise CheckpointError(f"{file}: tensor {name} is cut short: the file is truncated")
-                if staging is not None:
-                    source = buffer.view(stored)
-                    _check_finite(source, file, name)
-                    converted(target, source, name)
+        f.seek(begin)
+        for at in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - at)
+            target = flat[at:at + count]
+            buffer = target.view(torch.uint8) if staging is None else staging[:count * width]
+            got = f.readinto(buffer.numpy())
+            if got != count * width:
+                raise CheckpointError(f"{file}: tensor {name} is cut short: the file is truncated")
+            if staging is not None:
+                source = buffer.view(stored)
+                _check_finite(source, file, name)
+                converted(target, source, name)
     except OSError as exc:
         raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc})") from None
     if into == stored:
