@@ -178,7 +178,7 @@ def _active_weights(model) -> tuple[int, int, int]:
         if name.startswith(("ple.unigram.", "ple.ngram.")):                          # one row looked up
             read += p.shape[-1] * p.element_size()
             continue
-        if name in ("lm_head.weight",):
+        if name == "lm_head.weight":                                                  # counted as the head
             continue
         read += int(p.numel() * p.element_size() * share)
         body += int(p.numel() * share)
@@ -231,13 +231,17 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Poi
     for r in range(rounds + 1):
         names = list(variants)[::-1] if r % 2 else list(variants)
         sessions, logits = {name: variants[name]() for name in names}, {}
+        spent = {name: 0.0 for name in names}
         for name in names:
             _sync(model.device)
             t = time.perf_counter()
             for begin in range(0, len(prompt), chunk):
                 logits[name] = sessions[name].feed(prompt[begin:begin + chunk])
             _sync(model.device)
-            prefill[name].append((time.perf_counter() - t) / len(prompt))
+            spent[name] = time.perf_counter() - t
+        if r:                                      # round 0 only warms up
+            for name in names:
+                prefill[name].append(spent[name] / len(prompt))
         spent = {name: 0.0 for name in names}
         for step in range(steps):
             for name in (names if step % 2 == 0 else names[::-1]):
@@ -246,11 +250,9 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Poi
                 logits[name] = sessions[name].feed([token])
                 _sync(model.device)
                 spent[name] += time.perf_counter() - t
-        if r == 0:
-            prefill, decode = {name: [] for name in variants}, {name: [] for name in variants}
-            continue
-        for name in names:
-            decode[name].append(spent[name] / max(steps, 1))
+        if r:
+            for name in names:
+                decode[name].append(spent[name] / max(steps, 1))
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
                  {n: statistics.median(v) for n, v in decode.items()})
 
@@ -268,15 +270,14 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
         prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
         point = _point(model, prompt, steps, rounds, chunk)
         floor = decode_bytes(model, context) / bandwidth
+        roofline = flops / prefill_flops_per_token(model, context, chunk)             # tokens per second
         tx_decode, ip_decode = point.decode_s_per_step["transactional"], point.decode_s_per_step["in-place"]
         tx_prefill, ip_prefill = point.prefill_s_per_token["transactional"], point.prefill_s_per_token["in-place"]
         points.append({
             "context": context, "batch": 1,
             "prefill_tokens_per_s": 1 / tx_prefill, "prefill_in_place_tokens_per_s": 1 / ip_prefill,
             "prefill_ratio_transactional_over_in_place": tx_prefill / ip_prefill,
-            "prefill_roofline_tokens_per_s": flops / prefill_flops_per_token(model, context, chunk),
-            "prefill_fraction_of_roofline": (1 / tx_prefill) / (flops / prefill_flops_per_token(model, context,
-                                                                                                   chunk)),
+            "prefill_roofline_tokens_per_s": roofline, "prefill_fraction_of_roofline": (1 / tx_prefill) / roofline,
             "decode_ms_per_step": tx_decode * 1e3, "decode_in_place_ms_per_step": ip_decode * 1e3,
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,

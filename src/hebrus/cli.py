@@ -196,11 +196,16 @@ class _StopWriter:
     become a stop text is held back until it cannot."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.written = stops, 0
+        self.stops, self.written, self.searched = stops, 0, 0
+        self.longest = max(map(len, stops), default=0)
 
     def write(self, shown: str, final: bool = False) -> bool:
-        """True once a stop text appeared."""
-        cut = min((shown.find(s) for s in self.stops if s in shown), default=-1)
+        """True once a stop text appeared. Only the tail that could hold a new occurrence is
+        searched, so a long output costs no rescans."""
+        start = max(0, self.searched - self.longest + 1)
+        self.searched = len(shown)
+        found = [i for i in (shown.find(s, start) for s in self.stops) if i >= 0]
+        cut = min(found, default=-1)
         held = 0 if final else max((_partial(shown, s) for s in self.stops), default=0)
         end = cut if cut >= 0 else len(shown) - held
         if end > self.written:

@@ -18,16 +18,14 @@ class Sampling:
     repetition_penalty: float = 1.0
 
 
-def penalise(logits: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    """The logits of the ids in `seen` divided by `penalty` where positive, multiplied where
-    negative; in float64, so no penalty in range overflows."""
-    if penalty == 1.0 or not seen:
+def penalise(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """The logits of the ids marked in `seen` (a [V] bool mask, kept up to date by the caller,
+    so a step costs O(V) however long the history) divided by `penalty` where positive,
+    multiplied where negative; in float64, so no penalty in range overflows."""
+    if penalty == 1.0 or seen is None:
         return logits
-    logits = logits.double().clone()
-    ids = torch.tensor(sorted(set(seen)), device=logits.device)
-    picked = logits[ids]
-    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
+    x = logits.double()
+    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
 
 def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> int:

@@ -125,15 +125,17 @@ class Session:
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
         start = self.frontier
-        penalised = sampling.repetition_penalty != 1.0
-        seen = earlier + prompt.tolist() if penalised else []
+        seen = None                               # the ids the repetition penalty counts, as a mask
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(self.spec.vocab_size, dtype=torch.bool, device=self.model.device)
+            seen[torch.tensor(earlier + prompt.tolist(), dtype=torch.int64, device=seen.device)] = True
         try:
             logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
             for _ in range(max_new_tokens):
                 token = sample(penalise(logits, seen, sampling.repetition_penalty), sampling, generator)
                 logits = self.feed([token])
-                if penalised:
-                    seen.append(token)
+                if seen is not None:
+                    seen[token] = True
                 yield token
                 if token in stops:
                     return
