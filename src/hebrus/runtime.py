@@ -84,9 +84,12 @@ class Model:
         params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source)
 
-    def session(self, memory_budget: int | None = None):
+    def session(self, memory_budget: int | None = None, decode: str = "auto"):
+        """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a
+        fast-mode model on a GPU, else eager), "eager", "planned" (the graph's static plan run
+        op by op, any device) or "graph"."""
         from hebrus.session import Session
-        return Session(self, memory_budget=memory_budget)
+        return Session(self, memory_budget=memory_budget, decode=decode)
 
     def __repr__(self) -> str:
         c = self.spec

@@ -21,18 +21,24 @@ from typing import Iterator
 import torch
 
 from hebrus import arguments, faults
-from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, StructuralError
+from hebrus.engine import eager
+from hebrus.engine.graphs import DecodeSteps
+from hebrus.errors import AllocationError, ChunkAborted, InvalidInput
+from hebrus.layers.kernels import top_k_chooser
 from hebrus.sampling import Sampling, penalise, sample
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image
 from hebrus.state.owners import bank_bytes
-from hebrus.state.txn import Transaction
+
+
+DECODE = ("auto", "eager", "planned", "graph")
 
 
 class Session:
-    def __init__(self, model, memory_budget: int | None = None):
+    def __init__(self, model, memory_budget: int | None = None, decode: str = "auto"):
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
+        decode = _decode(model, decode)
         self.model = model
         self.config, self.spec = model.config, model.spec
         self.budget = MemoryBudget(memory_budget)
@@ -42,6 +48,9 @@ class Session:
             raise InvalidInput(f"memory_budget too small for a session of this model: {exc}") from None
         self.image = _allocate_image(model)
         self._stage_names = model.stage_names
+        self.decode = decode
+        self._steps = (DecodeSteps(model, self.image, self.budget, capture=decode == "graph")
+                       if decode in ("planned", "graph") else None)
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
         self._inside: int | None = None         # the thread running a call on this session
 
@@ -163,28 +172,10 @@ class Session:
         return out if out is not None else self.image.read("logits").clone()
 
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
-        txn = Transaction(self.image, len(ids), self._stage_names, self.budget,
-                          max_rows=self.spec.max_context)
-        try:
-            self._prepare(txn, ids)
-            txn.publish(out)             # what is raised after the flip is not an abort
-        finally:
-            txn.abort()
-
-    def _prepare(self, txn: Transaction, ids: torch.Tensor) -> None:
-        """Every stage, then validation; any exception becomes the abort of its kind."""
-        try:
-            txn.local["ids"] = ids.to(self.model.device)
-            for slot, stage in enumerate(self.model.stages):
-                txn.enter(slot)
-                stage.run(txn)
-                faults.after(stage.name, txn)
-                txn.seal()
-            txn.validate()
-        except ChunkAborted:
-            raise
-        except Exception as exc:
-            raise _abort_error(txn.stage, exc) from exc
+        if self._steps is not None and self._steps.accepts(ids):
+            self._steps.step(ids, out)
+        else:
+            eager.run_chunk(self.model, self.image, self.budget, ids, out)
 
     # ---- checks (stateless ones before the lock, the rest under it) ------------------------
     def _ids(self, ids, allow_empty: bool = False) -> torch.Tensor:
@@ -222,10 +213,23 @@ def _published(exc: BaseException, count: int) -> None:
         pass
 
 
-def _abort_error(stage: str, exc: Exception) -> ChunkAborted:
-    """The failure kind of an exception raised inside a transaction."""
-    detail = f"{type(exc).__name__}: {exc}"
-    return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)
+def _decode(model, decode) -> str:
+    """How one-token steps run: "eager" (stage by stage, like any chunk), "planned" (from the
+    static step plan, uncaptured), "graph" (the plan captured as CUDA graphs), or "auto" (graph
+    for a fast-mode model on CUDA, eager otherwise)."""
+    if not isinstance(decode, str) or decode not in DECODE:
+        raise InvalidInput(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
+    plannable = model.kernels.batched and model.kernels.choose is top_k_chooser
+    if decode == "auto":
+        return "graph" if plannable and model.device.type == "cuda" else "eager"
+    if decode in ("planned", "graph") and not plannable:
+        why = f"runs {model.mode} mode" if not model.kernels.batched else "makes its choices with another chooser"
+        raise InvalidInput(f"decode={decode!r} runs fast mode with the spec's top-k; this model {why} "
+                           f"(use decode='eager')")
+    if decode == "graph" and model.device.type != "cuda":
+        raise InvalidInput(f"decode='graph' captures CUDA graphs; this model is on {model.device} "
+                           f"(use 'planned' or 'eager')")
+    return decode
 
 
 def _allocate_image(model) -> Image:

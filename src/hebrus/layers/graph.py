@@ -19,6 +19,7 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.moe import MLP, LayerEmbedding, MixtureOfExperts
 from hebrus.layers.ple import PerLayerEmbedding
 from hebrus.layers.qsa import Attention, RotaryTables
+from hebrus.layers.span import Span
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import rms_norm
 from hebrus.state.status import Status
@@ -165,7 +166,7 @@ class FFN(Sublayer):
                 weights, experts = self.moe.route(h, pos)
                 txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
                 experts = experts.clamp(0, self.experts - 1)
-                routes[pos:pos + len(X), self.column] = experts.to(routes.dtype)
+                Span(pos, len(X), X.device).put(routes[:, self.column], experts)
                 y = self.moe(h, weights, experts)
             else:
                 y = self.mlp(h)

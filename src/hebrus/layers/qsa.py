@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.layers.kernels import Kernels
+from hebrus.layers.span import Span
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import layer_norm, rms_norm
 from hebrus.ops.qsa import index_scores, select, sparse_attention
@@ -45,39 +46,40 @@ class Attention:
         self.rope = rotary(s.rotary_dim)
         self.index_rope = rotary(self.di) if indexed else None
 
-    def __call__(self, h: torch.Tensor, start: int, rows, check_range) -> torch.Tensor:
-        """h [T, D] at positions start..start+T-1. Writes rows [start, start+T) of the row logs
-        (k, v and, indexed, index), then attends over rows [0, position]. `check_range` takes
-        the device-side check that no query picked a row past its own position."""
-        T, w, end = h.shape[0], self.w, start + h.shape[0]
+    def __call__(self, h: torch.Tensor, start, rows, check_range) -> torch.Tensor:
+        """h [T, D] at positions start..start+T-1 (`start` an int, or a device tensor in a
+        planned step: see `layers.span`). Writes rows [start, start+T) of the row logs (k, v
+        and, indexed, index), then attends over rows [0, position]. `check_range` takes the
+        device-side check that no query picked a row past its own position."""
+        T, w = h.shape[0], self.w
+        span = Span(start, T, h.device)
         k_rows, v_rows = rows[0], rows[1]
         q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps)
         k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps)
-        cos, sin = (t[start:end] for t in self.rope)
+        cos, sin = (span.take(t) for t in self.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_rows[start:end] = k
-        v_rows[start:end] = F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh)
-        positions = torch.arange(start, end, device=h.device)
+        span.put(k_rows, k)
+        span.put(v_rows, F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
         if self.indexed:
-            o = self._sparse(h, start, end, positions, q, k_rows, v_rows, rows[2], check_range)
+            o = self._sparse(h, span, q, k_rows, v_rows, rows[2], check_range)
         else:
-            o = self.attend(q, k_rows[:end], v_rows[:end], positions)
+            o = self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
         gate = torch.sigmoid(F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return F.linear((o * gate).flatten(1), w["o_proj.weight"])
 
-    def _sparse(self, h, start, end, positions, q, k_rows, v_rows, index_rows, check_range):
-        T, w = h.shape[0], self.w
+    def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
+        T, w, positions = h.shape[0], self.w, span.positions
         qi = F.linear(h, w["index_q.weight"]).view(T, self.hi, self.di)
         ki = layer_norm(F.linear(h, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
-        icos, isin = (t[start:end] for t in self.index_rope)
+        icos, isin = (span.take(t) for t in self.index_rope)
         qi, ki = apply_rope(qi, icos, isin), apply_rope(ki, icos, isin)
-        index_rows[start:end] = ki
-        scores = index_scores(qi, F.linear(h, w["index_w.weight"]), index_rows[:end])
-        picked, valid = self.select(scores, start, positions)
+        span.put(index_rows, ki)
+        scores = index_scores(qi, F.linear(h, w["index_w.weight"]), span.visible(index_rows))
+        picked, valid = self.select(scores, span.start, positions)
         check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
-        return sparse_attention(q, k_rows[:end], v_rows[:end], picked, valid)
+        return sparse_attention(q, span.visible(k_rows), span.visible(v_rows), picked, valid)
 
-    def select(self, scores: torch.Tensor, start: int, positions: torch.Tensor):
+    def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
         """The rows each query attends to: the top_k of its visible scores, the model's chooser
         making the choice (a set: rank order does not matter)."""
         return select(scores, positions, self.top_k, partial(self.choose, self.site, start, ordered=False))

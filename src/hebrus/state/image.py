@@ -33,6 +33,16 @@ class Image:
         )
         empty = tuple(torch.empty((0,) + s.shape, dtype=s.dtype, device=device) for s in self.appended)
         self.public = Published(bank=0, frontier=0, storages=empty)
+        # set when an aborted transaction may have written rows past the frontier; a runner that
+        # reads whole storages (a planned step masks rows rather than slicing them) zeroes them
+        self.tail_dirty = False
+
+    def clean_tails(self) -> None:
+        """Zero every appended storage past the public frontier (private rows only)."""
+        if self.tail_dirty:
+            for storage in self.public.storages:
+                storage[self.public.frontier:].zero_()
+            self.tail_dirty = False
 
     def read(self, name: str) -> torch.Tensor:
         """The public value of a banked owner."""

@@ -25,13 +25,16 @@ class DeviceChecks:
 
     Nothing here synchronises until `read`. A status check records one device reduction: `flag`
     the any() of a boolean tensor, `check_range` the min and max of an index tensor (the bounds
-    are compared on the host once the values are back). A finite check records the sum of a
-    written tensor: any NaN or Inf makes the sum non-finite. `read` brings everything back in one
-    transfer and folds it into a status word per stage and the set of stages with a non-finite
-    write.
+    are compared on the host once the values are back). A finite check records the largest
+    magnitude of each written tensor (one multi-tensor reduction per call): any NaN or Inf makes
+    it non-finite, and no finite value can. With `defer` (a planned step, whose writes are small
+    and stay alive), finite checks wait for `fold`, which reduces every write of the chunk in
+    one go. `read` brings everything back in one transfer and folds it into a status word per
+    stage and the set of stages with a non-finite write.
     """
 
-    def __init__(self):
+    def __init__(self, defer: bool = False):
+        self.defer = defer
         self.reset()
 
     def reset(self) -> None:
@@ -39,6 +42,9 @@ class DeviceChecks:
         self._tests: list[tuple[int, int, object]] = []      # (slot, bit, bound test)
         self._sums: list[torch.Tensor] = []
         self._sum_slots: list[int] = []
+        self._pending: list[torch.Tensor] = []
+        self._pending_slots: list[int] = []
+        self._folded: torch.Tensor | None = None
 
     def flag(self, slot: int, bad: torch.Tensor, bit: Status) -> None:
         self._status.append(bad.any())
@@ -57,14 +63,32 @@ class DeviceChecks:
             self._status.append(high)
         self._tests.append((slot, int(bit), ("at_least", upper)))
 
-    def finite(self, slot: int, tensor: torch.Tensor) -> None:
-        self._sums.append(tensor.sum())
-        self._sum_slots.append(slot)
+    def finite(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Check that every floating-point tensor of `tensors` is finite."""
+        tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+        if self.defer:
+            self._pending += tensors
+            self._pending_slots += [slot] * len(tensors)
+        elif tensors:
+            self._sums += torch._foreach_norm(tensors, math.inf)
+            self._sum_slots += [slot] * len(tensors)
+
+    def fold(self) -> torch.Tensor | None:
+        """Every recorded value in one float64 device tensor (a device op: a captured step folds
+        inside its graph, and each replay refills the same tensor)."""
+        if self._folded is None:
+            if self._pending:
+                self._sums += torch._foreach_norm(self._pending, math.inf)
+                self._sum_slots += self._pending_slots
+                self._pending, self._pending_slots = [], []
+            parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._sums) if group]
+            self._folded = torch.cat(parts) if parts else None
+        return self._folded
 
     def read(self) -> tuple[dict[int, int], set[int]]:
         """One device-to-host transfer -> ({slot: status word}, {slots with a non-finite write})."""
-        parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._sums) if group]
-        values = torch.cat(parts).tolist() if parts else []
+        folded = self.fold()
+        values = folded.tolist() if folded is not None else []
         words: dict[int, int] = {}
         for (slot, bit, test), value in zip(self._tests, values):
             if _fails(test, value):
@@ -82,7 +106,9 @@ def _fails(test, value: float) -> bool:
 
 class Completion:
     """Per-stage completion records. On CUDA each is an event; on the CPU work is synchronous,
-    so a record is complete unless something marked it otherwise."""
+    so a record is complete unless something marked it otherwise. Recorded while a CUDA graph
+    is captured, an event becomes a node of the graph (an external event), re-recorded by every
+    replay."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -92,9 +118,13 @@ class Completion:
     def record(self, slot: int) -> None:
         event = None
         if self.cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(external=torch.cuda.is_current_stream_capturing())
             event.record()
         self.records.append((slot, event))
+
+    def restart(self) -> None:
+        """A replay of the same records: nothing marked incomplete yet."""
+        self.failed.clear()
 
     def mark_incomplete(self, slot: int) -> None:
         self.failed.add(slot)

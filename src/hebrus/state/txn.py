@@ -5,6 +5,12 @@ Stages read the public image and write only private places: the other bank, and 
 small). `seal` closes each stage's bookkeeping, `validate` reads every device-side check back
 in one transfer, and `publish` copies the output to the caller and flips the public record.
 Anything that raises before the flip leaves the public image as it was.
+
+A planned transaction (`planned=True`) is the static plan of a one-token step that a CUDA graph
+captures once and replays at every position (`hebrus.engine.graphs`): stages see the chunk's
+start as a device tensor (the public bank's `frontier`), appended storage must already hold the
+row (it cannot grow inside a graph), and `restart` re-arms the host-side bookkeeping for each
+replay.
 """
 from __future__ import annotations
 
@@ -22,16 +28,18 @@ from hebrus.state.status import Completion, DeviceChecks, Status
 
 class Transaction:
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 max_rows: int, output: str = "logits"):
+                 max_rows: int, output: str = "logits", planned: bool = False):
         record = image.public
-        self.image, self.record = image, record
-        self.start, self.length = record.frontier, length
+        self.image, self.record, self.planned = image, record, planned
+        self.frontier, self.length = record.frontier, length
         self.public = image.banks[record.bank]
+        # what stages see as the chunk's first position: an int, or (planned) a device tensor
+        self.start = self.public["frontier"].view(1) if planned else record.frontier
         self.private = image.banks[1 - record.bank]
         self.storages = list(record.storages)
         self.local: dict[str, torch.Tensor] = {}
         self.stages, self.budget = stages, budget
-        self.checks = DeviceChecks()
+        self.checks = DeviceChecks(defer=planned)
         self.max_rows, self.output = max_rows, output
         self.completion = Completion(image.device)
         self.slot, self.stage = -1, "begin"
@@ -39,10 +47,15 @@ class Transaction:
         self._writes: list[torch.Tensor] = []       # what the current stage wrote
         self._value_bytes = 0
         self._local_bytes: dict[str, int] = {}
+        self._accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
+        self._rows_handed = False
         self._done = False
         budget.begin()
         if "frontier" in self.private:
-            self.private["frontier"].fill_(self.start + length)
+            if planned:
+                torch.add(self.public["frontier"], length, out=self.private["frontier"])
+            else:
+                self.private["frontier"].fill_(self.frontier + length)
             self.written.add("frontier")
 
     # ---- what stages use -------------------------------------------------------------------
@@ -63,11 +76,19 @@ class Transaction:
         are the public ones, rows [start, start+length) are this chunk's to write."""
         i = self.image.slot[name]
         storage = self.storages[i]
-        need = self.start + self.length
+        need = self.frontier + self.length
         if storage.shape[0] < need:
+            if self.planned:
+                raise StructuralError(self.stage, f"{name} holds {storage.shape[0]} rows; a planned step "
+                                      f"needs {need} reserved")
             storage = self._grow(name, storage, need)
             self.storages[i] = storage
-        self._writes.append(storage[self.start:need])
+        self._rows_handed = True
+        if self.planned:                    # the rows at the device-side positions, once written
+            positions = self.start + torch.arange(self.length, device=storage.device)
+            self._writes.append(lambda: storage.index_select(0, positions))
+        else:
+            self._writes.append(storage[self.frontier:need])
         return storage
 
     def emit(self, key: str, value: torch.Tensor) -> None:
@@ -92,14 +113,28 @@ class Transaction:
     def seal(self) -> None:
         """Queue the finite checks of everything this stage wrote, admit its intermediates to
         the memory budget, and record its completion."""
-        for t in self._writes:
-            if t.is_floating_point():
-                self.checks.finite(self.slot, t)
+        self._writes = [t() if callable(t) else t for t in self._writes]
+        self.checks.finite(self.slot, self._writes)
         working = sum(self._local_bytes.values())
-        growth = working - self.budget.working + self._value_bytes
-        self._request(self.budget.admit, max(growth, 0), f"the intermediates of {self.stage}")
-        self.budget.set_working(working)
+        growth = max(working - self.budget.working + self._value_bytes, 0)
+        self._accounts.append((growth, working, self.stage))
+        self._account(growth, working, self.stage)
         self.completion.record(self.slot)
+
+    def restart(self) -> None:
+        """Re-arm a planned transaction for a replay of its captured work at the public record
+        now (same bank parity and storage as at capture): the memory budget sees the same
+        requests, and nothing is marked failed or finished."""
+        record = self.image.public
+        same = record.bank == self.record.bank and all(a is b for a, b in zip(record.storages, self.record.storages))
+        if not (self.planned and same):
+            raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
+        self.record, self.frontier, self._done = record, record.frontier, False
+        self.completion.restart()
+        self.budget.begin()
+        for growth, working, stage in self._accounts:
+            self.stage = stage
+            self._account(growth, working, stage)
 
     def poison(self) -> None:
         """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
@@ -139,7 +174,7 @@ class Transaction:
             raise StructuralError("publish", "transaction already finished")
         old = self.record.storages
         released = sum(o.numel() * o.element_size() for o, n in zip(old, self.storages) if o is not n)
-        record = Published(1 - self.record.bank, self.start + self.length, tuple(self.storages))
+        record = Published(1 - self.record.bank, self.frontier + self.length, tuple(self.storages))
         with deferred_signals():
             self._copy_out(out)
             self.image.publish(record)
@@ -158,6 +193,8 @@ class Transaction:
         if not self._done:
             self._done = True
             self.budget.abort()
+            if self._rows_handed:                   # rows past the frontier may hold anything now
+                self.image.tail_dirty = True
 
     # ---- internals -------------------------------------------------------------------------
     def _grow(self, name: str, storage: torch.Tensor, need: int) -> torch.Tensor:
@@ -166,8 +203,13 @@ class Transaction:
         nbytes = capacity * math.prod(row_shape) * storage.element_size()
         self._request(self.budget.grow, nbytes, f"{name} ({capacity} rows)")
         grown = torch.empty((capacity,) + row_shape, dtype=storage.dtype, device=storage.device)
-        grown[: self.start].copy_(storage[: self.start])
+        grown[: self.frontier].copy_(storage[: self.frontier])
+        grown[self.frontier:].zero_()               # rows past the frontier read as zeros
         return grown
+
+    def _account(self, growth: int, working: int, stage: str) -> None:
+        self._request(self.budget.admit, growth, f"the intermediates of {stage}")
+        self.budget.set_working(working)
 
     def _request(self, ask, nbytes: int, what: str) -> None:
         try:

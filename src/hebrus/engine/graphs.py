@@ -1,0 +1,109 @@
+"""One-token steps from a static plan, captured as CUDA graphs: one per bank parity.
+
+A decode step does the same work at every position, so it can be recorded once and replayed.
+What changes from step to step is kept on the device where the graph finds it:
+
+- the position is the public bank's `frontier` owner, read on the device (`layers.span`);
+- the token id is copied into one device buffer before each replay;
+- the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
+- appended storage cannot grow inside a graph: a step runs from the plan only when every row
+  log already holds its row, and storage that grew (in an eager chunk) retires the graphs, which
+  are captured again for the new storage.
+
+A replay is still one transaction. Its checks (status words, finite sums) are folded into one
+tensor inside the graph and read back once; its completion records are events recorded by the
+graph; the memory budget hears the same requests as at capture; publication is the same flip.
+Nothing is captured until each parity has run once from the plan uncaptured (this warms up
+kernels that tune themselves on first use, which must not happen during a capture). When
+faults are armed the eager runner takes the step, since injection points are host code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hebrus import faults
+from hebrus.engine.eager import finish, run_stages
+from hebrus.state.txn import Transaction
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    txn: Transaction                 # the captured plan: its checks and events live in the graph
+
+
+class DecodeSteps:
+    """The planned one-token steps of one session. `capture=False` runs the plan without a
+    graph (any device): the same work, launched op by op."""
+
+    def __init__(self, model, image, budget, capture: bool):
+        self.model, self.image, self.budget, self.capture = model, image, budget, capture
+        self.ids = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.graphs: dict[int, _Graph] = {}
+        self.warm: set[int] = set()              # parities run from the plan at least once
+        self.captures = 0                        # graphs captured so far (for tests and bench)
+        self.replays = 0                         # steps run from a captured graph
+        self.uncaptured = 0                      # steps run from the plan op by op
+        self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
+
+    def accepts(self, ids: torch.Tensor) -> bool:
+        """Whether this chunk can run from the plan: one token, no fault armed, and every row
+        log already holding the row."""
+        if len(ids) != 1 or faults.armed():
+            return False
+        record = self.image.public
+        return all(storage.shape[0] > record.frontier for storage in record.storages)
+
+    def step(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+        self.image.clean_tails()
+        self.ids.copy_(ids)
+        record = self.image.public
+        held = self.graphs.get(record.bank)
+        if held is not None and any(a is not b for a, b in zip(held.txn.record.storages, record.storages)):
+            self.graphs.clear()                  # storage grew since capture: those addresses are gone
+            held = None
+        if held is None and self.capture and self.refused is None and record.bank in self.warm:
+            held = self._capture()
+        if held is None:
+            self._uncaptured(out)
+            self.warm.add(record.bank)
+            return
+
+        def replay(txn: Transaction) -> None:
+            txn.restart()
+            held.graph.replay()
+            self.replays += 1
+
+        finish(held.txn, replay, out)
+
+    def _uncaptured(self, out: torch.Tensor | None) -> None:
+        txn = self._transaction()
+
+        def work(txn: Transaction) -> None:
+            txn.local["ids"] = self.ids
+            run_stages(self.model, txn)
+            self.uncaptured += 1
+
+        finish(txn, work, out)
+
+    def _capture(self) -> _Graph | None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                txn = self._transaction()
+                txn.local["ids"] = self.ids
+                run_stages(self.model, txn)
+                txn.checks.fold()
+        except Exception as exc:                 # an op that cannot be captured: stay uncaptured
+            self.refused = f"{type(exc).__name__}: {exc}"
+            return None
+        self.captures += 1
+        held = _Graph(graph, txn)
+        self.graphs[txn.record.bank] = held
+        return held
+
+    def _transaction(self) -> Transaction:
+        return Transaction(self.image, 1, self.model.stage_names, self.budget,
+                           max_rows=self.model.spec.max_context, planned=True)

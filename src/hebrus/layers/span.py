@@ -1,0 +1,45 @@
+"""Where a chunk sits in a session: its positions, as a layer reads and writes row logs by them.
+
+A stage learns the chunk's first position from the transaction (`txn.start`). The eager runner
+gives a Python int: rows are sliced, and attention looks at rows [0, end). A planned step (a
+CUDA graph replayed at every position, `hebrus.engine.graphs`) gives a one-element device
+tensor instead, so the same captured work serves every position: rows are gathered and
+scattered by index, and attention looks at the whole storage, every row past a query's own
+position masked. Storage past the frontier then must hold finite values (the runner keeps it
+zeroed), since a masked row still meets the arithmetic with weight zero.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+
+class Span:
+    """Positions start..start+length-1 of a chunk; `start` an int or a [1] int64 tensor."""
+
+    def __init__(self, start: int | torch.Tensor, length: int, device: torch.device):
+        self.start, self.length, self.device = start, length, device
+        self.planned = isinstance(start, torch.Tensor)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[T] int64 on the device."""
+        return torch.arange(self.length, device=self.device) + self.start
+
+    def take(self, table: torch.Tensor) -> torch.Tensor:
+        """Rows of a per-position table (rotary cos/sin) at the chunk's positions."""
+        if self.planned:
+            return table.index_select(0, self.positions)
+        return table[self.start:self.start + self.length]
+
+    def put(self, rows: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the chunk's rows of a row log (or of a view of one) in place."""
+        if self.planned:
+            rows.index_copy_(0, self.positions, value.to(rows.dtype))
+        else:
+            rows[self.start:self.start + self.length] = value
+
+    def visible(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows attention may look at (the caller masks per query by `positions`)."""
+        return rows if self.planned else rows[:self.start + self.length]

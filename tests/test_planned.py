@@ -1,0 +1,111 @@
+"""One-token steps from the static step plan (the work a CUDA graph captures), run uncaptured on
+the CPU against the eager runner: same logits and state within fast mode's tolerance, the same
+discrete choices, storage growth between plans, and failures that publish nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hebrus
+from conftest import tokens
+from foreign import build
+from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Fast-mode models covering every mixer and feed-forward kind and both residuals."""
+    out = {"tiny": hebrus.load("tiny", mode="fast")}
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        folder, _ = build(family, tmp_path_factory.mktemp(family))
+        out[family] = hebrus.load(folder, mode="fast")
+    return out
+
+
+def _state(session) -> dict[str, torch.Tensor]:
+    image = session.image
+    return {spec.name: image.value(spec.name).clone() for spec in image.specs}
+
+
+def _decode(model, decode, prompt, steps, vocab):
+    s = model.session(decode=decode)
+    s.feed(prompt)
+    ids = tokens(steps, seed=7, vocab=vocab)
+    return s, [s.feed([t]) for t in ids]
+
+
+def _close(a, b, name, tolerance=2e-5):
+    if not a.is_floating_point():
+        assert torch.equal(a, b), name
+        return
+    scale = max(float(b.abs().max()), 1.0)
+    assert float((a - b).abs().max()) <= tolerance * scale, name
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+def test_planned_steps_match_eager(models, name):
+    model = models[name]
+    vocab = model.spec.vocab_size
+    prompt = tokens(10, seed=3, vocab=vocab)     # row logs hold 16 rows: the steps grow them twice
+    planned, got = _decode(model, "planned", prompt, STEPS, vocab)
+    eager, want = _decode(model, "eager", prompt, STEPS, vocab)
+    for step, (a, b) in enumerate(zip(got, want)):
+        _close(a, b, f"logits of step {step}")
+    assert planned.frontier == eager.frontier == len(prompt) + STEPS
+    # rows 16 and 32 needed storage to grow: those steps ran eager, the others from the plan
+    assert planned._steps.uncaptured == STEPS - 2
+    a, b = _state(planned), _state(eager)
+    for owner in b:
+        _close(a[owner], b[owner], owner)
+    if model.spec.moe_layers:
+        assert torch.equal(planned.image.rows("routes"), eager.image.rows("routes"))
+
+
+def test_a_nan_step_publishes_nothing_and_the_next_step_is_clean(models):
+    """A real NaN (a token whose embedding row is NaN) aborts the planned step; its K/V rows
+    past the frontier are wiped before the next step attends over the whole storage."""
+    model = models["qwen3_5"]
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    bad = 5
+    params["embed.weight"][bad] = float("nan")
+    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    prompt = tokens(10, seed=3, vocab=model.spec.vocab_size - 1)
+    prompt = [t if t != bad else bad + 1 for t in prompt]
+    s = poisoned.session(decode="planned")
+    s.feed(prompt)
+    before, out = s.digest(), torch.full((model.spec.vocab_size,), 7.0)
+    with pytest.raises(NonFiniteError):
+        s.feed([bad], out=out)
+    assert s.digest() == before and torch.equal(out, torch.full_like(out, 7.0))
+    assert s.image.tail_dirty
+    after = s.feed([bad + 1])
+    ref = poisoned.session(decode="eager")
+    ref.feed(prompt)
+    _close(after, ref.feed([bad + 1]), "logits after the aborted step")
+    assert torch.isfinite(after).all()
+
+
+def test_a_device_range_failure_publishes_nothing(models):
+    """A token id past the vocabulary that reaches the device (the boundary check bypassed)
+    sets the status bit inside the planned step; nothing is published."""
+    model = models["tiny"]
+    s = model.session(decode="planned")
+    s.feed(tokens(4))
+    before = s.digest()
+    with pytest.raises(DeviceStatusError, match="token_range"):
+        with torch.inference_mode():
+            s._steps.step(torch.tensor([model.spec.vocab_size + 3]), None)
+    assert s.digest() == before
+    s.feed([1])                                     # and the session goes on
+
+
+def test_decode_is_checked(tiny, models):
+    with pytest.raises(InvalidInput, match="decode must be one of"):
+        models["tiny"].session(decode="fastest")
+    with pytest.raises(InvalidInput, match="runs exact mode"):
+        tiny.session(decode="planned")
+    with pytest.raises(InvalidInput, match="captures CUDA graphs"):
+        models["tiny"].session(decode="graph")
+    assert models["tiny"].session().decode == "eager"          # auto on the CPU
