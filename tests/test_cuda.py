@@ -85,3 +85,110 @@ def test_grouped_matmul_experts_on_cuda_match_the_twin(T):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert _rel(got, want) <= 3e-2
+
+
+# ---- CUDA-graph decode ------------------------------------------------------------------------
+
+def _graph_models(tmp_path):
+    from foreign import build
+    folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
+    return {"tiny-float32": hebrus.load("tiny", device="cuda", mode="fast"),
+            "tiny-bfloat16": hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast"),
+            "qwen3_5-bfloat16": hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")}
+
+
+def _ids(n, vocab, seed):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@cuda
+def test_graph_decode_matches_eager(tmp_path):
+    """Graph replays against eager steps on the same device: logits and every owner within the
+    dtype's fast tolerance, discrete state equal, storage growth (rows 16 and 32) recaptured."""
+    for name, model in _graph_models(tmp_path).items():
+        vocab, tolerance = model.spec.vocab_size, 1e-4 if model.dtype == torch.float32 else 2e-2
+        runs = {}
+        for decode in ("graph", "eager"):
+            s = model.session(decode=decode)
+            s.feed(_ids(10, vocab, 1))
+            runs[decode] = (s, [s.feed([t]) for t in _ids(30, vocab, 2)])
+        (graph, got), (eager, want) = runs["graph"], runs["eager"]
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert _rel(a.float(), b.float()) <= tolerance, (name, step)
+        assert graph._steps.captures >= 4 and graph._steps.replays >= 20, name
+        for spec in graph.image.specs:
+            a, b = graph.image.value(spec.name), eager.image.value(spec.name)
+            if a.is_floating_point():
+                assert _rel(a.float(), b.float()) <= tolerance or float(b.abs().max()) == 0, (name, spec.name)
+            else:
+                assert torch.equal(a, b), (name, spec.name)
+
+
+@cuda
+def test_graph_step_failures_publish_nothing(tmp_path):
+    """A real NaN inside a replayed graph and a device-side range failure inside one abort the
+    step with the digest unchanged and `out` untouched; the session then goes on."""
+    from hebrus.errors import DeviceStatusError, NonFiniteError
+    model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    bad, vocab = 5, model.spec.vocab_size
+    params["embed.weight"][bad] = float("nan")
+    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    s = poisoned.session()
+    assert s.decode == "graph"
+    s.feed([t if t != bad else bad + 1 for t in _ids(10, vocab, 1)])
+    for t in (1, 2, 3):                              # warm both parities, capture both
+        s.feed([t])
+    assert s._steps.replays >= 1
+    before, out = s.digest(), torch.full((vocab,), 7.0, device="cuda", dtype=model.dtype)
+    with pytest.raises(NonFiniteError):
+        s.feed([bad], out=out)
+    assert s.digest() == before and bool((out == 7.0).all())
+    with pytest.raises(DeviceStatusError, match="token_range"):
+        with torch.inference_mode():
+            s._steps.step(torch.tensor([vocab + 3]), None)
+    assert s.digest() == before
+    replays = s._steps.replays
+    assert torch.isfinite(s.feed([4]).float()).all() and s._steps.replays == replays + 1
+
+
+@cuda
+def test_real_cuda_out_of_memory_aborts_the_chunk(tmp_path):
+    """With the device's memory taken, a chunk's allocation really fails: AllocationError, the
+    digest unchanged; once memory is free again the same chunk publishes."""
+    from hebrus.errors import AllocationError
+    model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
+    s = model.session()
+    s.feed(_ids(10, model.spec.vocab_size, 1))
+    before, chunk = s.digest(), _ids(200, model.spec.vocab_size, 3)
+    torch.cuda.empty_cache()
+    filler = []
+    for size in (1 << 30, 1 << 26, 1 << 21, 1 << 16):
+        while True:
+            try:
+                filler.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+    try:
+        with pytest.raises(AllocationError):
+            s.feed(chunk)
+    finally:
+        filler.clear()
+        torch.cuda.empty_cache()
+    assert s.digest() == before
+    s.feed(chunk)
+    assert s.frontier == 210
+
+
+@cuda
+def test_finite_checks_see_nan_and_inf_on_cuda():
+    """The multi-tensor max-magnitude reduction behind the finite checks propagates NaN on CUDA."""
+    from hebrus.state.status import DeviceChecks
+    checks = DeviceChecks()
+    values = [torch.randn(100000, device="cuda"), torch.randn(3000, device="cuda", dtype=torch.bfloat16),
+              torch.full((5,), 1e38, device="cuda")]
+    values[0][77777] = float("nan")
+    values[1][5] = float("inf")
+    for slot, t in enumerate(values):
+        checks.finite(slot, [t])
+    assert checks.read()[1] == {0, 1}

@@ -230,13 +230,31 @@ def test_grouped_matmul_experts_take_any_width():
                                experts_per_token(h, weights, experts, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("T, k", [(1, 1), (1, 2), (3, 2), (8, 2), (9, 2)])
+def test_gathered_experts_equal_the_twin(T, k):
+    """A few tokens' experts, each (token, choice) row with its own gathered matrices; the fast
+    table sends at most 16 rows this way."""
+    from hebrus.ops.moe import experts_few_first, experts_gathered
+    g = torch.Generator().manual_seed(T * 10 + k)
+    D, E, I = 6, 5, 3
+    h, gate_up = torch.randn(T, D, generator=g, dtype=torch.float64), torch.randn(E, 2 * I, D, generator=g, dtype=torch.float64)
+    down = torch.randn(E, D, I, generator=g, dtype=torch.float64)
+    weights, experts = route(torch.randn(T, E, generator=g, dtype=torch.float64), k)
+    want = experts_per_token(h, weights, experts, gate_up, down)
+    torch.testing.assert_close(experts_gathered(h, weights, experts, gate_up, down), want, rtol=1e-12, atol=1e-12)
+    calls = []
+    runner = experts_few_first(lambda *a: calls.append(a) or want)
+    runner(h, weights, experts, gate_up, down)
+    assert bool(calls) == (T * k > 16)
+
+
 def test_the_op_table_picks_kernels_by_device_and_dtype():
     from hebrus.layers.kernels import kernels
     from hebrus.ops.moe import experts_grouped, experts_grouped_mm
     cpu = torch.device("cpu")
-    assert kernels("fast", None, cpu, torch.float32).experts is experts_grouped_mm
-    assert kernels("fast", None, cpu, torch.bfloat16).experts is experts_grouped_mm
-    assert kernels("fast", None, cpu, torch.float64).experts is experts_grouped        # grouped_mm: no float64
+    assert kernels("fast", None, cpu, torch.float32).experts.many is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.bfloat16).experts.many is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.float64).experts.many is experts_grouped   # grouped_mm: no float64
     assert kernels("exact", None, cpu, torch.float32).experts is experts_per_token
 
 
@@ -245,10 +263,15 @@ def test_the_op_table_picks_kernels_by_device_and_dtype():
 def test_fused_dense_attention_equals_the_twin(dtype, tolerance, T, S):
     """One token, a first chunk (T = S), and a later chunk (positions S-T .. S-1), with 2 query
     heads per K/V head."""
-    from hebrus.ops.qsa import dense_attention, dense_attention_sdpa
+    from hebrus.ops.qsa import dense_attention, dense_attention_rows, dense_attention_sdpa
     g = torch.Generator().manual_seed(T * 100 + S)
     q = torch.randn(T, 4, 8, generator=g, dtype=dtype)
     k, v = torch.randn(S, 2, 8, generator=g, dtype=dtype), torch.randn(S, 2, 8, generator=g, dtype=dtype)
     positions = torch.arange(S - T, S)
-    torch.testing.assert_close(dense_attention_sdpa(q, k, v, positions), dense_attention(q, k, v, positions),
+    want = dense_attention(q, k, v, positions)
+    torch.testing.assert_close(dense_attention_sdpa(q, k, v, positions), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(dense_attention_rows(q, k, v, positions), want, rtol=tolerance, atol=tolerance)
+    # rows past every query's position are masked, whatever finite values they hold
+    padded_k, padded_v = torch.cat([k, torch.randn(5, 2, 8, dtype=dtype)]), torch.cat([v, torch.zeros(5, 2, 8, dtype=dtype)])
+    torch.testing.assert_close(dense_attention_rows(q, padded_k, padded_v, positions), want,
                                rtol=tolerance, atol=tolerance)

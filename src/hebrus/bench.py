@@ -34,7 +34,7 @@ SHAPES = {
         "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
         "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     },
 }
@@ -79,28 +79,57 @@ def random_checkpoint(shape: str, folder: Path, seed: int = 0) -> Path:
 
 
 class InPlaceSession:
-    """A session that overwrites its state in place: measurement only, never a product path."""
+    """A session that overwrites its state in place: measurement only, never a product path.
+    With `graphs`, its one-token steps are captured as a CUDA graph the way a transactional
+    session's are (same plan, same storage policy), so the two are compared like for like."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, graphs: bool = False):
+        self.model, self.graphs = model, graphs
         self.image = Image(model.owners, model.device)
         self.bank = self.image.banks[0]
         self.storages = list(self.image.public.storages)
         self.frontier = 0
+        self.token = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.graph, self.captured_for, self.warm = None, None, False
 
     def feed(self, ids) -> torch.Tensor:
-        ctx = _InPlaceContext(self, torch.as_tensor(ids, dtype=torch.int64, device=self.model.device))
+        ids = torch.as_tensor(ids, dtype=torch.int64)
         with torch.inference_mode():
-            for stage in self.model.stages:
-                stage.run(ctx)
+            if self.graphs and len(ids) == 1 and all(st.shape[0] > self.frontier for st in self.storages):
+                self._step(ids)
+            else:
+                self._run(_InPlaceContext(self, ids.to(self.model.device), self.frontier))
+                self.bank["frontier"].fill_(self.frontier + len(ids))
         self.frontier += len(ids)
-        self.bank["frontier"].fill_(self.frontier)
         return self.bank["logits"].clone()
+
+    def _run(self, ctx) -> None:
+        for stage in self.model.stages:
+            stage.run(ctx)
+
+    def _planned(self) -> None:
+        self._run(_InPlaceContext(self, self.token, self.bank["frontier"].view(1)))
+        self.bank["frontier"].add_(1)
+
+    def _step(self, ids) -> None:
+        self.token.copy_(ids)
+        if self.graph is not None and any(a is not b for a, b in zip(self.captured_for, self.storages)):
+            self.graph = None
+        if self.graph is None and self.warm:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._planned()
+            self.captured_for = list(self.storages)
+        if self.graph is None:
+            self._planned()
+            self.warm = True
+        else:
+            self.graph.replay()
 
 
 class _InPlaceContext:
-    def __init__(self, owner: InPlaceSession, ids: torch.Tensor):
-        self.owner, self.start, self.length = owner, owner.frontier, len(ids)
+    def __init__(self, owner: InPlaceSession, ids: torch.Tensor, start):
+        self.owner, self.start, self.length = owner, start, len(ids)
         self.local = {"ids": ids}
 
     def read(self, name):
@@ -111,10 +140,10 @@ class _InPlaceContext:
 
     def rows(self, name):
         i = self.owner.image.slot[name]
-        storage, need = self.owner.storages[i], self.start + self.length
-        if storage.shape[0] < need:
+        storage, need = self.owner.storages[i], self.owner.frontier + self.length
+        if storage.shape[0] < need:                 # as a transaction grows it (never in a graph)
             capacity = min(self.owner.model.spec.max_context, max(need, 2 * storage.shape[0], 16))
-            grown = torch.empty((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
+            grown = torch.zeros((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
             grown[: self.start].copy_(storage[: self.start])
             self.owner.storages[i] = storage = grown
         return storage
@@ -221,11 +250,14 @@ def prefill_flops_per_token(model, context: int, chunk: int) -> float:
     return flops
 
 
-def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Point:
+def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: str) -> Point:
     """Median seconds per prefill token and per decode step for both variants. Round 0 is not
-    timed: it warms both variants at this very context (allocations, kernel choices), so no
-    variant pays first-use costs inside a timed round; the variants alternate who goes first."""
-    variants = {"transactional": model.session, "in-place": lambda: InPlaceSession(model)}
+    timed: it warms both variants at this very context (allocations, kernel choices, graph
+    captures), so no variant pays first-use costs inside a timed round; the variants alternate
+    who goes first."""
+    graphs = model.session(decode=how).decode == "graph"
+    variants = {"transactional": lambda: model.session(decode=how),
+                "in-place": lambda: InPlaceSession(model, graphs=graphs)}
     prefill = {name: [] for name in variants}
     decode = {name: [] for name in variants}
     for r in range(rounds + 1):
@@ -257,9 +289,45 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int) -> Poi
                  {n: statistics.median(v) for n, v in decode.items()})
 
 
+def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int, device: torch.device,
+                       dtype: torch.dtype) -> dict:
+    """transformers on the same checkpoint and device: seconds per prefill token (the prompt in
+    one call) and per greedy decode step with its own cache, medians of `rounds` after a warm-up
+    round. Returns {"error": ...} when transformers cannot run it."""
+    try:
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    except Exception as exc:                                    # not installed, or not its format
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    ids = torch.tensor([prompt], device=device)
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            _sync(device)
+            t = time.perf_counter()
+            out = hf(ids, use_cache=True)
+            _sync(device)
+            spent = time.perf_counter() - t
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t = time.perf_counter()
+            for _ in range(steps):
+                out = hf(token, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                _sync(device)
+            if r:
+                prefill.append(spent / len(prompt))
+                decode.append((time.perf_counter() - t) / steps)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"version": transformers.__version__, "prefill_s_per_token": statistics.median(prefill),
+            "decode_s_per_step": statistics.median(decode)}
+
+
 def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int,
-        progress=None) -> dict:
-    """The measurement, as a JSON-ready dict."""
+        progress=None, decode: str = "auto", compare: Path | None = None) -> dict:
+    """The measurement, as a JSON-ready dict. `compare`: a checkpoint folder of the same weights
+    to time transformers on as well."""
     device = model.device
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
     flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
@@ -268,7 +336,7 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
     points = []
     for i, context in enumerate(contexts):
         prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
-        point = _point(model, prompt, steps, rounds, chunk)
+        point = _point(model, prompt, steps, rounds, chunk, decode)
         floor = decode_bytes(model, context) / bandwidth
         roofline = flops / prefill_flops_per_token(model, context, chunk)             # tokens per second
         tx_decode, ip_decode = point.decode_s_per_step["transactional"], point.decode_s_per_step["in-place"]
@@ -282,11 +350,18 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,
         })
+        if compare is not None:
+            hf = transformers_point(compare, prompt, steps, rounds, device, model.dtype)
+            points[-1]["transformers"] = hf
+            if "error" not in hf:
+                points[-1]["prefill_speedup_over_transformers"] = hf["prefill_s_per_token"] / tx_prefill
+                points[-1]["decode_speedup_over_transformers"] = hf["decode_s_per_step"] / tx_decode
         if progress is not None:
             progress(i + 1, len(contexts), f"context {context}")
     return {
         "model": label, "family": model.spec.family, "parameters": params, "device": _device_name(device),
         "dtype": str(model.dtype).removeprefix("torch."), "mode": model.mode, "torch": torch.__version__,
+        "decode": model.session(decode=decode).decode,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(),
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops, "decode_steps": steps,
         "rounds": rounds, "prefill_chunk": chunk, "points": points,
@@ -297,23 +372,34 @@ def table(report: dict) -> str:
     """The report as a Markdown table."""
     lines = [
         f"# hebrus bench: {report['model']} ({report['family']}, {_count(report['parameters'])} parameters), "
-        f"{report['device']}, {report['dtype']}, {report['mode']} mode",
+        f"{report['device']}, {report['dtype']}, {report['mode']} mode, {report.get('decode', 'eager')} decode",
         "",
         f"{report['date']}, commit {report['commit']}, torch {report['torch']}; copy bandwidth "
         f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write), matrix "
         f"{report['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; medians of {report['rounds']} rounds, "
         f"{report['decode_steps']} decode steps, prefill in chunks of {report['prefill_chunk']}.",
         "",
-        "| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | tx / in-place "
-        "| floor ms | of floor |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    compared = any("transformers" in p for p in report["points"])
+    head = ("| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | tx / in-place "
+            "| floor ms | of floor |")
+    if compared:
+        head += " transformers prefill tok/s | decode ms/step | speed-up prefill | decode |"
+    lines += [head, "|" + " ---: |" * (head.count("|") - 1)]
     for p in report["points"]:
-        lines.append(
-            f"| {p['context']} | {p['batch']} | {p['prefill_tokens_per_s']:,.0f} | "
-            f"{p['prefill_ratio_transactional_over_in_place']:.3f} | {p['prefill_fraction_of_roofline']:.1%} | "
-            f"{p['decode_ms_per_step']:.2f} | {p['decode_ratio_transactional_over_in_place']:.3f} | "
-            f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} |")
+        line = (f"| {p['context']} | {p['batch']} | {p['prefill_tokens_per_s']:,.0f} | "
+                f"{p['prefill_ratio_transactional_over_in_place']:.3f} | {p['prefill_fraction_of_roofline']:.1%} | "
+                f"{p['decode_ms_per_step']:.2f} | {p['decode_ratio_transactional_over_in_place']:.3f} | "
+                f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} |")
+        hf = p.get("transformers")
+        if hf is not None and "error" not in hf:
+            line += (f" {1 / hf['prefill_s_per_token']:,.0f} | {hf['decode_s_per_step'] * 1e3:.2f} | "
+                     f"{p['prefill_speedup_over_transformers']:.2f}x | {p['decode_speedup_over_transformers']:.2f}x |")
+        elif compared:
+            line += " – | – | – | – |"
+        lines.append(line)
+    errors = {p["transformers"]["error"] for p in report["points"] if "error" in p.get("transformers", {})}
+    lines += [f"\ntransformers could not run: {e}" for e in sorted(errors)]
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from hebrus.bench import SHAPES
 from hebrus.config import PRESETS
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
+from hebrus.session import DECODE
 from hebrus.text import escaped
 
 MODEL_HELP = (f"a preset ({', '.join(PRESETS)}), a checkpoint directory or a Hugging Face repo id in the "
@@ -110,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="timed rounds after one untimed warm-up round at each context; medians are reported "
                             "(default 3)")
     bench.add_argument("--chunk", type=int, default=2048, help="prefill chunk length (default 2048)")
+    bench.add_argument("--decode", choices=DECODE, default="auto",
+                       help="how one-token steps run: auto (CUDA graphs for fast mode on a GPU, else eager), "
+                            "eager, planned (the graphs' static plan, uncaptured) or graph (default auto); the "
+                            "in-place variant is captured too when graphs are")
+    bench.add_argument("--compare-transformers", action="store_true",
+                       help="also time transformers on the same checkpoint and device (a checkpoint directory "
+                            "or shape transformers can read; it must be installed)")
     bench.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     bench.add_argument("--table", metavar="FILE", help="also write the table as Markdown")
     bench.add_argument("--cache", default=str(Path.home() / ".cache" / "hebrus" / "shapes"),
@@ -320,8 +328,14 @@ def _bench(args) -> int:
     if not kept:
         raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within the model's "
                            f"max_context {model.spec.max_context}")
+    model.session(decode=args.decode)                    # refuses a decode the model cannot run
+    compare = None
+    if args.compare_transformers:
+        if model.source is None:
+            raise InvalidInput("--compare-transformers needs a checkpoint directory or a shape, not a preset")
+        compare = model.source
     report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
-                       ProgressBar("bench", unit="context"))
+                       ProgressBar("bench", unit="context"), decode=args.decode, compare=compare)
     text = bench.table(report)
     print(text, end="")
     if args.json:

@@ -15,8 +15,9 @@ import torch
 
 from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
-from hebrus.ops.moe import experts_grouped, experts_grouped_mm, experts_per_token, grouped_mm_supports
-from hebrus.ops.qsa import dense_attention, dense_attention_sdpa
+from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
+                            grouped_mm_supports)
+from hebrus.ops.qsa import dense_attention, dense_attention_fast
 
 
 class Chooser(Protocol):
@@ -60,5 +61,6 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         experts = experts_grouped
         if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
             experts = experts_grouped_mm                  # no host synchronisation
-        return Kernels(True, rule, experts, choose, dense_attention_sdpa)
+        experts = experts_few_first(experts)              # a decode step: none in any dtype
+        return Kernels(True, rule, experts, choose, dense_attention_fast)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

@@ -90,6 +90,33 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
     return rows.view(T, k, -1).sum(1)
 
 
+def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
+    """The same for a few tokens, in any dtype and with no host synchronisation: each (token,
+    choice) row gathers its expert's two matrices and all rows run as one batched product
+    (a decode step reads the chosen experts' weights whichever way it goes)."""
+    T, k = experts.shape
+    chosen = experts.flatten()
+    x = h.repeat_interleave(k, dim=0)                                        # [T*k, D]
+    gate, up = torch.bmm(gate_up[chosen], x[:, :, None])[..., 0].chunk(2, dim=-1)
+    y = torch.bmm(down[chosen], (F.silu(gate) * up)[:, :, None])[..., 0]     # [T*k, D]
+    y = y * weights.flatten().to(h.dtype)[:, None]
+    return y.view(T, k, -1).sum(1)                                           # choices in rank order
+
+
+FEW_ROWS = 16
+
+
+def experts_few_first(many):
+    """An expert runner that takes `experts_gathered` for at most FEW_ROWS (token, choice) rows
+    and `many` for more (a choice on shapes alone)."""
+    def run(h, weights, experts, gate_up, down):
+        if experts.numel() <= FEW_ROWS:
+            return experts_gathered(h, weights, experts, gate_up, down)
+        return many(h, weights, experts, gate_up, down)
+    run.many = many
+    return run
+
+
 def grouped_mm_supports(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `experts_grouped_mm` runs here: torch's grouped matmul takes float32, bfloat16 and
     float16 on the CPU, and bfloat16 on a CUDA device of compute capability 9.0 or later."""

@@ -83,3 +83,31 @@ def dense_attention_sdpa(q, k_rows, v_rows, positions) -> torch.Tensor:
         q.transpose(0, 1), k_rows.transpose(0, 1), v_rows.transpose(0, 1), attn_mask=visible,
         enable_gqa=q.shape[1] != k_rows.shape[1])
     return o.transpose(0, 1)
+
+
+def dense_attention_rows(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """`dense_attention` as two batched matrix products per K/V head, reading K and V where they
+    lie (no repeat per query head): for a few queries over many rows (a decode step), where a
+    fused kernel runs one block per head and leaves most of a GPU idle, a matrix product spreads
+    the rows over all of it."""
+    T, hq, dh = q.shape
+    S, hkv = k_rows.shape[0], k_rows.shape[1]
+    group = hq // hkv
+    qg = q.view(T, hkv, group, dh).permute(1, 0, 2, 3).reshape(hkv, T * group, dh)
+    logits = torch.matmul(qg, k_rows.permute(1, 2, 0)) * dh ** -0.5                   # [Hkv, T*g, S]
+    future = torch.arange(S, device=q.device)[None, :] > positions[:, None]           # [T, S]
+    logits = logits.view(hkv, T, group, S).masked_fill(future[None, :, None, :], float("-inf"))
+    weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
+    o = torch.matmul(weights.to(q.dtype).view(hkv, T * group, S), v_rows.permute(1, 0, 2))   # [Hkv, T*g, dh]
+    return o.view(hkv, T, group, dh).permute(1, 0, 2, 3).reshape(T, hq, dh)
+
+
+FEW_QUERIES = 16
+
+
+def dense_attention_fast(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """Fast mode's dense attention: the matrix-product form for a few queries, the fused kernel
+    for a chunk (a choice on shapes alone)."""
+    if q.shape[0] <= FEW_QUERIES:
+        return dense_attention_rows(q, k_rows, v_rows, positions)
+    return dense_attention_sdpa(q, k_rows, v_rows, positions)

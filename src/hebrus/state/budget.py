@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-_CPU_ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+_ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory",
+                       "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 class Refused(Exception):
@@ -17,10 +18,10 @@ class Refused(Exception):
 
 def out_of_memory(exc: BaseException) -> bool:
     """Did an allocation fail? Python's MemoryError, CUDA's OutOfMemoryError, and the plain
-    RuntimeError that torch's CPU allocator raises."""
+    RuntimeErrors that torch's CPU allocator and cuBLAS (its workspace) raise."""
     if isinstance(exc, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
         return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _CPU_ALLOCATOR_FAILURES)
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _ALLOCATOR_FAILURES)
 
 
 class MemoryBudget:
