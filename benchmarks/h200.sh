@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The CUDA route's measurements, run on the device machine from the repository root:
+#   bash benchmarks/h200.sh PART...       (writes under $OUT, default /tmp/hebrus-out)
+# PARTs: tests (GPU tests), small (bench of the small preset), qwen (bench of the 1.68B
+# Qwen3.5 shape against transformers), eager (the 1.68B shape decoding eagerly, for scale).
+# Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/hebrus-out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for part in "$@"; do
+    start=$(date +%s)
+    case $part in
+    tests)
+        timeout 420 python3 -m pytest -q -rs tests/test_cuda.py 2>&1 | tail -60 > "$out/test-cuda.txt" ;;
+    small)
+        timeout 300 python3 -m hebrus bench --model small --contexts 1024,32768 --rounds 3 \
+            --json "$out/bench-small.json" --table "$out/bench-small.md" 2>&1 | grep -v '^bench' ;;
+    qwen)
+        timeout 480 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024,8192,32768 --rounds 3 \
+            --compare-transformers --cache /tmp/shapes \
+            --json "$out/bench-qwen3.5-1.7b.json" --table "$out/bench-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    eager)
+        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
+            --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \
+            --table "$out/bench-qwen3.5-1.7b-eager-decode.md" 2>&1 | grep -v '^bench' ;;
+    *)
+        echo "unknown part $part" >&2; exit 2 ;;
+    esac
+    echo "== $part: $(( $(date +%s) - start )) s"
+done

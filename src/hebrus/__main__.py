@@ -1,0 +1,4 @@
+"""`python -m hebrus`: the same command line as `hebrus`."""
+from hebrus.cli import console
+
+console()
