@@ -250,6 +250,11 @@ def prefill_flops_per_token(model, context: int, chunk: int) -> float:
     return flops
 
 
+# untimed decode steps before the timed ones: row storage may grow on the first (the prompt filled
+# it), and each bank parity runs once from the plan and is then captured
+WARM_STEPS = 6
+
+
 def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: str) -> Point:
     """Median seconds per prefill token and per decode step for both variants. Round 0 is not
     timed: it warms both variants at this very context (allocations, kernel choices, graph
@@ -275,13 +280,14 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
             for name in names:
                 prefill[name].append(spent[name] / len(prompt))
         spent = {name: 0.0 for name in names}
-        for step in range(steps):
+        for step in range(-WARM_STEPS, steps):       # the first steps grow storage and capture graphs
             for name in (names if step % 2 == 0 else names[::-1]):
                 token = int(torch.argmax(logits[name]))
                 t = time.perf_counter()
                 logits[name] = sessions[name].feed([token])
                 _sync(model.device)
-                spent[name] += time.perf_counter() - t
+                if step >= 0:
+                    spent[name] += time.perf_counter() - t
         if r:
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
@@ -325,9 +331,9 @@ def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int,
 
 
 def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int,
-        progress=None, decode: str = "auto", compare: Path | None = None) -> dict:
+        progress=None, decode: str = "auto", compare: Path | None = None, on_point=None) -> dict:
     """The measurement, as a JSON-ready dict. `compare`: a checkpoint folder of the same weights
-    to time transformers on as well."""
+    to time transformers on as well. `on_point(report)` sees the report after each context."""
     device = model.device
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
     flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
@@ -356,15 +362,22 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
             if "error" not in hf:
                 points[-1]["prefill_speedup_over_transformers"] = hf["prefill_s_per_token"] / tx_prefill
                 points[-1]["decode_speedup_over_transformers"] = hf["decode_s_per_step"] / tx_decode
+        if on_point is not None:
+            on_point(_report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points))
         if progress is not None:
             progress(i + 1, len(contexts), f"context {context}")
+    return _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points)
+
+
+def _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points) -> dict:
+    device = model.device
     return {
         "model": label, "family": model.spec.family, "parameters": params, "device": _device_name(device),
         "dtype": str(model.dtype).removeprefix("torch."), "mode": model.mode, "torch": torch.__version__,
         "decode": model.session(decode=decode).decode,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(),
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops, "decode_steps": steps,
-        "rounds": rounds, "prefill_chunk": chunk, "points": points,
+        "rounds": rounds, "prefill_chunk": chunk, "warm_decode_steps": WARM_STEPS, "points": list(points),
     }
 
 

@@ -334,14 +334,16 @@ def _bench(args) -> int:
         if model.source is None:
             raise InvalidInput("--compare-transformers needs a checkpoint directory or a shape, not a preset")
         compare = model.source
+
+    def write(report: dict) -> None:                    # after every context: a cut-off run keeps its points
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if args.table:
+            Path(args.table).write_text(bench.table(report))
+
     report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
-                       ProgressBar("bench", unit="context"), decode=args.decode, compare=compare)
-    text = bench.table(report)
-    print(text, end="")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.table:
-        Path(args.table).write_text(text)
+                       ProgressBar("bench", unit="context"), decode=args.decode, compare=compare, on_point=write)
+    print(bench.table(report), end="")
     return 0
 
 
