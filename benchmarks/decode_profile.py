@@ -1,0 +1,53 @@
+"""Where a decode step's time goes on a GPU: per-step wall time of each decode route, the graph
+runner's counters, and a profile of a few steps (top kernels and host ops).
+    python benchmarks/decode_profile.py [--model small] [--context 1024] [--out DIR]"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+import hebrus
+from hebrus import bench
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="small")
+parser.add_argument("--context", type=int, default=1024)
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--out", default="/tmp")
+parser.add_argument("--cache", default="/tmp/shapes")
+args = parser.parse_args()
+name = args.model
+if name in bench.SHAPES:
+    name = str(bench.random_checkpoint(name, Path(args.cache) / name))
+model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
+prompt = torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()
+lines = []
+for decode in ("graph", "planned", "eager"):
+    s = model.session(decode=decode)
+    s.prefill(prompt, chunk_size=2048)
+    for t in range(8):
+        s.feed([t])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in range(args.steps):
+        s.feed([t])
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    steps = s._steps
+    extra = "" if steps is None else (f" captures={steps.captures} replays={steps.replays} "
+                                      f"uncaptured={steps.uncaptured} refused={steps.refused}")
+    lines.append(f"{decode}: {ms:.3f} ms/step{extra}")
+    print(lines[-1], flush=True)
+    if decode == "graph":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for t in range(5):
+                s.feed([t])
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        Path(args.out, f"profile-{args.model}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n\n" + host)
+Path(args.out, f"decode-{args.model}.txt").write_text("\n".join(lines) + "\n")
