@@ -192,3 +192,47 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
     for slot, t in enumerate(values):
         checks.finite(slot, [t])
     assert checks.read()[1] == {0, 1}
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 37])
+def test_fused_ops_equal_their_twins(dtype, T):
+    """Each op the CUDA fast table compiles, against the op as written on the same inputs."""
+    from hebrus.ops.cuda.fuse import fused
+    from hebrus.ops.gdn import gdn_inputs
+    from hebrus.ops.hyper import hc_head, hc_post, hc_pre
+    from hebrus.ops.moe import silu_mul
+    from hebrus.ops.norm import gated_rms_norm, rms_norm
+    from hebrus.ops.qsa import sigmoid_gated
+    from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
+    g = torch.Generator(device="cuda").manual_seed(T)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dt)
+
+    cos, sin = (t[:T] for t in rope_tables(16, 10000.0, 64, torch.float32, "cuda"))
+    n, D, f32 = 3, 32, torch.float32
+    X = r(T, n, D)
+    cases = [
+        (rms_norm, (r(T, D), r(D, dt=f32), 1e-6)),
+        (gated_rms_norm, (r(T, 4, 16), r(T, 4, 16), r(16, dt=f32), 1e-6)),
+        (gdn_inputs, (r(T, 2 * 2 * 16 + 4 * 8), r(T, 4), r(T, 4), r(3, 2 * 2 * 16 + 4 * 8),
+                      r(2 * 2 * 16 + 4 * 8, 4), -r(4, dt=f32).abs(), r(4, dt=f32), (2, 16, 4, 8))),
+        (normed_rotated, (r(T, 4, 16), r(16, dt=f32), cos, sin, 1e-6)),
+        (apply_rope, (r(T, 4, 16), cos, sin)),
+        (sigmoid_gated, (r(T, 4, 16), r(T, 4, 16))),
+        (silu_mul, (r(T, 64), r(T, 64))),
+        (hc_pre, (X, r((2 + n) * n, n * D, dt=f32), r((2 + n) * n, dt=f32), r(3, dt=f32).abs(), 20, 1e-6, 1e-6)),
+        (hc_post, (X, r(T, D), r(T, n, dt=f32), r(T, n, n, dt=f32).softmax(-1))),
+        (hc_head, (X, r(n, n * D, dt=f32), r(n, dt=f32), r(3, dt=f32).abs(), 1e-6, 1e-6)),
+    ]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for op, args in cases:
+        with torch.inference_mode():
+            want, got = op(*args), fused(op)(*args)
+        assert fused(op).failed is None, (op.__name__, fused(op).failed)
+        want, got = (w if isinstance(w, tuple) else (w,) for w in (want, got))
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, op.__name__
+            assert _rel(a.float(), b.float()) <= tolerance, op.__name__

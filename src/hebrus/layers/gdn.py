@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.conv import causal_conv
-from hebrus.ops.norm import gated_rms_norm, l2_norm
+from hebrus.ops.gdn import gdn_inputs
+from hebrus.ops.norm import accum_dtype, gated_rms_norm
 
 
 class GatedDeltaNet:
@@ -15,23 +15,19 @@ class GatedDeltaNet:
         self.w_qkv, self.w_z = w["in_proj_qkv.weight"], w["in_proj_z.weight"]
         self.w_b, self.w_a, self.w_out = w["in_proj_b.weight"], w["in_proj_a.weight"], w["out_proj.weight"]
         self.conv_w, self.norm_w = w["conv.weight"], w["norm.weight"]
-        self.neg_a = -w["A_log"].exp()
-        self.dt_bias = w["dt_bias"]
+        state = accum_dtype(self.w_qkv.dtype)        # the recurrent state's dtype
+        self.neg_a = (-w["A_log"].exp()).to(state)    # widening is exact: the same values as before
+        self.dt_bias = w["dt_bias"].to(state)
         self.hk, self.hv, self.dk, self.dv = c.gdn_key_heads, c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim
         self.eps = c.rms_norm_eps
 
-    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, delta_rule):
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S)."""
         T = h.shape[0]
-        mixed, conv_state = causal_conv(F.linear(h, self.w_qkv), conv_state, self.conv_w)
-        q, k, v = F.silu(mixed).split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        group = self.hv // self.hk
-        q = (l2_norm(q.view(T, self.hk, self.dk)) * self.dk ** -0.5).repeat_interleave(group, dim=1)
-        k = l2_norm(k.view(T, self.hk, self.dk)).repeat_interleave(group, dim=1)
-        v = v.view(T, self.hv, self.dv)
-        beta = torch.sigmoid(F.linear(h, self.w_b).to(S.dtype))
-        g = self.neg_a * F.softplus(F.linear(h, self.w_a).to(S.dtype) + self.dt_bias)
-        o, S = delta_rule(q, k, v, g, beta, S)
+        q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
+            F.linear(h, self.w_qkv), F.linear(h, self.w_b), F.linear(h, self.w_a), conv_state, self.conv_w,
+            self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
+        o, S = kernels.delta_rule(q, k, v, g, beta, S)
         z = F.linear(h, self.w_z).view(T, self.hv, self.dv)
-        o = gated_rms_norm(o.to(h.dtype), z, self.norm_w, self.eps)
+        o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return F.linear(o.flatten(1), self.w_out), conv_state, S

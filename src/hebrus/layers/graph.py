@@ -84,13 +84,14 @@ class Sublayer:
     def __init__(self, c: ModelSpec, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
         self.layer, self.kernels, self.eps = layer, kernels, c.rms_norm_eps
-        self.residual = residual(c, params, f"{p}{part}_hc")
+        self.residual = residual(c, params, f"{p}{part}_hc", kernels.fused)
         self.norm = params[f"{p}{part}_norm.weight"]
+        self.rms_norm = kernels.fused(rms_norm)
 
     def mix_in(self, X: torch.Tensor):
         """X [T, n, D] -> (normed sublayer input h [T, D], post, comb)."""
         c, post, comb = self.residual.pre(X)
-        return rms_norm(c, self.norm, self.eps), post, comb
+        return self.rms_norm(c, self.norm, self.eps), post, comb
 
     def mix_out(self, X, y, post, comb) -> torch.Tensor:
         return self.residual.post(X, y, post, comb)
@@ -112,7 +113,7 @@ class GDNMixer(Sublayer):
 
     def _step(self, pos, X, state):
         h, post, comb = self.mix_in(X)
-        y, conv_state, S = self.gdn(h, *state, self.kernels.delta_rule)
+        y, conv_state, S = self.gdn(h, *state, self.kernels)
         return self.mix_out(X, y, post, comb), (conv_state, S)
 
 
@@ -151,7 +152,7 @@ class FFN(Sublayer):
             self.moe = MixtureOfExperts(c, params, f"layers.{layer}.moe.", kernels, self.name)
             self.column, self.experts = c.moe_layers.index(layer), c.moe_experts
         elif kind == "mlp":
-            self.mlp = MLP(params, f"layers.{layer}.mlp.")
+            self.mlp = MLP(params, f"layers.{layer}.mlp.", kernels)
         else:
             raise ValueError(f"unknown feed-forward kind {kind!r}")
         self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.") if c.ple_dim else None
@@ -184,14 +185,15 @@ class FFN(Sublayer):
 class Head:
     name = "head"
 
-    def __init__(self, c: ModelSpec, params: Params):
-        self.residual = residual(c, params, "head_hc")
+    def __init__(self, c: ModelSpec, params: Params, kernels: Kernels):
+        self.residual = residual(c, params, "head_hc", kernels.fused)
         self.norm, self.eps = params["norm.weight"], c.rms_norm_eps
+        self.rms_norm = kernels.fused(rms_norm)
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
     def run(self, txn) -> None:
         X = txn.local["streams"][-1:].clone()                 # only the last position is published
-        logits = F.linear(rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
+        logits = F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
         txn.write("residual", X[0])
         txn.write("logits", logits[0])
 
@@ -210,5 +212,5 @@ def build_stages(c: ModelSpec, params: Params, kernels: Kernels) -> list:
         else:
             raise ValueError(f"unknown mixer {kind!r}")
         stages += [mixer, FFN(c, params, layer, kernels)]
-    stages.append(Head(c, params))
+    stages.append(Head(c, params, kernels))
     return stages

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hebrus.layers.kernels import unfused
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.hyper import hc_head, hc_post, hc_pre
 
@@ -14,21 +15,21 @@ from hebrus.ops.hyper import hc_head, hc_post, hc_pre
 class HyperConnection:
     """n streams mixed by learned gates and a Sinkhorn-projected stream mix (mHC)."""
 
-    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
         self.fn, self.base, self.scale = (params[f"{prefix}.{k}"] for k in ("fn", "base", "scale"))
         self.iters, self.hc_eps, self.rms_eps = s.hc_sinkhorn_iters, s.hc_eps, s.rms_norm_eps
+        self.fused = fused
 
     def pre(self, X: torch.Tensor):
         """X [T, n, D] -> (c [T, D], post [T, n], comb [T, n, n])."""
-        return hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.rms_eps)
+        return self.fused(hc_pre)(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.rms_eps)
 
-    @staticmethod
-    def post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        return hc_post(X, y, post, comb)
+    def post(self, X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return self.fused(hc_post)(X, y, post, comb)
 
     def head(self, X: torch.Tensor) -> torch.Tensor:
         """The head's single mix-down: X [T, n, D] -> h [T, D]."""
-        return hc_head(X, self.fn, self.base, self.scale, self.hc_eps, self.rms_eps)
+        return self.fused(hc_head)(X, self.fn, self.base, self.scale, self.hc_eps, self.rms_eps)
 
 
 class PlainResidual:
@@ -47,10 +48,11 @@ class PlainResidual:
         return X[:, 0]
 
 
-def residual(s: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
-    """The residual the spec names, reading its parameters under `prefix` (hyper only)."""
+def residual(s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
+    """The residual the spec names, reading its parameters under `prefix` (hyper only); `fused`
+    is the op table's (`layers.kernels`)."""
     if s.residual == "hyper":
-        return HyperConnection(s, params, prefix)
+        return HyperConnection(s, params, prefix, fused)
     if s.residual == "plain":
         return PlainResidual()
     raise ValueError(f"unknown residual {s.residual!r}")

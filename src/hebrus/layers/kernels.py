@@ -36,6 +36,11 @@ def delta_rule_batched(q, k, v, g, beta, state):
     return rule(q, k, v, g, beta, state)
 
 
+def unfused(op: Callable) -> Callable:
+    """The op as written (every table but CUDA's fast one)."""
+    return op
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     batched: bool              # True: each stage runs the whole chunk at once; False: token by token
@@ -43,6 +48,7 @@ class Kernels:
     experts: Callable          # (h, weights, experts, gate_up, down) -> y
     choose: Chooser
     attend: Callable = dense_attention    # (q, k_rows, v_rows, positions) -> o: attention over every row
+    fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
@@ -50,7 +56,8 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`). Fast
     mode of a 16-bit model on a CUDA device runs the delta rule through fla's kernels when fla is
     installed (`hebrus.ops.cuda`; their TF32 dots would not meet float32's fast bound); their
-    readable twins are `ops.gdn`."""
+    readable twins are `ops.gdn`. Fast mode on CUDA also compiles the elementwise groups the
+    layers mark (`fused`, `hebrus.ops.cuda.fuse`); the ops as written are their twins."""
     choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
         rule = delta_rule_batched
@@ -62,5 +69,10 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
             experts = experts_grouped_mm                  # no host synchronisation
         experts = experts_few_first(experts)              # a decode step: none in any dtype
-        return Kernels(True, rule, experts, choose, dense_attention_fast)
+        fuse = unfused
+        if device is not None and device.type == "cuda":
+            from hebrus.ops.cuda import fuse as cuda_fuse
+            if cuda_fuse.enabled():
+                fuse = cuda_fuse.fused
+        return Kernels(True, rule, experts, choose, dense_attention_fast, fuse)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

@@ -7,14 +7,14 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from hebrus.layers.kernels import Kernels
+from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.moe import route
+from hebrus.ops.moe import route, silu_mul
 from hebrus.ops.norm import rms_norm
 
 
-def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fused=unfused) -> torch.Tensor:
+    return F.linear(fused(silu_mul)(F.linear(h, gate), F.linear(h, up)), down)
 
 
 class MixtureOfExperts:
@@ -37,17 +37,18 @@ class MixtureOfExperts:
         routed = self.kernels.experts(h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
-        return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * _swiglu(h, *self.shared)
+        return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * _swiglu(h, *self.shared, self.kernels.fused)
 
 
 class MLP:
     """down(silu(gate(h)) ⊙ up(h))."""
 
-    def __init__(self, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels):
         self.weights = tuple(params[f"{prefix}{k}.weight"] for k in ("gate_proj", "up_proj", "down_proj"))
+        self.fused = kernels.fused
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return _swiglu(h, *self.weights)
+        return _swiglu(h, *self.weights, self.fused)
 
 
 class LayerEmbedding:

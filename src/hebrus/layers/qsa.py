@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.span import Span
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.norm import layer_norm, rms_norm
-from hebrus.ops.qsa import index_scores, select, sparse_attention
-from hebrus.ops.rope import apply_rope, rope_tables
+from hebrus.ops.norm import layer_norm
+from hebrus.ops.qsa import index_scores, select, sigmoid_gated, sparse_attention
+from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.status import Status
 
 
@@ -39,7 +39,7 @@ class Attention:
                  kernels: Kernels, indexed: bool):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
-        self.attend = kernels.attend
+        self.attend, self.fused = kernels.attend, kernels.fused
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
         self.eps = s.rms_norm_eps
@@ -54,25 +54,26 @@ class Attention:
         T, w = h.shape[0], self.w
         span = Span(start, T, h.device)
         k_rows, v_rows = rows[0], rows[1]
-        q = rms_norm(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], self.eps)
-        k = rms_norm(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], self.eps)
         cos, sin = (span.take(t) for t in self.rope)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rotate = self.fused(normed_rotated)
+        q = rotate(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
+        k = rotate(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         span.put(k_rows, k)
         span.put(v_rows, F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
         if self.indexed:
             o = self._sparse(h, span, q, k_rows, v_rows, rows[2], check_range)
         else:
             o = self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
-        gate = torch.sigmoid(F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
-        return F.linear((o * gate).flatten(1), w["o_proj.weight"])
+        gated = self.fused(sigmoid_gated)(o, F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+        return F.linear(gated.flatten(1), w["o_proj.weight"])
 
     def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
         T, w, positions = h.shape[0], self.w, span.positions
         qi = F.linear(h, w["index_q.weight"]).view(T, self.hi, self.di)
         ki = layer_norm(F.linear(h, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
         icos, isin = (span.take(t) for t in self.index_rope)
-        qi, ki = apply_rope(qi, icos, isin), apply_rope(ki, icos, isin)
+        rotate = self.fused(apply_rope)
+        qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
         span.put(index_rows, ki)
         scores = index_scores(qi, F.linear(h, w["index_w.weight"]), span.visible(index_rows))
         picked, valid = self.select(scores, span.start, positions)

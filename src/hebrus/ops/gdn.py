@@ -9,6 +9,28 @@ g, beta [T, H], state [H, dk, dv]. Both functions return (o [T, H, dv], final st
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from hebrus.ops.conv import causal_conv
+from hebrus.ops.norm import l2_norm
+
+
+def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int]):
+    """The delta rule's inputs from the mixer's projections: the causal conv over the q/k/v
+    projection, SiLU, per-head L2 norms (q also scaled by dk^-½), key heads repeated to the
+    value heads, β = σ(b) and g = −A·softplus(a + dt_bias) in the state's dtype.
+    projected [T, 2·hk·dk + hv·dv]; b, a [T, hv]; heads = (hk, dk, hv, dv)
+    -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv], conv_state)."""
+    hk, dk, hv, dv = heads
+    T = projected.shape[0]
+    mixed, conv_state = causal_conv(projected, conv_state, conv_w)
+    q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
+    group = hv // hk
+    q = (l2_norm(q.reshape(T, hk, dk)) * dk ** -0.5).repeat_interleave(group, dim=1)
+    k = l2_norm(k.reshape(T, hk, dk)).repeat_interleave(group, dim=1)
+    beta = torch.sigmoid(b.to(neg_a.dtype))
+    g = neg_a * F.softplus(a.to(neg_a.dtype) + dt_bias)
+    return q, k, v.reshape(T, hv, dv), g, beta, conv_state
 
 
 def gdn_recurrent(q, k, v, g, beta, state):

@@ -32,6 +32,11 @@ def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = Tru
     return route_weights(p, experts, normalize), experts
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle: silu(gate) ⊙ up."""
+    return F.silu(gate) * up
+
+
 def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down)

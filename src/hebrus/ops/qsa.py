@@ -111,3 +111,8 @@ def dense_attention_fast(q, k_rows, v_rows, positions) -> torch.Tensor:
     if q.shape[0] <= FEW_QUERIES:
         return dense_attention_rows(q, k_rows, v_rows, positions)
     return dense_attention_sdpa(q, k_rows, v_rows, positions)
+
+
+def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Attention's output gate: o ⊙ σ(gate)."""
+    return o * torch.sigmoid(gate)

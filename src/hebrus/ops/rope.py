@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from hebrus.ops.norm import rms_norm
+
 
 def rope_tables(dim: int, theta: float, positions: int, dtype: torch.dtype, device=None):
     """cos, sin tables [positions, dim] with inverse frequencies θ^(-2i/dim), built in float64."""
@@ -26,3 +28,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     out = rot * cos + rotated * sin
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def normed_rotated(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm per head, then the rotation: a query's or key's way into attention."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

@@ -130,14 +130,21 @@ class Completion:
         self.failed.add(slot)
 
     def first_incomplete(self) -> int | None:
-        """Slot of the first record whose work did not complete; call after the device sync."""
+        """Slot of the first record whose work did not complete; call after the device sync.
+        Work on one stream completes in order, so when nothing was marked and the last record
+        completed, so did every earlier one: one query, not one per stage."""
+        if not self.failed and self.records and _complete(self.records[-1][1]):
+            return None
         for slot, event in self.records:
-            if slot in self.failed:
+            if slot in self.failed or not _complete(event):
                 return slot
-            if event is not None:
-                try:
-                    if not event.query():
-                        return slot
-                except RuntimeError:
-                    return slot
         return None
+
+
+def _complete(event) -> bool:
+    if event is None:
+        return True
+    try:
+        return bool(event.query())
+    except RuntimeError:
+        return False

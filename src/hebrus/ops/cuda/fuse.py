@@ -1,0 +1,56 @@
+"""Pure ops compiled into fused kernels for the CUDA fast path (torch.compile: inductor writes
+one Triton kernel where eager torch launches one per elementwise step). The op itself is the
+readable twin: the compiled one computes the same function, rounded differently.
+
+A decode step is hundreds of small ops; launched one by one, even from a CUDA graph, their
+count rather than the bytes they move sets its time. An op compiles on first use for each new
+shape signature, which is why a planned step runs uncaptured before it is captured. Set
+HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and runs
+unfused from then on.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+_fused: dict[Callable, "_Fused"] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("HEBRUS_FUSE", "1") != "0"
+
+
+def fused(op: Callable) -> Callable:
+    """The compiled form of `op` (one per op, shared by every layer that runs it)."""
+    got = _fused.get(op)
+    if got is None:
+        got = _fused[op] = _Fused(op)
+    return got
+
+
+class _Fused:
+    def __init__(self, op: Callable):
+        self.op = op
+        self.compiled = torch.compile(op, fullgraph=True, dynamic=None)
+        self.failed: str | None = None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:
+                if not _compiler_failure(exc):
+                    raise
+                self.failed = f"{type(exc).__name__}: {exc}"[:500]
+                warnings.warn(f"hebrus: compiling {self.op.__name__} failed, running it unfused: {self.failed}",
+                              RuntimeWarning, stacklevel=2)
+        return self.op(*args)
+
+
+def _compiler_failure(exc: Exception) -> bool:
+    """An error of the compiler (dynamo or inductor), not of the computation it ran."""
+    module = type(exc).__module__ or ""
+    return module.startswith(("torch._dynamo", "torch._inductor"))
