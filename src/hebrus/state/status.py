@@ -70,16 +70,24 @@ class DeviceChecks:
             self._pending += tensors
             self._pending_slots += [slot] * len(tensors)
         elif tensors:
-            self._sums += torch._foreach_norm(tensors, math.inf)
-            self._sum_slots += [slot] * len(tensors)
+            self._magnitudes(tensors, [slot] * len(tensors))
+
+    def _magnitudes(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
+        """Largest magnitudes, one multi-tensor launch per dtype: the fused route takes dense
+        tensors of one dtype (any other mix falls back to a launch per tensor)."""
+        groups: dict[object, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.dtype if t.is_contiguous() else i, []).append(i)
+        for members in groups.values():
+            self._sums += torch._foreach_norm([tensors[i] for i in members], math.inf)
+            self._sum_slots += [slots[i] for i in members]
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
         inside its graph, and each replay refills the same tensor)."""
         if self._folded is None:
             if self._pending:
-                self._sums += torch._foreach_norm(self._pending, math.inf)
-                self._sum_slots += self._pending_slots
+                self._magnitudes(self._pending, self._pending_slots)
                 self._pending, self._pending_slots = [], []
             parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._sums) if group]
             self._folded = torch.cat(parts) if parts else None

@@ -18,6 +18,10 @@ import torch
 
 _fused: dict[Callable, "_Fused"] = {}
 
+# Each op is compiled once per shape signature and model dtype, and a process may hold several
+# models: allow more than the compiler's default eight versions per op before it gives up.
+RECOMPILES = 64
+
 
 def enabled() -> bool:
     return os.environ.get("HEBRUS_FUSE", "1") != "0"
@@ -33,6 +37,10 @@ def fused(op: Callable) -> Callable:
 
 class _Fused:
     def __init__(self, op: Callable):
+        import torch._dynamo
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), RECOMPILES))
         self.op = op
         self.compiled = torch.compile(op, fullgraph=True, dynamic=None)
         self.failed: str | None = None
