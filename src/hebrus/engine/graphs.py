@@ -11,8 +11,8 @@ What changes from step to step is kept on the device where the graph finds it:
   are captured again for the new storage.
 
 A replay is still one transaction. Its checks (status words, finite sums) are folded into one
-tensor inside the graph and read back once; its completion records are events recorded by the
-graph; the memory budget hears the same requests as at capture; publication is the same flip.
+tensor inside the graph and read back once; one event recorded after the replay is its
+completion record; the memory budget hears the same requests as at capture; publication is the same flip.
 Nothing is captured until each parity has run once from the plan uncaptured (this warms up
 kernels that tune themselves on first use, which must not happen during a capture). When
 faults are armed the eager runner takes the step, since injection points are host code.
@@ -74,6 +74,7 @@ class DecodeSteps:
         def replay(txn: Transaction) -> None:
             txn.restart()
             held.graph.replay()
+            txn.completion.record_replay()
             self.replays += 1
 
         finish(held.txn, replay, out)

@@ -114,25 +114,33 @@ def _fails(test, value: float) -> bool:
 
 class Completion:
     """Per-stage completion records. On CUDA each is an event; on the CPU work is synchronous,
-    so a record is complete unless something marked it otherwise. Recorded while a CUDA graph
-    is captured, an event becomes a node of the graph (an external event), re-recorded by every
-    replay."""
+    so a record is complete unless something marked it otherwise. A captured step (a CUDA
+    graph) records no event per stage: one event after each replay stands for all of them, and
+    when it has not completed the step's first stage is reported, since a graph cannot say which
+    of its stages did not finish."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.records: list[tuple[int, object]] = []
         self.failed: set[int] = set()
+        self.replay: object = None
 
     def record(self, slot: int) -> None:
         event = None
-        if self.cuda:
-            event = torch.cuda.Event(external=torch.cuda.is_current_stream_capturing())
+        if self.cuda and not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
             event.record()
         self.records.append((slot, event))
+
+    def record_replay(self) -> None:
+        """After a replay of a captured step: the one event that covers its stages."""
+        self.replay = torch.cuda.Event()
+        self.replay.record()
 
     def restart(self) -> None:
         """A replay of the same records: nothing marked incomplete yet."""
         self.failed.clear()
+        self.replay = None
 
     def mark_incomplete(self, slot: int) -> None:
         self.failed.add(slot)
@@ -141,6 +149,8 @@ class Completion:
         """Slot of the first record whose work did not complete; call after the device sync.
         Work on one stream completes in order, so when nothing was marked and the last record
         completed, so did every earlier one: one query, not one per stage."""
+        if self.replay is not None and not _complete(self.replay):
+            return self.records[0][0] if self.records else 0
         if not self.failed and self.records and _complete(self.records[-1][1]):
             return None
         for slot, event in self.records:

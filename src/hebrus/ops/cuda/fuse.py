@@ -15,6 +15,7 @@ import warnings
 from typing import Callable
 
 import torch
+import torch._dynamo
 
 _fused: dict[Callable, "_Fused"] = {}
 
@@ -37,7 +38,6 @@ def fused(op: Callable) -> Callable:
 
 class _Fused:
     def __init__(self, op: Callable):
-        import torch._dynamo
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), RECOMPILES))
