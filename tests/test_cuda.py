@@ -237,3 +237,17 @@ def test_fused_ops_equal_their_twins(dtype, T):
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, op.__name__
             assert _rel(a.float(), b.float()) <= tolerance, op.__name__
+
+
+@cuda
+@pytest.mark.parametrize("T, S", [(1, 300), (16, 300), (64, 64), (200, 1000)])
+def test_dense_attention_fast_on_cuda_matches_the_twin(T, S):
+    """Fast mode's dense attention in bfloat16 with grouped K/V heads of 256 features (the
+    1.68B shape): the row form for a few queries, the bottom-right causal chunk form for more."""
+    from hebrus.ops.qsa import dense_attention, dense_attention_fast
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = torch.randn(T, 8, 256, generator=g), torch.randn(S, 2, 256, generator=g), torch.randn(S, 2, 256, generator=g)
+    positions = torch.arange(S - T, S)
+    want = dense_attention(q.double(), k.double(), v.double(), positions)
+    got = dense_attention_fast(*(t.cuda().bfloat16() for t in (q, k, v)), positions.cuda())
+    assert _rel(got.float(), want) <= 2e-2

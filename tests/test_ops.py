@@ -263,7 +263,7 @@ def test_the_op_table_picks_kernels_by_device_and_dtype():
 def test_fused_dense_attention_equals_the_twin(dtype, tolerance, T, S):
     """One token, a first chunk (T = S), and a later chunk (positions S-T .. S-1), with 2 query
     heads per K/V head."""
-    from hebrus.ops.qsa import dense_attention, dense_attention_rows, dense_attention_sdpa
+    from hebrus.ops.qsa import dense_attention, dense_attention_chunk, dense_attention_rows, dense_attention_sdpa
     g = torch.Generator().manual_seed(T * 100 + S)
     q = torch.randn(T, 4, 8, generator=g, dtype=dtype)
     k, v = torch.randn(S, 2, 8, generator=g, dtype=dtype), torch.randn(S, 2, 8, generator=g, dtype=dtype)
@@ -271,6 +271,7 @@ def test_fused_dense_attention_equals_the_twin(dtype, tolerance, T, S):
     want = dense_attention(q, k, v, positions)
     torch.testing.assert_close(dense_attention_sdpa(q, k, v, positions), want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(dense_attention_rows(q, k, v, positions), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(dense_attention_chunk(q, k, v, positions), want, rtol=tolerance, atol=tolerance)
     # rows past every query's position are masked, whatever finite values they hold
     padded_k, padded_v = torch.cat([k, torch.randn(5, 2, 8, dtype=dtype)]), torch.cat([v, torch.zeros(5, 2, 8, dtype=dtype)])
     torch.testing.assert_close(dense_attention_rows(q, padded_k, padded_v, positions), want,

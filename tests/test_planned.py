@@ -109,3 +109,39 @@ def test_decode_is_checked(tiny, models):
     with pytest.raises(InvalidInput, match="captures CUDA graphs"):
         models["tiny"].session(decode="graph")
     assert models["tiny"].session().decode == "eager"          # auto on the CPU
+
+
+def test_a_replay_asks_the_budget_what_the_stages_asked(models):
+    """`restart` (before each graph replay) hears the stages' requests as one: it refuses under
+    exactly the budgets under which running the stages refuses."""
+    from hebrus.engine.eager import run_stages
+    from hebrus.errors import AllocationError
+    from hebrus.state.txn import Transaction
+    model = models["tiny"]
+    s = model.session(decode="planned")
+    s.feed(tokens(5))
+
+    def planned():
+        txn = Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context, planned=True)
+        txn.local["ids"] = torch.tensor([3])
+        return txn
+
+    with torch.inference_mode():
+        txn = planned()
+        run_stages(model, txn)
+        txn.restart()                                   # no limit: nothing refused
+        needed = txn._peak[0]
+        assert needed > 0
+        for limit, refused in ((s.budget.held + needed - 1, True), (s.budget.held + needed, False)):
+            s.budget.limit = limit
+            outcomes = []
+            for attempt in (txn.restart, lambda: run_stages(model, planned())):
+                try:
+                    attempt()
+                    outcomes.append(False)
+                except AllocationError:
+                    outcomes.append(True)
+            assert outcomes == [refused, refused], (limit, outcomes)
+    s.budget.limit = None
+    s.budget.begin()
+    s.feed([4])

@@ -41,6 +41,9 @@ class DecodeSteps:
     def __init__(self, model, image, budget, capture: bool):
         self.model, self.image, self.budget, self.capture = model, image, budget, capture
         self.ids = torch.zeros(1, dtype=torch.int64, device=model.device)
+        # the token goes to the device from pinned memory without stopping the host (each step
+        # reads its checks back before the next one reuses this buffer)
+        self.staged = torch.zeros(1, dtype=torch.int64, pin_memory=model.device.type == "cuda")
         self.graphs: dict[int, _Graph] = {}
         self.warm: set[int] = set()              # parities run from the plan at least once
         self.captures = 0                        # graphs captured so far (for tests and bench)
@@ -58,7 +61,8 @@ class DecodeSteps:
 
     def step(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         self.image.clean_tails()
-        self.ids.copy_(ids)
+        self.staged.copy_(ids)
+        self.ids.copy_(self.staged, non_blocking=True)
         record = self.image.public
         held = self.graphs.get(record.bank)
         if held is not None and any(a is not b for a, b in zip(held.txn.record.storages, record.storages)):

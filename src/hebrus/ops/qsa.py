@@ -8,6 +8,7 @@ k_rows, v_rows [S, Hkv, dh].
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from hebrus.ops.choose import top_k as best_k
 
@@ -105,12 +106,25 @@ def dense_attention_rows(q, k_rows, v_rows, positions) -> torch.Tensor:
 FEW_QUERIES = 16
 
 
+def dense_attention_chunk(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """`dense_attention` for a chunk: the T queries sit at the last T positions of the S rows
+    (positions S-T .. S-1), so the mask is causal aligned to the bottom right, which the fused
+    kernels take as a flag (a flash kernel on a GPU) instead of an [T, S] tensor. `positions`
+    is not read: a chunk's are known."""
+    T, S = q.shape[0], k_rows.shape[0]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_rows.transpose(0, 1)[None], v_rows.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(T, S), enable_gqa=q.shape[1] != k_rows.shape[1])
+    return o[0].transpose(0, 1)
+
+
 def dense_attention_fast(q, k_rows, v_rows, positions) -> torch.Tensor:
-    """Fast mode's dense attention: the matrix-product form for a few queries, the fused kernel
-    for a chunk (a choice on shapes alone)."""
+    """Fast mode's dense attention: the matrix-product form for a few queries (any positions:
+    a planned step looks at the whole storage), the chunk form for more (an eager chunk's
+    queries are always the last rows it sees). A choice on shapes alone."""
     if q.shape[0] <= FEW_QUERIES:
         return dense_attention_rows(q, k_rows, v_rows, positions)
-    return dense_attention_sdpa(q, k_rows, v_rows, positions)
+    return dense_attention_chunk(q, k_rows, v_rows, positions)
 
 
 def sigmoid_gated(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ class Transaction:
         self._value_bytes = 0
         self._local_bytes: dict[str, int] = {}
         self._accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
+        self._peak: tuple[int, str] | None = None           # a planned step's largest request
         self._rows_handed = False
         self._done = False
         budget.begin()
@@ -123,8 +124,9 @@ class Transaction:
 
     def restart(self) -> None:
         """Re-arm a planned transaction for a replay of its captured work at the public record
-        now (same bank parity and storage as at capture): the memory budget sees the same
-        requests, and nothing is marked failed or finished."""
+        now (same bank parity and storage as at capture): the memory budget hears the largest of
+        the requests the stages made (so it refuses exactly when one of them would be refused),
+        and nothing is marked failed or finished."""
         record = self.image.public
         same = record.bank == self.record.bank and all(a is b for a, b in zip(record.storages, self.record.storages))
         if not (self.planned and same):
@@ -132,9 +134,15 @@ class Transaction:
         self.record, self.frontier, self._done = record, record.frontier, False
         self.completion.restart()
         self.budget.begin()
-        for growth, working, stage in self._accounts:
-            self.stage = stage
-            self._account(growth, working, stage)
+        if self._peak is None:              # each stage asked for working-so-far + its growth
+            working, peak = 0, (0, "begin")
+            for growth, after, stage in self._accounts:
+                peak = max(peak, (working + growth, stage), key=lambda p: p[0])
+                working = after
+            self._peak = peak
+        needed, self.stage = self._peak
+        self._request(self.budget.admit, needed, f"the intermediates of {self.stage}")
+        self.budget.set_working(self._accounts[-1][1] if self._accounts else 0)
 
     def poison(self) -> None:
         """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
