@@ -251,3 +251,17 @@ def test_dense_attention_fast_on_cuda_matches_the_twin(T, S):
     want = dense_attention(q.double(), k.double(), v.double(), positions)
     got = dense_attention_fast(*(t.cuda().bfloat16() for t in (q, k, v)), positions.cuda())
     assert _rel(got.float(), want) <= 2e-2
+
+
+@cuda
+def test_qsa_selection_on_cuda_is_the_cpus():
+    """The indexer's top-k on the GPU picks the very rows the CPU picks from the same scores,
+    ties (made on purpose) going to the smaller row on both."""
+    from hebrus.ops.qsa import select
+    g = torch.Generator().manual_seed(5)
+    T, S, k = 40, 300, 16
+    scores = torch.randn(T, S, generator=g).round(decimals=1)       # many exact ties
+    positions = torch.arange(S - T, S)
+    cpu = select(scores, positions, k)
+    gpu = select(scores.cuda(), positions.cuda(), k)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
