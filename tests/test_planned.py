@@ -145,3 +145,18 @@ def test_a_replay_asks_the_budget_what_the_stages_asked(models):
     s.budget.limit = None
     s.budget.begin()
     s.feed([4])
+
+
+def test_storage_growth_retires_the_plan_at_once(models):
+    """An eager chunk that grows row storage drops whatever was captured for the old storage
+    (here: the warm parities; on a GPU the graphs holding the old tensors) right after it."""
+    model = models["qwen3_5"]
+    s = model.session(decode="planned")
+    s.feed(tokens(10, vocab=model.spec.vocab_size))          # 16 rows
+    s.feed([1])
+    s.feed([2])
+    assert s._steps.warm == {0, 1}
+    s.feed(tokens(10, seed=4, vocab=model.spec.vocab_size))  # eager, grows to 32 rows
+    assert s._steps.warm == set() and not s._steps.graphs
+    s.feed([3])
+    assert s._steps.uncaptured == 3

@@ -1,6 +1,6 @@
-"""Session: one conversation's state and the plain loop that runs a chunk as a transaction.
-
-    begin -> for each stage: run, injection point, seal -> validate -> publish
+"""Session: one conversation's state, and the public calls that run its chunks as transactions
+(each through a runner of `hebrus.engine`: eager for any chunk, planned or CUDA-graph steps for
+one token).
 
 Arguments are checked before anything begins; any failure after that raises a `ChunkAborted`
 and publishes nothing.
@@ -174,8 +174,12 @@ class Session:
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         if self._steps is not None and self._steps.accepts(ids):
             self._steps.step(ids, out)
-        else:
+            return
+        try:
             eager.run_chunk(self.model, self.image, self.budget, ids, out)
+        finally:
+            if self._steps is not None:
+                self._steps.retire_stale()
 
     # ---- checks (stateless ones before the lock, the rest under it) ------------------------
     def _ids(self, ids, allow_empty: bool = False) -> torch.Tensor:

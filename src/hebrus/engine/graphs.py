@@ -7,25 +7,37 @@ What changes from step to step is kept on the device where the graph finds it:
 - the token id is copied into one device buffer before each replay;
 - the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
 - appended storage cannot grow inside a graph: a step runs from the plan only when every row
-  log already holds its row, and storage that grew (in an eager chunk) retires the graphs, which
-  are captured again for the new storage.
+  log already holds its row. When an eager chunk grows storage, the graphs (and the old
+  storage they hold) are dropped at once, and each parity runs uncaptured once at the new size
+  before it is captured again.
 
-A replay is still one transaction. Its checks (status words, finite sums) are folded into one
+A replay is still one transaction. Its checks (status words, finite checks) are folded into one
 tensor inside the graph and read back once; one event recorded after the replay is its
-completion record; the memory budget hears the same requests as at capture; publication is the same flip.
-Nothing is captured until each parity has run once from the plan uncaptured (this warms up
-kernels that tune themselves on first use, which must not happen during a capture). When
-faults are armed the eager runner takes the step, since injection points are host code.
+completion record; the memory budget hears the largest request the stages made at capture;
+publication is the same flip. An error on the replay path is reported at the step's first
+stage: a graph cannot say which of its stages failed. Nothing is captured until each parity has
+run once from the plan uncaptured (this warms up kernels that tune or compile themselves on
+first use, which must not happen during a capture). Captures are serialised across the process
+and confined to their thread, so other sessions keep running meanwhile. When faults are armed
+the eager runner takes the step, since injection points are host code.
+
+The graphs' private memory pools (a few intermediates of one token per layer) are not counted
+by the session's memory budget.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from hebrus import faults
 from hebrus.engine.eager import finish, run_stages
+from hebrus.errors import ChunkAborted
+from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.txn import Transaction
+
+_CAPTURING = threading.Lock()             # one capture at a time in the process
 
 
 @dataclass
@@ -59,51 +71,64 @@ class DecodeSteps:
         record = self.image.public
         return all(storage.shape[0] > record.frontier for storage in record.storages)
 
+    def retire_stale(self) -> None:
+        """Drop graphs captured for storage the session no longer holds (after an eager chunk
+        grew it), so that storage can be freed, and warm each parity again at the new size."""
+        storages = self.image.public.storages
+        if any(any(a is not b for a, b in zip(held.txn.record.storages, storages)) for held in self.graphs.values()):
+            self.graphs.clear()
+            self.warm.clear()
+
     def step(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
-        self.image.clean_tails()
-        self.staged.copy_(ids)
-        self.ids.copy_(self.staged, non_blocking=True)
+        self.retire_stale()
         record = self.image.public
         held = self.graphs.get(record.bank)
-        if held is not None and any(a is not b for a, b in zip(held.txn.record.storages, record.storages)):
-            self.graphs.clear()                  # storage grew since capture: those addresses are gone
-            held = None
         if held is None and self.capture and self.refused is None and record.bank in self.warm:
-            held = self._capture()
+            held = self._capture(ids)
         if held is None:
-            self._uncaptured(out)
+            self._uncaptured(ids, out)
             self.warm.add(record.bank)
             return
 
         def replay(txn: Transaction) -> None:
             txn.restart()
+            self._stage(ids)
             held.graph.replay()
             txn.completion.record_replay()
             self.replays += 1
 
         finish(held.txn, replay, out)
 
-    def _uncaptured(self, out: torch.Tensor | None) -> None:
+    def _stage(self, ids: torch.Tensor) -> None:
+        """The step's inputs where the plan reads them; rows past the frontier zeroed if an
+        aborted chunk may have left anything there."""
+        self.image.clean_tails()
+        self.staged.copy_(ids)
+        self.ids.copy_(self.staged, non_blocking=True)
+
+    def _uncaptured(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         txn = self._transaction()
 
         def work(txn: Transaction) -> None:
+            self._stage(ids)
             txn.local["ids"] = self.ids
             run_stages(self.model, txn)
             self.uncaptured += 1
 
         finish(txn, work, out)
 
-    def _capture(self) -> _Graph | None:
+    def _capture(self, ids: torch.Tensor) -> _Graph | None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 txn = self._transaction()
                 txn.local["ids"] = self.ids
                 run_stages(self.model, txn)
                 txn.checks.fold()
-        except Exception as exc:                 # an op that cannot be captured: stay uncaptured
-            self.refused = f"{type(exc).__name__}: {exc}"
-            return None
+        except Exception as exc:
+            if not (out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted))):
+                self.refused = f"{type(exc).__name__}: {exc}"      # cannot be captured: stay uncaptured
+            return None                                          # short of memory now: uncaptured this time
         self.captures += 1
         held = _Graph(graph, txn)
         self.graphs[txn.record.bank] = held

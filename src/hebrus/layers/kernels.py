@@ -21,7 +21,8 @@ from hebrus.ops.qsa import dense_attention, dense_attention_fast
 
 
 class Chooser(Protocol):
-    def __call__(self, site: str, start: int, scores: torch.Tensor, k: int,
+    # `start` is a device tensor in a planned step (`layers.span`), which runs only the default
+    def __call__(self, site: str, start: int | torch.Tensor, scores: torch.Tensor, k: int,
                  ordered: bool = True) -> torch.Tensor: ...
 
 

@@ -97,8 +97,9 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
 
 def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
     """The same for a few tokens, in any dtype and with no host synchronisation: each (token,
-    choice) row gathers its expert's two matrices and all rows run as one batched product
-    (a decode step reads the chosen experts' weights whichever way it goes)."""
+    choice) row gathers a copy of its expert's two matrices and all rows run as one batched
+    product. The copy costs a write and a second read of the chosen experts' weights, which a
+    decode step reads anyway; more rows than FEW_ROWS go to a grouped runner instead."""
     T, k = experts.shape
     chosen = experts.flatten()
     x = h.repeat_interleave(k, dim=0)                                        # [T*k, D]

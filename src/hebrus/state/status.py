@@ -40,8 +40,8 @@ class DeviceChecks:
     def reset(self) -> None:
         self._status: list[torch.Tensor] = []
         self._tests: list[tuple[int, int, object]] = []      # (slot, bit, bound test)
-        self._sums: list[torch.Tensor] = []
-        self._sum_slots: list[int] = []
+        self._finite: list[torch.Tensor] = []
+        self._finite_slots: list[int] = []
         self._pending: list[torch.Tensor] = []
         self._pending_slots: list[int] = []
         self._folded: torch.Tensor | None = None
@@ -51,7 +51,10 @@ class DeviceChecks:
         self._tests.append((slot, int(bit), None))
 
     def check_range(self, slot: int, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
-        """Set `bit` unless every value lies in [lower, upper) (lower=None: no lower bound)."""
+        """Set `bit` unless every value lies in [lower, upper) (lower=None: no lower bound).
+        Values are indices: a floating-point NaN would compare as in range."""
+        if values.is_floating_point():
+            raise TypeError(f"range checks take integer indices, not {values.dtype}")
         if not values.numel():
             return
         if lower is None:
@@ -79,8 +82,10 @@ class DeviceChecks:
         for i, t in enumerate(tensors):
             groups.setdefault(t.dtype if t.is_contiguous() else i, []).append(i)
         for members in groups.values():
-            self._sums += torch._foreach_norm([tensors[i] for i in members], math.inf)
-            self._sum_slots += [slots[i] for i in members]
+            group = [tensors[i] for i in members]
+            self._finite += (torch._foreach_norm(group, math.inf) if _norm_keeps_nan(group[0].device)
+                             else [t.sum() for t in group])
+            self._finite_slots += [slots[i] for i in members]
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
@@ -89,7 +94,7 @@ class DeviceChecks:
             if self._pending:
                 self._magnitudes(self._pending, self._pending_slots)
                 self._pending, self._pending_slots = [], []
-            parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._sums) if group]
+            parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._finite) if group]
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
@@ -101,8 +106,22 @@ class DeviceChecks:
         for (slot, bit, test), value in zip(self._tests, values):
             if _fails(test, value):
                 words[slot] = words.get(slot, 0) | bit
-        sums = values[len(self._status):]
-        return words, {slot for slot, v in zip(self._sum_slots, sums) if not math.isfinite(v)}
+        finite = values[len(self._status):]
+        return words, {slot for slot, v in zip(self._finite_slots, finite) if not math.isfinite(v)}
+
+
+_KEEPS_NAN: dict[str, bool] = {}
+
+
+def _norm_keeps_nan(device: torch.device) -> bool:
+    """Whether this torch's multi-tensor ∞-norm carries a NaN through on this kind of device
+    (older CUDA builds took a plain max, which drops it); probed once per device type. Where it
+    does not, each tensor is summed instead: a NaN or Inf always makes a sum non-finite."""
+    kind = device.type
+    if kind not in _KEEPS_NAN:
+        probe = torch.tensor([1.0, float("nan"), 2.0], device=device)
+        _KEEPS_NAN[kind] = bool(torch._foreach_norm([probe], math.inf)[0].isnan())
+    return _KEEPS_NAN[kind]
 
 
 def _fails(test, value: float) -> bool:

@@ -112,8 +112,9 @@ class Transaction:
         self._writes, self._value_bytes = [], 0
 
     def seal(self) -> None:
-        """Queue the finite checks of everything this stage wrote, admit its intermediates to
-        the memory budget, and record its completion."""
+        """Queue the finite checks of everything this stage wrote, admit what it emitted and
+        wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
+        and record its completion."""
         self._writes = [t() if callable(t) else t for t in self._writes]
         self.checks.finite(self.slot, self._writes)
         working = sum(self._local_bytes.values())
@@ -143,9 +144,11 @@ class Transaction:
         needed, self.stage = self._peak
         self._request(self.budget.admit, needed, f"the intermediates of {self.stage}")
         self.budget.set_working(self._accounts[-1][1] if self._accounts else 0)
+        self.stage = self.stages[0]         # a replay's own failures: a graph cannot say which stage
 
     def poison(self) -> None:
         """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
+        self._writes = [t() if callable(t) else t for t in self._writes]
         target = next(t for t in reversed(self._writes) if t.is_floating_point() and t.numel())
         target.view(-1)[0] = float("nan")
 

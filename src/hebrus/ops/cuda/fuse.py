@@ -5,8 +5,8 @@ readable twin: the compiled one computes the same function, rounded differently.
 A decode step is hundreds of small ops; launched one by one, even from a CUDA graph, their
 count rather than the bytes they move sets its time. An op compiles on first use for each new
 shape signature, which is why a planned step runs uncaptured before it is captured. Set
-HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and runs
-unfused from then on.
+HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op runs
+unfused in this process from then on (the compiled form is shared by every model).
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ class _Fused:
             try:
                 return self.compiled(*args)
             except Exception as exc:
-                if not _compiler_failure(exc):
+                # only the compiler's own failures turn fusing off, and never one met while a
+                # CUDA graph is captured (the capture fails and the step runs uncaptured)
+                if torch.cuda.is_current_stream_capturing() or not _compiler_failure(exc):
                     raise
                 self.failed = f"{type(exc).__name__}: {exc}"[:500]
                 warnings.warn(f"hebrus: compiling {self.op.__name__} failed, running it unfused: {self.failed}",
@@ -59,6 +61,14 @@ class _Fused:
 
 
 def _compiler_failure(exc: Exception) -> bool:
-    """An error of the compiler (dynamo or inductor), not of the computation it ran."""
+    """An error of the compiler (dynamo or inductor) itself: not an error of the op it traced
+    (raised again unfused, it is the op's error), nor an allocation failure anywhere in the chain."""
+    if type(exc).__name__ == "TorchRuntimeError":
+        return False
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (MemoryError, torch.OutOfMemoryError)):
+            return False
+        cause = cause.__cause__
     module = type(exc).__module__ or ""
     return module.startswith(("torch._dynamo", "torch._inductor"))
