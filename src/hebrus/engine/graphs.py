@@ -62,6 +62,7 @@ class DecodeSteps:
         self.replays = 0                         # steps run from a captured graph
         self.uncaptured = 0                      # steps run from the plan op by op
         self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
+        self._storages = image.public.storages   # the row storage that `warm` and `graphs` belong to
 
     def accepts(self, ids: torch.Tensor) -> bool:
         """Whether this chunk can run from the plan: one token, no fault armed, and every row
@@ -75,9 +76,10 @@ class DecodeSteps:
         """Drop graphs captured for storage the session no longer holds (after an eager chunk
         grew it), so that storage can be freed, and warm each parity again at the new size."""
         storages = self.image.public.storages
-        if any(any(a is not b for a, b in zip(held.txn.record.storages, storages)) for held in self.graphs.values()):
+        if any(a is not b for a, b in zip(self._storages, storages)):
             self.graphs.clear()
             self.warm.clear()
+        self._storages = storages
 
     def step(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         self.retire_stale()
