@@ -30,7 +30,10 @@ def test_bench_writes_a_table_and_json(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [(["--batch", "8"], "batch 1 only"), (["--contexts", "1,x"], "integers"),
-                                           (["--rounds", "0"], "--rounds"), (["--contexts", "0"], "positive")])
+                                           (["--rounds", "0"], "--rounds"), (["--contexts", "0"], "positive"),
+                                           (["--decode", "graph"], "captures CUDA graphs"),
+                                           (["--mode", "exact", "--decode", "planned"], "runs exact mode"),
+                                           (["--compare-transformers"], "not a preset")])
 def test_bench_arguments_are_checked(argv, message):
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
@@ -69,3 +72,22 @@ def test_the_floor_counts_what_a_decode_step_reads(tiny):
     floor = bench.decode_bytes(tiny, 0)
     assert floor < everything - experts * (1 - s.moe_top_k / s.moe_experts) + 1     # unused experts not read
     assert bench.decode_bytes(tiny, 100) > floor                                     # K/V and index rows
+
+
+def test_bench_against_transformers_on_the_same_checkpoint(tmp_path):
+    """The planned decode route, and transformers timed on the same folder after every point."""
+    from foreign import build
+    folder, _ = build("qwen3_5", tmp_path / "q")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--model", str(folder), "--contexts", "20,40", "--decode-steps", "2", "--rounds", "1",
+            "--decode", "planned", "--compare-transformers", "--json", str(tmp_path / "r.json")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["decode"] == "planned" and report["warm_decode_steps"] == bench.WARM_STEPS
+    for point in report["points"]:
+        hf = point["transformers"]
+        assert "error" not in hf, hf
+        assert hf["prefill_s_per_token"] > 0 and hf["decode_s_per_step"] > 0
+        assert point["decode_speedup_over_transformers"] > 0
+    assert "transformers prefill tok/s" in out.getvalue()

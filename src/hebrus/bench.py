@@ -10,6 +10,7 @@ model's dtype (the roofline for prefill: `prefill_flops_per_token`).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import platform
@@ -306,6 +307,8 @@ def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int,
     except Exception as exc:                                    # not installed, or not its format
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     ids = torch.tensor([prompt], device=device)
+    # the cache's keyword: `past_key_values` until transformers 5.2x renamed it `cache`
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     prefill, decode = [], []
     with torch.inference_mode():
         for r in range(rounds + 1):
@@ -314,11 +317,11 @@ def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int,
             out = hf(ids, use_cache=True)
             _sync(device)
             spent = time.perf_counter() - t
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = out[key], out.logits[:, -1:].argmax(-1)
             t = time.perf_counter()
             for _ in range(steps):
-                out = hf(token, past_key_values=cache, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = hf(token, use_cache=True, **{key: cache})
+                cache, token = out[key], out.logits[:, -1:].argmax(-1)
                 _sync(device)
             if r:
                 prefill.append(spent / len(prompt))

@@ -320,6 +320,9 @@ def _bench(args) -> int:
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     model = _load(args)
+    model.session(decode=args.decode)                    # refuses a decode the model cannot run
+    if args.compare_transformers and model.source is None:
+        raise InvalidInput("--compare-transformers needs a checkpoint directory or a shape, not a preset")
     room = model.spec.max_context - args.decode_steps                  # the decode steps come after
     kept = [c for c in contexts if c <= room]
     for c in sorted(set(contexts) - set(kept)):
@@ -328,12 +331,7 @@ def _bench(args) -> int:
     if not kept:
         raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within the model's "
                            f"max_context {model.spec.max_context}")
-    model.session(decode=args.decode)                    # refuses a decode the model cannot run
-    compare = None
-    if args.compare_transformers:
-        if model.source is None:
-            raise InvalidInput("--compare-transformers needs a checkpoint directory or a shape, not a preset")
-        compare = model.source
+    compare = model.source if args.compare_transformers else None
 
     def write(report: dict) -> None:                    # after every context: a cut-off run keeps its points
         if args.json:
