@@ -129,6 +129,8 @@ class InPlaceSession:
 
 
 class _InPlaceContext:
+    batched = False
+
     def __init__(self, owner: InPlaceSession, ids: torch.Tensor, start):
         self.owner, self.start, self.length = owner, start, len(ids)
         self.local = {"ids": ids}
@@ -151,6 +153,9 @@ class _InPlaceContext:
 
     def emit(self, key, value):
         self.local[key] = value
+
+    def last_rows(self, X):
+        return X[-1:]
 
     def flag(self, bad, bit):
         pass

@@ -15,13 +15,13 @@ the published record and needs no lock.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
 
 from hebrus import arguments, faults
-from hebrus.engine import eager
+from hebrus.engine import batch, eager
 from hebrus.engine.graphs import DecodeSteps
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput
 from hebrus.layers.kernels import top_k_chooser
@@ -203,6 +203,55 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+def feed_many(sessions, tokens, outs=None) -> list:
+    """One token for each of several sessions of one fast-mode model, in one pass (the stages run
+    once for all of them); each session is its own transaction. Returns, per session in order,
+    its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
+    `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
+    argument is checked first; a bad one raises `InvalidInput` and changes nothing."""
+    sessions = list(sessions) if isinstance(sessions, (list, tuple)) else None
+    if not sessions or not all(isinstance(s, Session) for s in sessions):
+        raise InvalidInput("sessions must be a non-empty list of hebrus sessions")
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise InvalidInput("each session may appear once in a batch")
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
+        raise InvalidInput("the sessions of a batch must share one model object")
+    if not model.kernels.batched:
+        raise InvalidInput(f"feed_many runs fast mode; this model runs {model.mode} mode")
+    if not isinstance(tokens, (list, tuple)) or len(tokens) != len(sessions):
+        raise InvalidInput(f"tokens must be a list of {len(sessions)} token ids, one per session")
+    ids = torch.cat([s._ids([t]) for s, t in zip(sessions, tokens)])
+    outs = [None] * len(sessions) if outs is None else outs
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
+        raise InvalidInput(f"outs must be None or a list of {len(sessions)} tensors or Nones")
+    for s, out in zip(sessions, outs):
+        s._check_out(out)
+    for s in sessions:
+        s._check_faults()
+    if faults.armed():                          # injection points are the eager runner's: one at a time
+        return [_fed_alone(s, int(t), out) for s, t, out in zip(sessions, ids, outs)]
+    with ExitStack() as held:
+        for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
+            held.enter_context(s._exclusive())
+        for s in sessions:
+            s._check_room(1)
+        try:
+            with torch.inference_mode():
+                return batch.run_tokens(model, sessions, ids, list(outs))
+        finally:
+            for s in sessions:
+                if s._steps is not None:
+                    s._steps.retire_stale()
+
+
+def _fed_alone(session: Session, token: int, out):
+    try:
+        return session.feed([token], out=out)
+    except ChunkAborted as exc:
+        return exc
 
 
 def _published(exc: BaseException, count: int) -> None:

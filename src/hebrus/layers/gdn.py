@@ -21,13 +21,22 @@ class GatedDeltaNet:
         self.hk, self.hv, self.dk, self.dv = c.gdn_key_heads, c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim
         self.eps = c.rms_norm_eps
 
-    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels):
-        """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S)."""
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels,
+                 sessions: bool = False):
+        """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
+        With `sessions`, row i of h is one token of session i, whose states are conv_state[i]
+        and S[i]."""
         T = h.shape[0]
+        projected, b, a = F.linear(h, self.w_qkv), F.linear(h, self.w_b), F.linear(h, self.w_a)
+        if sessions:                              # B sequences of one token each
+            projected, b, a = projected[:, None], b[:, None], a[:, None]
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
-            F.linear(h, self.w_qkv), F.linear(h, self.w_b), F.linear(h, self.w_a), conv_state, self.conv_w,
-            self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
-        o, S = kernels.delta_rule(q, k, v, g, beta, S)
+            projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
+        if sessions:
+            runs = [kernels.delta_rule(q[i], k[i], v[i], g[i], beta[i], S[i]) for i in range(T)]
+            o, S = torch.cat([r[0] for r in runs]), torch.stack([r[1] for r in runs])
+        else:
+            o, S = kernels.delta_rule(q, k, v, g, beta, S)
         z = F.linear(h, self.w_z).view(T, self.hv, self.dv)
         o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return F.linear(o.flatten(1), self.w_out), conv_state, S

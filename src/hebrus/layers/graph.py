@@ -62,19 +62,27 @@ class PLE:
     def run(self, txn) -> None:
         ids, history = txn.local["ids"], txn.read("ple.history")
         txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
-        hashes = self.ple.hashes(ids, history)
+        if txn.batched:             # row i: one token of session i, hashed with its own history
+            hashes = [torch.cat(order) for order in zip(*(self.ple.hashes(ids[i:i + 1], history[i])
+                                                          for i in range(len(ids))))]
+        else:
+            hashes = self.ple.hashes(ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):
             txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
         ids = ids.clamp(0, self.vocab - 1)
-        ple, conv = scan(self._step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
-        txn.emit("ple", ple)
-        txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
-        txn.write("ple.conv", conv)
 
-    def _step(self, pos, ids, *rest):
-        *hashes, conv = rest
-        return self.ple(ids, hashes, conv)
+        def step(pos, ids, *rest):
+            *hashes, conv = rest
+            return self.ple(ids, hashes, conv, sessions=txn.batched)
+
+        ple, conv = scan(step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
+        txn.emit("ple", ple)
+        if txn.batched:
+            txn.write("ple.history", torch.cat([history, ids[:, None]], dim=1)[:, -self.keep:])
+        else:
+            txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
+        txn.write("ple.conv", conv)
 
 
 class Sublayer:
@@ -105,16 +113,17 @@ class GDNMixer(Sublayer):
 
     def run(self, txn) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
-        X, (conv_state, S) = scan(self._step, self.kernels.batched, txn.start, (txn.local["streams"],),
-                                  (txn.read(conv).T, txn.read(rec)))
-        txn.write(conv, conv_state.T)
+
+        def step(pos, X, state):
+            h, post, comb = self.mix_in(X)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=txn.batched)
+            return self.mix_out(X, y, post, comb), (conv_state, S)
+
+        X, (conv_state, S) = scan(step, self.kernels.batched, txn.start, (txn.local["streams"],),
+                                  (txn.read(conv).transpose(-1, -2), txn.read(rec)))
+        txn.write(conv, conv_state.transpose(-1, -2))
         txn.write(rec, S)
         txn.emit("streams", X)
-
-    def _step(self, pos, X, state):
-        h, post, comb = self.mix_in(X)
-        y, conv_state, S = self.gdn(h, *state, self.kernels)
-        return self.mix_out(X, y, post, comb), (conv_state, S)
 
 
 class AttentionMixer(Sublayer):
@@ -130,10 +139,11 @@ class AttentionMixer(Sublayer):
 
     def run(self, txn) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
+        checks = [part.check_range for part in txn.parts] if txn.batched else txn.check_range
 
         def step(pos, X, state):
             h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, pos, rows, txn.check_range), post, comb), state
+            return self.mix_out(X, self.attn(h, pos, rows, checks), post, comb), state
 
         X, _ = scan(step, self.kernels.batched, txn.start, (txn.local["streams"],), None)
         txn.emit("streams", X)
@@ -167,7 +177,8 @@ class FFN(Sublayer):
                 weights, experts = self.moe.route(h, pos)
                 txn.check_range(experts, self.experts, Status.ROUTE_RANGE)
                 experts = experts.clamp(0, self.experts - 1)
-                Span(pos, len(X), X.device).put(routes[:, self.column], experts)
+                column = [r[:, self.column] for r in routes] if txn.batched else routes[:, self.column]
+                Span(pos, len(X), X.device).put(column, experts)
                 y = self.moe(h, weights, experts)
             else:
                 y = self.mlp(h)
@@ -192,10 +203,14 @@ class Head:
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
     def run(self, txn) -> None:
-        X = txn.local["streams"][-1:].clone()                 # only the last position is published
+        X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
         logits = F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
-        txn.write("residual", X[0])
-        txn.write("logits", logits[0])
+        if txn.batched:                                       # one row per session
+            txn.write("residual", X)
+            txn.write("logits", logits)
+        else:
+            txn.write("residual", X[0])
+            txn.write("logits", logits[0])
 
 
 def build_stages(c: ModelSpec, params: Params, kernels: Kernels) -> list:

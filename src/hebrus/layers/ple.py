@@ -21,11 +21,17 @@ class PerLayerEmbedding:
     def hashes(self, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
         return ngram_buckets(ids, history, self.constants, self.buckets)
 
-    def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor):
-        """ids [T] -> (ple [T, L, P], conv_state [Kp-1, L·P])."""
+    def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor,
+                 sessions: bool = False):
+        """ids [T] -> (ple [T, L, P], conv_state [Kp-1, L·P]). With `sessions`, id i is one
+        token of session i, whose conv state is conv_state[i]."""
         e = self.unigram[ids]
         for table, bucket in zip(self.tables, hashes):
             e = e + table[bucket]
-        mixed, conv_state = causal_conv(e, conv_state, self.conv_w)
+        if sessions:
+            mixed, conv_state = causal_conv(e[:, None], conv_state, self.conv_w)
+            mixed = mixed[:, 0]
+        else:
+            mixed, conv_state = causal_conv(e, conv_state, self.conv_w)
         a = e + F.silu(mixed)
         return a.view(-1, self.layers, self.dim), conv_state

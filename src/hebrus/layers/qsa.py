@@ -50,22 +50,31 @@ class Attention:
         """h [T, D] at positions start..start+T-1 (`start` an int, or a device tensor in a
         planned step: see `layers.span`). Writes rows [start, start+T) of the row logs (k, v
         and, indexed, index), then attends over rows [0, position]. `check_range` takes the
-        device-side check that no query picked a row past its own position."""
+        device-side check that no query picked a row past its own position. For several
+        sessions' tokens (`start` a list of positions), row i of h is session i's, `rows` hold
+        one storage per session and `check_range` one check per session."""
         T, w = h.shape[0], self.w
         span = Span(start, T, h.device)
-        k_rows, v_rows = rows[0], rows[1]
+        k_rows, v_rows = rows[0], rows[1]                  # for sessions: one storage each
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
         q = rotate(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
         k = rotate(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         span.put(k_rows, k)
         span.put(v_rows, F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
-        if self.indexed:
-            o = self._sparse(h, span, q, k_rows, v_rows, rows[2], check_range)
+        if span.sessions:               # each session over its own rows; check_range is per session
+            o = torch.cat([self._attend(h[i:i + 1], span.one(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
+                           for i in range(T)])
         else:
-            o = self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
+            o = self._attend(h, span, q, rows, check_range)
         gated = self.fused(sigmoid_gated)(o, F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return F.linear(gated.flatten(1), w["o_proj.weight"])
+
+    def _attend(self, h, span, q, rows, check_range):
+        k_rows, v_rows = rows[0], rows[1]
+        if self.indexed:
+            return self._sparse(h, span, q, k_rows, v_rows, rows[2], check_range)
+        return self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
 
     def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
         T, w, positions = h.shape[0], self.w, span.positions

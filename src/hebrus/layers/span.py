@@ -16,26 +16,39 @@ import torch
 
 
 class Span:
-    """Positions start..start+length-1 of a chunk; `start` an int or a [1] int64 tensor."""
+    """Positions start..start+length-1 of a chunk; `start` an int or a [1] int64 tensor. Or,
+    for several sessions feeding one token each (`state.batch`), `start` is the list of their
+    positions: row i is session i's token, and row logs come as one storage per session."""
 
-    def __init__(self, start: int | torch.Tensor, length: int, device: torch.device):
+    def __init__(self, start: int | torch.Tensor | list[int], length: int, device: torch.device):
         self.start, self.length, self.device = start, length, device
         self.planned = isinstance(start, torch.Tensor)
+        self.sessions = isinstance(start, list)
 
     @cached_property
     def positions(self) -> torch.Tensor:
-        """[T] int64 on the device."""
+        """[T] int64 on the device (one per row)."""
+        if self.sessions:
+            return torch.tensor(self.start, dtype=torch.int64, device=self.device)
         return torch.arange(self.length, device=self.device) + self.start
+
+    def one(self, i: int) -> "Span":
+        """Session i's own span (sessions only)."""
+        return Span(self.start[i], 1, self.device)
 
     def take(self, table: torch.Tensor) -> torch.Tensor:
         """Rows of a per-position table (rotary cos/sin) at the chunk's positions."""
-        if self.planned:
+        if self.planned or self.sessions:
             return table.index_select(0, self.positions)
         return table[self.start:self.start + self.length]
 
-    def put(self, rows: torch.Tensor, value: torch.Tensor) -> None:
-        """Write the chunk's rows of a row log (or of a view of one) in place."""
-        if self.planned:
+    def put(self, rows, value: torch.Tensor) -> None:
+        """Write the chunk's rows of a row log (or of a view of one) in place; for sessions,
+        `rows` holds one per session."""
+        if self.sessions:
+            for i, (log, position) in enumerate(zip(rows, self.start)):
+                log[position:position + 1] = value[i:i + 1]
+        elif self.planned:
             rows.index_copy_(0, self.positions, value.to(rows.dtype))
         else:
             rows[self.start:self.start + self.length] = value

@@ -20,17 +20,18 @@ def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple
     projection, SiLU, per-head L2 norms (q also scaled by dk^-½), key heads repeated to the
     value heads, β = σ(b) and g = −A·softplus(a + dt_bias) in the state's dtype.
     projected [T, 2·hk·dk + hv·dv]; b, a [T, hv]; heads = (hk, dk, hv, dv)
-    -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv], conv_state)."""
+    -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv], conv_state). Leading dims before T are
+    independent sequences (conv_state [B, Kc-1, C] then)."""
     hk, dk, hv, dv = heads
-    T = projected.shape[0]
+    lead = projected.shape[:-1]
     mixed, conv_state = causal_conv(projected, conv_state, conv_w)
     q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
     group = hv // hk
-    q = (l2_norm(q.reshape(T, hk, dk)) * dk ** -0.5).repeat_interleave(group, dim=1)
-    k = l2_norm(k.reshape(T, hk, dk)).repeat_interleave(group, dim=1)
+    q = (l2_norm(q.reshape(*lead, hk, dk)) * dk ** -0.5).repeat_interleave(group, dim=-2)
+    k = l2_norm(k.reshape(*lead, hk, dk)).repeat_interleave(group, dim=-2)
     beta = torch.sigmoid(b.to(neg_a.dtype))
     g = neg_a * F.softplus(a.to(neg_a.dtype) + dt_bias)
-    return q, k, v.reshape(T, hv, dv), g, beta, conv_state
+    return q, k, v.reshape(*lead, hv, dv), g, beta, conv_state
 
 
 def gdn_recurrent(q, k, v, g, beta, state):

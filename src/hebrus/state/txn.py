@@ -60,6 +60,12 @@ class Transaction:
             self.written.add("frontier")
 
     # ---- what stages use -------------------------------------------------------------------
+    batched = False             # one session's chunk (`state.batch` holds several sessions' tokens)
+
+    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
+        """The chunk's last position, the one whose values are published: X[-1:]."""
+        return X[-1:]
+
     def read(self, name: str) -> torch.Tensor:
         """Public value of a banked owner. Never write to it."""
         return self.public[name]

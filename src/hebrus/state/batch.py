@@ -1,0 +1,72 @@
+"""Several sessions' one-token chunks in one pass, each session its own transaction.
+
+A `BatchTransaction` is what the stages see when B sessions each feed one token together: row i
+of every chunk-local tensor is session i's token, and a banked owner reads as the B sessions'
+public values stacked ([B, ...]). Underneath there is one ordinary `Transaction` per session:
+each write lands in that session's private bank, each row in that session's row log, and each
+check (finite, status) is recorded against that session alone. So one session's NaN or failed
+range check aborts that session only: the runner validates and publishes each part on its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from hebrus.state.status import Status
+from hebrus.state.txn import Transaction
+
+
+class BatchTransaction:
+    def __init__(self, parts: list[Transaction], device: torch.device):
+        self.parts = parts
+        self.starts = [p.frontier for p in parts]          # each session's position (host ints)
+        self.start = self.starts                           # what a stage's Span takes
+        self.length = 1                                    # tokens per session
+        self.local: dict[str, torch.Tensor] = {}
+        self.device = device
+        self.stage = "begin"
+
+    batched = True
+
+    # ---- what stages use -------------------------------------------------------------------
+    def read(self, name: str) -> torch.Tensor:
+        """The sessions' public values of a banked owner, stacked [B, ...] (a copy)."""
+        return torch.stack([p.read(name) for p in self.parts])
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """value [B, ...]: row i into session i's private bank."""
+        for p, v in zip(self.parts, value):
+            p.write(name, v)
+
+    def rows(self, name: str) -> list[torch.Tensor]:
+        """Each session's storage of an appended owner (grown privately as a transaction does)."""
+        return [p.rows(name) for p in self.parts]
+
+    def emit(self, key: str, value: torch.Tensor) -> None:
+        """A chunk-local result [B, ...]; each session checks and accounts for its own row."""
+        self.local[key] = value
+        for i, p in enumerate(self.parts):
+            p.emit(key, value[i:i + 1])
+
+    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+        """bad [B, ...] (row i: session i), or one value that concerns every session."""
+        for i, p in enumerate(self.parts):
+            p.flag(bad[i] if bad.dim() and bad.shape[0] == len(self.parts) else bad, bit)
+
+    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+        """values [B, ...]: row i is checked against session i."""
+        for i, p in enumerate(self.parts):
+            p.check_range(values[i:i + 1], upper, bit, lower)
+
+    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
+        """Each session's last position: every row here (one token each)."""
+        return X
+
+    # ---- what the runner uses --------------------------------------------------------------
+    def enter(self, slot: int) -> None:
+        for p in self.parts:
+            p.enter(slot)
+        self.stage = self.parts[0].stage
+
+    def seal(self) -> None:
+        for p in self.parts:
+            p.seal()

@@ -1,0 +1,143 @@
+"""Several sessions stepped together (`hebrus.feed_many`): the same results as the sessions run
+one at a time (fast mode's tolerance), each session its own transaction: one session's NaN or
+failed check aborts it alone, bad arguments change nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hebrus
+from conftest import tokens
+from foreign import build
+from hebrus.engine import batch
+from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError, StructuralError
+
+# prompt lengths: row logs start at 16 rows, so the 16-token session grows them inside the batch
+PROMPTS = (3, 15, 16, 30)
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Fast-mode models of every layer kind, in float32 and (suffix 64) float64."""
+    out = {"tiny": hebrus.load("tiny", mode="fast")}
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        folder, _ = build(family, tmp_path_factory.mktemp(family))
+        out[family] = hebrus.load(folder, mode="fast")
+    for name in list(out):
+        out[name + "64"] = out[name].with_dtype(torch.float64)
+    return out
+
+
+def _sessions(model, vocab):
+    sessions = [model.session(decode="eager") for _ in PROMPTS]
+    for i, (s, n) in enumerate(zip(sessions, PROMPTS)):
+        s.feed(tokens(n, seed=i, vocab=vocab))
+    return sessions
+
+
+def _close(a, b, what, tolerance=2e-5):
+    if not a.is_floating_point():
+        assert torch.equal(a, b), what
+        return
+    assert float((a - b).abs().max()) <= tolerance * max(float(b.abs().max()), 1.0), what
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
+def test_a_batch_equals_the_sessions_one_at_a_time(models, name, bits, tolerance):
+    """In float64 a batch is the same arithmetic up to the order of sums (a wrong state or row
+    would show as an O(1) error); in float32 these tiny random models amplify rounding, so the
+    bound is fast mode's widened one (`docs/decisions.md`)."""
+    model = models[name + ("64" if bits == 64 else "")]
+    vocab = model.spec.vocab_size
+    together, alone = _sessions(model, vocab), _sessions(model, vocab)
+    for step in range(STEPS):
+        ids = tokens(len(PROMPTS), seed=100 + step, vocab=vocab)
+        got = hebrus.feed_many(together, ids)
+        want = [s.feed([t]) for s, t in zip(alone, ids)]
+        for i, (a, b) in enumerate(zip(got, want)):
+            _close(a, b, f"step {step}, session {i}", tolerance)
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert a.frontier == b.frontier == PROMPTS[i] + STEPS
+        for spec in a.image.specs:
+            _close(a.image.value(spec.name), b.image.value(spec.name), f"session {i}, {spec.name}", tolerance)
+
+
+def test_one_sessions_nan_aborts_that_session_only(models):
+    model = models["qwen3_5"]
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    bad, vocab = 5, model.spec.vocab_size
+    params["embed.weight"][bad] = float("nan")
+    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    sessions = [poisoned.session() for _ in range(3)]
+    for i, s in enumerate(sessions):
+        s.feed([t if t != bad else bad + 1 for t in tokens(8 + i, seed=i, vocab=vocab)])
+    before = [s.digest() for s in sessions]
+    outs = [torch.full((vocab,), 7.0) for _ in sessions]
+    got = hebrus.feed_many(sessions, [1, bad, 2], outs=outs)
+    assert isinstance(got[1], NonFiniteError) and sessions[1].digest() == before[1]
+    assert torch.equal(outs[1], torch.full((vocab,), 7.0))
+    for i in (0, 2):
+        assert got[i] is outs[i] and torch.isfinite(outs[i]).all() and sessions[i].digest() != before[i]
+    assert torch.isfinite(hebrus.feed_many(sessions, [3, 4, 5])[1]).all()     # and it goes on
+
+
+def test_one_sessions_failed_check_aborts_that_session_only(models):
+    """A token id past the vocabulary that reaches the device (the boundary check bypassed)
+    sets session 1's status bit; the others publish."""
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:3]
+    before = [s.digest() for s in sessions]
+    with torch.inference_mode():
+        got = batch.run_tokens(model, sessions, torch.tensor([1, model.spec.vocab_size + 3, 2]), [None] * 3)
+    assert isinstance(got[1], DeviceStatusError) and "token_range" in str(got[1])
+    assert sessions[1].digest() == before[1]
+    assert all(isinstance(got[i], torch.Tensor) and sessions[i].digest() != before[i] for i in (0, 2))
+
+
+def test_a_failure_in_a_shared_stage_aborts_every_session(models, monkeypatch):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    before = [s.digest() for s in sessions]
+    stage = model.stages[3]
+
+    def broken(txn):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(stage, "run", broken)
+    got = hebrus.feed_many(sessions, [1, 2])
+    assert all(isinstance(g, StructuralError) and g.stage == stage.name for g in got)
+    assert [s.digest() for s in sessions] == before
+
+
+def test_armed_faults_step_the_sessions_one_at_a_time(models):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    before = sessions[0].digest()
+    with hebrus.inject(stage="head", kind="nonfinite"):
+        got = hebrus.feed_many(sessions, [1, 2])
+    assert isinstance(got[0], NonFiniteError) and sessions[0].digest() == before
+    assert isinstance(got[1], torch.Tensor)
+
+
+def test_bad_batches_are_refused_and_change_nothing(models, tiny):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    other = models["qwen3_5"].session()
+    other.feed([1])
+    before = [s.digest() for s in sessions]
+    cases = [
+        (([], []), "non-empty"),
+        (([sessions[0], sessions[0]], [1, 2]), "once"),
+        (([sessions[0], other], [1, 2]), "one model"),
+        ((sessions, [1]), "one per session"),
+        ((sessions, [1, model.spec.vocab_size]), "vocabulary"),
+        (([tiny.session()], [1]), "fast mode"),
+        ((sessions, [1, 2], [None]), "outs"),
+        ((sessions, [1, 2], [None, torch.empty(3)]), "shape"),
+    ]
+    for args, message in cases:
+        with pytest.raises(InvalidInput, match=message):
+            hebrus.feed_many(*args)
+    assert [s.digest() for s in sessions] == before
