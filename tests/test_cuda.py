@@ -265,3 +265,18 @@ def test_qsa_selection_on_cuda_is_the_cpus():
     cpu = select(scores, positions, k)
     gpu = select(scores.cuda(), positions.cuda(), k)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu))
+
+
+@cuda
+def test_fla_runs_several_sessions_tokens_at_once():
+    """A batch of sessions' single tokens through fla's fused recurrence, against the twin."""
+    fla = _fla()
+    cpu, _ = _inputs(6, 4, 64, 128, torch.bfloat16)                 # 6 "sessions" of one token
+    q, k, v, g, beta = (t[:, None] for t in cpu[:5])
+    state = torch.randn(6, 4, 64, 128, generator=torch.Generator().manual_seed(1)) * 0.1
+    rounded = [t.to(torch.bfloat16).double() if i < 3 else t.double() for i, t in enumerate((q, k, v, g, beta))]
+    want_o, want_s = gdn_recurrent(*rounded, state.double())
+    got_o, got_s = fla(*(t.cuda().to(torch.bfloat16) if i < 3 else t.cuda() for i, t in enumerate((q, k, v, g, beta))),
+                       state.cuda())
+    assert got_o.shape == want_o.shape and got_s.shape == want_s.shape
+    assert _rel(got_o, want_o) <= 3e-2 and _rel(got_s, want_s) <= 3e-2

@@ -276,3 +276,17 @@ def test_fused_dense_attention_equals_the_twin(dtype, tolerance, T, S):
     padded_k, padded_v = torch.cat([k, torch.randn(5, 2, 8, dtype=dtype)]), torch.cat([v, torch.zeros(5, 2, 8, dtype=dtype)])
     torch.testing.assert_close(dense_attention_rows(q, padded_k, padded_v, positions), want,
                                rtol=tolerance, atol=tolerance)
+
+
+def test_the_recurrence_runs_several_sequences_at_once():
+    """q [B, T, H, dk], state [B, H, dk, dv]: each sequence exactly as on its own."""
+    from hebrus.ops.gdn import gdn_recurrent
+    g = torch.Generator().manual_seed(3)
+    B, T, H, dk, dv = 3, 2, 2, 4, 5
+    q, k = torch.randn(B, T, H, dk, generator=g), torch.randn(B, T, H, dk, generator=g)
+    v, gate, beta = torch.randn(B, T, H, dv, generator=g), -torch.rand(B, T, H, generator=g), torch.rand(B, T, H, generator=g)
+    state = torch.randn(B, H, dk, dv, generator=g)
+    o, S = gdn_recurrent(q, k, v, gate, beta, state)
+    for i in range(B):
+        oi, Si = gdn_recurrent(q[i], k[i], v[i], gate[i], beta[i], state[i])
+        assert torch.equal(o[i], oi) and torch.equal(S[i], Si)

@@ -32,11 +32,9 @@ class GatedDeltaNet:
             projected, b, a = projected[:, None], b[:, None], a[:, None]
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
             projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
+        o, S = kernels.delta_rule(q, k, v, g, beta, S)          # sessions: B sequences of one token
         if sessions:
-            runs = [kernels.delta_rule(q[i], k[i], v[i], g[i], beta[i], S[i]) for i in range(T)]
-            o, S = torch.cat([r[0] for r in runs]), torch.stack([r[1] for r in runs])
-        else:
-            o, S = kernels.delta_rule(q, k, v, g, beta, S)
+            o = o[:, 0]
         z = F.linear(h, self.w_z).view(T, self.hv, self.dv)
         o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return F.linear(o.flatten(1), self.w_out), conv_state, S

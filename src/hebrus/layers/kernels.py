@@ -32,8 +32,9 @@ def top_k_chooser(site: str, start: int, scores: torch.Tensor, k: int, ordered: 
 
 
 def delta_rule_batched(q, k, v, g, beta, state):
-    """The chunked (WY) form over a chunk; the recurrence for a single token."""
-    rule = gdn_chunked if q.shape[0] > 1 else gdn_recurrent
+    """The chunked (WY) form over a chunk; the recurrence for a single token (also for several
+    sessions' single tokens: q [B, 1, H, dk])."""
+    rule = gdn_chunked if q.shape[-3] > 1 else gdn_recurrent
     return rule(q, k, v, g, beta, state)
 
 

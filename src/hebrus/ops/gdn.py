@@ -35,17 +35,19 @@ def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple
 
 
 def gdn_recurrent(q, k, v, g, beta, state):
-    """Token by token, straight from the definition."""
+    """Token by token, straight from the definition. Leading dims before T are independent
+    sequences (q [B, T, H, dk], state [B, H, dk, dv])."""
     S = state.clone()
     q, k, v, g, beta = (t.to(S.dtype) for t in (q, k, v, g, beta))
     out = []
-    for t in range(q.shape[0]):
-        S = S * torch.exp(g[t])[:, None, None]
-        recalled = (S * k[t][:, :, None]).sum(1)                       # Sᵀk  [H, dv]
-        u = beta[t][:, None] * (v[t] - recalled)
-        S = S + k[t][:, :, None] * u[:, None, :]
-        out.append((S * q[t][:, :, None]).sum(1))
-    return torch.stack(out), S
+    for t in range(q.shape[-3]):
+        qt, kt, vt = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
+        S = S * torch.exp(g[..., t, :])[..., None, None]
+        recalled = (S * kt[..., None]).sum(-2)                          # Sᵀk  [..., H, dv]
+        u = beta[..., t, :][..., None] * (vt - recalled)
+        S = S + kt[..., None] * u[..., None, :]
+        out.append((S * qt[..., None]).sum(-2))
+    return torch.stack(out, dim=-3), S
 
 
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):

@@ -18,11 +18,13 @@ def available() -> bool:
 
 
 def gdn_fla(q, k, v, g, beta, state):
+    """Also for several sequences at once: q [B, T, H, dk], state [B, H, dk, dv]."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    rule = fused_recurrent_gated_delta_rule if q.shape[0] == 1 else chunk_gated_delta_rule
-    dtype = q.dtype
+    rule = fused_recurrent_gated_delta_rule if q.shape[-3] == 1 else chunk_gated_delta_rule
+    dtype, sequences = q.dtype, q.dim() == 4
+    q, k, v, g, beta, initial = (t if sequences else t[None] for t in (q, k, v, g, beta, state))
     # by keyword: the fused recurrence takes gk and gv between g and beta
-    o, final = rule(q[None].contiguous(), k[None].to(dtype).contiguous(), v[None].to(dtype).contiguous(),
-                    g=g[None].float().contiguous(), beta=beta[None].float().contiguous(), scale=1.0,
-                    initial_state=state[None].float(), output_final_state=True)
-    return o[0], final[0].to(state.dtype)
+    o, final = rule(q.contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous(),
+                    g=g.float().contiguous(), beta=beta.float().contiguous(), scale=1.0,
+                    initial_state=initial.float(), output_final_state=True)
+    return (o, final.to(state.dtype)) if sequences else (o[0], final[0].to(state.dtype))
