@@ -7,6 +7,7 @@ import json
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+import torch
 
 import hebrus
 from hebrus import bench
@@ -29,7 +30,8 @@ def test_bench_writes_a_table_and_json(tmp_path):
     assert (tmp_path / "r.md").read_text() == out.getvalue()
 
 
-@pytest.mark.parametrize("argv, message", [(["--batch", "8"], "batch 1 only"), (["--contexts", "1,x"], "integers"),
+@pytest.mark.parametrize("argv, message", [(["--batch", "0"], "from 1 to"), (["--batch", "2,y"], "integers"),
+                                           (["--contexts", "1,x"], "integers"),
                                            (["--rounds", "0"], "--rounds"), (["--contexts", "0"], "positive"),
                                            (["--decode", "graph"], "captures CUDA graphs"),
                                            (["--mode", "exact", "--decode", "planned"], "runs exact mode"),
@@ -91,3 +93,27 @@ def test_bench_against_transformers_on_the_same_checkpoint(tmp_path):
         assert hf["prefill_s_per_token"] > 0 and hf["decode_s_per_step"] > 0
         assert point["decode_speedup_over_transformers"] > 0
     assert "transformers prefill tok/s" in out.getvalue()
+
+
+def test_bench_measures_sessions_decoding_together(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--model", "tiny", "--contexts", "16", "--batch", "1,3", "--decode-steps", "2",
+            "--rounds", "1", "--json", str(tmp_path / "r.json")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    one, three = json.loads((tmp_path / "r.json").read_text())["points"]
+    assert (one["batch"], three["batch"]) == (1, 3)
+    assert "prefill_tokens_per_s" in one and "prefill_tokens_per_s" not in three
+    assert three["decode_tokens_per_s"] > 0 and three["decode_ratio_transactional_over_in_place"] > 0
+    assert three["decode_floor_ms_per_step"] > one["decode_floor_ms_per_step"]      # three sessions' state
+
+
+def test_the_in_place_batch_computes_what_feed_many_computes(tiny_fast):
+    sessions = [tiny_fast.session() for _ in range(3)]
+    inplace = [bench.InPlaceSession(tiny_fast) for _ in range(3)]
+    for i, (s, p) in enumerate(zip(sessions, inplace)):
+        s.feed([1 + i, 2, 3])
+        p.feed([1 + i, 2, 3])
+    got = bench.InPlaceBatch(inplace).feed([4, 5, 6])
+    want = torch.stack(hebrus.feed_many(sessions, [4, 5, 6]))
+    assert torch.equal(got, want)

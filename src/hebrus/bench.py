@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from hebrus.errors import InvalidInput
-from hebrus.state.image import Image
+from hebrus.state.image import Image, Published
 from hebrus.state.owners import BANKED
 
 # A Qwen3.5-shaped model of 1.68B parameters (3.37 GB in bfloat16), made with random weights and
@@ -44,7 +44,7 @@ SHAPES = {
 @dataclass
 class Point:
     context: int
-    prefill_s_per_token: dict[str, float]
+    prefill_s_per_token: dict[str, float] | None     # None for a batch: prefill is not batched yet
     decode_s_per_step: dict[str, float]
 
 
@@ -128,6 +128,56 @@ class InPlaceSession:
             self.graph.replay()
 
 
+class InPlaceBatch:
+    """In-place sessions stepped together, one token each: the batched pass of `feed_many` with
+    every write in place (measurement only)."""
+
+    def __init__(self, sessions: list[InPlaceSession]):
+        self.sessions, self.model = sessions, sessions[0].model
+
+    def feed(self, tokens) -> torch.Tensor:
+        ids = torch.as_tensor(tokens, dtype=torch.int64, device=self.model.device)
+        ctx = _InPlaceBatchContext(self.sessions, ids)
+        with torch.inference_mode():
+            for stage in self.model.stages:
+                stage.run(ctx)
+        for s in self.sessions:
+            s.frontier += 1
+            s.bank["frontier"].fill_(s.frontier)
+        return torch.stack([s.bank["logits"] for s in self.sessions])
+
+
+class _InPlaceBatchContext:
+    batched = True
+
+    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor):
+        self.parts = [_InPlaceContext(s, ids[i:i + 1], s.frontier) for i, s in enumerate(sessions)]
+        self.start, self.length = [s.frontier for s in sessions], 1
+        self.local = {"ids": ids}
+
+    def read(self, name):
+        return torch.stack([p.read(name) for p in self.parts])
+
+    def write(self, name, value):
+        for p, v in zip(self.parts, value):
+            p.write(name, v)
+
+    def rows(self, name):
+        return [p.rows(name) for p in self.parts]
+
+    def emit(self, key, value):
+        self.local[key] = value
+
+    def last_rows(self, X):
+        return X
+
+    def flag(self, bad, bit):
+        pass
+
+    def check_range(self, values, upper, bit, lower=0):
+        pass
+
+
 class _InPlaceContext:
     batched = False
 
@@ -199,35 +249,37 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n ** 3 / min(times)
 
 
-def _active_weights(model) -> tuple[int, int, int]:
-    """(bytes a token reads of the weights, elements it multiplies in the body, elements of the
-    output head): routed experts count top_k of E, the input embedding one row, the head once."""
+def _active_weights(model, batch: int = 1) -> tuple[int, int, int]:
+    """(bytes a step of `batch` tokens reads of the weights, elements a token multiplies in the
+    body, elements of the output head): routed experts count top_k of E per token (at most all
+    E for a batch), the input embedding one row a token, the head once."""
     s = model.spec
     read = body = 0
     head = s.vocab_size * s.hidden_size
     for name, p in model.named_parameters():
         share = s.moe_top_k / s.moe_experts if ".moe.experts." in name else 1.0
         if name == "embed.weight":
-            read += s.hidden_size * p.element_size() if not s.tie_embeddings else 0   # the head reads it
+            read += batch * s.hidden_size * p.element_size() if not s.tie_embeddings else 0   # the head reads it
             continue
-        if name.startswith(("ple.unigram.", "ple.ngram.")):                          # one row looked up
-            read += p.shape[-1] * p.element_size()
+        if name.startswith(("ple.unigram.", "ple.ngram.")):                                  # one row looked up
+            read += batch * p.shape[-1] * p.element_size()
             continue
-        if name == "lm_head.weight":                                                  # counted as the head
+        if name == "lm_head.weight":                                                          # counted as the head
             continue
-        read += int(p.numel() * p.element_size() * share)
+        read += int(p.numel() * p.element_size() * min(1.0, share * batch))
         body += int(p.numel() * share)
     itemsize = model.dtype.itemsize
     return read + head * itemsize, body, head
 
 
-def decode_bytes(model, context: int) -> int:
+def decode_bytes(model, context: int, batch: int = 1) -> int:
     """Bytes a decode step must read at `context`: the weights a token uses (top_k of the routed
     experts, one row of an untied input embedding, the output head), the banked state, and of the
     appended rows those attention reads: every K/V row of dense attention, every index key and
-    top_k K/V rows of sparse attention; routes are written, not read."""
+    top_k K/V rows of sparse attention; routes are written, not read. A batch of sessions reads
+    the weights once (the experts any of its tokens chose) and each session's state."""
     s = model.spec
-    weights = _active_weights(model)[0]
+    weights = _active_weights(model, batch)[0]
     state = 0
     for o in model.owners:
         if o.kind == BANKED:
@@ -236,7 +288,7 @@ def decode_bytes(model, context: int) -> int:
             state += o.nbytes * min(s.top_k, context)
         elif o.name != "routes":
             state += o.nbytes * context
-    return weights + state
+    return weights + batch * state
 
 
 def prefill_flops_per_token(model, context: int, chunk: int) -> float:
@@ -261,11 +313,35 @@ def prefill_flops_per_token(model, context: int, chunk: int) -> float:
 WARM_STEPS = 6
 
 
-def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: str) -> Point:
+def _copies(first, count: int, make):
+    """`first` and count-1 sessions made by `make()` holding a copy of its published state (so
+    a batch's sessions need one prefill): a measurement shortcut, never a product path."""
+    out = [first]
+    for _ in range(count - 1):
+        other = make()
+        if isinstance(first, InPlaceSession):
+            for name, value in first.bank.items():
+                other.bank[name].copy_(value)
+            other.storages = [st.clone() for st in first.storages]
+            other.frontier = first.frontier
+        else:
+            record = first.image.public
+            for spec in first.image.banked:
+                other.image.banks[record.bank][spec.name].copy_(first.image.banks[record.bank][spec.name])
+            other.image.publish(Published(record.bank, record.frontier, tuple(st.clone() for st in record.storages)))
+        out.append(other)
+    return out
+
+
+def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: str, batch: int = 1) -> Point:
     """Median seconds per prefill token and per decode step for both variants. Round 0 is not
     timed: it warms both variants at this very context (allocations, kernel choices, graph
     captures), so no variant pays first-use costs inside a timed round; the variants alternate
-    who goes first."""
+    who goes first. With `batch` > 1, each variant decodes that many sessions together (copies
+    of one prefilled session; `hebrus.feed_many` against `InPlaceBatch`), and prefill is not
+    reported: it is not batched yet."""
+    if batch > 1:
+        return _batch_point(model, prompt, steps, rounds, chunk, batch)
     graphs = model.session(decode=how).decode == "graph"
     variants = {"transactional": lambda: model.session(decode=how),
                 "in-place": lambda: InPlaceSession(model, graphs=graphs)}
@@ -299,6 +375,35 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
                 decode[name].append(spent[name] / max(steps, 1))
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
                  {n: statistics.median(v) for n, v in decode.items()})
+
+
+def _batch_point(model, prompt, steps, rounds, chunk, batch) -> Point:
+    from hebrus.session import feed_many
+    decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
+    for r in range(rounds + 1):
+        first, inplace = model.session(decode="eager"), InPlaceSession(model)
+        for begin in range(0, len(prompt), chunk):
+            logits = first.feed(prompt[begin:begin + chunk])
+            inplace.feed(prompt[begin:begin + chunk])
+        sessions = _copies(first, batch, lambda: model.session(decode="eager"))
+        group = InPlaceBatch(_copies(inplace, batch, lambda: InPlaceSession(model)))
+        steppers = {"transactional": lambda tokens: torch.stack(feed_many(sessions, tokens)),
+                    "in-place": group.feed}
+        names = list(steppers)[::-1] if r % 2 else list(steppers)
+        last = {name: logits.expand(batch, -1) for name in names}
+        spent = {name: 0.0 for name in names}
+        for step in range(-WARM_STEPS, steps):
+            for name in (names if step % 2 == 0 else names[::-1]):
+                tokens = torch.argmax(last[name], dim=-1).tolist()
+                t = time.perf_counter()
+                last[name] = steppers[name](tokens)
+                _sync(model.device)
+                if step >= 0:
+                    spent[name] += time.perf_counter() - t
+        if r:
+            for name in names:
+                decode[name].append(spent[name] / max(steps, 1))
+    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()})
 
 
 def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int, device: torch.device,
@@ -339,47 +444,59 @@ def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int,
 
 
 def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int,
-        progress=None, decode: str = "auto", compare: Path | None = None, on_point=None) -> dict:
-    """The measurement, as a JSON-ready dict. `compare`: a checkpoint folder of the same weights
-    to time transformers on as well. `on_point(report)` sees the report after each context."""
+        progress=None, decode: str = "auto", compare: Path | None = None, on_point=None,
+        batches: tuple[int, ...] = (1,)) -> dict:
+    """The measurement, as a JSON-ready dict: a point per context and batch size. `compare`: a
+    checkpoint folder of the same weights to time transformers on as well (batch 1).
+    `on_point(report)` sees the report after each point."""
     device = model.device
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
     flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
     params = sum(p.numel() for _, p in model.named_parameters())
     gen = torch.Generator().manual_seed(0)
+    prompts = {c: torch.randint(0, model.spec.vocab_size, (c,), generator=gen).tolist() for c in contexts}
     points = []
-    for i, context in enumerate(contexts):
-        prompt = torch.randint(0, model.spec.vocab_size, (context,), generator=gen).tolist()
-        point = _point(model, prompt, steps, rounds, chunk, decode)
-        floor = decode_bytes(model, context) / bandwidth
-        roofline = flops / prefill_flops_per_token(model, context, chunk)             # tokens per second
+
+    def report() -> dict:
+        return _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points)
+
+    todo = [(c, b) for c in contexts for b in batches]
+    for i, (context, batch) in enumerate(todo):
+        point = _point(model, prompts[context], steps, rounds, chunk, decode, batch)
+        floor = decode_bytes(model, context, batch) / bandwidth
         tx_decode, ip_decode = point.decode_s_per_step["transactional"], point.decode_s_per_step["in-place"]
-        tx_prefill, ip_prefill = point.prefill_s_per_token["transactional"], point.prefill_s_per_token["in-place"]
-        points.append({
-            "context": context, "batch": 1,
-            "prefill_tokens_per_s": 1 / tx_prefill, "prefill_in_place_tokens_per_s": 1 / ip_prefill,
-            "prefill_ratio_transactional_over_in_place": tx_prefill / ip_prefill,
-            "prefill_roofline_tokens_per_s": roofline, "prefill_fraction_of_roofline": (1 / tx_prefill) / roofline,
+        entry = {
+            "context": context, "batch": batch,
             "decode_ms_per_step": tx_decode * 1e3, "decode_in_place_ms_per_step": ip_decode * 1e3,
+            "decode_tokens_per_s": batch / tx_decode,
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,
-        })
+        }
+        if point.prefill_s_per_token is not None:
+            roofline = flops / prefill_flops_per_token(model, context, chunk)             # tokens per second
+            tx_prefill, ip_prefill = point.prefill_s_per_token["transactional"], point.prefill_s_per_token["in-place"]
+            entry.update({
+                "prefill_tokens_per_s": 1 / tx_prefill, "prefill_in_place_tokens_per_s": 1 / ip_prefill,
+                "prefill_ratio_transactional_over_in_place": tx_prefill / ip_prefill,
+                "prefill_roofline_tokens_per_s": roofline, "prefill_fraction_of_roofline": (1 / tx_prefill) / roofline,
+            })
+        points.append(entry)
         if on_point is not None:
-            on_point(_report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points))
+            on_point(report())
         if progress is not None:
-            progress(i + 1, len(contexts), f"context {context}")
+            progress(i + 1, len(todo), f"context {context}, batch {batch}")
     if compare is not None:          # after every hebrus point: its second copy of the weights affects nothing
-        gen = torch.Generator().manual_seed(0)
         for point in points:
-            prompt = torch.randint(0, model.spec.vocab_size, (point["context"],), generator=gen).tolist()
-            hf = transformers_point(compare, prompt, steps, rounds, device, model.dtype)
+            if point["batch"] != 1:
+                continue
+            hf = transformers_point(compare, prompts[point["context"]], steps, rounds, device, model.dtype)
             point["transformers"] = hf
             if "error" not in hf:
                 point["prefill_speedup_over_transformers"] = hf["prefill_s_per_token"] * point["prefill_tokens_per_s"]
                 point["decode_speedup_over_transformers"] = hf["decode_s_per_step"] * 1e3 / point["decode_ms_per_step"]
             if on_point is not None:
-                on_point(_report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points))
-    return _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points)
+                on_point(report())
+    return report()
 
 
 def _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode, points) -> dict:
@@ -407,15 +524,17 @@ def table(report: dict) -> str:
         "",
     ]
     compared = any("transformers" in p for p in report["points"])
-    head = ("| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | tx / in-place "
-            "| floor ms | of floor |")
+    head = ("| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | decode tok/s "
+            "| tx / in-place | floor ms | of floor |")
     if compared:
         head += " transformers prefill tok/s | decode ms/step | speed-up prefill | decode |"
     lines += [head, "|" + " ---: |" * (head.count("|") - 1)]
     for p in report["points"]:
-        line = (f"| {p['context']} | {p['batch']} | {p['prefill_tokens_per_s']:,.0f} | "
-                f"{p['prefill_ratio_transactional_over_in_place']:.3f} | {p['prefill_fraction_of_roofline']:.1%} | "
-                f"{p['decode_ms_per_step']:.2f} | {p['decode_ratio_transactional_over_in_place']:.3f} | "
+        prefill = (f"{p['prefill_tokens_per_s']:,.0f} | {p['prefill_ratio_transactional_over_in_place']:.3f} | "
+                   f"{p['prefill_fraction_of_roofline']:.1%}" if "prefill_tokens_per_s" in p else "– | – | –")
+        line = (f"| {p['context']} | {p['batch']} | {prefill} | {p['decode_ms_per_step']:.2f} | "
+                f"{p.get('decode_tokens_per_s', p['batch'] * 1e3 / p['decode_ms_per_step']):,.0f} | "
+                f"{p['decode_ratio_transactional_over_in_place']:.3f} | "
                 f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} |")
         hf = p.get("transformers")
         if hf is not None and "error" not in hf:

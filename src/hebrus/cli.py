@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", default="1024,32768",
                        help="comma-separated prompt lengths; those that leave no room for the decode steps "
                             "within the model's max_context are skipped (default 1024,32768)")
-    bench.add_argument("--batch", type=int, default=1, help="sessions per step; this version measures 1 (default 1)")
+    bench.add_argument("--batch", default="1",
+                       help="comma-separated numbers of sessions decoding together (hebrus.feed_many; eager "
+                            "steps, prefill not batched and not reported above 1) (default 1)")
     bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
     bench.add_argument("--rounds", type=int, default=3,
                        help="timed rounds after one untimed warm-up round at each context; medians are reported "
@@ -298,6 +300,9 @@ def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()
     console.print(table)
 
 
+MAX_BATCH = 1024
+
+
 def _bench(args) -> int:
     import torch
 
@@ -306,9 +311,12 @@ def _bench(args) -> int:
     for name in ("decode_steps", "rounds", "chunk"):
         if getattr(args, name) < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
-    if args.batch != 1:
-        raise InvalidInput(f"--batch {args.batch}: this version measures batch 1 only (sessions are not "
-                           f"yet stepped together)")
+    try:
+        batches = tuple(int(b) for b in args.batch.split(","))
+    except ValueError:
+        raise InvalidInput(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    if not batches or min(batches) < 1 or max(batches) > MAX_BATCH:
+        raise InvalidInput(f"--batch takes sizes from 1 to {MAX_BATCH}")
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:
@@ -340,7 +348,8 @@ def _bench(args) -> int:
             Path(args.table).write_text(bench.table(report))
 
     report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
-                       ProgressBar("bench", unit="context"), decode=args.decode, compare=compare, on_point=write)
+                       ProgressBar("bench", unit="point"), decode=args.decode, compare=compare, on_point=write,
+                       batches=batches)
     print(bench.table(report), end="")
     return 0
 

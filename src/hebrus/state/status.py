@@ -98,10 +98,12 @@ class DeviceChecks:
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
-    def read(self) -> tuple[dict[int, int], set[int]]:
-        """One device-to-host transfer -> ({slot: status word}, {slots with a non-finite write})."""
-        folded = self.fold()
-        values = folded.tolist() if folded is not None else []
+    def read(self, values: list[float] | None = None) -> tuple[dict[int, int], set[int]]:
+        """One device-to-host transfer -> ({slot: status word}, {slots with a non-finite write}).
+        `values`: the folded tensor already brought back (several transactions read together)."""
+        if values is None:
+            folded = self.fold()
+            values = folded.tolist() if folded is not None else []
         words: dict[int, int] = {}
         for (slot, bit, test), value in zip(self._tests, values):
             if _fails(test, value):

@@ -158,12 +158,14 @@ class Transaction:
         target = next(t for t in reversed(self._writes) if t.is_floating_point() and t.numel())
         target.view(-1)[0] = float("nan")
 
-    def validate(self) -> None:
+    def validate(self, values: list[float] | None = None) -> None:
+        """Raise the failure of the earliest failing stage, if any. `values`: this transaction's
+        folded checks, when a batch brought several transactions' back in one transfer."""
         missing = [s.name for s in self.image.banked if s.name not in self.written]
         if missing:
             raise StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
         try:
-            words, nonfinite = self.checks.read()                    # the one host sync
+            words, nonfinite = self.checks.read(values)              # the one host sync
         except Exception as exc:
             if out_of_memory(exc):
                 raise AllocationError("validate", f"{type(exc).__name__}: {exc}") from exc
