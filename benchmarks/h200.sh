@@ -2,7 +2,9 @@
 # The CUDA route's measurements, run on the device machine from the repository root:
 #   bash benchmarks/h200.sh PART...       (writes under $OUT, default /tmp/hebrus-out)
 # PARTs: tests (GPU tests), small (bench of the small preset), qwen (bench of the 1.68B
-# Qwen3.5 shape against transformers), eager (the 1.68B shape decoding eagerly, for scale).
+# Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 8 and 64
+# at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), eager (the 1.68B
+# shape decoding eagerly, for scale).
 # Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -22,6 +24,13 @@ for part in "$@"; do
         timeout 480 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024,8192,32768 --rounds 3 \
             --compare-transformers --cache /tmp/shapes \
             --json "$out/bench-qwen3.5-1.7b.json" --table "$out/bench-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    batch)
+        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --batch 8,64 --rounds 2 \
+            --decode-steps 16 --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-batch-1k.json" \
+            --table "$out/bench-qwen3.5-1.7b-batch-1k.md" 2>&1 | grep -v '^bench'
+        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 32768 --batch 8 --rounds 2 \
+            --decode-steps 16 --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-batch-32k.json" \
+            --table "$out/bench-qwen3.5-1.7b-batch-32k.md" 2>&1 | grep -v '^bench' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \
