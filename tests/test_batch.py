@@ -136,8 +136,76 @@ def test_bad_batches_are_refused_and_change_nothing(models, tiny):
         (([tiny.session()], [1]), "fast mode"),
         ((sessions, [1, 2], [None]), "outs"),
         ((sessions, [1, 2], [None, torch.empty(3)]), "shape"),
+        ((sessions, [1, 2], [torch.empty(model.spec.vocab_size)] * 2), "share memory"),
+        ((sessions, torch.tensor([[1, 2]])), "token ids"),
     ]
     for args, message in cases:
         with pytest.raises(InvalidInput, match=message):
             hebrus.feed_many(*args)
     assert [s.digest() for s in sessions] == before
+
+
+def test_tokens_may_be_a_tensor_and_outs_a_tuple(models):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    outs = (torch.empty(model.spec.vocab_size), None)
+    got = hebrus.feed_many(sessions, torch.tensor([4, 5]), outs)
+    assert got[0] is outs[0] and isinstance(got[1], torch.Tensor)
+
+
+def test_a_budget_refusal_drops_that_session_alone(models):
+    """A session whose budget cannot hold the row storage its next token needs gets the
+    AllocationError; the others publish."""
+    from hebrus.errors import AllocationError
+    model = models["tiny"]
+    vocab = model.spec.vocab_size
+    starved = model.session()
+    starved.feed(tokens(16, vocab=vocab))                    # 16 rows: the next token doubles them
+    growth = sum(16 * spec.nbytes for spec in starved.image.appended)
+    starved.budget.limit = starved.budget.held + growth - 1  # room for a token's values, not the rows
+    fine = _sessions(model, vocab)[:2]
+    before = [s.digest() for s in (fine[0], starved, fine[1])]
+    got = hebrus.feed_many([fine[0], starved, fine[1]], [1, 2, 3])
+    assert isinstance(got[1], AllocationError) and "rows" in str(got[1]) and starved.digest() == before[1]
+    assert isinstance(got[0], torch.Tensor) and isinstance(got[2], torch.Tensor)
+    assert fine[0].digest() != before[0] and fine[1].digest() != before[2]
+
+
+def test_with_a_fault_armed_a_full_session_is_refused_before_anything_runs(models, tiny):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    full = model.session()
+    full.prefill(tokens(model.spec.max_context), chunk_size=256)
+    before = [s.digest() for s in sessions]
+    with hebrus.inject(stage="head", kind="status"):
+        with pytest.raises(InvalidInput, match="context limit"):
+            hebrus.feed_many([*sessions, full], [1, 2, 3])
+    assert [s.digest() for s in sessions] == before
+
+
+def test_a_signal_during_publication_lands_after_every_session_published(models, monkeypatch):
+    import os
+    import signal
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:3]
+    before = [s.digest() for s in sessions]
+    publish, sent = batch._publish, []
+
+    def publish_and_signal(*args):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return publish(*args)
+
+    def late(signum, frame):
+        raise RuntimeError("late signal")
+
+    monkeypatch.setattr(batch, "_publish", publish_and_signal)
+    previous = signal.signal(signal.SIGUSR1, late)
+    try:
+        with pytest.raises(RuntimeError, match="late signal") as raised:
+            hebrus.feed_many(sessions, [1, 2, 3])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert all(isinstance(r, torch.Tensor) for r in raised.value.results)
+    assert all(s.digest() != b for s, b in zip(sessions, before))

@@ -210,7 +210,9 @@ def feed_many(sessions, tokens, outs=None) -> list:
     once for all of them); each session is its own transaction. Returns, per session in order,
     its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
     `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
-    argument is checked first; a bad one raises `InvalidInput` and changes nothing."""
+    argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
+    that arrives while the sessions publish is delivered once they all have; its exception
+    carries `.results`, the list above."""
     sessions = list(sessions) if isinstance(sessions, (list, tuple)) else None
     if not sessions or not all(isinstance(s, Session) for s in sessions):
         raise InvalidInput("sessions must be a non-empty list of hebrus sessions")
@@ -221,18 +223,21 @@ def feed_many(sessions, tokens, outs=None) -> list:
         raise InvalidInput("the sessions of a batch must share one model object")
     if not model.kernels.batched:
         raise InvalidInput(f"feed_many runs fast mode; this model runs {model.mode} mode")
-    if not isinstance(tokens, (list, tuple)) or len(tokens) != len(sessions):
-        raise InvalidInput(f"tokens must be a list of {len(sessions)} token ids, one per session")
-    ids = torch.cat([s._ids([t]) for s, t in zip(sessions, tokens)])
-    outs = [None] * len(sessions) if outs is None else outs
-    if not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
+    ids = arguments.in_vocabulary(arguments.token_ids(tokens, len(sessions)), model.spec.vocab_size)
+    if len(ids) != len(sessions):
+        raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
+    if outs is None:
+        outs = [None] * len(sessions)
+    elif not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
         raise InvalidInput(f"outs must be None or a list of {len(sessions)} tensors or Nones")
+    outs = list(outs)                           # checked and used from this copy only
     for s, out in zip(sessions, outs):
         s._check_out(out)
+    given = [o for o in outs if o is not None]
+    if len({o.untyped_storage().data_ptr() for o in given}) != len(given):
+        raise InvalidInput("outs must not share memory: each session's logits need their own tensor")
     for s in sessions:
         s._check_faults()
-    if faults.armed():                          # injection points are the eager runner's: one at a time
-        return [_fed_alone(s, int(t), out) for s, t, out in zip(sessions, ids, outs)]
     with ExitStack() as held:
         for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
             held.enter_context(s._exclusive())
@@ -240,16 +245,19 @@ def feed_many(sessions, tokens, outs=None) -> list:
             s._check_room(1)
         try:
             with torch.inference_mode():
-                return batch.run_tokens(model, sessions, ids, list(outs))
+                if faults.armed():              # injection points are the eager runner's: one at a time
+                    return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
+                return batch.run_tokens(model, sessions, ids, outs)
         finally:
             for s in sessions:
                 if s._steps is not None:
                     s._steps.retire_stale()
 
 
-def _fed_alone(session: Session, token: int, out):
+def _fed_alone(session: Session, ids: torch.Tensor, out):
+    """One session's token through its own runner (the caller holds its lock)."""
     try:
-        return session.feed([token], out=out)
+        return session._transact(ids, out)
     except ChunkAborted as exc:
         return exc
 

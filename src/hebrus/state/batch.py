@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hebrus.errors import ChunkAborted
 from hebrus.state.status import Status
 from hebrus.state.txn import Transaction
 
@@ -24,6 +25,7 @@ class BatchTransaction:
         self.local: dict[str, torch.Tensor] = {}
         self.device = device
         self.stage = "begin"
+        self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
     batched = True
 
@@ -68,5 +70,12 @@ class BatchTransaction:
         self.stage = self.parts[0].stage
 
     def seal(self) -> None:
-        for p in self.parts:
-            p.seal()
+        """Each session's seal; one whose memory budget refuses its share fails alone (its rows
+        are still computed with the others', then dropped)."""
+        for i, p in enumerate(self.parts):
+            if i in self.failed:
+                continue
+            try:
+                p.seal()
+            except ChunkAborted as exc:
+                self.failed[i] = exc
