@@ -26,6 +26,18 @@ def tiny_fast(tiny):
 
 
 @pytest.fixture(scope="session")
+def fast_models(tmp_path_factory):
+    """Fast-mode models covering every mixer and feed-forward kind and both residuals: the tiny
+    preset and tiny random Qwen3.5 and Qwen3.5-MoE checkpoints."""
+    from foreign import build
+    out = {"tiny": hebrus.load("tiny", mode="fast")}
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        folder, _ = build(family, tmp_path_factory.mktemp(family))
+        out[family] = hebrus.load(folder, mode="fast")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny64():
     return hebrus.load("tiny", dtype=torch.float64)
 

@@ -8,7 +8,6 @@ import torch
 
 import hebrus
 from conftest import tokens
-from foreign import build
 from hebrus.engine import batch
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError, StructuralError
 
@@ -18,15 +17,9 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Fast-mode models of every layer kind, in float32 and (suffix 64) float64."""
-    out = {"tiny": hebrus.load("tiny", mode="fast")}
-    for family in ("qwen3_5", "qwen3_5_moe"):
-        folder, _ = build(family, tmp_path_factory.mktemp(family))
-        out[family] = hebrus.load(folder, mode="fast")
-    for name in list(out):
-        out[name + "64"] = out[name].with_dtype(torch.float64)
-    return out
+def models(fast_models):
+    """The fast-mode models of every layer kind, in float32 and (suffix 64) float64."""
+    return {**fast_models, **{name + "64": m.with_dtype(torch.float64) for name, m in fast_models.items()}}
 
 
 def _sessions(model, vocab):

@@ -8,20 +8,14 @@ import torch
 
 import hebrus
 from conftest import tokens
-from foreign import build
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
 
 STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Fast-mode models covering every mixer and feed-forward kind and both residuals."""
-    out = {"tiny": hebrus.load("tiny", mode="fast")}
-    for family in ("qwen3_5", "qwen3_5_moe"):
-        folder, _ = build(family, tmp_path_factory.mktemp(family))
-        out[family] = hebrus.load(folder, mode="fast")
-    return out
+def models(fast_models):
+    return fast_models
 
 
 def _state(session) -> dict[str, torch.Tensor]:

@@ -361,20 +361,31 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
         if r:                                      # round 0 only warms up
             for name in names:
                 prefill[name].append(spent[name] / len(prompt))
-        spent = {name: 0.0 for name in names}
-        for step in range(-WARM_STEPS, steps):       # the first steps grow storage and capture graphs
-            for name in (names if step % 2 == 0 else names[::-1]):
-                token = int(torch.argmax(logits[name]))
-                t = time.perf_counter()
-                logits[name] = sessions[name].feed([token])
-                _sync(model.device)
-                if step >= 0:
-                    spent[name] += time.perf_counter() - t
+        def advance(name, token):
+            logits[name] = sessions[name].feed([token])
+
+        spent = _timed_steps(model, names, steps, lambda name: int(torch.argmax(logits[name])), advance)
         if r:
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
                  {n: statistics.median(v) for n, v in decode.items()})
+
+
+def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
+    """Seconds each variant spends in `steps` decode steps, after WARM_STEPS untimed ones (the
+    first steps grow storage and capture graphs); the variants take turns, their order swapping
+    every step. `choose(name)` picks the next input (untimed), `advance(name, input)` steps."""
+    spent = {name: 0.0 for name in names}
+    for step in range(-WARM_STEPS, steps):
+        for name in (names if step % 2 == 0 else names[::-1]):
+            chosen = choose(name)
+            t = time.perf_counter()
+            advance(name, chosen)
+            _sync(model.device)
+            if step >= 0:
+                spent[name] += time.perf_counter() - t
+    return spent
 
 
 def _batch_point(model, prompt, steps, rounds, chunk, batch) -> Point:
@@ -391,15 +402,11 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch) -> Point:
                     "in-place": group.feed}
         names = list(steppers)[::-1] if r % 2 else list(steppers)
         last = {name: logits.expand(batch, -1) for name in names}
-        spent = {name: 0.0 for name in names}
-        for step in range(-WARM_STEPS, steps):
-            for name in (names if step % 2 == 0 else names[::-1]):
-                tokens = torch.argmax(last[name], dim=-1).tolist()
-                t = time.perf_counter()
-                last[name] = steppers[name](tokens)
-                _sync(model.device)
-                if step >= 0:
-                    spent[name] += time.perf_counter() - t
+
+        def advance(name, tokens):
+            last[name] = steppers[name](tokens)
+
+        spent = _timed_steps(model, names, steps, lambda name: torch.argmax(last[name], dim=-1).tolist(), advance)
         if r:
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
