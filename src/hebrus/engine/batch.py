@@ -13,9 +13,9 @@ import torch
 
 from hebrus.engine.eager import abort_error
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
+from hebrus.state.batch import BatchTransaction
 from hebrus.state.budget import out_of_memory
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.batch import BatchTransaction
 from hebrus.state.txn import Transaction
 
 

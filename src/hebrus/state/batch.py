@@ -19,9 +19,7 @@ from hebrus.state.txn import Transaction
 class BatchTransaction:
     def __init__(self, parts: list[Transaction], device: torch.device):
         self.parts = parts
-        self.starts = [p.frontier for p in parts]          # each session's position (host ints)
-        self.start = self.starts                           # what a stage's Span takes
-        self.length = 1                                    # tokens per session
+        self.start = [p.frontier for p in parts]           # each session's position: a Span of sessions
         self.local: dict[str, torch.Tensor] = {}
         self.device = device
         self.stage = "begin"
