@@ -202,3 +202,57 @@ def test_a_signal_during_publication_lands_after_every_session_published(models,
         signal.signal(signal.SIGUSR1, previous)
     assert all(isinstance(r, torch.Tensor) for r in raised.value.results)
     assert all(s.digest() != b for s, b in zip(sessions, before))
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
+def test_a_planned_batch_equals_the_eager_one(models, name, bits, tolerance):
+    """`Batch` keeps the static step plan between calls (captured as CUDA graphs on a GPU; run
+    op by op here): positions from each session's frontier owner, rows written by index,
+    attention over whole storages masked. Steps that need storage to grow run eagerly."""
+    model = models[name + ("64" if bits == 64 else "")]
+    vocab = model.spec.vocab_size
+    planned, eager = _sessions(model, vocab), _sessions(model, vocab)
+    group = hebrus.Batch(planned, decode="planned")
+    for step in range(STEPS):
+        ids = tokens(len(PROMPTS), seed=200 + step, vocab=vocab)
+        for i, (a, b) in enumerate(zip(group.feed(ids), hebrus.feed_many(eager, ids))):
+            _close(a, b, f"step {step}, session {i}", tolerance)
+    assert group._steps.uncaptured >= STEPS - 2                 # sessions at 15 and 16 rows grow once each
+    for i, (a, b) in enumerate(zip(planned, eager)):
+        for spec in a.image.specs:
+            _close(a.image.value(spec.name), b.image.value(spec.name), f"session {i}, {spec.name}", tolerance)
+
+
+def test_a_planned_batch_isolates_a_nan_and_goes_on(models):
+    model = models["qwen3_5"]
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    bad, vocab = 5, model.spec.vocab_size
+    params["embed.weight"][bad] = float("nan")
+    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    sessions, reference = ([poisoned.session() for _ in range(3)] for _ in range(2))
+    for group in (sessions, reference):
+        for i, s in enumerate(group):
+            s.feed([t if t != bad else bad + 1 for t in tokens(6 + i, seed=i, vocab=vocab)])
+    planned = hebrus.Batch(sessions, decode="planned")
+    before = sessions[1].digest()
+    got = planned.feed([1, bad, 2])
+    assert isinstance(got[1], NonFiniteError) and sessions[1].digest() == before
+    assert sessions[1].image.tail_dirty                         # its NaN rows sit past its frontier
+    hebrus.feed_many([reference[0], reference[2]], [1, 2])
+    for step_ids in ([3, 4, 6], [7, 8, 9]):           # token 5 is the poisoned one
+        for a, b in zip(planned.feed(step_ids), hebrus.feed_many(reference, step_ids)):
+            assert torch.isfinite(a).all()
+            _close(a, b, "after the NaN", 2e-4)
+
+
+def test_a_batch_checks_how_it_decodes(models, tiny):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:2]
+    with pytest.raises(InvalidInput, match="captures CUDA graphs"):
+        hebrus.Batch(sessions, decode="graph")
+    with pytest.raises(InvalidInput, match="decode must be one of"):
+        hebrus.Batch(sessions, decode="fastest")
+    with pytest.raises(InvalidInput, match="fast mode"):
+        hebrus.Batch([tiny.session()])
+    assert hebrus.Batch(sessions).decode == "eager"              # auto on the CPU

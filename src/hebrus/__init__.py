@@ -8,12 +8,12 @@ from hebrus.errors import (FAULT_KINDS, AllocationError, CheckpointError, ChunkA
                            DeviceStatusError, InvalidInput, NonFiniteError, StructuralError)
 from hebrus.faults import inject
 from hebrus.runtime import Model, load
-from hebrus.session import Session, feed_many
+from hebrus.session import Batch, Session, feed_many
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FAULT_KINDS", "AllocationError", "CheckpointError", "ChunkAborted", "CommandError", "DeviceStatusError",
+    "FAULT_KINDS", "AllocationError", "Batch", "CheckpointError", "ChunkAborted", "CommandError", "DeviceStatusError",
     "HebrusConfig", "InvalidInput", "Model", "NonFiniteError", "Session", "StructuralError",
     "feed_many", "inject", "load",
 ]

@@ -212,7 +212,30 @@ def feed_many(sessions, tokens, outs=None) -> list:
     `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
     argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
     that arrives while the sessions publish is delivered once they all have; its exception
-    carries `.results`, the list above."""
+    carries `.results`, the list above. (`Batch` does the same for a fixed list of sessions,
+    step after step, from CUDA graphs on a GPU.)"""
+    sessions, model = _batch_sessions(sessions)
+    return _feed_together(sessions, model, tokens, outs, None)
+
+
+class Batch:
+    """A fixed list of sessions of one fast-mode model that step together, one token each, call
+    after call (a decode loop over many conversations). `feed` is `feed_many` for them; the
+    static step plan is kept between calls, captured as CUDA graphs with `decode="graph"` (the
+    default on a GPU; "planned" runs the plan uncaptured, "eager" runs every step as
+    `feed_many` does)."""
+
+    def __init__(self, sessions, decode: str = "auto"):
+        self.sessions, self.model = _batch_sessions(sessions)
+        self.decode = _decode(self.model, decode)
+        self._steps = (batch.BatchSteps(self.model, self.sessions, capture=self.decode == "graph")
+                       if self.decode in ("planned", "graph") else None)
+
+    def feed(self, tokens, outs=None) -> list:
+        return _feed_together(self.sessions, self.model, tokens, outs, self._steps)
+
+
+def _batch_sessions(sessions) -> tuple[list, object]:
     sessions = list(sessions) if isinstance(sessions, (list, tuple)) else None
     if not sessions or not all(isinstance(s, Session) for s in sessions):
         raise InvalidInput("sessions must be a non-empty list of hebrus sessions")
@@ -222,7 +245,11 @@ def feed_many(sessions, tokens, outs=None) -> list:
     if any(s.model is not model for s in sessions):
         raise InvalidInput("the sessions of a batch must share one model object")
     if not model.kernels.batched:
-        raise InvalidInput(f"feed_many runs fast mode; this model runs {model.mode} mode")
+        raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
+    return sessions, model
+
+
+def _feed_together(sessions, model, tokens, outs, steps) -> list:
     ids = arguments.in_vocabulary(arguments.token_ids(tokens, len(sessions)), model.spec.vocab_size)
     if len(ids) != len(sessions):
         raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
@@ -247,11 +274,15 @@ def feed_many(sessions, tokens, outs=None) -> list:
             with torch.inference_mode():
                 if faults.armed():              # injection points are the eager runner's: one at a time
                     return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
+                if steps is not None and steps.accepts():
+                    return steps.step(ids, outs)
                 return batch.run_tokens(model, sessions, ids, outs)
         finally:
             for s in sessions:
                 if s._steps is not None:
                     s._steps.retire_stale()
+            if steps is not None:
+                steps.retire_stale()
 
 
 def _fed_alone(session: Session, ids: torch.Tensor, out):

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from hebrus import faults
 from hebrus.engine.eager import abort_error
+from hebrus.engine.graphs import _CAPTURING
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.state.batch import BatchTransaction
-from hebrus.state.budget import out_of_memory
+from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction
 
@@ -51,34 +53,156 @@ def run_tokens(model, sessions, ids: torch.Tensor, outs) -> list:
         if not live:
             return results
         batch = BatchTransaction([parts[i] for i in live], model.device)
-        try:
+
+        def work() -> None:
             batch.local["ids"] = ids[live].to(model.device)
-            for slot, stage in enumerate(model.stages):
-                batch.enter(slot)
-                stage.run(batch)
-                batch.seal()
-        except ChunkAborted as exc:
-            return [exc if r is None else r for r in results]
-        except Exception as exc:
-            error = abort_error(batch.stage, exc)
-            return [error if r is None else r for r in results]
-        try:
-            values = _read_together(batch.parts)
-        except Exception as exc:                # the one transfer failed: no session can be validated
-            error = (AllocationError if out_of_memory(exc) else CommandError)(
-                "validate", f"device work failed: {type(exc).__name__}: {exc}")
-            return [error if r is None else r for r in results]
-        try:
-            with deferred_signals():            # a signal lands after every session has published
-                for j, i in enumerate(live):
-                    results[i] = batch.failed.get(j) or _publish(parts[i], sessions[i], values[j], outs[i])
-        except BaseException as exc:
-            _attach(exc, results)
-            raise
-        return results
+            _run(model, batch)
+
+        return _conclude(batch, work, [sessions[i] for i in live], [outs[i] for i in live], results, live)
     finally:
         for part in parts:
             part.abort()
+
+
+def _run(model, batch: BatchTransaction) -> None:
+    for slot, stage in enumerate(model.stages):
+        batch.enter(slot)
+        stage.run(batch)
+        batch.seal()
+
+
+def _conclude(batch: BatchTransaction, work, sessions, outs, results: list, where: list[int]) -> list:
+    """Run `work` (the shared pass), read every session's checks back in one transfer, then
+    validate and publish each session on its own; results[where[j]] gets session j's outcome."""
+    try:
+        work()
+    except ChunkAborted as exc:
+        return [exc if r is None else r for r in results]
+    except Exception as exc:
+        error = abort_error(batch.stage, exc)
+        return [error if r is None else r for r in results]
+    try:
+        values = _read_together(batch.parts)
+    except Exception as exc:                # the one transfer failed: no session can be validated
+        error = (AllocationError if out_of_memory(exc) else CommandError)(
+            "validate", f"device work failed: {type(exc).__name__}: {exc}")
+        return [error if r is None else r for r in results]
+    try:
+        with deferred_signals():            # a signal lands after every session has published
+            for j, part in enumerate(batch.parts):
+                results[where[j]] = batch.failed.get(j) or _publish(part, sessions[j], values[j], outs[j])
+    except BaseException as exc:
+        _attach(exc, results)
+        raise
+    return results
+
+
+class BatchSteps:
+    """One-token steps of a fixed list of sessions from the static plan (`engine.graphs` does
+    the same for one session), captured as CUDA graphs with `capture`. A graph bakes in every
+    session's banks and row storage, so one is kept per combination of the sessions' bank
+    parities (they flip together while every session publishes: two graphs); storage that grew
+    retires them all, as a session's failed step may leave its parity behind (a new combination,
+    warmed and captured in its turn)."""
+
+    def __init__(self, model, sessions, capture: bool):
+        self.model, self.sessions, self.capture = model, sessions, capture
+        self.ids = torch.zeros(len(sessions), dtype=torch.int64, device=model.device)
+        self.staged = torch.zeros(len(sessions), dtype=torch.int64, pin_memory=model.device.type == "cuda")
+        self.graphs: dict[tuple[int, ...], tuple] = {}
+        self.warm: set[tuple[int, ...]] = set()
+        self.captures = self.replays = self.uncaptured = 0
+        self.refused: str | None = None
+        self._storages = self._current_storages()
+
+    def _current_storages(self):
+        return [s.image.public.storages for s in self.sessions]
+
+    def accepts(self) -> bool:
+        return not faults.armed() and all(
+            all(st.shape[0] > s.image.public.frontier for st in s.image.public.storages) for s in self.sessions)
+
+    def retire_stale(self) -> None:
+        now = self._current_storages()
+        if any(any(a is not b for a, b in zip(old, new)) for old, new in zip(self._storages, now)):
+            self.graphs.clear()
+            self.warm.clear()
+        self._storages = now
+
+    def step(self, ids: torch.Tensor, outs) -> list:
+        self.retire_stale()
+        key = tuple(s.image.public.bank for s in self.sessions)
+        held = self.graphs.get(key)
+        if held is None and self.capture and self.refused is None and key in self.warm:
+            held = self._capture(key)
+        results: list = [None] * len(self.sessions)
+        where = list(range(len(self.sessions)))
+        if held is None:
+            batch = self._batch()
+
+            def work() -> None:
+                self._stage(ids)
+                batch.local["ids"] = self.ids
+                _run(self.model, batch)
+                self.uncaptured += 1
+
+            try:
+                out = _conclude(batch, work, self.sessions, outs, results, where)
+            finally:
+                for part in batch.parts:
+                    part.abort()
+            self.warm.add(key)
+            return out
+        graph, batch = held
+
+        def replay() -> None:
+            for j, part in enumerate(batch.parts):
+                try:
+                    part.restart()
+                except ChunkAborted as exc:     # this session's budget: it drops out alone
+                    batch.failed[j] = exc
+            self._stage(ids)
+            graph.replay()
+            for part in batch.parts:
+                part.completion.record_replay()
+            self.replays += 1
+
+        batch.failed.clear()
+        try:
+            return _conclude(batch, replay, self.sessions, outs, results, where)
+        finally:
+            for part in batch.parts:
+                part.abort()
+
+    def _stage(self, ids: torch.Tensor) -> None:
+        for s in self.sessions:
+            s.image.clean_tails()
+        self.staged.copy_(ids)
+        self.ids.copy_(self.staged, non_blocking=True)
+
+    def _batch(self) -> BatchTransaction:
+        parts = [Transaction(s.image, 1, self.model.stage_names, s.budget, max_rows=self.model.spec.max_context,
+                             planned=True) for s in self.sessions]
+        return BatchTransaction(parts, self.model.device)
+
+    def _capture(self, key):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                batch = self._batch()
+                batch.local["ids"] = self.ids
+                _run(self.model, batch)
+                for part in batch.parts:
+                    part.checks.fold()
+        except Exception as exc:
+            if not (out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted))):
+                self.refused = f"{type(exc).__name__}: {exc}"
+            return None
+        if batch.failed:                        # a seal refused during capture: not a plan to keep
+            return None
+        self.captures += 1
+        self.graphs[key] = (graph, batch)
+        return self.graphs[key]
 
 
 def _publish(part: Transaction, session, values: list[float], out):

@@ -18,17 +18,20 @@ import torch
 class Span:
     """Positions start..start+length-1 of a chunk; `start` an int or a [1] int64 tensor. Or,
     for several sessions feeding one token each (`state.batch`), `start` is the list of their
-    positions: row i is session i's token, and row logs come as one storage per session."""
+    positions (ints, or [1] tensors in a planned step): row i is session i's token, and row logs
+    come as one storage per session."""
 
-    def __init__(self, start: int | torch.Tensor | list[int], length: int, device: torch.device):
+    def __init__(self, start, length: int, device: torch.device):
         self.start, self.length, self.device = start, length, device
-        self.planned = isinstance(start, torch.Tensor)
         self.sessions = isinstance(start, list)
+        self.planned = isinstance(start[0] if self.sessions else start, torch.Tensor)
 
     @cached_property
     def positions(self) -> torch.Tensor:
         """[T] int64 on the device (one per row)."""
         if self.sessions:
+            if self.planned:
+                return torch.cat(self.start)
             return torch.tensor(self.start, dtype=torch.int64, device=self.device)
         return torch.arange(self.length, device=self.device) + self.start
 
@@ -46,8 +49,8 @@ class Span:
         """Write the chunk's rows of a row log (or of a view of one) in place; for sessions,
         `rows` holds one per session."""
         if self.sessions:
-            for i, (log, position) in enumerate(zip(rows, self.start)):
-                log[position:position + 1] = value[i:i + 1]
+            for i, log in enumerate(rows):
+                self.one(i).put(log, value[i:i + 1])
         elif self.planned:
             rows.index_copy_(0, self.positions, value.to(rows.dtype))
         else:

@@ -19,7 +19,7 @@ from hebrus.state.txn import Transaction
 class BatchTransaction:
     def __init__(self, parts: list[Transaction], device: torch.device):
         self.parts = parts
-        self.start = [p.frontier for p in parts]           # each session's position: a Span of sessions
+        self.start = [p.start for p in parts]              # positions: ints, or device tensors if planned
         self.local: dict[str, torch.Tensor] = {}
         self.device = device
         self.stage = "begin"
