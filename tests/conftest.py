@@ -63,3 +63,11 @@ def published(model, ids) -> tuple[str, torch.Tensor]:
     ref = model.session()
     logits = ref.feed(ids)
     return ref.digest(), logits
+
+
+def poisoned(model, token: int):
+    """A copy of a fast-mode `model` whose embedding row for `token` is NaN: feeding that token
+    is a real non-finite failure, from the first stage on."""
+    params = {k: v.clone() for k, v in model.named_parameters()}
+    params["embed.weight"][token] = float("nan")
+    return hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hebrus
+from conftest import poisoned as with_nan_row
 from conftest import tokens
 from hebrus.engine import batch
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError, StructuralError
@@ -27,6 +28,12 @@ def _sessions(model, vocab):
     for i, (s, n) in enumerate(zip(sessions, PROMPTS)):
         s.feed(tokens(n, seed=i, vocab=vocab))
     return sessions
+
+
+def _same_state(sessions, others, tolerance):
+    for i, (a, b) in enumerate(zip(sessions, others)):
+        for spec in a.image.specs:
+            _close(a.image.value(spec.name), b.image.value(spec.name), f"session {i}, {spec.name}", tolerance)
 
 
 def _close(a, b, what, tolerance=2e-5):
@@ -53,16 +60,13 @@ def test_a_batch_equals_the_sessions_one_at_a_time(models, name, bits, tolerance
             _close(a, b, f"step {step}, session {i}", tolerance)
     for i, (a, b) in enumerate(zip(together, alone)):
         assert a.frontier == b.frontier == PROMPTS[i] + STEPS
-        for spec in a.image.specs:
-            _close(a.image.value(spec.name), b.image.value(spec.name), f"session {i}, {spec.name}", tolerance)
+    _same_state(together, alone, tolerance)
 
 
 def test_one_sessions_nan_aborts_that_session_only(models):
     model = models["qwen3_5"]
-    params = {k: v.clone() for k, v in model.named_parameters()}
     bad, vocab = 5, model.spec.vocab_size
-    params["embed.weight"][bad] = float("nan")
-    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    poisoned = with_nan_row(model, bad)
     sessions = [poisoned.session() for _ in range(3)]
     for i, s in enumerate(sessions):
         s.feed([t if t != bad else bad + 1 for t in tokens(8 + i, seed=i, vocab=vocab)])
@@ -219,17 +223,13 @@ def test_a_planned_batch_equals_the_eager_one(models, name, bits, tolerance):
         for i, (a, b) in enumerate(zip(group.feed(ids), hebrus.feed_many(eager, ids))):
             _close(a, b, f"step {step}, session {i}", tolerance)
     assert group._steps.uncaptured >= STEPS - 2                 # sessions at 15 and 16 rows grow once each
-    for i, (a, b) in enumerate(zip(planned, eager)):
-        for spec in a.image.specs:
-            _close(a.image.value(spec.name), b.image.value(spec.name), f"session {i}, {spec.name}", tolerance)
+    _same_state(planned, eager, tolerance)
 
 
 def test_a_planned_batch_isolates_a_nan_and_goes_on(models):
     model = models["qwen3_5"]
-    params = {k: v.clone() for k, v in model.named_parameters()}
     bad, vocab = 5, model.spec.vocab_size
-    params["embed.weight"][bad] = float("nan")
-    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    poisoned = with_nan_row(model, bad)
     sessions, reference = ([poisoned.session() for _ in range(3)] for _ in range(2))
     for group in (sessions, reference):
         for i, s in enumerate(group):

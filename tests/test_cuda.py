@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hebrus
+from conftest import poisoned as with_nan_row
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -131,10 +132,8 @@ def test_graph_step_failures_publish_nothing(tmp_path):
     step with the digest unchanged and `out` untouched; the session then goes on."""
     from hebrus.errors import DeviceStatusError, NonFiniteError
     model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
-    params = {k: v.clone() for k, v in model.named_parameters()}
     bad, vocab = 5, model.spec.vocab_size
-    params["embed.weight"][bad] = float("nan")
-    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    poisoned = with_nan_row(model, bad)
     s = poisoned.session()
     assert s.decode == "graph"
     s.feed([t if t != bad else bad + 1 for t in _ids(10, vocab, 1)])
@@ -280,3 +279,37 @@ def test_fla_runs_several_sessions_tokens_at_once():
                        state.cuda())
     assert got_o.shape == want_o.shape and got_s.shape == want_s.shape
     assert _rel(got_o, want_o) <= 3e-2 and _rel(got_s, want_s) <= 3e-2
+
+
+@cuda
+def test_batch_graphs_match_eager_batches(tmp_path):
+    """`hebrus.Batch` from CUDA graphs against `feed_many` (eager) on the same device; a NaN in
+    one session inside a replay aborts it alone."""
+    from hebrus.errors import NonFiniteError
+    model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
+    vocab = model.spec.vocab_size
+    groups = []
+    for _ in range(2):
+        sessions = [model.session() for _ in range(4)]
+        for i, s in enumerate(sessions):
+            s.feed(_ids(5 + 3 * i, vocab, i))
+        groups.append(sessions)
+    together = hebrus.Batch(groups[0])
+    assert together.decode == "graph"
+    for step in range(12):
+        ids = _ids(4, vocab, 100 + step)
+        for a, b in zip(together.feed(ids), hebrus.feed_many(groups[1], ids)):
+            assert _rel(a.float(), b.float()) <= 2e-2, step
+    steps = together._steps
+    assert steps.captures >= 2 and steps.replays >= 6, (steps.captures, steps.replays, steps.refused)
+    sessions = [with_nan_row(model, 5).session() for _ in range(3)]
+    for s in sessions:
+        s.feed([1, 2, 3])
+    group = hebrus.Batch(sessions)
+    for t in (6, 7, 8):
+        group.feed([t, t, t])
+    before = sessions[1].digest()
+    got = group.feed([1, 5, 2])
+    assert isinstance(got[1], NonFiniteError) and sessions[1].digest() == before
+    assert group._steps.replays >= 1
+    assert all(torch.isfinite(r.float()).all() for r in group.feed([3, 4, 6]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hebrus
+from conftest import poisoned as with_nan_row
 from conftest import tokens
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
 
@@ -61,10 +61,8 @@ def test_a_nan_step_publishes_nothing_and_the_next_step_is_clean(models):
     """A real NaN (a token whose embedding row is NaN) aborts the planned step; its K/V rows
     past the frontier are wiped before the next step attends over the whole storage."""
     model = models["qwen3_5"]
-    params = {k: v.clone() for k, v in model.named_parameters()}
     bad = 5
-    params["embed.weight"][bad] = float("nan")
-    poisoned = hebrus.runtime.Model._placed(model.config, model.spec, params, model.device, model.dtype, "fast")
+    poisoned = with_nan_row(model, bad)
     prompt = tokens(10, seed=3, vocab=model.spec.vocab_size - 1)
     prompt = [t if t != bad else bad + 1 for t in prompt]
     s = poisoned.session(decode="planned")

@@ -129,30 +129,64 @@ class InPlaceSession:
 
 
 class InPlaceBatch:
-    """In-place sessions stepped together, one token each: the batched pass of `feed_many` with
-    every write in place (measurement only)."""
+    """In-place sessions stepped together, one token each: the batched pass of `hebrus.Batch`
+    with every write in place (measurement only). With `graphs`, steps are captured as a CUDA
+    graph once every row log holds its row, as `hebrus.Batch` captures them."""
 
-    def __init__(self, sessions: list[InPlaceSession]):
-        self.sessions, self.model = sessions, sessions[0].model
+    def __init__(self, sessions: list[InPlaceSession], graphs: bool = False):
+        self.sessions, self.model, self.graphs = sessions, sessions[0].model, graphs
+        self.tokens = torch.zeros(len(sessions), dtype=torch.int64, device=self.model.device)
+        self.graph, self.captured_for, self.warm = None, None, False
 
     def feed(self, tokens) -> torch.Tensor:
-        ids = torch.as_tensor(tokens, dtype=torch.int64, device=self.model.device)
-        ctx = _InPlaceBatchContext(self.sessions, ids)
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
         with torch.inference_mode():
-            for stage in self.model.stages:
-                stage.run(ctx)
+            roomy = all(st.shape[0] > s.frontier for s in self.sessions for st in s.storages)
+            if self.graphs and roomy:
+                self._step(ids)
+            else:
+                self._run(_InPlaceBatchContext(self.sessions, ids.to(self.model.device)))
+                for s in self.sessions:
+                    s.bank["frontier"].fill_(s.frontier + 1)
         for s in self.sessions:
             s.frontier += 1
-            s.bank["frontier"].fill_(s.frontier)
         return torch.stack([s.bank["logits"] for s in self.sessions])
+
+    def _run(self, ctx) -> None:
+        for stage in self.model.stages:
+            stage.run(ctx)
+
+    def _planned(self) -> None:
+        starts = [s.bank["frontier"].view(1) for s in self.sessions]
+        self._run(_InPlaceBatchContext(self.sessions, self.tokens, starts))
+        for s in self.sessions:
+            s.bank["frontier"].add_(1)
+
+    def _step(self, ids) -> None:
+        self.tokens.copy_(ids)
+        storages = [list(s.storages) for s in self.sessions]
+        if self.graph is not None and any(a is not b for old, new in zip(self.captured_for, storages)
+                                          for a, b in zip(old, new)):
+            self.graph = None
+        if self.graph is None and self.warm:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._planned()
+            self.captured_for = storages
+        if self.graph is None:
+            self._planned()
+            self.warm = True
+        else:
+            self.graph.replay()
 
 
 class _InPlaceBatchContext:
     batched = True
 
-    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor):
-        self.parts = [_InPlaceContext(s, ids[i:i + 1], s.frontier) for i, s in enumerate(sessions)]
-        self.start, self.length = [s.frontier for s in sessions], 1
+    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts=None):
+        starts = [s.frontier for s in sessions] if starts is None else starts
+        self.parts = [_InPlaceContext(s, ids[i:i + 1], start) for i, (s, start) in enumerate(zip(sessions, starts))]
+        self.start = starts
         self.local = {"ids": ids}
 
     def read(self, name):
@@ -341,7 +375,7 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
     of one prefilled session; `hebrus.feed_many` against `InPlaceBatch`), and prefill is not
     reported: it is not batched yet."""
     if batch > 1:
-        return _batch_point(model, prompt, steps, rounds, chunk, batch)
+        return _batch_point(model, prompt, steps, rounds, chunk, batch, how)
     graphs = model.session(decode=how).decode == "graph"
     variants = {"transactional": lambda: model.session(decode=how),
                 "in-place": lambda: InPlaceSession(model, graphs=graphs)}
@@ -388,17 +422,17 @@ def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
     return spent
 
 
-def _batch_point(model, prompt, steps, rounds, chunk, batch) -> Point:
-    from hebrus.session import feed_many
+def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
+    from hebrus.session import Batch
     decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
     for r in range(rounds + 1):
         first, inplace = model.session(decode="eager"), InPlaceSession(model)
         for begin in range(0, len(prompt), chunk):
             logits = first.feed(prompt[begin:begin + chunk])
             inplace.feed(prompt[begin:begin + chunk])
-        sessions = _copies(first, batch, lambda: model.session(decode="eager"))
-        group = InPlaceBatch(_copies(inplace, batch, lambda: InPlaceSession(model)))
-        steppers = {"transactional": lambda tokens: torch.stack(feed_many(sessions, tokens)),
+        together = Batch(_copies(first, batch, lambda: model.session(decode="eager")), decode=how)
+        group = InPlaceBatch(_copies(inplace, batch, lambda: InPlaceSession(model)), graphs=together.decode == "graph")
+        steppers = {"transactional": lambda tokens: torch.stack(together.feed(tokens)),
                     "in-place": group.feed}
         names = list(steppers)[::-1] if r % 2 else list(steppers)
         last = {name: logits.expand(batch, -1) for name in names}

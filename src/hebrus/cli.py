@@ -106,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated prompt lengths; those that leave no room for the decode steps "
                             "within the model's max_context are skipped (default 1024,32768)")
     bench.add_argument("--batch", default="1",
-                       help="comma-separated numbers of sessions decoding together (hebrus.feed_many; eager "
-                            "steps, prefill not batched and not reported above 1) (default 1)")
+                       help="comma-separated numbers of sessions decoding together (hebrus.Batch, stepped "
+                            "as --decode says; prefill is not batched and not reported above 1) (default 1)")
     bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
     bench.add_argument("--rounds", type=int, default=3,
                        help="timed rounds after one untimed warm-up round at each context; medians are reported "
