@@ -97,6 +97,9 @@ def _conclude(batch: BatchTransaction, work, sessions, outs, results: list, wher
     return results
 
 
+MAX_GRAPHS = 4          # graphs one batch keeps (two while every session publishes)
+
+
 class BatchSteps:
     """One-token steps of a fixed list of sessions from the static plan (`engine.graphs` does
     the same for one session), captured as CUDA graphs with `capture`. A graph bakes in every
@@ -201,6 +204,8 @@ class BatchSteps:
         if batch.failed:                        # a seal refused during capture: not a plan to keep
             return None
         self.captures += 1
+        while len(self.graphs) >= MAX_GRAPHS:   # parities that went out of step: keep the newest
+            del self.graphs[next(iter(self.graphs))]
         self.graphs[key] = (graph, batch)
         return self.graphs[key]
 
