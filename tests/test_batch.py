@@ -133,7 +133,7 @@ def test_bad_batches_are_refused_and_change_nothing(models, tiny):
         (([tiny.session()], [1]), "fast mode"),
         ((sessions, [1, 2], [None]), "outs"),
         ((sessions, [1, 2], [None, torch.empty(3)]), "shape"),
-        ((sessions, [1, 2], [torch.empty(model.spec.vocab_size)] * 2), "share memory"),
+        ((sessions, [1, 2], [torch.empty(model.spec.vocab_size)] * 2), "overlap"),
         ((sessions, torch.tensor([[1, 2]])), "token ids"),
     ]
     for args, message in cases:
@@ -256,3 +256,31 @@ def test_a_batch_checks_how_it_decodes(models, tiny):
     with pytest.raises(InvalidInput, match="fast mode"):
         hebrus.Batch([tiny.session()])
     assert hebrus.Batch(sessions).decode == "eager"              # auto on the CPU
+
+
+def test_a_real_allocation_failure_while_one_session_grows_aborts_it_alone(models, monkeypatch):
+    from hebrus.errors import AllocationError
+    from hebrus.state.txn import Transaction
+    model = models["tiny"]
+    vocab = model.spec.vocab_size
+    sessions = _sessions(model, vocab)                       # session 2 holds 16 rows: it must grow
+    before = [s.digest() for s in sessions]
+    grow = Transaction._grow
+
+    def failing(self, name, storage, need):
+        if self.image is sessions[2].image:
+            raise torch.OutOfMemoryError("no memory for these rows")
+        return grow(self, name, storage, need)
+
+    monkeypatch.setattr(Transaction, "_grow", failing)
+    got = hebrus.feed_many(sessions, [1, 2, 3, 4])
+    assert isinstance(got[2], AllocationError) and sessions[2].digest() == before[2]
+    assert all(isinstance(got[i], torch.Tensor) and sessions[i].digest() != before[i] for i in (0, 1, 3))
+
+
+def test_outs_may_be_the_rows_of_one_buffer(models):
+    model = models["tiny"]
+    sessions = _sessions(model, model.spec.vocab_size)[:3]
+    buffer = torch.empty(3, model.spec.vocab_size)
+    got = hebrus.feed_many(sessions, [1, 2, 3], outs=list(buffer))
+    assert all(g.data_ptr() == row.data_ptr() for g, row in zip(got, buffer))

@@ -250,7 +250,7 @@ def _batch_sessions(sessions) -> tuple[list, object]:
 
 
 def _feed_together(sessions, model, tokens, outs, steps) -> list:
-    ids = arguments.in_vocabulary(arguments.token_ids(tokens, len(sessions)), model.spec.vocab_size)
+    ids = arguments.in_vocabulary(arguments.token_ids(tokens, model.spec.max_context), model.spec.vocab_size)
     if len(ids) != len(sessions):
         raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
     if outs is None:
@@ -260,16 +260,19 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
     outs = list(outs)                           # checked and used from this copy only
     for s, out in zip(sessions, outs):
         s._check_out(out)
-    given = [o for o in outs if o is not None]
-    if len({o.untyped_storage().data_ptr() for o in given}) != len(given):
-        raise InvalidInput("outs must not share memory: each session's logits need their own tensor")
+    spans = sorted((o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()) for o in outs if o is not None)
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise InvalidInput("outs must not overlap: each session's logits need their own memory")
     for s in sessions:
         s._check_faults()
     with ExitStack() as held:
         for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
             held.enter_context(s._exclusive())
-        for s in sessions:
-            s._check_room(1)
+        for i, s in enumerate(sessions):
+            try:
+                s._check_room(1)
+            except InvalidInput as exc:
+                raise InvalidInput(f"session {i}: {exc}") from None
         try:
             with torch.inference_mode():
                 if faults.armed():              # injection points are the eager runner's: one at a time

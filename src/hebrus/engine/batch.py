@@ -2,10 +2,9 @@
 transaction per session (`state.batch`). The stages run once for all of them, so the weights
 are read once for B tokens; each session is then validated (all their checks come back in one
 transfer) and published on its own, so a NaN or a failed check in one session's rows aborts
-that session only. Row storage is grown before the pass, so a session whose memory budget
-refuses it is left out alone; so is one whose budget refuses its share of the intermediates at a
-stage's seal. Any other exception in the shared pass cannot be pinned on one session and
-aborts them all.
+that session only; so does a refusal of its row storage's growth or of its share of the
+intermediates (its memory budget sees what it would see alone). Any other exception in the
+shared pass cannot be pinned on one session and aborts them all.
 """
 from __future__ import annotations
 
@@ -42,23 +41,13 @@ def run_tokens(model, sessions, ids: torch.Tensor, outs) -> list:
              for s in sessions]
     results: list = [None] * len(parts)
     try:
-        live = []
-        for i, part in enumerate(parts):        # row storage grows now: a refusal drops that session alone
-            try:
-                for spec in part.image.appended:
-                    part.rows(spec.name)
-                live.append(i)
-            except ChunkAborted as exc:
-                results[i] = exc
-        if not live:
-            return results
-        batch = BatchTransaction([parts[i] for i in live], model.device)
+        batch = BatchTransaction(parts, model.device)
 
         def work() -> None:
-            batch.local["ids"] = ids[live].to(model.device)
+            batch.local["ids"] = ids.to(model.device)
             _run(model, batch)
 
-        return _conclude(batch, work, [sessions[i] for i in live], [outs[i] for i in live], results, live)
+        return _conclude(batch, work, sessions, outs, results, list(range(len(parts))))
     finally:
         for part in parts:
             part.abort()
@@ -159,6 +148,7 @@ class BatchSteps:
         graph, batch = held
 
         def replay() -> None:
+            batch.stage = self.model.stage_names[0]    # a replay's own failures: a graph cannot say which stage
             for j, part in enumerate(batch.parts):
                 try:
                     part.restart()

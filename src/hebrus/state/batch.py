@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.errors import ChunkAborted
+from hebrus.errors import AllocationError, ChunkAborted, StructuralError
+from hebrus.state.budget import out_of_memory
 from hebrus.state.status import Status
 from hebrus.state.txn import Transaction
 
@@ -38,8 +39,18 @@ class BatchTransaction:
             p.write(name, v)
 
     def rows(self, name: str) -> list[torch.Tensor]:
-        """Each session's storage of an appended owner (grown privately as a transaction does)."""
-        return [p.rows(name) for p in self.parts]
+        """Each session's storage of an appended owner (grown privately as a transaction does).
+        A session whose growth is refused (its budget, or the allocator) fails alone: it gets
+        scratch rows for the rest of the pass, whose results are dropped."""
+        out = []
+        for i, p in enumerate(self.parts):
+            try:
+                out.append(p.rows(name))
+            except Exception as exc:
+                self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else _allocation(p.stage, exc))
+                row = p.image.appended[p.image.slot[name]]
+                out.append(torch.zeros((p.frontier + 1,) + row.shape, dtype=row.dtype, device=self.device))
+        return out
 
     def emit(self, key: str, value: torch.Tensor) -> None:
         """A chunk-local result [B, ...]; each session checks and accounts for its own row."""
@@ -77,3 +88,8 @@ class BatchTransaction:
                 p.seal()
             except ChunkAborted as exc:
                 self.failed[i] = exc
+
+
+def _allocation(stage: str, exc: Exception) -> ChunkAborted:
+    detail = f"{type(exc).__name__}: {exc}"
+    return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)
