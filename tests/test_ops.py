@@ -290,3 +290,14 @@ def test_the_recurrence_runs_several_sequences_at_once():
     for i in range(B):
         oi, Si = gdn_recurrent(q[i], k[i], v[i], gate[i], beta[i], state[i])
         assert torch.equal(o[i], oi) and torch.equal(S[i], Si)
+
+
+def test_ngram_buckets_hash_several_sequences_at_once():
+    from hebrus.ops.ple import ngram_buckets
+    g = torch.Generator().manual_seed(4)
+    ids, history = torch.randint(0, 300, (3, 5), generator=g), torch.randint(0, 300, (3, 2), generator=g)
+    constants, buckets = torch.randint(1, 2**40, (2, 3), generator=g), (97, 89)
+    together = ngram_buckets(ids, history, constants, buckets)
+    for i in range(3):
+        alone = ngram_buckets(ids[i], history[i], constants, buckets)
+        assert all(torch.equal(a[i], b) for a, b in zip(together, alone))

@@ -63,8 +63,7 @@ class PLE:
         ids, history = txn.local["ids"], txn.read("ple.history")
         txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
         if txn.batched:             # row i: one token of session i, hashed with its own history
-            hashes = [torch.cat(order) for order in zip(*(self.ple.hashes(ids[i:i + 1], history[i])
-                                                          for i in range(len(ids))))]
+            hashes = [order[:, 0] for order in self.ple.hashes(ids[:, None], history)]
         else:
             hashes = self.ple.hashes(ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):

@@ -9,14 +9,15 @@ def ngram_buckets(ids: torch.Tensor, history: torch.Tensor, constants: torch.Ten
     """ids [T] int64, history [N-1] int64 (the ids before this chunk, oldest first, PAD-filled).
 
     hash_m(t) = (XOR_{j<m} id_{t-j} · c[m-2, j]) mod B_m in int64 with wrap-around, for m = 2..N.
-    Returns one [T] int64 tensor per order m.
+    Returns one [T] int64 tensor per order m. Leading dims are independent sequences (ids
+    [B, T], history [B, N-1] -> [B, T] per order).
     """
-    seq = torch.cat([history, ids])                                    # [N-1+T]
-    n_hist, T = history.shape[0], ids.shape[0]
+    seq = torch.cat([history, ids], dim=-1)                            # [..., N-1+T]
+    n_hist, T = history.shape[-1], ids.shape[-1]
     out = []
     for m, size in zip(range(2, n_hist + 2), buckets):
-        acc = torch.zeros(T, dtype=torch.int64, device=ids.device)
+        acc = torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)
         for j in range(m):
-            acc = acc ^ (seq[n_hist - j:n_hist - j + T] * constants[m - 2, j])
+            acc = acc ^ (seq[..., n_hist - j:n_hist - j + T] * constants[m - 2, j])
         out.append(torch.remainder(acc, size))
     return out
