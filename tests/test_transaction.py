@@ -260,3 +260,19 @@ def test_float64_faults_hold_too(tiny64):
             with hebrus.inject(stage="layers.1.qsa", kind=kind):
                 s.feed(CHUNK)
         assert s.digest() == before
+
+
+def test_every_step_context_offers_what_stages_use(tiny_fast):
+    """Transaction, BatchTransaction and the bench's in-place contexts all satisfy StepContext."""
+    from hebrus.bench import InPlaceSession, _InPlaceBatchContext, _InPlaceContext
+    from hebrus.state.batch import BatchTransaction
+    from hebrus.state.context import StepContext
+    from hebrus.state.txn import Transaction
+    s = tiny_fast.session()
+    txn = Transaction(s.image, 1, tiny_fast.stage_names, s.budget, max_rows=tiny_fast.spec.max_context)
+    inplace = InPlaceSession(tiny_fast)
+    ids = torch.tensor([1])
+    contexts = [txn, BatchTransaction([txn], tiny_fast.device), _InPlaceContext(inplace, ids, 0),
+                _InPlaceBatchContext([inplace], ids)]
+    assert all(isinstance(c, StepContext) for c in contexts)
+    txn.abort()

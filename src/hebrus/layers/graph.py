@@ -22,6 +22,7 @@ from hebrus.layers.qsa import Attention, RotaryTables
 from hebrus.layers.span import Span
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import rms_norm
+from hebrus.state.context import StepContext
 from hebrus.state.status import Status
 
 Params = dict[str, torch.Tensor]
@@ -45,7 +46,7 @@ class Embed:
     def __init__(self, c: ModelSpec, params: Params):
         self.table, self.streams, self.vocab = params["embed.weight"], c.hc_streams, c.vocab_size
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         ids = txn.local["ids"]
         txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
         x = self.table[ids.clamp(0, self.vocab - 1)]
@@ -59,7 +60,7 @@ class PLE:
         self.ple, self.kernels, self.keep = PerLayerEmbedding(c, params), kernels, c.ple_ngram - 1
         self.vocab = c.vocab_size
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         ids, history = txn.local["ids"], txn.read("ple.history")
         txn.check_range(ids, self.vocab, Status.TOKEN_RANGE)
         if txn.batched:             # row i: one token of session i, hashed with its own history
@@ -110,7 +111,7 @@ class GDNMixer(Sublayer):
         self.name = f"layers.{layer}.gdn"
         self.gdn = GatedDeltaNet(c, params, self.name + ".")
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
 
         def step(pos, X, state):
@@ -136,7 +137,7 @@ class AttentionMixer(Sublayer):
         self.parts = ("k", "v", "index") if kind == "qsa" else ("k", "v")
         self.attn = Attention(c, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
         checks = [part.check_range for part in txn.parts] if txn.batched else txn.check_range
 
@@ -166,7 +167,7 @@ class FFN(Sublayer):
             raise ValueError(f"unknown feed-forward kind {kind!r}")
         self.ple = LayerEmbedding(c, params, f"layers.{layer}.ple.") if c.ple_dim else None
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         routes = txn.rows("routes") if self.routed else None
 
         def step(pos, X, *rest):
@@ -201,7 +202,7 @@ class Head:
         self.rms_norm = kernels.fused(rms_norm)
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
-    def run(self, txn) -> None:
+    def run(self, txn: StepContext) -> None:
         X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
         logits = F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
         if txn.batched:                                       # one row per session

@@ -1,0 +1,42 @@
+"""What a stage sees of the step it runs in: the seam between the layers and the transaction.
+
+A stage reads public state and writes private state only through these calls, so the same stage
+code runs in every kind of step: one session's chunk (`state.txn.Transaction`), one token of each
+of several sessions (`state.batch.BatchTransaction`), and the benchmark's in-place variants that
+exist to price the transaction (`hebrus.bench`).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from hebrus.state.status import Status
+
+
+@runtime_checkable
+class StepContext(Protocol):
+    batched: bool        # True: row i of every chunk-local tensor is session i's one token
+    start: object        # the first position: an int, a [1] device tensor (a planned step), or one per session
+    local: dict[str, torch.Tensor]      # chunk-local values by name ("ids", "streams", "ple")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The public value of a banked owner (stacked per session when batched). Never write it."""
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """The new value of a banked owner, into the private bank."""
+
+    def rows(self, name: str):
+        """The storage of an appended owner holding this step's rows (one per session when batched)."""
+
+    def emit(self, key: str, value: torch.Tensor) -> None:
+        """A chunk-local result for later stages."""
+
+    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+        """A device-side check: set `bit` if any of `bad` is true."""
+
+    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+        """A device-side check: set `bit` unless every value lies in [lower, upper)."""
+
+    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
+        """The rows of the positions whose values are published (the chunk's last; every row when batched)."""
