@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import abort_error
+from hebrus.engine.eager import run_stages
 from hebrus.engine.graphs import _CAPTURING
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.state.batch import BatchTransaction
 from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.txn import Transaction
+from hebrus.state.txn import Transaction, abort_error
 
 
 def _read_together(parts: list[Transaction]) -> list[list[float]]:
@@ -39,51 +39,44 @@ def run_tokens(model, sessions, ids: torch.Tensor, outs) -> list:
     aborted it."""
     parts = [Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context)
              for s in sessions]
-    results: list = [None] * len(parts)
-    try:
-        batch = BatchTransaction(parts, model.device)
+    batch = BatchTransaction(parts, model.device)
 
-        def work() -> None:
-            batch.local["ids"] = ids.to(model.device)
-            _run(model, batch)
+    def work() -> None:
+        batch.local["ids"] = ids.to(model.device)
+        run_stages(model, batch)         # no fault is armed here: its injection points do nothing
 
-        return _conclude(batch, work, sessions, outs, results, list(range(len(parts))))
-    finally:
-        for part in parts:
-            part.abort()
+    return _conclude(batch, work, sessions, outs)
 
 
-def _run(model, batch: BatchTransaction) -> None:
-    for slot, stage in enumerate(model.stages):
-        batch.enter(slot)
-        stage.run(batch)
-        batch.seal()
-
-
-def _conclude(batch: BatchTransaction, work, sessions, outs, results: list, where: list[int]) -> list:
+def _conclude(batch: BatchTransaction, work, sessions, outs) -> list:
     """Run `work` (the shared pass), read every session's checks back in one transfer, then
-    validate and publish each session on its own; results[where[j]] gets session j's outcome."""
+    validate and publish each session on its own -> each session's outcome. Every part is
+    finished (published or aborted) on the way out."""
     try:
-        work()
-    except ChunkAborted as exc:
-        return [exc if r is None else r for r in results]
-    except Exception as exc:
-        error = abort_error(batch.stage, exc)
-        return [error if r is None else r for r in results]
-    try:
-        values = _read_together(batch.parts)
-    except Exception as exc:                # the one transfer failed: no session can be validated
-        error = (AllocationError if out_of_memory(exc) else CommandError)(
-            "validate", f"device work failed: {type(exc).__name__}: {exc}")
-        return [error if r is None else r for r in results]
-    try:
-        with deferred_signals():            # a signal lands after every session has published
-            for j, part in enumerate(batch.parts):
-                results[where[j]] = batch.failed.get(j) or _publish(part, sessions[j], values[j], outs[j])
-    except BaseException as exc:
-        _attach(exc, results)
-        raise
-    return results
+        try:
+            work()
+        except ChunkAborted as exc:
+            return [exc] * len(sessions)
+        except Exception as exc:
+            return [abort_error(batch.stage, exc)] * len(sessions)
+        try:
+            values = _read_together(batch.parts)
+        except Exception as exc:            # the one transfer failed: no session can be validated
+            error = (AllocationError if out_of_memory(exc) else CommandError)(
+                "validate", f"device work failed: {type(exc).__name__}: {exc}")
+            return [error] * len(sessions)
+        results: list = [None] * len(sessions)
+        try:
+            with deferred_signals():        # a signal lands after every session has published
+                for j, part in enumerate(batch.parts):
+                    results[j] = batch.failed.get(j) or _publish(part, sessions[j], values[j], outs[j])
+        except BaseException as exc:
+            _attach(exc, results)
+            raise
+        return results
+    finally:
+        for part in batch.parts:
+            part.abort()
 
 
 MAX_GRAPHS = 4          # graphs one batch keeps (two while every session publishes)
@@ -127,24 +120,18 @@ class BatchSteps:
         held = self.graphs.get(key)
         if held is None and self.capture and self.refused is None and key in self.warm:
             held = self._capture(key)
-        results: list = [None] * len(self.sessions)
-        where = list(range(len(self.sessions)))
         if held is None:
             batch = self._batch()
 
             def work() -> None:
                 self._stage(ids)
                 batch.local["ids"] = self.ids
-                _run(self.model, batch)
+                run_stages(self.model, batch)
                 self.uncaptured += 1
 
-            try:
-                out = _conclude(batch, work, self.sessions, outs, results, where)
-            finally:
-                for part in batch.parts:
-                    part.abort()
+            results = _conclude(batch, work, self.sessions, outs)
             self.warm.add(key)
-            return out
+            return results
         graph, batch = held
 
         def replay() -> None:
@@ -161,11 +148,7 @@ class BatchSteps:
             self.replays += 1
 
         batch.failed.clear()
-        try:
-            return _conclude(batch, replay, self.sessions, outs, results, where)
-        finally:
-            for part in batch.parts:
-                part.abort()
+        return _conclude(batch, replay, self.sessions, outs)
 
     def _stage(self, ids: torch.Tensor) -> None:
         for s in self.sessions:
@@ -184,7 +167,7 @@ class BatchSteps:
             with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 batch = self._batch()
                 batch.local["ids"] = self.ids
-                _run(self.model, batch)
+                run_stages(self.model, batch)
                 for part in batch.parts:
                     part.checks.fold()
         except Exception as exc:

@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted, StructuralError
-from hebrus.state.budget import MemoryBudget, out_of_memory
+from hebrus.errors import ChunkAborted
+from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
-from hebrus.state.txn import Transaction
+from hebrus.state.txn import Transaction, abort_error
 
 
 def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -49,9 +49,3 @@ def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Ten
         txn.publish(out)                # what is raised after the flip is not an abort
     finally:
         txn.abort()
-
-
-def abort_error(stage: str, exc: Exception) -> ChunkAborted:
-    """The failure kind of an exception raised inside a transaction."""
-    detail = f"{type(exc).__name__}: {exc}"
-    return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)

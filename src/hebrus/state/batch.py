@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.errors import AllocationError, ChunkAborted, StructuralError
-from hebrus.state.budget import out_of_memory
+from hebrus.errors import ChunkAborted
 from hebrus.state.status import Status
-from hebrus.state.txn import Transaction
+from hebrus.state.txn import Transaction, abort_error
 
 
 class BatchTransaction:
@@ -47,7 +46,7 @@ class BatchTransaction:
             try:
                 out.append(p.rows(name))
             except Exception as exc:
-                self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else _allocation(p.stage, exc))
+                self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else abort_error(p.stage, exc))
                 row = p.image.appended[p.image.slot[name]]
                 out.append(torch.zeros((p.frontier + 1,) + row.shape, dtype=row.dtype, device=self.device))
         return out
@@ -88,8 +87,3 @@ class BatchTransaction:
                 p.seal()
             except ChunkAborted as exc:
                 self.failed[i] = exc
-
-
-def _allocation(stage: str, exc: Exception) -> ChunkAborted:
-    detail = f"{type(exc).__name__}: {exc}"
-    return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)

@@ -18,12 +18,19 @@ import math
 
 import torch
 
-from hebrus.errors import (AllocationError, CommandError, DeviceStatusError,
+from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceStatusError,
                            NonFiniteError, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.status import Completion, DeviceChecks, Status
+
+
+def abort_error(stage: str, exc: Exception) -> ChunkAborted:
+    """The failure kind of an exception raised inside a transaction (an allocation failure, or
+    else a structural one)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)
 
 
 class Transaction:
