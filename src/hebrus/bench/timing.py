@@ -1,0 +1,142 @@
+"""The timed runs: both variants taking turns at one context and batch size, and transformers on
+the same checkpoint."""
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hebrus.bench.inplace import InPlaceBatch, InPlaceSession, copies
+from hebrus.bench.limits import sync
+
+@dataclass
+class Point:
+    context: int
+    prefill_s_per_token: dict[str, float] | None     # None for a batch: prefill is not batched yet
+    decode_s_per_step: dict[str, float]
+
+
+# untimed decode steps before the timed ones: row storage may grow on the first (the prompt filled
+# it), and each bank parity runs once from the plan and is then captured
+WARM_STEPS = 6
+
+
+def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: str, batch: int = 1) -> Point:
+    """Median seconds per prefill token and per decode step for both variants. Round 0 is not
+    timed: it warms both variants at this very context (allocations, kernel choices, graph
+    captures), so no variant pays first-use costs inside a timed round; the variants alternate
+    who goes first. With `batch` > 1, each variant decodes that many sessions together (copies
+    of one prefilled session; `hebrus.feed_many` against `InPlaceBatch`), and prefill is not
+    reported: it is not batched yet."""
+    if batch > 1:
+        return _batch_point(model, prompt, steps, rounds, chunk, batch, how)
+    graphs = model.session(decode=how).decode == "graph"
+    variants = {"transactional": lambda: model.session(decode=how),
+                "in-place": lambda: InPlaceSession(model, graphs=graphs)}
+    prefill = {name: [] for name in variants}
+    decode = {name: [] for name in variants}
+    for r in range(rounds + 1):
+        names = list(variants)[::-1] if r % 2 else list(variants)
+        sessions, logits = {name: variants[name]() for name in names}, {}
+        spent = {name: 0.0 for name in names}
+        for name in names:
+            sync(model.device)
+            t = time.perf_counter()
+            for begin in range(0, len(prompt), chunk):
+                logits[name] = sessions[name].feed(prompt[begin:begin + chunk])
+            sync(model.device)
+            spent[name] = time.perf_counter() - t
+        if r:                                      # round 0 only warms up
+            for name in names:
+                prefill[name].append(spent[name] / len(prompt))
+        def advance(name, token):
+            logits[name] = sessions[name].feed([token])
+
+        spent = _timed_steps(model, names, steps, lambda name: int(torch.argmax(logits[name])), advance)
+        if r:
+            for name in names:
+                decode[name].append(spent[name] / max(steps, 1))
+    return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
+                 {n: statistics.median(v) for n, v in decode.items()})
+
+
+def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
+    """Seconds each variant spends in `steps` decode steps, after WARM_STEPS untimed ones (the
+    first steps grow storage and capture graphs); the variants take turns, their order swapping
+    every step. `choose(name)` picks the next input (untimed), `advance(name, input)` steps."""
+    spent = {name: 0.0 for name in names}
+    for step in range(-WARM_STEPS, steps):
+        for name in (names if step % 2 == 0 else names[::-1]):
+            chosen = choose(name)
+            t = time.perf_counter()
+            advance(name, chosen)
+            sync(model.device)
+            if step >= 0:
+                spent[name] += time.perf_counter() - t
+    return spent
+
+
+def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
+    from hebrus.session import Batch
+    decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
+    for r in range(rounds + 1):
+        first, inplace = model.session(decode="eager"), InPlaceSession(model)
+        for begin in range(0, len(prompt), chunk):
+            logits = first.feed(prompt[begin:begin + chunk])
+            inplace.feed(prompt[begin:begin + chunk])
+        together = Batch(copies(first, batch, lambda: model.session(decode="eager")), decode=how)
+        group = InPlaceBatch(copies(inplace, batch, lambda: InPlaceSession(model)), graphs=together.decode == "graph")
+        steppers = {"transactional": lambda tokens: torch.stack(together.feed(tokens)),
+                    "in-place": group.feed}
+        names = list(steppers)[::-1] if r % 2 else list(steppers)
+        last = {name: logits.expand(batch, -1) for name in names}
+
+        def advance(name, tokens):
+            last[name] = steppers[name](tokens)
+
+        spent = _timed_steps(model, names, steps, lambda name: torch.argmax(last[name], dim=-1).tolist(), advance)
+        if r:
+            for name in names:
+                decode[name].append(spent[name] / max(steps, 1))
+    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()})
+
+
+def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int, device: torch.device,
+                       dtype: torch.dtype) -> dict:
+    """transformers on the same checkpoint and device: seconds per prefill token (the prompt in
+    one call) and per greedy decode step with its own cache, medians of `rounds` after a warm-up
+    round. Returns {"error": ...} when transformers cannot run it."""
+    try:
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+    except Exception as exc:                                    # not installed, or not its format
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    ids = torch.tensor([prompt], device=device)
+    # the cache's keyword: `past_key_values` until transformers 5.2x renamed it `cache`
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    prefill, decode = [], []
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            sync(device)
+            t = time.perf_counter()
+            out = hf(ids, use_cache=True)
+            sync(device)
+            spent = time.perf_counter() - t
+            cache, token = out[key], out.logits[:, -1:].argmax(-1)
+            t = time.perf_counter()
+            for _ in range(steps):
+                out = hf(token, use_cache=True, **{key: cache})
+                cache, token = out[key], out.logits[:, -1:].argmax(-1)
+                sync(device)
+            if r:
+                prefill.append(spent / len(prompt))
+                decode.append((time.perf_counter() - t) / steps)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"version": transformers.__version__, "prefill_s_per_token": statistics.median(prefill),
+            "decode_s_per_step": statistics.median(decode)}
