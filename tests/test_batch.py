@@ -284,3 +284,43 @@ def test_outs_may_be_the_rows_of_one_buffer(models):
     buffer = torch.empty(3, model.spec.vocab_size)
     got = hebrus.feed_many(sessions, [1, 2, 3], outs=list(buffer))
     assert all(g.data_ptr() == row.data_ptr() for g, row in zip(got, buffer))
+
+
+def _capacity(session) -> set[int]:
+    return {st.shape[0] for st in session.image.public.storages}
+
+
+def test_a_planned_batch_grows_every_session_together(models):
+    """When one session of a `Batch` runs out of rows, every session's storage grows to the
+    same capacity in that step, so they run out together next time and the plan (the graphs
+    on a GPU) is retired once per doubling, not once per session."""
+    model = models["qwen3_5"]
+    vocab = model.spec.vocab_size
+    sessions, eager = _sessions(model, vocab), _sessions(model, vocab)
+    assert [_capacity(s) for s in sessions] == [{16}, {16}, {16}, {30}]     # the last one is full
+    group = hebrus.Batch(sessions, decode="planned")
+    for step in range(20):
+        ids = tokens(len(PROMPTS), seed=300 + step, vocab=vocab)
+        for i, (a, b) in enumerate(zip(group.feed(ids), hebrus.feed_many(eager, ids))):
+            _close(a, b, f"step {step}, session {i}", 2e-4)
+    assert all(_capacity(s) == {60} for s in sessions)          # all grew with the full one, at step 0
+    assert group._steps.uncaptured == 20 - 1
+    _same_state(sessions, eager, 2e-4)
+
+
+def test_a_refused_reservation_does_not_abort(models):
+    """A session whose budget cannot take the batch's larger reservation grows only as far as
+    it needs (or not at all) and still publishes."""
+    model = models["qwen3_5"]
+    vocab = model.spec.vocab_size
+    roomy = model.session(decode="eager")
+    roomy.feed(tokens(16, seed=1, vocab=vocab))                 # full at 16 rows: grows next step
+    tight = model.session(decode="eager")
+    tight.feed(tokens(3, seed=2, vocab=vocab))
+    group = hebrus.Batch([roomy, tight], decode="planned")
+    row_bytes = sum(st[0].numel() * st.element_size() for st in tight.image.public.storages)
+    tight.budget.limit = tight.budget.held + 8 * row_bytes       # intermediates fit; 16 more rows do not
+    before = tight.digest()
+    got = group.feed([4, 5])
+    assert all(isinstance(r, torch.Tensor) for r in got), got
+    assert _capacity(roomy) == {32} and _capacity(tight) == {16} and tight.digest() != before

@@ -33,12 +33,12 @@ def _read_together(parts: list[Transaction]) -> list[list[float]]:
     return out
 
 
-def run_tokens(model, sessions, ids: torch.Tensor, outs) -> list:
+def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: int = 0) -> list:
     """ids [B]: token i for session i (the caller holds every session's lock, in inference mode).
     Returns, per session, its logits (`outs[i]` or a new tensor) or the `ChunkAborted` that
-    aborted it."""
-    parts = [Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context)
-             for s in sessions]
+    aborted it. `reserve`: rows each session's storage is grown to hold if it grows, or may."""
+    parts = [Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context,
+                         reserve=reserve) for s in sessions]
     batch = BatchTransaction(parts, model.device)
 
     def work() -> None:
@@ -106,6 +106,16 @@ class BatchSteps:
     def accepts(self) -> bool:
         return not faults.armed() and all(
             all(st.shape[0] > s.image.public.frontier for st in s.image.public.storages) for s in self.sessions)
+
+    def reservation(self) -> int:
+        """Rows to grow every session's storage to when one of them must grow: what the neediest
+        would grow to alone, and at least the largest storage held. The sessions then run out
+        of rows together, and the graphs are retired once per doubling rather than once per
+        session (each retirement costs a few uncaptured steps)."""
+        held = [st.shape[0] for s in self.sessions for st in s.image.public.storages]
+        needs = [max(s.image.public.frontier + 1, 2 * st.shape[0], 16) for s in self.sessions
+                 for st in s.image.public.storages if st.shape[0] <= s.image.public.frontier]
+        return max(held + needs, default=0)
 
     def retire_stale(self) -> None:
         now = self._current_storages()

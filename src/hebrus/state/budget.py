@@ -61,6 +61,10 @@ class MemoryBudget:
         self._admit(nbytes, what)
         self.pending += nbytes
 
+    def cancel(self, nbytes: int) -> None:
+        """Take back a granted growth whose allocation then failed."""
+        self.pending -= nbytes
+
     def admit(self, nbytes: int, what: str) -> None:
         """Check that a stage's intermediates fit alongside everything else live."""
         self._admit(nbytes, what)

@@ -35,7 +35,7 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 
 class Transaction:
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 max_rows: int, output: str = "logits", planned: bool = False):
+                 max_rows: int, output: str = "logits", planned: bool = False, reserve: int = 0):
         record = image.public
         self.image, self.record, self.planned = image, record, planned
         self.frontier, self.length = record.frontier, length
@@ -48,6 +48,7 @@ class Transaction:
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
         self.max_rows, self.output = max_rows, output
+        self.reserve = min(reserve, max_rows)   # rows storage is grown to hold when it grows (or may)
         self.completion = Completion(image.device)
         self.slot, self.stage = -1, "begin"
         self.written: set[str] = set()
@@ -96,6 +97,9 @@ class Transaction:
                 raise StructuralError(self.stage, f"{name} holds {storage.shape[0]} rows; a planned step "
                                       f"needs {need} reserved")
             storage = self._grow(name, storage, need)
+            self.storages[i] = storage
+        elif storage.shape[0] < self.reserve and not self.planned:
+            storage = self._reserve(name, storage)
             self.storages[i] = storage
         self._rows_handed = True
         if self.planned:                    # the rows at the device-side positions, once written
@@ -225,10 +229,32 @@ class Transaction:
     # ---- internals -------------------------------------------------------------------------
     def _grow(self, name: str, storage: torch.Tensor, need: int) -> torch.Tensor:
         capacity = min(self.max_rows, max(need, 2 * storage.shape[0], 16))
+        if self.reserve > capacity:             # the larger reservation if it is granted, else this
+            try:
+                return self._allocate(name, storage, self.reserve)
+            except AllocationError:
+                pass
+        return self._allocate(name, storage, capacity)
+
+    def _reserve(self, name: str, storage: torch.Tensor) -> torch.Tensor:
+        """Grow storage that holds this chunk's rows already to `reserve` rows, if the budget and
+        the allocator grant it; otherwise keep it (a reservation is never a reason to abort)."""
+        try:
+            return self._allocate(name, storage, self.reserve)
+        except AllocationError:
+            return storage
+
+    def _allocate(self, name: str, storage: torch.Tensor, capacity: int) -> torch.Tensor:
         row_shape = tuple(storage.shape[1:])
         nbytes = capacity * math.prod(row_shape) * storage.element_size()
         self._request(self.budget.grow, nbytes, f"{name} ({capacity} rows)")
-        grown = torch.empty((capacity,) + row_shape, dtype=storage.dtype, device=storage.device)
+        try:
+            grown = torch.empty((capacity,) + row_shape, dtype=storage.dtype, device=storage.device)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            self.budget.cancel(nbytes)              # never allocated
+            raise AllocationError(self.stage, f"{name} ({capacity} rows): {type(exc).__name__}: {exc}") from None
         grown[: self.frontier].copy_(storage[: self.frontier])
         grown[self.frontier:].zero_()               # rows past the frontier read as zeros
         return grown
