@@ -202,9 +202,13 @@ class Head:
         self.rms_norm = kernels.fused(rms_norm)
         self.out = params["embed.weight"] if c.tie_embeddings else params["lm_head.weight"]
 
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Streams X [T, n, D] -> logits [T, V]."""
+        return F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
+
     def run(self, txn: StepContext) -> None:
         X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
-        logits = F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
+        logits = self.logits(X)
         if txn.batched:                                       # one row per session
             txn.write("residual", X)
             txn.write("logits", logits)

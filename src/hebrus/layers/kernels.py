@@ -17,7 +17,7 @@ from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports)
-from hebrus.ops.qsa import dense_attention, dense_attention_fast
+from hebrus.ops.qsa import dense_attention, dense_attention_fast, sparse_attention
 
 
 class Chooser(Protocol):
@@ -50,6 +50,7 @@ class Kernels:
     experts: Callable          # (h, weights, experts, gate_up, down) -> y
     choose: Chooser
     attend: Callable = dense_attention    # (q, k_rows, v_rows, positions) -> o: attention over every row
+    sparse_attend: Callable = sparse_attention    # (q, k_rows, v_rows, picked, valid) -> o: over picked rows
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
 
 

@@ -11,7 +11,7 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.span import Span
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.norm import layer_norm
-from hebrus.ops.qsa import index_scores, select, sigmoid_gated, sparse_attention
+from hebrus.ops.qsa import index_scores, select, sigmoid_gated
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.status import Status
 
@@ -39,7 +39,7 @@ class Attention:
                  kernels: Kernels, indexed: bool):
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
-        self.attend, self.fused = kernels.attend, kernels.fused
+        self.attend, self.sparse_attend, self.fused = kernels.attend, kernels.sparse_attend, kernels.fused
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
         self.eps = s.rms_norm_eps
@@ -87,7 +87,7 @@ class Attention:
         scores = index_scores(qi, F.linear(h, w["index_w.weight"]), span.visible(index_rows))
         picked, valid = self.select(scores, span.start, positions)
         check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
-        return sparse_attention(q, span.visible(k_rows), span.visible(v_rows), picked, valid)
+        return self.sparse_attend(q, span.visible(k_rows), span.visible(v_rows), picked, valid)
 
     def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
         """The rows each query attends to: the top_k of its visible scores, the model's chooser
