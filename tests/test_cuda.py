@@ -302,7 +302,8 @@ def test_batch_graphs_match_eager_batches(tmp_path):
             assert _rel(a.float(), b.float()) <= 2e-2, step
     steps = together._steps
     assert steps.captures >= 2 and steps.replays >= 6, (steps.captures, steps.replays, steps.refused)
-    sessions = [with_nan_row(model, 5).session() for _ in range(3)]
+    poisoned = with_nan_row(model, 5)
+    sessions = [poisoned.session() for _ in range(3)]
     for s in sessions:
         s.feed([1, 2, 3])
     group = hebrus.Batch(sessions)

@@ -19,7 +19,7 @@ hebrus)
     split -b 15M -d /tmp/runs/hebrus/model/model.safetensors "$out/model.safetensors.part-" ;;
 dense)
     python3 recipes/shakespeare/train.py --model dense --out /tmp/runs/dense --minutes "${2:-9}" \
-        --tokens-from recipes/shakespeare/results 2>&1 | tee "$out/train-dense.log"
+        --tokens-from recipes/shakespeare/results/summary-hebrus.json 2>&1 | tee "$out/train-dense.log"
     cp /tmp/runs/dense/curve.json "$out/curve-dense.json"
     cp /tmp/runs/dense/summary.json "$out/summary-dense.json" ;;
 *)

@@ -2,7 +2,7 @@
 
     python recipes/shakespeare/prepare.py                                # once: data/train.bin, val.bin
     python recipes/shakespeare/train.py --model hebrus --out runs/hebrus --minutes 9
-    python recipes/shakespeare/train.py --model dense --out runs/dense --tokens-from runs/hebrus
+    python recipes/shakespeare/train.py --model dense --out runs/dense --tokens-from runs/hebrus/summary.json
 
 The model is the runtime's own: `hebrus.training.forward` runs the stages a loaded model runs, on
 parameters that require gradients (fast mode's ops; the delta rule chunked). The loss is the
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=HERE / "data", help="prepared bytes (prepare.py)")
     p.add_argument("--out", type=Path, required=True, help="run folder: state, curve, summary, checkpoint")
     p.add_argument("--tokens", type=int, default=10**9, help="token budget (default: as many as the minutes allow)")
-    p.add_argument("--tokens-from", type=Path, help="the token budget a finished run spent (its summary.json)")
+    p.add_argument("--tokens-from", type=Path, help="a finished run's summary.json: spend the tokens it spent")
     p.add_argument("--minutes", type=float, default=9.0, help="training time budget, evaluations included")
     p.add_argument("--context", type=int, default=CONTEXT, help="bytes per training sequence (at most 8192)")
     p.add_argument("--accum", type=int, default=2, help="sequences per optimiser step")
@@ -119,11 +119,11 @@ def main() -> None:
     val = torch.frombuffer(bytearray((args.data / "val.bin").read_bytes()), dtype=torch.uint8)
     budget = args.tokens
     if args.tokens_from:
-        budget = json.loads((args.tokens_from / "summary.json").read_text())["tokens"]
+        budget = json.loads(args.tokens_from.read_text())["tokens"]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    params = {k: v.to(device) for k, v in
-              training.trainable(training.initial_parameters(config if config else spec, seed=1)).items()}
+    params = training.trainable({k: v.to(device) for k, v in
+                                 training.initial_parameters(config if config else spec, seed=1).items()})
     state = {"step": 0, "tokens": 0, "curve": []}
     learned = [t for t in params.values() if t.requires_grad]
     decayed = [t for t in learned if t.dim() >= 2]

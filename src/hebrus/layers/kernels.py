@@ -77,5 +77,5 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             from hebrus.ops.cuda import fuse as cuda_fuse
             if cuda_fuse.enabled():
                 fuse = cuda_fuse.fused
-        return Kernels(True, rule, experts, choose, dense_attention_fast, fuse)
+        return Kernels(True, rule, experts, choose, attend=dense_attention_fast, fused=fuse)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)
