@@ -7,9 +7,9 @@ tolerance, flips only at near-ties) and on its own (what a fast session really d
 a near-tie sends the rest of that token's computation down another path).
 
     python benchmarks/fast_bound.py [--preset tiny] [--dtypes float32,bfloat16,float64,float16]
-        [--short 40] [--long 2] [--long-length 1024] [--threads 1] [--seed 0]
+        [--short 40] [--long 2] [--long-length 1024] [--threads 1] [--seed 0] [--text FILE]
 
-Writes results/fast-bound-<device>.{json,md}. One thread by default: on a shared 2-core machine
+Writes results/fast-bound-<device>.{json,md} (fast-bound-<preset>-<device> for other presets). One thread by default: on a shared 2-core machine
 two threads spin against other processes and the timing becomes noise (the errors do not care).
 """
 from __future__ import annotations
@@ -41,8 +41,13 @@ def cases(args, vocab: int, rng: random.Random) -> list[tuple[list[int], list[li
     """(tokens, chunkings): whole, one random split into small chunks, one into larger ones."""
     out = []
     lengths = [rng.randint(2, 160) for _ in range(args.short)] + [args.long_length] * args.long
+    text = Path(args.text).read_bytes() if args.text else None
     for n in lengths:
-        tokens = [rng.randrange(vocab) for _ in range(n)]
+        if text is None:
+            tokens = [rng.randrange(vocab) for _ in range(n)]
+        else:                           # a window of the text at a random offset
+            at = rng.randrange(len(text) - n)
+            tokens = list(text[at:at + n])
         out.append((tokens, [[n], _split(n, rng, 13), _split(n, rng, max(2, n // 3))]))
     return out
 
@@ -155,9 +160,10 @@ def _count(items) -> dict[str, int]:
 
 
 def report(results: dict, meta: dict) -> str:
+    source = f"windows of {Path(meta['text']).name}" if meta.get("text") else "random"
     lines = [f"# Fast mode against exact mode: {meta['preset']}, {meta['device']} "
              f"({meta['threads']} thread(s), torch {meta['torch']})", "",
-             f"Per dtype: {meta['short']} random prompts of 2–160 tokens and {meta['long']} of "
+             f"Per dtype: {meta['short']} {source} prompts of 2–160 tokens and {meta['long']} of "
              f"{meta['long_length']} tokens, each in 3 chunkings (one chunk, chunks of ≤ 13, chunks of "
              f"≤ n/3); seed {meta['seed']}. Owners and logits: error relative to the largest magnitude of "
              "the tensor. Scores and margins: relative to the largest score magnitude at the site "
@@ -191,7 +197,8 @@ def report(results: dict, meta: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", help="a preset or checkpoint folder (default tiny)")
+    p.add_argument("--text", help="prompts are random windows of this file's bytes (byte models), not random ids")
     p.add_argument("--dtypes", default="float32,bfloat16,float64,float16")
     p.add_argument("--short", type=int, default=40, help="short prompts per dtype")
     p.add_argument("--long", type=int, default=2, help="long prompts per dtype")
@@ -206,12 +213,14 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         results[dtype] = measure(args, dtype, random.Random(args.seed))
         print(f"{dtype}: {results[dtype]['seconds']} s", flush=True)
-    keys = ("preset", "short", "long", "long_length", "threads", "seed", "device")
+    keys = ("preset", "text", "short", "long", "long_length", "threads", "seed", "device")
     meta = {k: getattr(args, k) for k in keys}
     meta.update(torch=torch.__version__, machine=platform.machine())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"fast-bound-{torch.device(args.device).type}"
+    if args.preset != "tiny":
+        name = f"fast-bound-{Path(args.preset).name}-{torch.device(args.device).type}"
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     (out / f"{name}.md").write_text(report(results, meta))
     print(report(results, meta))

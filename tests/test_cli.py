@@ -13,6 +13,18 @@ def test_generate_streams_text(capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
+def test_generate_by_default_writes_english_verse(capsys):
+    """The default model is the trained `shakespeare` preset: sampled text is words, mostly
+    common English ones, in lines, not the byte noise of a random preset."""
+    assert main(["generate", "ROMEO.", "--max-new-tokens", "300"]) == 0
+    out = capsys.readouterr().out
+    assert sum(c.isalpha() or c in " \n,.;:'!?-" for c in out) >= 0.95 * len(out)
+    words = re.findall(r"[a-z']+", out.lower())
+    common = {"the", "and", "to", "of", "i", "you", "my", "a", "that", "is", "in", "not", "me", "with"}
+    assert len(words) >= 40 and sum(w in common for w in words) >= 0.15 * len(words)
+    assert out.count("\n") >= 3
+
+
 def test_info_lists_stages_and_owners(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -51,7 +63,7 @@ def test_stream_decoder_keeps_utf8_and_hides_control_bytes():
 @pytest.mark.parametrize("argv,message", [
     (["generate", "x", "--seed", str(2**64)], "seed must lie in"),
     (["generate", "x", "--temperature", "1e400"], "temperature must be a finite number"),
-    (["generate", "x", "--max-new-tokens", "5000"], "context limit"),
+    (["generate", "x", "--max-new-tokens", "9000"], "context limit"),
     (["info", "--device", "cuda:banana"], "device must be"),
 ])
 def test_bad_input_is_one_line_not_a_traceback(argv, message, capsys):

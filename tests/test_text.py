@@ -72,7 +72,8 @@ def test_generate_chat_streams_the_greedy_continuation(chat_model):
         expected.append(token)
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        code = main(["generate", "--model", str(chat_model), "--chat", "hi", "--max-new-tokens", "12"])
+        code = main(["generate", "--model", str(chat_model), "--chat", "hi", "--max-new-tokens", "12",
+                     "--temperature", "0"])
     assert code == 0, err.getvalue()
     assert out.getvalue() == text.tokenizer.decode(expected) + "\n"
     assert "tokens/s" in err.getvalue() and "peak memory" in err.getvalue()

@@ -11,13 +11,14 @@ from pathlib import Path
 
 from hebrus.bench import SHAPES
 from hebrus.config import PRESETS
+from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.session import DECODE
 from hebrus.text import escaped
 
-MODEL_HELP = (f"a preset ({', '.join(PRESETS)}), a checkpoint directory or a Hugging Face repo id in the "
-              f"local cache (default: tiny)")
+MODEL_HELP = (f"a preset (trained: {', '.join(TRAINED)}; random: {', '.join(PRESETS)}), a checkpoint "
+              f"directory or a Hugging Face repo id in the local cache")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                          description="Generate with the given model, printing the continuation as it comes. "
                                      "A checkpoint's tokenizer.json is used when it has one; otherwise text is bytes.")
     gen.add_argument("prompt", help="the text to continue, or - to read it from standard input")
-    _model_args(gen, default_mode="fast")
+    _model_args(gen, default_mode="fast", default_model="shakespeare")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     gen.add_argument("--min-p", type=float, default=0.0,
@@ -141,8 +142,8 @@ def _version() -> str:
         return "unknown"
 
 
-def _model_args(p: argparse.ArgumentParser, default_mode: str) -> None:
-    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: str = "tiny") -> None:
+    p.add_argument("--model", default=default_model, help=f"{MODEL_HELP} (default: {default_model})")
     p.add_argument("--mode", choices=MODES, default=default_mode, help=f"execution mode (default {default_mode})")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default float32)")

@@ -15,6 +15,7 @@ from hebrus.layers.kernels import Chooser, kernels
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of
+from hebrus.presets import TRAINED, names
 from hebrus.ops.norm import accum_dtype
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
@@ -99,7 +100,8 @@ class Model:
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None) -> Model:
-    """A preset name (randomly initialised from the config's seed), a checkpoint directory of
+    """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
+    `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
     the local cache. Every argument is checked before anything is read or allocated; bad ones
     raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load."""
@@ -108,10 +110,13 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
         return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
-    path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
+    if isinstance(name_or_path, str) and name_or_path in TRAINED:
+        path = TRAINED[name_or_path]
+    else:
+        path = folder_path(name_or_path, "the model (a preset name, a checkpoint directory or a repo id)")
     if not _is_dir(path):
         if not isinstance(name_or_path, str):               # a path is never looked up as a repo id
-            raise InvalidInput(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+            raise InvalidInput(f"{path} is neither a preset ({', '.join(names())}) nor a checkpoint directory")
         path = _cached_repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -139,7 +144,7 @@ def _cached_repo(name) -> Path:
     """The local snapshot of a Hugging Face repo id, from the cache only: never the network."""
     text = str(name)
     if not _REPO_ID.fullmatch(text) or ".." in text or len(text) > 96 or text.endswith((".", "-")):
-        raise InvalidInput(f"{text} is neither a preset ({', '.join(PRESETS)}), a checkpoint directory, "
+        raise InvalidInput(f"{text} is neither a preset ({', '.join(names())}), a checkpoint directory, "
                            f"nor a Hugging Face repo id (Org/Name)")
     try:
         from huggingface_hub import constants, snapshot_download
