@@ -177,3 +177,28 @@ def test_threads_feeding_one_session_serialise(tiny):
         t.join()
     assert s.frontier == 40
     assert s.image.rows("routes").shape[0] == 40     # every chunk published whole, none lost
+
+
+def test_a_reservation_grows_row_logs_once_to_its_size():
+    """`reserve=N`: the first chunk's growth goes straight to N rows; later chunks up to N never
+    grow (never copy) them; the state equals an unreserved session's; a budget that cannot hold
+    the reservation grows as needed instead."""
+    model = hebrus.load("tiny")
+    reserved, plain = model.session(reserve=300), model.session()
+    for chunk in ([1, 2, 3], list(range(40)), [7] * 100):
+        reserved.feed(chunk)
+        plain.feed(chunk)
+        assert {st.shape[0] for st in reserved.image.public.storages} == {300}
+    assert reserved.digest() == plain.digest()
+    first = reserved.image.public.storages[0]
+    reserved.feed(list(range(150)))
+    assert reserved.image.public.storages[0] is first                        # 293 rows: no copy
+    row_bytes = sum(st[0].numel() * st.element_size() for st in plain.image.public.storages)
+    tight = model.session(reserve=300, memory_budget=model.session().budget.held + 100 * row_bytes)
+    tight.feed([1, 2, 3])                       # each row log asks for its reservation alone
+    capacities = [st.shape[0] for st in tight.image.public.storages]
+    assert set(capacities) <= {16, 300} and 16 in capacities and tight.frontier == 3
+    with pytest.raises(hebrus.InvalidInput, match=r"reserve must lie in \[0, 1024\]"):
+        model.session(reserve=2000)
+    with pytest.raises(hebrus.InvalidInput, match="reserve"):
+        model.session(reserve=-1)

@@ -143,6 +143,14 @@ def positive_int(name: str, value) -> int:
     return number
 
 
+def reserve(value, max_context: int) -> int:
+    """A session's row reservation: 0 (grow as needed) up to the model's context limit."""
+    number = _integer("reserve (rows of context to hold from the first chunk on)", value)
+    if not 0 <= number <= max_context:
+        raise InvalidInput(f"reserve must lie in [0, {max_context}] (the model's context limit), got {shown(value)}")
+    return number
+
+
 def count(name: str, value) -> int:
     number = _integer(name, value)
     if number < 0:

@@ -85,12 +85,15 @@ class Model:
         params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source)
 
-    def session(self, memory_budget: int | None = None, decode: str = "auto"):
+    def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
         """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a
         fast-mode model on a GPU, else eager), "eager", "planned" (the graph's static plan run
-        op by op, any device) or "graph"."""
+        op by op, any device) or "graph". `reserve`: how many positions the session expects to
+        reach; its row logs (K/V, index keys, routes) grow straight to that many rows the first
+        time they grow, so a long decode never stops to copy them (if the memory budget refuses
+        the reservation, they grow as needed instead)."""
         from hebrus.session import Session
-        return Session(self, memory_budget=memory_budget, decode=decode)
+        return Session(self, memory_budget=memory_budget, decode=decode, reserve=reserve)
 
     def __repr__(self) -> str:
         c = self.spec

@@ -35,9 +35,10 @@ DECODE = ("auto", "eager", "planned", "graph")
 
 
 class Session:
-    def __init__(self, model, memory_budget: int | None = None, decode: str = "auto"):
+    def __init__(self, model, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
+        reserve = arguments.reserve(reserve, model.spec.max_context)
         decode = _decode(model, decode)
         self.model = model
         self.config, self.spec = model.config, model.spec
@@ -49,6 +50,7 @@ class Session:
         self.image = _allocate_image(model)
         self._stage_names = model.stage_names
         self.decode = decode
+        self.reserve = reserve                  # rows every row log grows to at once, when granted
         self._steps = (DecodeSteps(model, self.image, self.budget, capture=decode == "graph")
                        if decode in ("planned", "graph") else None)
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
@@ -176,7 +178,7 @@ class Session:
             self._steps.step(ids, out)
             return
         try:
-            eager.run_chunk(self.model, self.image, self.budget, ids, out)
+            eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve)
         finally:
             if self._steps is not None:
                 self._steps.retire_stale()

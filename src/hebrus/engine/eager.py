@@ -17,9 +17,12 @@ from hebrus.state.image import Image
 from hebrus.state.txn import Transaction, abort_error
 
 
-def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None) -> None:
-    """One chunk as one transaction (the caller holds the session lock, in inference mode)."""
-    txn = Transaction(image, len(ids), model.stage_names, budget, max_rows=model.spec.max_context)
+def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None,
+              reserve: int = 0) -> None:
+    """One chunk as one transaction (the caller holds the session lock, in inference mode).
+    Row storage that must grow grows to `reserve` rows if that is granted."""
+    txn = Transaction(image, len(ids), model.stage_names, budget, max_rows=model.spec.max_context,
+                      reserve=reserve, reserve_only_growing=True)
 
     def work(txn: Transaction) -> None:
         txn.local["ids"] = ids.to(model.device)

@@ -35,7 +35,8 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 
 class Transaction:
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 max_rows: int, output: str = "logits", planned: bool = False, reserve: int = 0):
+                 max_rows: int, output: str = "logits", planned: bool = False, reserve: int = 0,
+                 reserve_only_growing: bool = False):
         record = image.public
         self.image, self.record, self.planned = image, record, planned
         self.frontier, self.length = record.frontier, length
@@ -48,7 +49,8 @@ class Transaction:
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
         self.max_rows, self.output = max_rows, output
-        self.reserve = min(reserve, max_rows)   # rows storage is grown to hold when it grows (or may)
+        # rows storage is grown to hold when it must grow, or (unless only_growing) may
+        self.reserve, self._reserve_always = min(reserve, max_rows), not reserve_only_growing
         self.completion = Completion(image.device)
         self.slot, self.stage = -1, "begin"
         self.written: set[str] = set()
@@ -98,7 +100,7 @@ class Transaction:
                                       f"needs {need} reserved")
             storage = self._grow(name, storage, need)
             self.storages[i] = storage
-        elif storage.shape[0] < self.reserve and not self.planned:
+        elif storage.shape[0] < self.reserve and self._reserve_always and not self.planned:
             storage = self._reserve(name, storage)
             self.storages[i] = storage
         self._rows_handed = True
