@@ -301,3 +301,25 @@ def test_ngram_buckets_hash_several_sequences_at_once():
     for i in range(3):
         alone = ngram_buckets(ids[i], history[i], constants, buckets)
         assert all(torch.equal(a[i], b) for a, b in zip(together, alone))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_sparse_attention_equals_dense_attention_masked_to_the_selection(ties):
+    """Past the top-k, over a long row log: attention over the picked rows is dense attention
+    with every other row masked out (the same selections), ties in the scores included."""
+    g = torch.Generator().manual_seed(11)
+    T, S, hq, hkv, dh, top_k = 6, 3000, 4, 2, 16, 64
+    q = torch.randn(T, hq, dh, generator=g, dtype=torch.float64)
+    k = torch.randn(S, hkv, dh, generator=g, dtype=torch.float64)
+    v = torch.randn(S, hkv, dh, generator=g, dtype=torch.float64)
+    positions = torch.tensor([10, 63, 64, 700, 2500, S - 1])
+    scores = (torch.randint(0, 4, (T, S), generator=g) if ties else torch.randn(T, S, generator=g)).double()
+    picked, valid = select(scores, positions, top_k)
+    assert int(valid.sum(-1).min()) == 11 and int(valid.sum(-1).max()) == top_k
+    got = sparse_attention(q, k, v, picked, valid)
+    chosen = torch.zeros(T, S, dtype=torch.bool)
+    chosen[torch.arange(T)[:, None].expand_as(picked)[valid], picked[valid]] = True
+    logits = torch.einsum("thd,shd->ths", q, k.repeat_interleave(hq // hkv, dim=1)) * dh ** -0.5
+    weights = torch.softmax(logits.masked_fill(~chosen[:, None, :], float("-inf")), -1)
+    want = torch.einsum("ths,shd->thd", weights, v.repeat_interleave(hq // hkv, dim=1))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
