@@ -303,8 +303,10 @@ def test_a_planned_batch_grows_every_session_together(models):
         ids = tokens(len(PROMPTS), seed=300 + step, vocab=vocab)
         for i, (a, b) in enumerate(zip(group.feed(ids), hebrus.feed_many(eager, ids))):
             _close(a, b, f"step {step}, session {i}", 2e-4)
-    assert all(_capacity(s) == {60} for s in sessions)          # all grew with the full one, at step 0
-    assert group._steps.uncaptured == 20 - 1
+    # at step 0 the full one grew to 60 rows and the two of similar length with it; the 3-token
+    # one, far shorter, kept its 16 rows until step 13, when it joined them
+    assert all(_capacity(s) == {60} for s in sessions)
+    assert group._steps.uncaptured == 20 - 2
     _same_state(sessions, eager, 2e-4)
 
 
@@ -324,3 +326,27 @@ def test_a_refused_reservation_does_not_abort(models):
     got = group.feed([4, 5])
     assert all(isinstance(r, torch.Tensor) for r in got), got
     assert _capacity(roomy) == {32} and _capacity(tight) == {16} and tight.digest() != before
+
+
+def test_a_batch_reservation_never_makes_a_session_fail(models):
+    """At every budget where `feed_many` publishes a session's token, a `Batch` whose other
+    session must grow publishes it too (its reservation is asked for last and may be refused)."""
+    model = models["qwen3_5"]
+    vocab = model.spec.vocab_size
+    row_bytes = None
+    for rows in range(0, 60, 3):
+        results = []
+        for together in (hebrus.feed_many, "batch"):
+            roomy, tight = model.session(decode="eager"), model.session(decode="eager")
+            roomy.feed(tokens(16, seed=1, vocab=vocab))
+            tight.feed(tokens(3, seed=2, vocab=vocab))
+            if row_bytes is None:
+                row_bytes = sum(st[0].numel() * st.element_size() for st in tight.image.public.storages)
+            tight.budget.limit = tight.budget.held + rows * row_bytes
+            if together == "batch":
+                got = hebrus.Batch([roomy, tight], decode="planned").feed([4, 5])
+            else:
+                got = together([roomy, tight], [4, 5])
+            results.append(isinstance(got[1], torch.Tensor) and tight.digest())
+        if results[0]:
+            assert results[1] == results[0], rows

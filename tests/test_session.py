@@ -202,3 +202,27 @@ def test_a_reservation_grows_row_logs_once_to_its_size():
         model.session(reserve=2000)
     with pytest.raises(hebrus.InvalidInput, match="reserve"):
         model.session(reserve=-1)
+
+
+def test_a_reservation_never_makes_a_chunk_fail():
+    """Reservations are asked for after every stage's own requests, each alone, and skipped when
+    refused: at every budget where a plain session's chunk publishes, a reserved one's does too."""
+    model = hebrus.load("tiny")
+    probe = model.session()
+    probe.feed([1, 2, 3])
+    row_bytes = sum(st[0].numel() * st.element_size() for st in probe.image.public.storages)
+    held = model.session().budget.held
+    published = 0
+    for rows in range(0, 400, 13):
+        outcome = {}
+        for reserve in (0, 300):
+            s = model.session(reserve=reserve, memory_budget=held + rows * row_bytes)
+            try:
+                s.feed([1, 2, 3])
+                outcome[reserve] = s.digest()
+            except hebrus.AllocationError:
+                outcome[reserve] = None
+        if outcome[0] is not None:
+            published += 1
+            assert outcome[300] == outcome[0], rows
+    assert 0 < published < 31                   # the sweep crosses the budget where chunks start to fit

@@ -88,6 +88,12 @@ def test_the_indexer_learns_from_its_kl_term_alone():
     out = training.losses(config.spec(), params, ids, kl_weight=0.1)
     out.loss.backward()
     assert float(out.kl) > 0 and all(params[n].grad is not None and params[n].grad.any() for n in index)
+    for p in params.values():
+        p.grad = None
+    _, record = training.forward(config.spec(), params, ids)
+    torch.stack(record.kl).sum().backward()          # the KL term alone reaches the indexer only
+    reached = {n for n, p in params.items() if p.grad is not None and p.grad.any()}
+    assert reached == set(index)
 
 
 def test_expert_load_is_reported_per_routed_layer():

@@ -107,9 +107,10 @@ def main() -> None:
     p.add_argument("--balance", type=float, default=0.01, help="weight of the routers' balance term")
     p.add_argument("--eval-every", type=float, default=45.0, help="seconds between evaluations")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the batch windows and the KL's sampled rows")
     args = p.parse_args()
     device = torch.device(args.device)
+    torch.manual_seed(args.seed)                # the indexer's KL samples its query rows
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
@@ -150,7 +151,7 @@ def main() -> None:
             ids = batches.window(state["step"], micro).to(device, non_blocking=True)
             out = training.losses(spec, params, ids, args.kl, args.balance)
             (out.loss / args.accum).backward()
-        torch.nn.utils.clip_grad_norm_(learned, 1.0)
+        torch.nn.utils.clip_grad_norm_(learned, 1.0, error_if_nonfinite=True)
         opt.step()
         state["step"] += 1
         state["tokens"] += args.accum * args.context

@@ -281,7 +281,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
                     return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
                 if steps is not None and steps.accepts():
                     return steps.step(ids, outs)
-                reserve = steps.reservation() if steps is not None else 0
+                reserve = steps.reservation() if steps is not None else None
                 return batch.run_tokens(model, sessions, ids, outs, reserve)
         finally:
             for s in sessions:

@@ -11,7 +11,9 @@ op table is fast mode's, with three training entries:
   layer and the router probabilities of each routed layer;
 - sparse attention that, beside attending over the picked rows, measures how far the indexer's
   distribution is from dense attention's (averaged over heads, held constant): the KL term that
-  teaches the indexer to select what attention needs, since top-k passes it no gradient.
+  teaches the indexer to select what attention needs, since top-k passes it no gradient;
+- the indexer reads its input cut from the gradient, so the KL term trains the indexer's own
+  weights and nothing below it.
 
 `Losses` adds the router balance term (experts' load times their mean probability, as in
 Switch-style routers) and reports each routed layer's load.
@@ -125,7 +127,7 @@ def training_kernels(record: Record, gdn_chunk: int = 128) -> Kernels:
         return gdn_recurrent(q, k, v, g, beta, state)
 
     return Kernels(True, delta_rule, experts_grouped, record.choose, dense_attention_fast,
-                   sparse_attend=record.sparse_attend)
+                   sparse_attend=record.sparse_attend, index_input=torch.Tensor.detach)
 
 
 def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,

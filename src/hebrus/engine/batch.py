@@ -33,17 +33,22 @@ def _read_together(parts: list[Transaction]) -> list[list[float]]:
     return out
 
 
-def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: int = 0) -> list:
+def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: list[int] | None = None) -> list:
     """ids [B]: token i for session i (the caller holds every session's lock, in inference mode).
     Returns, per session, its logits (`outs[i]` or a new tensor) or the `ChunkAborted` that
-    aborted it. `reserve`: rows each session's storage is grown to hold if it grows, or may."""
+    aborted it. `reserve[i]`: rows session i's storage is extended to after the pass, if granted
+    (see `Transaction.extend_reserved`)."""
+    reserve = reserve or [s.reserve for s in sessions]
     parts = [Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context,
-                         reserve=reserve) for s in sessions]
+                         reserve=r) for s, r in zip(sessions, reserve)]
     batch = BatchTransaction(parts, model.device)
 
     def work() -> None:
         batch.local["ids"] = ids.to(model.device)
         run_stages(model, batch)         # no fault is armed here: its injection points do nothing
+        for j, part in enumerate(batch.parts):
+            if j not in batch.failed:
+                part.extend_reserved()
 
     return _conclude(batch, work, sessions, outs)
 
@@ -107,15 +112,19 @@ class BatchSteps:
         return not faults.armed() and all(
             all(st.shape[0] > s.image.public.frontier for st in s.image.public.storages) for s in self.sessions)
 
-    def reservation(self) -> int:
-        """Rows to grow every session's storage to when one of them must grow: what the neediest
-        would grow to alone, and at least the largest storage held. The sessions then run out
-        of rows together, and the graphs are retired once per doubling rather than once per
-        session (each retirement costs a few uncaptured steps)."""
+    def reservation(self) -> list[int]:
+        """Rows to extend each session's storage to when one of them must grow: what the
+        neediest would grow to alone (at least the largest storage held), for every session
+        within a factor of two of it; a session far shorter keeps its own (and at least its
+        `Session(reserve=)`). Sessions of similar lengths then run out of rows together, and
+        the graphs are retired once per doubling rather than once per session (each retirement
+        costs a few uncaptured steps), without a short session holding a long one's rows."""
         held = [st.shape[0] for s in self.sessions for st in s.image.public.storages]
         needs = [max(s.image.public.frontier + 1, 2 * st.shape[0], 16) for s in self.sessions
                  for st in s.image.public.storages if st.shape[0] <= s.image.public.frontier]
-        return max(held + needs, default=0)
+        target = max(held + needs, default=0)
+        return [max(s.reserve, target if 2 * (s.image.public.frontier + 1) >= target // 2 else 0)
+                for s in self.sessions]
 
     def retire_stale(self) -> None:
         now = self._current_storages()

@@ -27,6 +27,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     def work(txn: Transaction) -> None:
         txn.local["ids"] = ids.to(model.device)
         run_stages(model, txn)
+        txn.extend_reserved()
 
     finish(txn, work, out)
 

@@ -51,6 +51,7 @@ class Kernels:
     choose: Chooser
     attend: Callable = dense_attention    # (q, k_rows, v_rows, positions) -> o: attention over every row
     sparse_attend: Callable = sparse_attention    # (q, k_rows, v_rows, picked, valid) -> o: over picked rows
+    index_input: Callable = unfused       # h -> what the indexer reads (training: cut from the trunk's gradient)
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
 
 

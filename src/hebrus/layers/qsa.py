@@ -40,6 +40,7 @@ class Attention:
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
         self.attend, self.sparse_attend, self.fused = kernels.attend, kernels.sparse_attend, kernels.fused
+        self.index_input = kernels.index_input
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
         self.eps = s.rms_norm_eps
@@ -77,14 +78,14 @@ class Attention:
         return self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
 
     def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
-        T, w, positions = h.shape[0], self.w, span.positions
-        qi = F.linear(h, w["index_q.weight"]).view(T, self.hi, self.di)
-        ki = layer_norm(F.linear(h, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+        T, w, positions, hi = h.shape[0], self.w, span.positions, self.index_input(h)
+        qi = F.linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
+        ki = layer_norm(F.linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
         icos, isin = (span.take(t) for t in self.index_rope)
         rotate = self.fused(apply_rope)
         qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
         span.put(index_rows, ki)
-        scores = index_scores(qi, F.linear(h, w["index_w.weight"]), span.visible(index_rows))
+        scores = index_scores(qi, F.linear(hi, w["index_w.weight"]), span.visible(index_rows))
         picked, valid = self.select(scores, span.start, positions)
         check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
         return self.sparse_attend(q, span.visible(k_rows), span.visible(v_rows), picked, valid)

@@ -49,7 +49,8 @@ class Transaction:
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
         self.max_rows, self.output = max_rows, output
-        # rows storage is grown to hold when it must grow, or (unless only_growing) may
+        # rows to extend storage to after the stages (`extend_reserved`): what grew, or (unless
+        # only_growing) any storage below it
         self.reserve, self._reserve_always = min(reserve, max_rows), not reserve_only_growing
         self.completion = Completion(image.device)
         self.slot, self.stage = -1, "begin"
@@ -99,9 +100,6 @@ class Transaction:
                 raise StructuralError(self.stage, f"{name} holds {storage.shape[0]} rows; a planned step "
                                       f"needs {need} reserved")
             storage = self._grow(name, storage, need)
-            self.storages[i] = storage
-        elif storage.shape[0] < self.reserve and self._reserve_always and not self.planned:
-            storage = self._reserve(name, storage)
             self.storages[i] = storage
         self._rows_handed = True
         if self.planned:                    # the rows at the device-side positions, once written
@@ -229,24 +227,32 @@ class Transaction:
                 self.image.tail_dirty = True
 
     # ---- internals -------------------------------------------------------------------------
+    def extend_reserved(self) -> None:
+        """After the last stage: extend row storage to `reserve` rows (what grew in this chunk,
+        or any below it unless only growing ones), each if the budget and the allocator grant
+        it. Asked for only once every stage has made its own requests, so a reservation never
+        takes what the chunk needed, and one that is refused is skipped, never an abort."""
+        if self.planned or not self.reserve:
+            return
+        rows = self.frontier + self.length
+        for i, (spec, storage) in enumerate(zip(self.image.appended, self.storages)):
+            grew = storage is not self.record.storages[i]
+            if storage.shape[0] >= self.reserve or not (grew or self._reserve_always):
+                continue
+            try:
+                extended = self._allocate(spec.name, storage, self.reserve, rows)
+            except AllocationError:
+                continue
+            if grew:                                # the chunk's own growth is replaced, unpublished
+                self.budget.cancel(storage.numel() * storage.element_size())
+            self.storages[i] = extended
+
     def _grow(self, name: str, storage: torch.Tensor, need: int) -> torch.Tensor:
         capacity = min(self.max_rows, max(need, 2 * storage.shape[0], 16))
-        if self.reserve > capacity:             # the larger reservation if it is granted, else this
-            try:
-                return self._allocate(name, storage, self.reserve)
-            except AllocationError:
-                pass
-        return self._allocate(name, storage, capacity)
+        return self._allocate(name, storage, capacity, self.frontier)
 
-    def _reserve(self, name: str, storage: torch.Tensor) -> torch.Tensor:
-        """Grow storage that holds this chunk's rows already to `reserve` rows, if the budget and
-        the allocator grant it; otherwise keep it (a reservation is never a reason to abort)."""
-        try:
-            return self._allocate(name, storage, self.reserve)
-        except AllocationError:
-            return storage
-
-    def _allocate(self, name: str, storage: torch.Tensor, capacity: int) -> torch.Tensor:
+    def _allocate(self, name: str, storage: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
+        """New storage of `capacity` rows holding rows [0, keep) of `storage`, zeros after."""
         row_shape = tuple(storage.shape[1:])
         nbytes = capacity * math.prod(row_shape) * storage.element_size()
         self._request(self.budget.grow, nbytes, f"{name} ({capacity} rows)")
@@ -257,8 +263,8 @@ class Transaction:
                 raise
             self.budget.cancel(nbytes)              # never allocated
             raise AllocationError(self.stage, f"{name} ({capacity} rows): {type(exc).__name__}: {exc}") from None
-        grown[: self.frontier].copy_(storage[: self.frontier])
-        grown[self.frontier:].zero_()               # rows past the frontier read as zeros
+        grown[:keep].copy_(storage[:keep])
+        grown[keep:].zero_()                        # rows past the frontier read as zeros
         return grown
 
     def _account(self, growth: int, working: int, stage: str) -> None:
