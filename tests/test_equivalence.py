@@ -105,3 +105,31 @@ def test_exact_long_context_chunks_equal_single_tokens():
     chunked.prefill(ids, chunk_size=733)
     single.prefill(ids, chunk_size=1)
     assert chunked.digest() == single.digest()
+
+
+def test_a_long_fast_chunk_is_scored_a_block_of_queries_at_a_time(monkeypatch):
+    """Fast mode scores a long chunk's queries in blocks (memory O(block × context)): the same
+    state and logits as scoring the chunk at once, within float rounding."""
+    import hebrus
+    from hebrus.config import preset
+    from hebrus.layers import qsa
+    from hebrus.weights.init import init_parameters
+    c = preset("tiny").replace(max_context=2048, qsa_top_k=16)
+    model = hebrus.Model(c, init_parameters(c), mode="fast", dtype=torch.float64)
+    ids = torch.randint(0, 256, (900,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = model.session()
+    whole.feed(ids[:100])
+    whole_logits = whole.feed(ids[100:])
+    seen = []
+    real = qsa.index_scores
+    monkeypatch.setattr(qsa, "QUERY_BLOCK", 128)
+    monkeypatch.setattr(qsa, "index_scores", lambda qi, iw, ki: seen.append(qi.shape[0]) or real(qi, iw, ki))
+    blocked = model.session()
+    blocked.feed(ids[:100])
+    seen.clear()
+    blocked_logits = blocked.feed(ids[100:])
+    assert max(seen) == 128 and len(seen) == 2 * 7          # two QSA layers, 800 queries in 7 blocks
+    torch.testing.assert_close(blocked_logits, whole_logits, rtol=1e-10, atol=1e-10)
+    for spec in whole.image.specs:
+        a, b = whole.image.value(spec.name), blocked.image.value(spec.name)
+        assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-10, atol=1e-10)

@@ -16,6 +16,9 @@ from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.status import Status
 
 
+QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
+
+
 class RotaryTables:
     """cos/sin tables for every position up to `max_context`, built once per model and per
     rotary width, and shared by every layer that rotates that width. A table of width r rotates
@@ -85,10 +88,26 @@ class Attention:
         rotate = self.fused(apply_rope)
         qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
         span.put(index_rows, ki)
-        scores = index_scores(qi, F.linear(hi, w["index_w.weight"]), span.visible(index_rows))
-        picked, valid = self.select(scores, span.start, positions)
+        iw = F.linear(hi, w["index_w.weight"])
+        if isinstance(span.start, int) and T > QUERY_BLOCK:
+            # a long chunk, a block of queries at a time over the rows it sees: the scores and
+            # their sort take O(block × context) memory, never O(chunk × context)
+            blocks = []
+            for a in range(0, T, QUERY_BLOCK):
+                b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
+                blocks.append(self._pick_and_attend(
+                    qi[a:b], iw[a:b], q[a:b], (index_rows[:end], k_rows[:end], v_rows[:end]), span.start + a,
+                    positions[a:b], check_range))
+            return torch.cat(blocks)
+        return self._pick_and_attend(qi, iw, q, [span.visible(r) for r in (index_rows, k_rows, v_rows)],
+                                     span.start, positions, check_range)
+
+    def _pick_and_attend(self, qi, iw, q, rows, start, positions, check_range):
+        """Queries at `positions` (the first at `start`) over the visible (index, k, v) rows."""
+        index_rows, k_rows, v_rows = rows
+        picked, valid = self.select(index_scores(qi, iw, index_rows), start, positions)
         check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
-        return self.sparse_attend(q, span.visible(k_rows), span.visible(v_rows), picked, valid)
+        return self.sparse_attend(q, k_rows, v_rows, picked, valid)
 
     def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
         """The rows each query attends to: the top_k of its visible scores, the model's chooser
