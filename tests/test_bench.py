@@ -135,3 +135,32 @@ def test_the_planned_in_place_batch_computes_what_a_planned_batch_computes(tiny_
     got = torch.stack([p.bank["logits"] for p in inplace])
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert [int(p.bank["frontier"]) for p in inplace] == [4, 4, 4]
+
+
+def test_bench_long_compares_sparse_and_dense_attention(tmp_path):
+    """`--long`: the small shape at a 132K context limit, QSA against dense attention, with a
+    comparison per context (here short contexts on the CPU: the GPU run measures 1K to 128K)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--long", "--contexts", "24,80", "--decode-steps", "2", "--rounds", "1", "--chunk", "64",
+            "--json", str(tmp_path / "r.json"), "--table", str(tmp_path / "r.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["context"] for r in report["comparison"]] == [24, 80]
+    assert report["qsa"]["model"].endswith("qsa attention") and report["dense"]["model"].endswith("dense attention")
+    row = report["comparison"][1]
+    assert row["dense_over_qsa"] == pytest.approx(row["dense_decode_ms"] / row["qsa_decode_ms"])
+    assert "dense ÷ QSA" in out.getvalue() and "dense ÷ QSA" in (tmp_path / "r.md").read_text()
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--long", "--model", "tiny"]) == 2
+    assert "leave out --model" in err.getvalue()
+
+
+def test_the_long_models_differ_only_in_attention():
+    from hebrus.bench import long
+    models = long.long_models(torch.device("cpu"), torch.float32)
+    sparse, dense = models["qsa"].spec, models["dense"].spec
+    assert sparse.max_context == dense.max_context == long.LONG_CONTEXT >= 131072 + 64
+    assert [m for m in sparse.mixers if m != "qsa"] == [m for m in dense.mixers if m != "attention"]
+    assert "qsa" not in dense.mixers and sparse.mixers.count("qsa") == dense.mixers.count("attention") > 0

@@ -103,9 +103,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")
     bench.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
-    bench.add_argument("--contexts", default="1024,32768",
+    bench.add_argument("--contexts", default=None,
                        help="comma-separated prompt lengths; those that leave no room for the decode steps "
-                            "within the model's max_context are skipped (default 1024,32768)")
+                            "within the model's max_context are skipped (default 1024,32768; with --long "
+                            "1024,8192,32768,131072)")
+    bench.add_argument("--long", action="store_true",
+                       help="instead of --model: the small shape with a 132K context limit, its sparse (QSA) "
+                            "attention against the same model with dense attention over every row; prints "
+                            "both tables and their comparison (decode against the shortest context, dense "
+                            "over sparse)")
     bench.add_argument("--batch", default="1",
                        help="comma-separated numbers of sessions decoding together (hebrus.Batch, stepped "
                             "as --decode says; prefill is not batched and not reported above 1) (default 1)")
@@ -318,6 +324,8 @@ def _bench(args) -> int:
         raise InvalidInput(f"--batch must be comma-separated integers, got {args.batch!r}") from None
     if not batches or min(batches) < 1 or max(batches) > MAX_BATCH:
         raise InvalidInput(f"--batch takes sizes from 1 to {MAX_BATCH}")
+    if args.contexts is None:
+        args.contexts = "1024,8192,32768,131072" if args.long else "1024,32768"
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:
@@ -326,6 +334,8 @@ def _bench(args) -> int:
         raise InvalidInput("--contexts needs positive lengths")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.long:
+        return _bench_long(args, contexts, batches)
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     model = _load(args)
@@ -352,6 +362,43 @@ def _bench(args) -> int:
                        ProgressBar("bench", unit="point"), decode=args.decode, compare=compare, on_point=write,
                        batches=batches)
     print(bench.table(report), end="")
+    return 0
+
+
+def _bench_long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
+    from hebrus import bench
+    from hebrus.bench import long
+    from hebrus.progress import ProgressBar
+    from hebrus.runtime import _device, resolve_dtype
+
+    if args.model != "small" or args.compare_transformers:
+        raise InvalidInput("--long builds its own two models: leave out --model and --compare-transformers")
+    models = long.long_models(_device(args.device), resolve_dtype(args.dtype), args.mode)
+    room = long.LONG_CONTEXT - args.decode_steps
+    kept = [c for c in contexts if c <= room]
+    if not kept:
+        raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within {long.LONG_CONTEXT}")
+    reports: dict[str, dict] = {}
+
+    def write(name: str, report: dict) -> None:
+        reports[name] = report
+        combined = {**reports, "comparison": long.comparison(reports) if len(reports) == 2 else []}
+        if args.json:
+            Path(args.json).write_text(json.dumps(combined, indent=2) + "\n")
+        if args.table:
+            Path(args.table).write_text("".join(bench.table(r) + "\n" for r in reports.values())
+                                        + long.table(combined["comparison"]))
+
+    for name, model in models.items():
+        model.session(decode=args.decode)
+        report = bench.run(model, f"small, {name} attention", kept, args.decode_steps, args.rounds, args.chunk,
+                           ProgressBar(f"bench {name}", unit="point"), decode=args.decode,
+                           on_point=lambda r, name=name: write(name, r), batches=batches)
+        write(name, report)
+        print(bench.table(report))
+        del model
+        models[name] = None
+    print(long.table(long.comparison(reports)), end="")
     return 0
 
 
