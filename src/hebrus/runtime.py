@@ -22,6 +22,8 @@ from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
+from hebrus.weights.pages import DEFAULT_PAGE_ROWS, PagedTable
+from hebrus.arguments import count
 
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -31,28 +33,31 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class Model:
     def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
-                 chooser: Chooser | None = None):
+                 chooser: Chooser | None = None, ple_cache_bytes: int | None = None):
         device, mode = _device(device), _mode(mode)
         placed = {name: _place(name, t, device, storage_dtype(name, dtype)) for name, t in params.items()}
-        self._build(config, config.spec(), placed, device, dtype, mode, chooser)
+        self._build(config, config.spec(), placed, device, dtype, mode, chooser, paging=ple_cache_bytes)
 
     @classmethod
     def _placed(cls, config, spec: ModelSpec, params, device, dtype, mode, chooser=None,
-                source: Path | None = None) -> "Model":
+                source: Path | None = None, paging: int | None = None) -> "Model":
         """A model on parameters already placed (by `_place`), as a checkpoint load leaves them."""
         model = cls.__new__(cls)
-        model._build(config, spec, params, device, dtype, mode, chooser, source)
+        model._build(config, spec, params, device, dtype, mode, chooser, source, paging)
         return model
 
-    def _build(self, config, spec, params, device, dtype, mode, chooser=None, source: Path | None = None) -> None:
+    def _build(self, config, spec, params, device, dtype, mode, chooser=None, source: Path | None = None,
+               paging: int | None = None) -> None:
         mode = _mode(mode)
         self.source = source                                        # the folder it was loaded from
         self.config, self.spec, self.device, self.dtype, self.mode = config, spec, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
-        self._params = params
-        self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in params.values())
+        self.paging = paging
+        self.paged = paged_tables(params, paging, device) if paging is not None else {}
+        self._params = {**params, **{name: table.host for name, table in self.paged.items()}}
+        self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in self._params.values())
         self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
-        self.stages = build_stages(spec, params, self.kernels)
+        self.stages = build_stages(spec, {**self._params, **self.paged}, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
 
     @property
@@ -76,14 +81,15 @@ class Model:
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
         `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
         return Model._placed(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser,
-                             self.source)
+                             self.source, self.paging)
 
     def with_dtype(self, dtype: torch.dtype | str) -> "Model":
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""
         dtype = resolve_dtype(dtype)
         params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
-        return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source)
+        return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
+                             paging=self.paging)
 
     def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
         """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a
@@ -102,7 +108,8 @@ class Model:
 
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None) -> Model:
+         dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None,
+         ple_cache_bytes: int | None = None) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
@@ -110,9 +117,13 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load."""
     dtype = resolve_dtype(dtype)
     device, mode = _device(device), _mode(mode)
+    if ple_cache_bytes is not None:
+        ple_cache_bytes = count("ple_cache_bytes (bytes of device memory for PLE pages, or None to keep "
+                                "the tables resident)", ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
-        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
+        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode,
+                     ple_cache_bytes=ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in TRAINED:
         path = TRAINED[name_or_path]
     else:
@@ -130,7 +141,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
 
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
                              dtype=dtype, device=device)
-    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path)
+    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path,
+                         paging=ple_cache_bytes)
 
 
 def _is_dir(path: Path) -> bool:
@@ -223,3 +235,21 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+
+
+PAGED = ("ple.unigram.weight", "ple.ngram.")      # the tables `ple_cache_bytes` streams
+
+
+def paged_tables(params: dict[str, torch.Tensor], cache_bytes: int, device: torch.device,
+                 page_rows: int = DEFAULT_PAGE_ROWS) -> dict[str, PagedTable]:
+    """The per-layer-embedding tables, each moved to host memory and served in pages through a
+    device pool; `cache_bytes` is shared among them in proportion to their sizes."""
+    names = [n for n in params if n.startswith(PAGED) and params[n].dim() == 2]
+    total = sum(params[n].numel() * params[n].element_size() for n in names)
+    out = {}
+    for name in names:
+        host = params[name].detach().to("cpu")
+        page_bytes = page_rows * host.shape[1] * host.element_size()
+        share = cache_bytes * (host.numel() * host.element_size()) // max(total, 1)
+        out[name] = PagedTable(host, share // page_bytes, device, page_rows)
+    return out

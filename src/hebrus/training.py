@@ -81,6 +81,9 @@ class SequenceContext:
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         return X[-1:]
 
+    def hold(self, resource) -> None:         # trained tables are never paged
+        raise TypeError("training runs on resident parameters, not paged tables")
+
 
 @dataclass
 class Record:

@@ -9,8 +9,11 @@ from hebrus.state.image import Image, Published
 
 
 def _run(model, ctx) -> None:
+    ctx.held = []
     for stage in model.stages:
         stage.run(ctx)
+    for resource in ctx.held:                   # in place: whatever was brought in stays
+        resource.commit()
 
 
 class _Captured:
@@ -123,6 +126,9 @@ class _InPlaceBatchContext:
     def last_rows(self, X):
         return X
 
+    def hold(self, resource):
+        self.held.append(resource)
+
     def flag(self, bad, bit):
         pass
 
@@ -158,6 +164,9 @@ class _InPlaceContext:
 
     def last_rows(self, X):
         return X[-1:]
+
+    def hold(self, resource):
+        self.held.append(resource)
 
     def flag(self, bad, bit):
         pass

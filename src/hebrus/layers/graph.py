@@ -71,10 +71,11 @@ class PLE:
             txn.check_range(bucket, size, Status.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
         ids = ids.clamp(0, self.vocab - 1)
+        claims = self.ple.claims(txn.hold)
 
         def step(pos, ids, *rest):
             *hashes, conv = rest
-            return self.ple(ids, hashes, conv, sessions=txn.batched)
+            return self.ple(ids, hashes, conv, sessions=txn.batched, claims=claims)
 
         ple, conv = scan(step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
         txn.emit("ple", ple)

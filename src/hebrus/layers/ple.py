@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.ple import ngram_buckets
+from hebrus.weights.pages import PageClaim, PagedTable, take
 
 
 class PerLayerEmbedding:
@@ -18,16 +19,26 @@ class PerLayerEmbedding:
         self.buckets = c.ple_buckets
         self.layers, self.dim = c.num_layers, c.ple_dim
 
+    def claims(self, hold) -> dict[int, PageClaim]:
+        """One claim per paged table for this chunk, each handed to `hold` (the transaction's)."""
+        claims = {}
+        for table in (self.unigram, *self.tables):
+            if isinstance(table, PagedTable):
+                claims[id(table)] = claim = PageClaim(table)
+                hold(claim)
+        return claims
+
     def hashes(self, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
         return ngram_buckets(ids, history, self.constants, self.buckets)
 
     def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor,
-                 sessions: bool = False):
+                 sessions: bool = False, claims: dict | None = None):
         """ids [T] -> (ple [T, L, P], conv_state [Kp-1, L·P]). With `sessions`, id i is one
-        token of session i, whose conv state is conv_state[i]."""
-        e = self.unigram[ids]
+        token of session i, whose conv state is conv_state[i]. Paged tables (`weights.pages`)
+        are read through this chunk's `claims`."""
+        e = take(self.unigram, ids, claims)
         for table, bucket in zip(self.tables, hashes):
-            e = e + table[bucket]
+            e = e + take(table, bucket, claims)
         if sessions:
             mixed, conv_state = causal_conv(e[:, None], conv_state, self.conv_w)
             mixed = mixed[:, 0]

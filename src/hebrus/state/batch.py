@@ -71,6 +71,13 @@ class BatchTransaction:
         """Each session's last position: every row here (one token each)."""
         return X
 
+    def hold(self, resource) -> None:
+        """A resource the sessions' rows share: committed once every session has finished if
+        any of them published, else released."""
+        shared = _Shared(resource, len(self.parts))
+        for p in self.parts:
+            p.hold(shared)
+
     # ---- what the runner uses --------------------------------------------------------------
     def enter(self, slot: int) -> None:
         for p in self.parts:
@@ -87,3 +94,22 @@ class BatchTransaction:
                 p.seal()
             except ChunkAborted as exc:
                 self.failed[i] = exc
+
+
+class _Shared:
+    """One resource held by every part of a batch: it follows the batch's outcome."""
+
+    def __init__(self, resource, parts: int):
+        self.resource, self.waiting, self.published = resource, parts, False
+
+    def commit(self) -> None:
+        self.published = True
+        self._finished()
+
+    def release(self) -> None:
+        self._finished()
+
+    def _finished(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            (self.resource.commit if self.published else self.resource.release)()

@@ -40,3 +40,7 @@ class StepContext(Protocol):
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         """The rows of the positions whose values are published (the chunk's last; every row when batched)."""
+
+    def hold(self, resource) -> None:
+        """Keep `resource` (a page claim) until the step ends: `resource.commit()` when it
+        publishes, `resource.release()` when it does not."""

@@ -61,6 +61,7 @@ class Transaction:
         self._accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
         self._peak: tuple[int, str] | None = None           # a planned step's largest request
         self._rows_handed = False
+        self._held: list = []                       # resources committed with the chunk (`hold`)
         self._done = False
         budget.begin()
         if "frontier" in self.private:
@@ -108,6 +109,10 @@ class Transaction:
         else:
             self._writes.append(storage[self.frontier:need])
         return storage
+
+    def hold(self, resource) -> None:
+        """Commit `resource` with this chunk's publication, or release it if the chunk aborts."""
+        self._held.append(resource)
 
     def emit(self, key: str, value: torch.Tensor) -> None:
         """A chunk-local result (streams, per-layer embeddings) for later stages."""
@@ -210,6 +215,8 @@ class Transaction:
             self.image.publish(record)
             self._done = True
             self.budget.commit(released)
+            for resource in self._held:
+                resource.commit()
 
     def _copy_out(self, out: torch.Tensor | None) -> None:
         if out is None:
@@ -223,6 +230,8 @@ class Transaction:
         if not self._done:
             self._done = True
             self.budget.abort()
+            for resource in self._held:
+                resource.release()
             if self._rows_handed:                   # rows past the frontier may hold anything now
                 self.image.tail_dirty = True
 

@@ -1,0 +1,163 @@
+"""Tables served in pages: rows kept in host memory and brought to the device a page at a time,
+through a bounded pool of page slots (per-layer-embedding tables larger than the device).
+
+A `PagedTable` holds a [rows, width] table on the host and a pool of page slots on the device.
+Its public cache is a mapping page -> slot that only a publication changes:
+
+- a chunk's lookups (`gather`) read the pages the mapping holds (hits) and copy each missing
+  page into a free slot, one that no mapping and no chunk in flight refers to; rows of pages
+  that find no free slot are copied straight from the host for that chunk alone, so a cache
+  smaller than one chunk's need still serves it;
+- the chunk's transaction holds its `PageClaim`: publication merges the pages it brought in
+  into the mapping and evicts the least recently used beyond the mapping's capacity; an abort
+  gives its slots back. The mapping never points at a half-written slot, and an aborted chunk
+  leaves it as it was;
+- the slots a chunk reads stay pinned until it finishes, so a publication of another session
+  that evicts one never hands it out while it is still being read.
+
+The mapping keeps a quarter of the pool (at least one slot, when there are two or more) free for
+the pages a chunk brings in.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_PAGE_ROWS = 256
+
+
+class PagedTable:
+    def __init__(self, host: torch.Tensor, slots: int, device: torch.device, page_rows: int = DEFAULT_PAGE_ROWS):
+        if host.dim() != 2:
+            raise ValueError("a paged table is two-dimensional: [rows, width]")
+        self.host = host.pin_memory() if device.type == "cuda" and not host.is_pinned() else host
+        self.rows, self.width = host.shape
+        self.page_rows, self.device, self.dtype = page_rows, device, host.dtype
+        self.pool = torch.zeros((slots, page_rows, self.width), dtype=host.dtype, device=device)
+        self.capacity = slots - max(1, slots // 4) if slots >= 2 else 0      # pages the mapping keeps
+        self.mapping: dict[int, int] = {}           # public: page -> slot, least recently used first
+        self.free = list(range(slots))[::-1]
+        self.pins: Counter[int] = Counter()
+        self.retired: set[int] = set()              # evicted while pinned: freed when unpinned
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.direct = 0    # pages, over the table's life
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.width)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+    def gather(self, index: torch.Tensor, claim: "PageClaim") -> torch.Tensor:
+        """Rows `index` (any shape, ids in range) -> [*index.shape, width] on the device."""
+        ids = index.reshape(-1).tolist()            # which pages: a host decision
+        P = self.page_rows
+        with self.lock:
+            for page in sorted({i // P for i in ids}):
+                if page in claim.slots or page in claim.direct:
+                    continue
+                slot = self.mapping.get(page)
+                if slot is not None:
+                    self.hits += 1
+                    claim.read[page] = slot
+                elif self.free:
+                    slot = self.free.pop()
+                    self.misses += 1
+                    claim.admitted[page] = slot
+                    rows = self.host[page * P:(page + 1) * P]
+                    self.pool[slot, :len(rows)].copy_(rows, non_blocking=True)
+                else:
+                    self.direct += 1
+                    claim.direct.add(page)
+                    continue
+                claim.slots[page] = slot
+                self.pins[slot] += 1
+        where = torch.tensor([claim.slots[i // P] * P + i % P if i // P in claim.slots else -1 for i in ids],
+                             dtype=torch.int64)
+        cached = where >= 0
+        if bool(cached.all()):
+            out = self.pool.view(-1, self.width).index_select(0, where.to(self.device))
+        else:                                       # some rows straight from the host
+            out = torch.empty((len(ids), self.width), dtype=self.dtype, device=self.device)
+            direct = ~cached
+            out[direct.to(self.device)] = self.host.index_select(
+                0, torch.tensor(ids, dtype=torch.int64)[direct]).to(self.device)
+            if bool(cached.any()):
+                out[cached.to(self.device)] = self.pool.view(-1, self.width).index_select(
+                    0, where[cached].to(self.device))
+        return out.view(*index.shape, self.width)
+
+    def _unpin(self, slot: int) -> None:
+        self.pins[slot] -= 1
+        if self.pins[slot] <= 0:
+            del self.pins[slot]
+            if slot in self.retired:
+                self.retired.discard(slot)
+                self.free.append(slot)
+
+    def commit(self, claim: "PageClaim") -> None:
+        """Publication: the claim's pages join the mapping (most recent last), the least recently
+        used beyond capacity are evicted, its pins are released."""
+        with self.lock:
+            mapping = dict(self.mapping)
+            for page, slot in claim.read.items():
+                if mapping.get(page) == slot:       # still mapped: now the most recent
+                    mapping[page] = mapping.pop(page)
+            for page, slot in claim.admitted.items():
+                if page in mapping or self.capacity == 0:     # another chunk published it first
+                    self.retired.add(slot)
+                else:
+                    mapping[page] = slot
+            while len(mapping) > self.capacity:
+                page = next(iter(mapping))
+                slot = mapping.pop(page)
+                if self.pins[slot] > 0:
+                    self.retired.add(slot)
+                else:
+                    self.free.append(slot)
+            self.mapping = mapping                  # the cache's publication point
+            for slot in claim.slots.values():
+                self._unpin(slot)
+            claim.slots.clear()
+
+    def release(self, claim: "PageClaim") -> None:
+        """Abort: the pages the claim brought in are dropped (their slots free again), its pins
+        released; the mapping is as it was."""
+        with self.lock:
+            for slot in claim.admitted.values():
+                self.retired.add(slot)
+            for slot in claim.slots.values():
+                self._unpin(slot)
+            claim.slots.clear()
+
+
+@dataclass
+class PageClaim:
+    """One chunk's use of a paged table, held by its transaction until it finishes."""
+    table: PagedTable
+    slots: dict[int, int] = field(default_factory=dict)      # page -> slot this chunk reads
+    read: dict[int, int] = field(default_factory=dict)       # of those, the mapped ones (hits)
+    admitted: dict[int, int] = field(default_factory=dict)   # and the ones it brought in
+    direct: set[int] = field(default_factory=set)            # pages it read straight from the host
+
+    def commit(self) -> None:
+        self.table.commit(self)
+
+    def release(self) -> None:
+        self.table.release(self)
+
+
+def take(table, index: torch.Tensor, claims: dict | None) -> torch.Tensor:
+    """Rows of a table: a tensor indexed directly, or a paged table through this chunk's claim."""
+    if isinstance(table, PagedTable):
+        return table.gather(index, claims[id(table)])
+    return table[index]

@@ -1,0 +1,105 @@
+"""Per-layer-embedding tables served in pages (`hebrus.load(..., ple_cache_bytes=N)`): the same
+logits and state as resident tables at every cache size, admissions published with the chunk
+and dropped with an aborted one, least recently used pages evicted past capacity."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hebrus
+from hebrus.weights.pages import PageClaim, PagedTable
+
+TEXT = list(b"ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.")
+PAGE_BYTES = 256 * 6 * 32 * 4           # the shakespeare preset's tables: 256-row pages of 192 float32
+
+
+def _run(model, steps=(3, 5, 7, 11)):
+    s = model.session()
+    logits = [s.feed(TEXT[:40]).clone(), s.feed(TEXT[40:]).clone()]
+    logits += [s.feed([t]).clone() for t in steps]
+    return s, torch.stack(logits)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("pages", [0, 3, 40, 400])
+def test_paged_tables_give_the_resident_results(mode, pages):
+    """From no slot at all (every row straight from the host) through fewer slots than one
+    chunk touches to a cache holding every page: bit-identical logits and state."""
+    resident, want = _run(hebrus.load("shakespeare", mode=mode))
+    model = hebrus.load("shakespeare", mode=mode, ple_cache_bytes=pages * PAGE_BYTES)
+    assert set(model.paged) == {"ple.unigram.weight", "ple.ngram.2.weight", "ple.ngram.3.weight"}
+    paged, got = _run(model)
+    assert torch.equal(got, want) and paged.digest() == resident.digest()
+    tables = model.paged.values()
+    if pages == 0:
+        assert all(t.pool.shape[0] == 0 and t.direct > 0 and not t.mapping for t in tables)
+    if pages == 400:
+        assert sum(t.hits for t in tables) > 0 and sum(t.direct for t in tables) == 0
+    for t in tables:
+        assert not t.pins and len(t.mapping) <= t.capacity
+        assert len(t.free) + len(t.mapping) == t.pool.shape[0]          # no slot lost
+
+
+def test_an_aborted_chunk_leaves_the_cache_as_it_was():
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
+    s = model.session()
+    s.feed(TEXT[:2])
+    before = {name: (dict(t.mapping), sorted(t.free)) for name, t in model.paged.items()}
+    digest, misses = s.digest(), sum(t.misses for t in model.paged.values())
+    with hebrus.inject(stage="layers.5.ffn", kind="nonfinite"):
+        with pytest.raises(hebrus.NonFiniteError):
+            s.feed(TEXT[2:])                    # its n-grams bring new pages in, then it aborts
+    assert s.digest() == digest and sum(t.misses for t in model.paged.values()) > misses
+    for name, t in model.paged.items():
+        assert (dict(t.mapping), sorted(t.free)) == before[name] and not t.pins
+    s.feed(TEXT[2:])                            # published now: its pages join the mapping
+    assert any(len(t.mapping) > len(before[name][0]) for name, t in model.paged.items())
+
+
+def test_publication_evicts_the_least_recently_used_pages():
+    host = torch.arange(64 * 3, dtype=torch.float32).view(64, 3)
+    table = PagedTable(host, slots=4, device=torch.device("cpu"), page_rows=8)
+    assert table.capacity == 3
+
+    def chunk(rows):
+        claim = PageClaim(table)
+        got = table.gather(torch.tensor(rows), claim)
+        assert torch.equal(got, host[rows])
+        claim.commit()
+        return claim
+
+    chunk([0, 9])                   # pages 0, 1
+    chunk([17])                     # page 2
+    chunk([1])                      # page 0 again: now the most recent
+    chunk([25])                     # page 3: page 1, the least recently used, goes
+    assert list(table.mapping) == [2, 0, 3]
+    claim = PageClaim(table)
+    table.gather(torch.tensor([33, 41, 49, 57]), claim)   # 4 new pages, 1 free slot: 3 from the host
+    assert len(claim.admitted) == 1 and len(claim.direct) == 3
+    claim.release()
+    assert list(table.mapping) == [2, 0, 3] and len(table.free) == 1 and not table.pins
+
+
+def test_a_batch_shares_its_claims():
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
+    plain = hebrus.load("shakespeare", mode="fast")
+    together = [model.session() for _ in range(3)]
+    alone = [plain.session() for _ in range(3)]
+    for i, (a, b) in enumerate(zip(together, alone)):
+        a.feed(TEXT[i:i + 20])
+        b.feed(TEXT[i:i + 20])
+    got = hebrus.feed_many(together, [10, 32, 101])
+    want = [b.feed([t]) for b, t in zip(alone, [10, 32, 101])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=3e-5, atol=3e-5)
+    assert all(not t.pins and len(t.free) + len(t.mapping) == t.pool.shape[0] for t in model.paged.values())
+
+
+def test_paging_is_checked_and_runs_eagerly():
+    with pytest.raises(hebrus.InvalidInput, match="ple_cache_bytes"):
+        hebrus.load("shakespeare", ple_cache_bytes=-1)
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=PAGE_BYTES * 8)
+    with pytest.raises(hebrus.InvalidInput, match="streams its PLE tables in pages"):
+        model.session(decode="planned")
+    assert model.session().decode == "eager"
+    assert model.with_mode("exact").paged and model.with_dtype(torch.float64).paged
