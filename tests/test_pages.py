@@ -103,3 +103,78 @@ def test_paging_is_checked_and_runs_eagerly():
         model.session(decode="planned")
     assert model.session().decode == "eager"
     assert model.with_mode("exact").paged and model.with_dtype(torch.float64).paged
+
+
+def test_a_page_that_cannot_be_read_aborts_the_chunk(tmp_path):
+    """Tables paged from the checkpoint file: a truncated file is a `CommandError` at the ple
+    stage, with the state, the caller's buffer and the cache as they were."""
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(hebrus.presets.TRAINED["shakespeare"], folder)
+    model = hebrus.load(folder, mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
+    s = model.session()
+    s.feed(TEXT[:2])
+    before = {name: (dict(t.mapping), sorted(t.free)) for name, t in model.paged.items()}
+    digest, out = s.digest(), torch.full((256,), 7.0)
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)        # the n-gram tables lie in the second half
+    with pytest.raises(hebrus.CommandError, match="cut short: the file is truncated") as raised:
+        s.feed(TEXT[2:], out=out)
+    assert raised.value.stage == "ple"
+    assert s.digest() == digest and torch.equal(out, torch.full((256,), 7.0))
+    for name, t in model.paged.items():
+        assert (dict(t.mapping), sorted(t.free)) == before[name] and not t.pins
+
+
+RSS_SCRIPT = r"""
+import resource, sys, torch, hebrus
+model = hebrus.load(sys.argv[1], mode="fast", ple_cache_bytes=16 * 2**20)
+start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+s = model.session()
+for i in range(4):
+    s.feed(torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(i)).tolist())
+print(sum(t.host_bytes for t in model.paged.values()), start,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def _sparse_checkpoint(folder, config) -> int:
+    """A Hebrus checkpoint whose tensors are all zeros, written as a sparse file (no data
+    blocks): gigabytes of PLE tables without the disk or the time. Returns the file's size."""
+    import json
+    import math
+    from hebrus.weights.layout import parameter_shapes
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    header, at = {}, 0
+    for name, shape in sorted(parameter_shapes(config).items()):
+        dtype, size = ("I64", 8) if name == "ple.hash_constants" else ("F32", 4)
+        nbytes = math.prod(shape) * size
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    header["__metadata__"] = {"format": "hebrus"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + at)
+    return 8 + len(text) + at
+
+
+def test_tables_paged_from_a_file_keep_memory_bounded(tmp_path):
+    """PLE tables of 2 GB read from their file through a 16 MB cache: the process's resident set
+    grows by far less than the tables while chunks run (measured in a fresh process)."""
+    import subprocess
+    import sys
+    from hebrus.config import preset
+    config = preset("tiny").replace(ple_buckets=(8_000_000, 8_000_000))
+    size = _sparse_checkpoint(tmp_path / "big", config)
+    assert size > 2 * 10**9
+    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "big")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    streamed, before, after = (int(v) for v in done.stdout.split())
+    assert streamed > 2 * 10**9
+    assert (after - before) * 1024 < 200 * 2**20, (before, after)          # ru_maxrss is in KiB
+    assert after * 1024 < 1.5 * 2**30                                      # the whole process, torch included

@@ -69,3 +69,8 @@ ERROR_CLASSES: dict[str, type[ChunkAborted]] = {
     cls.kind: cls
     for cls in (StructuralError, NonFiniteError, AllocationError, CommandError, DeviceStatusError)
 }
+
+
+class PageReadError(OSError):
+    """Rows of a paged table could not be read from their file (an I/O error, a truncated
+    file). Inside a chunk it aborts the chunk as a `CommandError`."""

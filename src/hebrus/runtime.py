@@ -22,7 +22,7 @@ from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
-from hebrus.weights.pages import DEFAULT_PAGE_ROWS, PagedTable
+from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
 from hebrus.arguments import count
 
 MODES = ("exact", "fast")
@@ -54,7 +54,10 @@ class Model:
         self.state_dtype = accum_dtype(dtype)
         self.paging = paging
         self.paged = paged_tables(params, paging, device) if paging is not None else {}
-        self._params = {**params, **{name: table.host for name, table in self.paged.items()}}
+        # a table read from its file is no parameter in memory; one in host memory stays one
+        self._params = {name: (self.paged[name].source.tensor if name in self.paged else p)
+                        for name, p in params.items()
+                        if not (name in self.paged and isinstance(self.paged[name].source, FileRows))}
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in self._params.values())
         self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
         self.stages = build_stages(spec, {**self._params, **self.paged}, self.kernels)
@@ -75,19 +78,27 @@ class Model:
         if not isinstance(self.config, HebrusConfig):
             raise InvalidInput(f"save writes Hebrus checkpoints; this model is {self.spec.family}, whose own "
                                f"checkpoint it was loaded from")
+        if self._in_files():
+            raise InvalidInput("save needs every weight in memory; this model reads its PLE tables from its "
+                               "checkpoint file (load it without ple_cache_bytes to save it)")
         return checkpoint.save(path, self.config, self._params)
+
+    def _in_files(self) -> dict[str, FileRows]:
+        """The paged tables read from their checkpoint file (no parameter in memory)."""
+        return {name: t.source for name, t in self.paged.items() if isinstance(t.source, FileRows)}
 
     def with_mode(self, mode: str, chooser: Chooser | None = None) -> "Model":
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
         `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
-        return Model._placed(self.config, self.spec, self._params, self.device, self.dtype, mode, chooser,
-                             self.source, self.paging)
+        return Model._placed(self.config, self.spec, {**self._params, **self._in_files()}, self.device, self.dtype,
+                             mode, chooser, self.source, self.paging)
 
     def with_dtype(self, dtype: torch.dtype | str) -> "Model":
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""
         dtype = resolve_dtype(dtype)
         params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
+        params.update({name: rows.with_dtype(dtype) for name, rows in self._in_files().items()})
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
                              paging=self.paging)
 
@@ -139,8 +150,11 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     def dtype_of(name: str) -> torch.dtype:                  # on the CPU, convert while reading
         return storage_dtype(name, dtype)
 
+    def stream(name: str) -> torch.dtype | None:            # PLE tables stay in their file when paged
+        return storage_dtype(name, dtype) if ple_cache_bytes is not None and name.startswith(PAGED) else None
+
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
-                             dtype=dtype, device=device)
+                             dtype=dtype, device=device, stream=stream)
     return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path,
                          paging=ple_cache_bytes)
 
@@ -244,12 +258,11 @@ def paged_tables(params: dict[str, torch.Tensor], cache_bytes: int, device: torc
                  page_rows: int = DEFAULT_PAGE_ROWS) -> dict[str, PagedTable]:
     """The per-layer-embedding tables, each moved to host memory and served in pages through a
     device pool; `cache_bytes` is shared among them in proportion to their sizes."""
-    names = [n for n in params if n.startswith(PAGED) and params[n].dim() == 2]
-    total = sum(params[n].numel() * params[n].element_size() for n in names)
+    sources = {n: (p if isinstance(p, FileRows) else HostRows(p.detach().to("cpu"), pin=device.type == "cuda"))
+               for n, p in params.items() if n.startswith(PAGED) and len(p.shape) == 2}
+    total = sum(s.nbytes for s in sources.values())
     out = {}
-    for name in names:
-        host = params[name].detach().to("cpu")
-        page_bytes = page_rows * host.shape[1] * host.element_size()
-        share = cache_bytes * (host.numel() * host.element_size()) // max(total, 1)
-        out[name] = PagedTable(host, share // page_bytes, device, page_rows)
+    for name, source in sources.items():
+        page_bytes = page_rows * source.shape[1] * source.dtype.itemsize
+        out[name] = PagedTable(source, cache_bytes * source.nbytes // max(total, 1) // page_bytes, device, page_rows)
     return out

@@ -19,7 +19,7 @@ import math
 import torch
 
 from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceStatusError,
-                           NonFiniteError, StructuralError)
+                           NonFiniteError, PageReadError, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
@@ -27,9 +27,12 @@ from hebrus.state.status import Completion, DeviceChecks, Status
 
 
 def abort_error(stage: str, exc: Exception) -> ChunkAborted:
-    """The failure kind of an exception raised inside a transaction (an allocation failure, or
-    else a structural one)."""
+    """The failure kind of an exception raised inside a transaction: an allocation failure, a
+    page of a paged table that could not be read (device work that could not be done: the
+    command kind), or else a structural one."""
     detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, PageReadError):
+        return CommandError(stage, detail)
     return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)
 
 

@@ -27,6 +27,7 @@ from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.layers.spec import ModelSpec
 from hebrus.weights.layout import load_bytes, parameter_shapes
+from hebrus.weights.pages import FileRows
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -133,14 +134,17 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
          place: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
          progress: Callable[[int, int], None] | None = None,
          dtype_of: Callable[[str], torch.dtype] | None = None, *, dtype: torch.dtype = torch.float32,
-         device: torch.device = torch.device("cpu")) -> Loaded:
+         device: torch.device = torch.device("cpu"),
+         stream: Callable[[str], torch.dtype | None] | None = None) -> Loaded:
     """Read and check a checkpoint of the family `family_of(parsed config.json)` gives (a module
     of hebrus.models: config, spec, names table). Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
     the next one read, so a load holds the placed model plus one tensor's sources at a time.
     `progress(done, total)` is called after each tensor. With `dtype_of(name)`, a tensor stored
     as it is used is read in slices straight into a buffer of that dtype. The config is refused
-    first if a model of it in `dtype` would not fit the memory of `device` (`memory_limit`)."""
+    first if a model of it in `dtype` would not fit the memory of `device` (`memory_limit`).
+    `stream(name)`: for a two-dimensional tensor stored as the model uses it, a dtype means "leave
+    it in its file": it comes back as a `weights.pages.FileRows` reading rows in that dtype."""
     folder = Path(path)
     identity = _identity(folder)
     family, config = _read_family_config(folder, family_of)
@@ -148,15 +152,15 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
         spec = family.spec(config)
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
-    _check_allocation(spec, dtype, device, folder / CONFIG)
-    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress, dtype_of)
+    _check_allocation(spec, dtype, device, folder / CONFIG, stream)
+    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress, dtype_of, stream)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
                               f"load it again")
     return Loaded(family, config, spec, params)
 
 
-def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_of) -> dict[str, torch.Tensor]:
+def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_of, stream=None) -> dict:
     """Every file checked to be regular before any is opened; every header checked before any
     tensor data is read."""
     source, weight_map = _listing(folder)
@@ -178,10 +182,24 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
         # Every final buffer first, then the reads: transient buffers then come after them and are
         # reused, instead of freed memory staying trapped between long-lived tensors.
         shapes = parameter_shapes(spec)
-        finals = {name: torch.empty(shapes[name], dtype=dtype_of(name)) for name in table.sources
-                  if dtype_of is not None}
+
+        def in_file(name: str, recipe) -> torch.dtype | None:
+            into = stream(name) if stream is not None else None
+            if into is None or not recipe.is_copy or len(recipe.names) != 1 or len(headers[recipe.names[0]].shape) != 2:
+                return None
+            return into
+
+        finals = {name: torch.empty(shapes[name], dtype=dtype_of(name)) for name, recipe in table.sources.items()
+                  if dtype_of is not None and in_file(name, recipe) is None}
         params = {}
         for name, recipe in table.sources.items():
+            into = in_file(name, recipe)
+            if into is not None:            # left in its file, read a page at a time
+                n = recipe.names[0]
+                file = headers[n].file
+                params[name] = FileRows(folder / file, offsets[file][n][0], headers[n].shape,
+                                        _TORCH_DTYPES[headers[n].dtype], into)
+                continue
             final = finals.pop(name, None)
             if final is not None and (recipe.is_copy or recipe.part is not None):
                 for i, n in enumerate(recipe.names):
@@ -217,8 +235,8 @@ def memory_limit(device: torch.device) -> int:
     return min(MAX_LOAD_BYTES, memory)
 
 
-def _check_allocation(spec: ModelSpec, dtype: torch.dtype, device: torch.device, file: Path) -> None:
-    need, limit = load_bytes(spec, dtype), memory_limit(device)
+def _check_allocation(spec: ModelSpec, dtype: torch.dtype, device: torch.device, file: Path, stream=None) -> None:
+    need, limit = load_bytes(spec, dtype, skip=stream and (lambda n: stream(n) is not None)), memory_limit(device)
     if need > limit:
         raise CheckpointError(f"{file}: loading this config in {str(dtype).removeprefix('torch.')} would allocate "
                               f"up to {need / 2**30:.1f} GiB (the parameters, the largest tensor twice at 8 "

@@ -149,14 +149,14 @@ def rotary_widths(c: ModelSpec) -> set[int]:
     return widths | ({c.index_dim} if "qsa" in c.mixers else set())
 
 
-def load_bytes(c: ModelSpec | HebrusConfig, dtype: torch.dtype = torch.float32) -> int:
+def load_bytes(c: ModelSpec | HebrusConfig, dtype: torch.dtype = torch.float32, skip=None) -> int:
     """An upper bound on what loading `c` in `dtype` allocates, from the config alone: every
     parameter in its storage dtype (the loader reads into these final buffers), plus the
     largest tensor twice at 8 bytes (its file tensors and the tensor built from them, while a
     transformed tensor is made), plus per rotary width the float64 build of its tables (angles,
     cos, sin and the cast copy: 4 × 8 bytes per [max_context, width] entry)."""
     c = spec_of(c)
-    shapes = parameter_shapes(c)
+    shapes = {n: s for n, s in parameter_shapes(c).items() if skip is None or not skip(n)}     # skip: left in files
     params = sum(math.prod(shape) * storage_dtype(name, dtype).itemsize for name, shape in shapes.items())
     largest = max(math.prod(shape) for shape in shapes.values())
     return params + 16 * largest + 32 * c.max_context * sum(rotary_widths(c))

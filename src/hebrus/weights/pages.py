@@ -20,23 +20,88 @@ the pages a chunk brings in.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from hebrus.errors import PageReadError
 
 DEFAULT_PAGE_ROWS = 256
 
 
+class HostRows:
+    """A table's rows in host memory (pinned when pages go to a GPU)."""
+
+    def __init__(self, tensor: torch.Tensor, pin: bool = False):
+        self.tensor = tensor.pin_memory() if pin and not tensor.is_pinned() else tensor
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        return self.tensor[start:stop]
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tensor.index_select(0, ids)
+
+    def with_dtype(self, dtype: torch.dtype) -> "HostRows":
+        return HostRows(self.tensor.to(dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class FileRows:
+    """A table's rows where a checkpoint file holds them (`begin` is the tensor's first byte),
+    read a page at a time with positioned reads: the table never sits in memory whole. Rows
+    are converted to `dtype` as they arrive. A failed or short read raises `PageReadError`."""
+
+    def __init__(self, path: Path, begin: int, shape: tuple[int, int], stored: torch.dtype, dtype: torch.dtype):
+        self.path, self.begin, self.shape, self.stored, self.dtype = Path(path), begin, tuple(shape), stored, dtype
+        self.row_bytes = shape[1] * stored.itemsize
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        want = (stop - start) * self.row_bytes
+        try:
+            data = os.pread(self._fd, want, self.begin + start * self.row_bytes)
+        except OSError as exc:
+            raise PageReadError(f"{self.path}: rows {start}..{stop - 1} cannot be read ({exc})") from None
+        if len(data) != want:
+            raise PageReadError(f"{self.path}: rows {start}..{stop - 1} are cut short: the file is truncated")
+        rows = torch.frombuffer(bytearray(data), dtype=self.stored).view(stop - start, self.shape[1])
+        return rows.to(self.dtype)
+
+    def take(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.read(i, i + 1) for i in ids.tolist()]) if len(ids) else \
+            torch.empty((0, self.shape[1]), dtype=self.dtype)
+
+    def with_dtype(self, dtype: torch.dtype) -> "FileRows":
+        return FileRows(self.path, self.begin, self.shape, self.stored, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
 class PagedTable:
-    def __init__(self, host: torch.Tensor, slots: int, device: torch.device, page_rows: int = DEFAULT_PAGE_ROWS):
-        if host.dim() != 2:
+    def __init__(self, source, slots: int, device: torch.device, page_rows: int = DEFAULT_PAGE_ROWS):
+        if isinstance(source, torch.Tensor):
+            source = HostRows(source, pin=device.type == "cuda")
+        if len(source.shape) != 2:
             raise ValueError("a paged table is two-dimensional: [rows, width]")
-        self.host = host.pin_memory() if device.type == "cuda" and not host.is_pinned() else host
-        self.rows, self.width = host.shape
-        self.page_rows, self.device, self.dtype = page_rows, device, host.dtype
-        self.pool = torch.zeros((slots, page_rows, self.width), dtype=host.dtype, device=device)
+        self.source = source
+        self.rows, self.width = source.shape
+        self.page_rows, self.device, self.dtype = page_rows, device, source.dtype
+        self.pool = torch.zeros((slots, page_rows, self.width), dtype=self.dtype, device=device)
         self.capacity = slots - max(1, slots // 4) if slots >= 2 else 0      # pages the mapping keeps
         self.mapping: dict[int, int] = {}           # public: page -> slot, least recently used first
         self.free = list(range(slots))[::-1]
@@ -55,7 +120,8 @@ class PagedTable:
 
     @property
     def host_bytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
+        """The table's bytes outside the device (in host memory, or in its file)."""
+        return self.source.nbytes
 
     def gather(self, index: torch.Tensor, claim: "PageClaim") -> torch.Tensor:
         """Rows `index` (any shape, ids in range) -> [*index.shape, width] on the device."""
@@ -70,10 +136,10 @@ class PagedTable:
                     self.hits += 1
                     claim.read[page] = slot
                 elif self.free:
+                    rows = self.source.read(page * P, min(self.rows, (page + 1) * P))   # may raise: nothing taken yet
                     slot = self.free.pop()
                     self.misses += 1
                     claim.admitted[page] = slot
-                    rows = self.host[page * P:(page + 1) * P]
                     self.pool[slot, :len(rows)].copy_(rows, non_blocking=True)
                 else:
                     self.direct += 1
@@ -89,8 +155,7 @@ class PagedTable:
         else:                                       # some rows straight from the host
             out = torch.empty((len(ids), self.width), dtype=self.dtype, device=self.device)
             direct = ~cached
-            out[direct.to(self.device)] = self.host.index_select(
-                0, torch.tensor(ids, dtype=torch.int64)[direct]).to(self.device)
+            out[direct.to(self.device)] = self.source.take(torch.tensor(ids, dtype=torch.int64)[direct]).to(self.device)
             if bool(cached.any()):
                 out[cached.to(self.device)] = self.pool.view(-1, self.width).index_select(
                     0, where[cached].to(self.device))
