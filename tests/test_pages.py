@@ -178,3 +178,30 @@ def test_tables_paged_from_a_file_keep_memory_bounded(tmp_path):
     assert streamed > 2 * 10**9
     assert (after - before) * 1024 < 200 * 2**20, (before, after)          # ru_maxrss is in KiB
     assert after * 1024 < 1.5 * 2**30                                      # the whole process, torch included
+
+
+def test_verify_injects_a_page_read_failure_and_info_shows_streamed_bytes(capsys):
+    from hebrus import verify
+    from hebrus.cli import main
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=8 * PAGE_BYTES)
+    page = [c for c in verify.checks(model) if "page read" in c.name]
+    assert len(page) == 1 and page[0].run().passed
+    assert not [c for c in verify.checks(hebrus.load("tiny")) if "page read" in c.name]
+    with pytest.raises(hebrus.InvalidInput, match="resident"):
+        with hebrus.faults.page_read_failure(hebrus.load("tiny")):
+            pass
+    assert main(["info", "--model", "shakespeare", "--ple-cache-bytes", str(8 * PAGE_BYTES)]) == 0
+    out = capsys.readouterr().out
+    assert "streamed PLE bytes         2,546,688" in out and "resident weight bytes" in out
+
+
+def test_with_paging_moves_between_resident_and_paged():
+    paged = hebrus.load("shakespeare", ple_cache_bytes=8 * PAGE_BYTES)
+    resident = paged.with_paging(None)
+    direct = paged.with_paging(0)
+    assert not resident.paged and all(t.pool.shape[0] == 0 for t in direct.paged.values())
+    want = _run(hebrus.load("shakespeare"))[1]
+    for model in (resident, direct):
+        assert torch.equal(_run(model)[1], want)
+    with pytest.raises(hebrus.InvalidInput, match="save needs every weight in memory"):
+        paged.save("/tmp/never-written")

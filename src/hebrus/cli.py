@@ -153,6 +153,10 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: st
     p.add_argument("--mode", choices=MODES, default=default_mode, help=f"execution mode (default {default_mode})")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default float32)")
+    p.add_argument("--ple-cache-bytes", type=int, default=None, metavar="N",
+                   help="serve the per-layer-embedding tables in pages through N bytes of device memory, "
+                        "reading them from the checkpoint file (or host memory for a random preset) as "
+                        "chunks need them (default: resident)")
 
 
 def _load(args):
@@ -166,7 +170,8 @@ def _load(args):
         if bar:
             bar[0](done, total)
 
-    return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress)
+    return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
+                ple_cache_bytes=getattr(args, "ple_cache_bytes", None))
 
 
 def _generate(args) -> int:
@@ -412,6 +417,13 @@ def _info(args) -> int:
     for key, value in c.fields_in_use():
         print(f"  {key:26} {value}")
     print(f"  {'parameters':26} {parameter_count(c):,}")
+    resident = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in model.paged)
+    print(f"  {'resident weight bytes':26} {resident:,}")
+    if model.paged:
+        streamed = sum(t.host_bytes for t in model.paged.values())
+        cache = sum(t.device_bytes for t in model.paged.values())
+        print(f"  {'streamed PLE bytes':26} {streamed:,} (pages of {next(iter(model.paged.values())).page_rows} "
+              f"rows through a {cache:,}-byte cache)")
     print(f"\nstages ({len(model.stages)})\n  " + "\n  ".join(model.stage_names))
     print(f"\nowners (bytes per session; banked owners hold two banks, appended owners grow per token, "
           f"shown at max_context={c.max_context})")

@@ -87,3 +87,43 @@ def _status(txn) -> None:
 
 _FIRE = {"structural": _structural, "nonfinite": _nonfinite, "alloc": _alloc,
          "command": _command, "status": _status}
+
+
+class _FailingRows:
+    """A paged table's source whose next read fails as a broken file would."""
+
+    def __init__(self, source, table):
+        self.source, self.table = source, table
+        self.shape, self.dtype, self.nbytes = source.shape, source.dtype, source.nbytes
+
+    def _fail(self):
+        self.table.source = self.source             # one read fails; the next ones work
+        from hebrus.errors import PageReadError
+        raise PageReadError("injected page read failure")
+
+    def read(self, start, stop):
+        self._fail()
+
+    def take(self, ids):
+        self._fail()
+
+    def with_dtype(self, dtype):
+        return self.source.with_dtype(dtype)
+
+
+@contextmanager
+def page_read_failure(model) -> Iterator[None]:
+    """The next page read of any of `model`'s paged tables fails (the `command` kind's cause for
+    tables read in pages: `hebrus.weights.pages`). Reads happen on cache misses: a model with
+    no page slots (`model.with_paging(0)`) reads at every lookup."""
+    if not model.paged:
+        raise InvalidInput("this model keeps its PLE tables resident: load it with ple_cache_bytes to page them")
+    tables = list(model.paged.values())
+    saved = [t.source for t in tables]
+    for t in tables:
+        t.source = _FailingRows(t.source, t)
+    try:
+        yield
+    finally:
+        for t, source in zip(tables, saved):
+            t.source = source

@@ -93,6 +93,19 @@ class Model:
         return Model._placed(self.config, self.spec, {**self._params, **self._in_files()}, self.device, self.dtype,
                              mode, chooser, self.source, self.paging)
 
+    def with_paging(self, ple_cache_bytes: int | None) -> "Model":
+        """The same weights with the PLE tables served through a cache of `ple_cache_bytes` of
+        device memory (empty: a fresh cache; 0: every lookup read from the tables' source), or
+        resident with None (read into memory from their source)."""
+        if ple_cache_bytes is not None:
+            ple_cache_bytes = count("ple_cache_bytes", ple_cache_bytes)
+        params = {**self._params, **self._in_files()}
+        if ple_cache_bytes is None:
+            params = {name: (_place(name, rows.read(0, rows.shape[0]), self.device, rows.dtype)
+                             if isinstance(rows, FileRows) else rows) for name, rows in params.items()}
+        return Model._placed(self.config, self.spec, params, self.device, self.dtype, self.mode,
+                             source=self.source, paging=ple_cache_bytes)
+
     def with_dtype(self, dtype: torch.dtype | str) -> "Model":
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""

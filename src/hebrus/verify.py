@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from hebrus.errors import FAULT_KINDS, ChunkAborted
-from hebrus.faults import inject
+from hebrus.faults import inject, page_read_failure
 from hebrus.bound import (BOUNDS, FLOOR_FACTOR, Replayed, compare_replayed, greedy, relative_error,
                           rounding_floor, run_chunks)
 from hebrus.layers.replay import Recorder, Replayer
@@ -57,6 +57,8 @@ def checks(model, seed: int = 0) -> list[Check]:
     reference = _Reference(model, warm, chunk)
     out = [Check("fault", f"{stage} × {kind}", _fault_check(model, stage, kind, warm, chunk, reference))
            for stage in model.stage_names for kind in FAULT_KINDS]
+    if model.paged:                 # the command kind's own cause for paged tables: a page not read
+        out.append(Check("fault", "ple × command (a page read fails)", _page_check(model, warm, chunk, reference)))
     out += list(_equivalence_checks(model, rng))
     return out
 
@@ -105,6 +107,41 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Ver
         if leaks:
             return Verdict(False, "leaked", "; ".join(leaks))
         return Verdict(True, "held")
+
+    return run
+
+
+def _page_check(model, warm, chunk, reference) -> Callable[[], Verdict]:
+    """A page of a paged PLE table cannot be read inside the chunk (through a model that reads
+    every lookup from the tables' source, so the chunk does read): a command abort at ple, with
+    the state, the caller's buffer and the cache as they were, and the next chunk unaffected."""
+    def run() -> Verdict:
+        reading = model.with_paging(0)
+        s = reading.session()
+        s.feed(warm)
+        before, frontier = s.digest(), s.frontier
+        cached = {name: (dict(t.mapping), sorted(t.free)) for name, t in reading.paged.items()}
+        sentinel = torch.full((model.spec.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
+        try:
+            with page_read_failure(reading):
+                s.feed(chunk, out=sentinel)
+        except ChunkAborted as exc:
+            if (exc.kind, exc.stage) != ("command", "ple"):
+                return Verdict(False, "missed", f"raised {exc.kind} at {exc.stage}")
+        else:
+            return Verdict(False, "missed", "no error raised")
+        leaks = []
+        if s.digest() != before or s.frontier != frontier:
+            leaks.append("state changed")
+        if not bool((sentinel == 12345.0).all()):
+            leaks.append("out buffer written")
+        if {name: (dict(t.mapping), sorted(t.free)) for name, t in reading.paged.items()} != cached:
+            leaks.append("page cache changed")
+        digest, logits = reference.get()
+        again = s.feed(chunk)
+        if s.digest() != digest or not torch.equal(again, logits):
+            leaks.append("next chunk differs from a session that never failed")
+        return Verdict(not leaks, "leaked" if leaks else "held", "; ".join(leaks))
 
     return run
 
