@@ -216,3 +216,22 @@ def test_with_paging_moves_between_resident_and_paged():
         assert torch.equal(_run(model)[1], want)
     with pytest.raises(hebrus.InvalidInput, match="save needs every weight in memory"):
         paged.save("/tmp/never-written")
+
+
+def test_a_fault_at_any_stage_leaves_the_cache_as_it_was():
+    """Every stage × every fault kind on a paged model: the chunk aborts, its page admissions
+    are dropped, no slot stays pinned, and the mapping is the one before the chunk."""
+    from hebrus.errors import FAULT_KINDS
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=12 * PAGE_BYTES)
+    s = model.session()
+    s.feed(TEXT[:2])
+    for stage in model.stage_names:
+        for kind in FAULT_KINDS:
+            before = {name: (dict(t.mapping), sorted(t.free)) for name, t in model.paged.items()}
+            digest = s.digest()
+            with hebrus.inject(stage=stage, kind=kind):
+                with pytest.raises(hebrus.ChunkAborted):
+                    s.feed(TEXT[2:40])
+            assert s.digest() == digest, (stage, kind)
+            for name, t in model.paged.items():
+                assert (dict(t.mapping), sorted(t.free)) == before[name] and not t.pins, (stage, kind, name)
