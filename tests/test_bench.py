@@ -164,3 +164,20 @@ def test_the_long_models_differ_only_in_attention():
     assert sparse.max_context == dense.max_context == long.LONG_CONTEXT >= 131072 + 64
     assert [m for m in sparse.mixers if m != "qsa"] == [m for m in dense.mixers if m != "attention"]
     assert "qsa" not in dense.mixers and sparse.mixers.count("qsa") == dense.mixers.count("attention") > 0
+
+
+def test_bench_ple_pages_compares_paged_and_resident_tables(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--ple-pages", "--ple-gib", "0.02", "--ple-cache-mib", "8", "--decode-steps", "3",
+            "--rounds", "1", "--cache", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["paged_over_resident"] > 0 and 0 <= report["page_hit_rate"] <= 1
+    assert report["bytes_moved_per_token"] >= 0 and "paged ÷ resident" in out.getvalue()
+    weights = next(tmp_path.glob("ple-pages-*")) / "model.safetensors"
+    assert weights.stat().st_blocks * 512 < weights.stat().st_size / 4          # written sparse
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--ple-pages", "--ple-gib", "0"]) == 2
+    assert "--ple-gib must lie in" in err.getvalue()

@@ -112,6 +112,13 @@ def _parser() -> argparse.ArgumentParser:
                             "attention against the same model with dense attention over every row; prints "
                             "both tables and their comparison (decode against the shortest context, dense "
                             "over sparse)")
+    bench.add_argument("--ple-pages", action="store_true",
+                       help="instead of --model: the small shape with --ple-gib of n-gram tables (a sparse "
+                            "checkpoint under --cache), decoding an English stream with the tables paged "
+                            "through --ple-cache-mib against the same tables resident (both eager)")
+    bench.add_argument("--ple-gib", type=float, default=8.0, help="PLE table size for --ple-pages (default 8)")
+    bench.add_argument("--ple-cache-mib", type=float, default=512.0,
+                       help="page cache for --ple-pages, MiB (default 512)")
     bench.add_argument("--batch", default="1",
                        help="comma-separated numbers of sessions decoding together (hebrus.Batch, stepped "
                             "as --decode says; prefill is not batched and not reported above 1) (default 1)")
@@ -341,6 +348,8 @@ def _bench(args) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.long:
         return _bench_long(args, contexts, batches)
+    if args.ple_pages:
+        return _bench_pages(args)
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     model = _load(args)
@@ -368,6 +377,33 @@ def _bench(args) -> int:
                        batches=batches)
     print(bench.table(report), end="")
     return 0
+
+
+def _bench_pages(args) -> int:
+    from hebrus.bench import pages
+    from hebrus.runtime import _device, resolve_dtype
+
+    if args.model != "small" or args.compare_transformers or args.long:
+        raise InvalidInput("--ple-pages builds its own model: leave out --model, --long and --compare-transformers")
+    if not (0 < args.ple_gib <= 256 and 0 <= args.ple_cache_mib <= 2**20):
+        raise InvalidInput("--ple-gib must lie in (0, 256] and --ple-cache-mib in [0, 1048576]")
+    config = pages.paged_config(args.ple_gib * 2**30)
+    folder = pages.sparse_checkpoint(Path(args.cache) / f"ple-pages-{args.ple_gib:g}gib", config)
+    report = pages.run(folder, _device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
+                       prompt=1024, steps=args.decode_steps, rounds=args.rounds)
+    report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=_commit_id())
+    text = pages.table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(text)
+    print(text, end="")
+    return 0
+
+
+def _commit_id() -> str:
+    from hebrus.bench import _commit
+    return _commit()
 
 
 def _bench_long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
