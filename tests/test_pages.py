@@ -78,6 +78,10 @@ def test_publication_evicts_the_least_recently_used_pages():
     assert len(claim.admitted) == 1 and len(claim.direct) == 3
     claim.release()
     assert list(table.mapping) == [2, 0, 3] and len(table.free) == 1 and not table.pins
+    done = chunk([2])               # a claim is finished once: a second commit or a release is nothing
+    done.commit()
+    done.release()
+    assert list(table.mapping) == [2, 3, 0] and len(table.free) == 1 and not table.pins
 
 
 def test_a_batch_shares_its_claims():
@@ -235,3 +239,42 @@ def test_a_fault_at_any_stage_leaves_the_cache_as_it_was():
             assert s.digest() == digest, (stage, kind)
             for name, t in model.paged.items():
                 assert (dict(t.mapping), sorted(t.free)) == before[name] and not t.pins, (stage, kind, name)
+
+
+def _overwrite_tensor(folder, name: str, byte: int) -> None:
+    import json
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        length = int.from_bytes(f.read(8), "little")
+        begin, end = json.loads(f.read(length))[name]["data_offsets"]
+        f.seek(8 + length + begin)
+        f.write(bytes([byte]) * (end - begin))
+
+
+def test_a_page_that_is_not_finite_fails_its_read(tmp_path):
+    """The checks a resident load makes (finite weights) are made on each page read instead."""
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(hebrus.presets.TRAINED["shakespeare"], folder)
+    _overwrite_tensor(folder, "ple.ngram.3.weight", 0xFF)            # bf16 NaN everywhere
+    with pytest.raises(hebrus.CheckpointError, match="NaN or infinite"):
+        hebrus.load(folder)
+    model = hebrus.load(folder, mode="fast", ple_cache_bytes=8 * PAGE_BYTES)
+    s = model.session()
+    with pytest.raises(hebrus.CommandError, match="hold NaN or infinite values"):
+        s.feed(TEXT[:20])
+    assert s.frontier == 0
+
+
+def test_paged_tables_follow_the_models_dtype_conversions(tmp_path):
+    """float32 weights loaded as bfloat16 and widened again: paged rows are the resident ones."""
+    hebrus.load("tiny").save(tmp_path / "tiny32")
+    resident = hebrus.load(tmp_path / "tiny32", dtype="bfloat16").with_dtype(torch.float32)
+    paged = hebrus.load(tmp_path / "tiny32", dtype="bfloat16", ple_cache_bytes=2**20).with_dtype(torch.float32)
+    assert all(t.dtype == torch.float32 for t in paged.paged.values())
+    a, b = resident.session(), paged.session()
+    assert torch.equal(a.feed(TEXT[:30]), b.feed(TEXT[:30])) and a.digest() == b.digest()
+    host = hebrus.load("tiny", ple_cache_bytes=2**20)
+    assert all(t.source.tensor.device.type == "cpu" for t in host.paged.values())
+    back = host.with_paging(None)
+    assert not back.paged and torch.equal(_run(back)[1], _run(hebrus.load("tiny"))[1])

@@ -11,7 +11,7 @@ import torch
 from hebrus.config import PRESETS, HebrusConfig, preset
 from hebrus.errors import InvalidInput
 from hebrus.layers.graph import build_stages
-from hebrus.layers.kernels import Chooser, kernels
+from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of
@@ -35,7 +35,8 @@ class Model:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
                  chooser: Chooser | None = None, ple_cache_bytes: int | None = None):
         device, mode = _device(device), _mode(mode)
-        placed = {name: _place(name, t, device, storage_dtype(name, dtype)) for name, t in params.items()}
+        placed = {name: _place(name, t, _home(name, device, ple_cache_bytes), storage_dtype(name, dtype))
+                  for name, t in params.items()}
         self._build(config, config.spec(), placed, device, dtype, mode, chooser, paging=ple_cache_bytes)
 
     @classmethod
@@ -100,17 +101,22 @@ class Model:
         if ple_cache_bytes is not None:
             ple_cache_bytes = count("ple_cache_bytes", ple_cache_bytes)
         params = {**self._params, **self._in_files()}
-        if ple_cache_bytes is None:
-            params = {name: (_place(name, rows.read(0, rows.shape[0]), self.device, rows.dtype)
-                             if isinstance(rows, FileRows) else rows) for name, rows in params.items()}
+        if ple_cache_bytes is None:                 # every table read whole onto the device
+            params = {name: (_place(name, rows.read(0, rows.shape[0]) if isinstance(rows, FileRows) else rows,
+                                    self.device, self.paged[name].dtype) if name in self.paged else rows)
+                      for name, rows in params.items()}
         return Model._placed(self.config, self.spec, params, self.device, self.dtype, self.mode,
-                             source=self.source, paging=ple_cache_bytes)
+                             self._chooser(), source=self.source, paging=ple_cache_bytes)
+
+    def _chooser(self) -> Chooser | None:
+        return None if self.kernels.choose is top_k_chooser else self.kernels.choose
 
     def with_dtype(self, dtype: torch.dtype | str) -> "Model":
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""
         dtype = resolve_dtype(dtype)
-        params = {name: _place(name, p, self.device, storage_dtype(name, dtype)) for name, p in self._params.items()}
+        params = {name: _place(name, p, _home(name, self.device, self.paging), storage_dtype(name, dtype))
+                  for name, p in self._params.items()}
         params.update({name: rows.with_dtype(dtype) for name, rows in self._in_files().items()})
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
                              paging=self.paging)
@@ -265,6 +271,11 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 PAGED = ("ple.unigram.weight", "ple.ngram.")      # the tables `ple_cache_bytes` streams
+
+
+def _home(name: str, device: torch.device, paging: int | None) -> torch.device:
+    """Where a weight is placed: paged tables stay in host memory (never whole on the device)."""
+    return torch.device("cpu") if paging is not None and name.startswith(PAGED) else device
 
 
 def paged_tables(params: dict[str, torch.Tensor], cache_bytes: int, device: torch.device,

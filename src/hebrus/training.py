@@ -109,7 +109,8 @@ class Record:
 
 def _indexer_kl(scores: torch.Tensor, q: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
     """KL(dense attention ‖ indexer) over a sample of query rows, attention averaged over heads.
-    scores [T, S] (-inf past each query), q [T, Hq, dh], k_rows [S, Hkv, dh]; queries at 0..T-1."""
+    scores [T, S] (-inf past each query: what a query may not see is masked by those), q [T, Hq,
+    dh], k_rows [S, Hkv, dh]; a chunk longer than a query block comes block by block."""
     T = q.shape[0]
     rows = torch.randperm(T, device=q.device)[:KL_ROWS] if T > KL_ROWS else torch.arange(T, device=q.device)
     seen = torch.isfinite(scores[rows])

@@ -155,7 +155,7 @@ class Transaction:
         and nothing is marked failed or finished."""
         record = self.image.public
         same = record.bank == self.record.bank and all(a is b for a, b in zip(record.storages, self.record.storages))
-        if not (self.planned and same):
+        if not (self.planned and same) or self._held:      # held resources are one chunk's, never replayed
             raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
         self.record, self.frontier, self._done = record, record.frontier, False
         self.completion.restart()
@@ -217,9 +217,10 @@ class Transaction:
             self._copy_out(out)
             self.image.publish(record)
             self._done = True
-            self.budget.commit(released)
-            for resource in self._held:
-                resource.commit()
+            try:
+                self.budget.commit(released)
+            finally:
+                _finish_all(self._held, "commit")
 
     def _copy_out(self, out: torch.Tensor | None) -> None:
         if out is None:
@@ -233,8 +234,7 @@ class Transaction:
         if not self._done:
             self._done = True
             self.budget.abort()
-            for resource in self._held:
-                resource.release()
+            _finish_all(self._held, "release")
             if self._rows_handed:                   # rows past the frontier may hold anything now
                 self.image.tail_dirty = True
 
@@ -288,3 +288,16 @@ class Transaction:
             ask(nbytes, what)
         except Refused as exc:
             raise AllocationError(self.stage, str(exc)) from None
+
+
+def _finish_all(resources: list, how: str) -> None:
+    """`resource.commit()` or `.release()` on every one, even if one of them raises (the first
+    exception is raised after all are finished)."""
+    error = None
+    for resource in resources:
+        try:
+            getattr(resource, how)()
+        except BaseException as exc:       # noqa: BLE001 - re-raised below, after the others
+            error = error or exc
+    if error is not None:
+        raise error

@@ -199,6 +199,8 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
                 file = headers[n].file
                 params[name] = FileRows(folder / file, offsets[file][n][0], headers[n].shape,
                                         _TORCH_DTYPES[headers[n].dtype], into)
+                if progress is not None:
+                    progress(len(params), len(table.sources))
                 continue
             final = finals.pop(name, None)
             if final is not None and (recipe.is_copy or recipe.part is not None):

@@ -47,7 +47,7 @@ class HostRows:
         return self.tensor.index_select(0, ids)
 
     def with_dtype(self, dtype: torch.dtype) -> "HostRows":
-        return HostRows(self.tensor.to(dtype))
+        return HostRows(self.tensor.to(dtype), pin=self.tensor.is_pinned())
 
     @property
     def nbytes(self) -> int:
@@ -59,8 +59,10 @@ class FileRows:
     read a page at a time with positioned reads: the table never sits in memory whole. Rows
     are converted to `dtype` as they arrive. A failed or short read raises `PageReadError`."""
 
-    def __init__(self, path: Path, begin: int, shape: tuple[int, int], stored: torch.dtype, dtype: torch.dtype):
+    def __init__(self, path: Path, begin: int, shape: tuple[int, int], stored: torch.dtype, dtype: torch.dtype,
+                 via: tuple[torch.dtype, ...] = ()):
         self.path, self.begin, self.shape, self.stored, self.dtype = Path(path), begin, tuple(shape), stored, dtype
+        self.via = via                  # dtypes the rows passed through before `dtype` (`with_dtype`)
         self.row_bytes = shape[1] * stored.itemsize
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -78,14 +80,20 @@ class FileRows:
         if len(data) != want:
             raise PageReadError(f"{self.path}: rows {start}..{stop - 1} are cut short: the file is truncated")
         rows = torch.frombuffer(bytearray(data), dtype=self.stored).view(stop - start, self.shape[1])
-        return rows.to(self.dtype)
+        for dtype in (*self.via, self.dtype):       # the conversions a resident table went through
+            rows = rows.to(dtype)
+        if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
+            # what a resident load refuses (NaN, infinite, or too large for the dtype) fails the read
+            raise PageReadError(f"{self.path}: rows {start}..{stop - 1} hold NaN or infinite values in "
+                                f"{str(self.dtype).removeprefix('torch.')}; weights must be finite")
+        return rows
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.read(i, i + 1) for i in ids.tolist()]) if len(ids) else \
             torch.empty((0, self.shape[1]), dtype=self.dtype)
 
     def with_dtype(self, dtype: torch.dtype) -> "FileRows":
-        return FileRows(self.path, self.begin, self.shape, self.stored, dtype)
+        return FileRows(self.path, self.begin, self.shape, self.stored, dtype, (*self.via, self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -214,11 +222,17 @@ class PageClaim:
     admitted: dict[int, int] = field(default_factory=dict)   # and the ones it brought in
     direct: set[int] = field(default_factory=set)            # pages it read straight from the host
 
+    finished: bool = False
+
     def commit(self) -> None:
-        self.table.commit(self)
+        if not self.finished:                   # a claim is finished once, whichever way
+            self.finished = True
+            self.table.commit(self)
 
     def release(self) -> None:
-        self.table.release(self)
+        if not self.finished:
+            self.finished = True
+            self.table.release(self)
 
 
 def take(table, index: torch.Tensor, claims: dict | None) -> torch.Tensor:
