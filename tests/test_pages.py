@@ -278,3 +278,10 @@ def test_paged_tables_follow_the_models_dtype_conversions(tmp_path):
     assert all(t.source.tensor.device.type == "cpu" for t in host.paged.values())
     back = host.with_paging(None)
     assert not back.paged and torch.equal(_run(back)[1], _run(hebrus.load("tiny"))[1])
+
+
+def test_paging_a_model_without_ple_tables_is_refused(tmp_path):
+    from foreign import build
+    folder, _ = build("qwen3_5", tmp_path / "q")
+    with pytest.raises(hebrus.InvalidInput, match="has none"):
+        hebrus.load(folder, ple_cache_bytes=2**20)

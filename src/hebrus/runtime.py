@@ -55,6 +55,8 @@ class Model:
         self.state_dtype = accum_dtype(dtype)
         self.paging = paging
         self.paged = paged_tables(params, paging, device) if paging is not None else {}
+        if paging is not None and not self.paged:
+            raise InvalidInput(f"ple_cache_bytes pages per-layer-embedding tables; this {spec.family} model has none")
         # a table read from its file is no parameter in memory; one in host memory stays one
         self._params = {name: (self.paged[name].source.tensor if name in self.paged else p)
                         for name, p in params.items()

@@ -10,8 +10,13 @@ from hebrus.state.image import Image, Published
 
 def _run(model, ctx) -> None:
     ctx.held = []
-    for stage in model.stages:
-        stage.run(ctx)
+    try:
+        for stage in model.stages:
+            stage.run(ctx)
+    except BaseException:
+        for resource in ctx.held:
+            resource.release()
+        raise
     for resource in ctx.held:                   # in place: whatever was brought in stays
         resource.commit()
 
