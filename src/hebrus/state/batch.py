@@ -33,9 +33,10 @@ class BatchTransaction:
         return torch.stack([p.read(name) for p in self.parts])
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """value [B, ...]: row i into session i's private bank."""
-        for p, v in zip(self.parts, value):
-            p.write(name, v)
+        """value [B, ...]: row i into session i's private bank, all in one multi-tensor copy."""
+        torch._foreach_copy_([p.private[name] for p in self.parts], list(value.unbind(0)))
+        for p in self.parts:
+            p.wrote(name)
 
     def rows(self, name: str) -> list[torch.Tensor]:
         """Each session's storage of an appended owner (grown privately as a transaction does).

@@ -87,11 +87,16 @@ class Transaction:
 
     def write(self, name: str, value: torch.Tensor) -> None:
         """Store the new value of a banked owner in the private bank."""
+        self.private[name].copy_(value)
+        self.wrote(name)
+
+    def wrote(self, name: str) -> None:
+        """The bookkeeping of `write` for a private value already stored (a batch stores every
+        session's in one multi-tensor copy)."""
         target = self.private[name]
-        target.copy_(value)
         self.written.add(name)
         self._writes.append(target)
-        self._value_bytes += value.numel() * value.element_size()
+        self._value_bytes += target.numel() * target.element_size()
 
     def rows(self, name: str) -> torch.Tensor:
         """Storage of an appended owner holding at least start+length rows; rows below `start`
