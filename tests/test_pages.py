@@ -285,3 +285,80 @@ def test_paging_a_model_without_ple_tables_is_refused(tmp_path):
     folder, _ = build("qwen3_5", tmp_path / "q")
     with pytest.raises(hebrus.InvalidInput, match="has none"):
         hebrus.load(folder, ple_cache_bytes=2**20)
+
+
+class _Flaky:
+    """Host rows whose reads fail now and then, as a file on a failing disk would."""
+
+    def __init__(self, rows: torch.Tensor, rng, chance: float):
+        from hebrus.weights.pages import HostRows
+        self.inner, self.rng, self.chance = HostRows(rows), rng, chance
+        self.shape, self.dtype, self.nbytes = self.inner.shape, rows.dtype, self.inner.nbytes
+
+    def _maybe_fail(self):
+        from hebrus.errors import PageReadError
+        if self.rng.random() < self.chance:
+            raise PageReadError("a read failed")
+
+    def read(self, start, stop):
+        self._maybe_fail()
+        return self.inner.read(start, stop)
+
+    def take(self, ids):
+        self._maybe_fail()
+        return self.inner.take(ids)
+
+
+def _invariants(table, live, rows) -> None:
+    """Every slot has one home (free, mapped, or a live claim's; evicted but pinned ones are
+    retired), pins are exactly the live claims' slots, and every mapped or claimed slot holds
+    its page's rows."""
+    P, slots = table.page_rows, table.pool.shape[0]
+    claimed = {s for c in live for s in c.admitted.values()}
+    mapped = set(table.mapping.values())
+    assert len(mapped) == len(table.mapping) and len(set(table.free)) == len(table.free)
+    for s in range(slots):
+        homes = (s in table.free) + (s in mapped) + (s in table.retired) + (s in claimed - mapped - table.retired)
+        assert homes == 1, s
+    pins = {}
+    for c in live:
+        for s in c.slots.values():
+            pins[s] = pins.get(s, 0) + 1
+    assert dict(table.pins) == pins and not set(table.free) & set(pins)
+    assert all(pins.get(s, 0) for s in table.retired)
+    held = list(table.mapping.items()) + [item for c in live for item in c.slots.items()]
+    for page, s in held:
+        n = min(table.rows, (page + 1) * P) - page * P
+        assert torch.equal(table.pool[s, :n], rows[page * P:page * P + n]), (page, s)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_page_cache_keeps_its_invariants_under_interleaved_claims(seed):
+    """Several claims in flight at once (sessions), gathers that read or fail at random,
+    commits and releases in any order: the bookkeeping stays whole and rows are always right."""
+    import random
+    rng = random.Random(seed)
+    count, P = rng.choice([(40, 4), (64, 8), (33, 4)])
+    rows = torch.randn(count, 3, generator=torch.Generator().manual_seed(seed))
+    table = PagedTable(_Flaky(rows, rng, rng.choice([0.0, 0.05, 0.2])), rng.choice([0, 1, 2, 3, 5, 8]),
+                       torch.device("cpu"), P)
+    live = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.25 or not live:
+            live.append(PageClaim(table))
+        elif op < 0.7:
+            ids = torch.tensor([rng.randrange(count) for _ in range(rng.randint(1, 6))])
+            try:
+                assert torch.equal(table.gather(ids, rng.choice(live)), rows[ids])
+            except hebrus.errors.PageReadError:
+                pass
+        else:
+            claim = live.pop(rng.randrange(len(live)))
+            (claim.commit if op < 0.85 else claim.release)()
+            assert len(table.mapping) <= table.capacity
+        _invariants(table, live, rows)
+    for claim in live:
+        claim.commit()
+    _invariants(table, [], rows)
+    assert not table.pins and not table.retired and len(table.free) + len(table.mapping) == table.pool.shape[0]

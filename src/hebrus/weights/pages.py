@@ -89,8 +89,19 @@ class FileRows:
         return rows
 
     def take(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.read(i, i + 1) for i in ids.tolist()]) if len(ids) else \
-            torch.empty((0, self.shape[1]), dtype=self.dtype)
+        """Rows `ids` (any order, repeats allowed): one read per run of consecutive rows."""
+        wanted = ids.tolist()
+        if not wanted:
+            return torch.empty((0, self.shape[1]), dtype=self.dtype)
+        rows: dict[int, torch.Tensor] = {}
+        unique = sorted(set(wanted))
+        begin = 0
+        for k in range(1, len(unique) + 1):
+            if k == len(unique) or unique[k] != unique[k - 1] + 1:
+                block = self.read(unique[begin], unique[k - 1] + 1)
+                rows.update({row: block[row - unique[begin]] for row in unique[begin:k]})
+                begin = k
+        return torch.stack([rows[row] for row in wanted])
 
     def with_dtype(self, dtype: torch.dtype) -> "FileRows":
         return FileRows(self.path, self.begin, self.shape, self.stored, dtype, (*self.via, self.dtype))
@@ -135,7 +146,8 @@ class PagedTable:
         """Rows `index` (any shape, ids in range) -> [*index.shape, width] on the device."""
         ids = index.reshape(-1).tolist()            # which pages: a host decision
         P = self.page_rows
-        with self.lock:
+        loads = []
+        with self.lock:                             # the bookkeeping; the reads come after, unlocked
             for page in sorted({i // P for i in ids}):
                 if page in claim.slots or page in claim.direct:
                     continue
@@ -144,17 +156,27 @@ class PagedTable:
                     self.hits += 1
                     claim.read[page] = slot
                 elif self.free:
-                    rows = self.source.read(page * P, min(self.rows, (page + 1) * P))   # may raise: nothing taken yet
-                    slot = self.free.pop()
+                    slot = self.free.pop()          # this claim's alone until it finishes
                     self.misses += 1
                     claim.admitted[page] = slot
-                    self.pool[slot, :len(rows)].copy_(rows, non_blocking=True)
+                    loads.append((page, slot))
                 else:
                     self.direct += 1
                     claim.direct.add(page)
                     continue
                 claim.slots[page] = slot
                 self.pins[slot] += 1
+        for k, (page, slot) in enumerate(loads):
+            try:
+                rows = self.source.read(page * P, min(self.rows, (page + 1) * P))
+            except BaseException:                   # the pages not read leave the claim: it holds only whole pages
+                with self.lock:
+                    for page, slot in loads[k:]:
+                        del claim.admitted[page], claim.slots[page]
+                        self.retired.add(slot)
+                        self._unpin(slot)
+                raise
+            self.pool[slot, :len(rows)].copy_(rows, non_blocking=True)
         where = torch.tensor([claim.slots[i // P] * P + i % P if i // P in claim.slots else -1 for i in ids],
                              dtype=torch.int64)
         cached = where >= 0
