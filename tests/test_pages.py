@@ -154,37 +154,15 @@ print(sum(t.host_bytes for t in model.paged.values()), start, top)
 """
 
 
-def _sparse_checkpoint(folder, config) -> int:
-    """A Hebrus checkpoint whose tensors are all zeros, written as a sparse file (no data
-    blocks): gigabytes of PLE tables without the disk or the time. Returns the file's size."""
-    import json
-    import math
-    from hebrus.weights.layout import parameter_shapes
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config.to_dict()))
-    header, at = {}, 0
-    for name, shape in sorted(parameter_shapes(config).items()):
-        dtype, size = ("I64", 8) if name == "ple.hash_constants" else ("F32", 4)
-        nbytes = math.prod(shape) * size
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
-        at += nbytes
-    header["__metadata__"] = {"format": "hebrus"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(folder / "model.safetensors", "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        f.truncate(8 + len(text) + at)
-    return 8 + len(text) + at
-
-
 def test_tables_paged_from_a_file_keep_memory_bounded(tmp_path):
     """PLE tables of 2 GB read from their file through a 16 MB cache: the process's resident set
     grows by far less than the tables while chunks run (measured in a fresh process)."""
     import subprocess
     import sys
+    from hebrus.bench.pages import sparse_checkpoint
     from hebrus.config import preset
     config = preset("tiny").replace(ple_buckets=(8_000_000, 8_000_000))
-    size = _sparse_checkpoint(tmp_path / "big", config)
+    size = (sparse_checkpoint(tmp_path / "big", config, stored="F32") / "model.safetensors").stat().st_size
     assert size > 2 * 10**9
     done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "big")], capture_output=True,
                           text=True, timeout=300)

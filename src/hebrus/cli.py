@@ -380,6 +380,7 @@ def _bench(args) -> int:
 
 
 def _bench_pages(args) -> int:
+    from hebrus import bench
     from hebrus.bench import pages
     from hebrus.runtime import _device, resolve_dtype
 
@@ -391,7 +392,7 @@ def _bench_pages(args) -> int:
     folder = pages.sparse_checkpoint(Path(args.cache) / f"ple-pages-{args.ple_gib:g}gib", config)
     report = pages.run(folder, _device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
                        prompt=1024, steps=args.decode_steps, rounds=args.rounds)
-    report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=_commit_id())
+    report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     text = pages.table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -399,11 +400,6 @@ def _bench_pages(args) -> int:
         Path(args.table).write_text(text)
     print(text, end="")
     return 0
-
-
-def _commit_id() -> str:
-    from hebrus.bench import _commit
-    return _commit()
 
 
 def _bench_long(args, contexts: list[int], batches: tuple[int, ...]) -> int:

@@ -106,7 +106,24 @@ class InPlaceBatch:
             s.bank["frontier"].add_(1)
 
 
-class _InPlaceBatchContext:
+class _Unchecked:
+    """What both in-place contexts share: no checks, chunk-local values kept, resources held
+    until `_run` commits them."""
+
+    def emit(self, key, value):
+        self.local[key] = value
+
+    def hold(self, resource):
+        self.held.append(resource)
+
+    def flag(self, bad, bit):
+        pass
+
+    def check_range(self, values, upper, bit, lower=0):
+        pass
+
+
+class _InPlaceBatchContext(_Unchecked):
     batched = True
 
     def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts=None):
@@ -125,23 +142,11 @@ class _InPlaceBatchContext:
     def rows(self, name):
         return [p.rows(name) for p in self.parts]
 
-    def emit(self, key, value):
-        self.local[key] = value
-
     def last_rows(self, X):
         return X
 
-    def hold(self, resource):
-        self.held.append(resource)
 
-    def flag(self, bad, bit):
-        pass
-
-    def check_range(self, values, upper, bit, lower=0):
-        pass
-
-
-class _InPlaceContext:
+class _InPlaceContext(_Unchecked):
     batched = False
 
     def __init__(self, owner: InPlaceSession, ids: torch.Tensor, start):
@@ -164,20 +169,8 @@ class _InPlaceContext:
             self.owner.storages[i] = storage = grown
         return storage
 
-    def emit(self, key, value):
-        self.local[key] = value
-
     def last_rows(self, X):
         return X[-1:]
-
-    def hold(self, resource):
-        self.held.append(resource)
-
-    def flag(self, bad, bit):
-        pass
-
-    def check_range(self, values, upper, bit, lower=0):
-        pass
 
 
 def copies(first, count: int, make):

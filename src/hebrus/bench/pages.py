@@ -37,9 +37,10 @@ def paged_config(table_bytes: float) -> HebrusConfig:
     return base.replace(ple_buckets=(rows, rows))
 
 
-def sparse_checkpoint(folder: Path, config: HebrusConfig) -> Path:
-    """A checkpoint of `config` whose tensors are all zero but the PLE hash constants, written
-    as a sparse file (no data blocks for the zeros); kept and reused if already there."""
+def sparse_checkpoint(folder: Path, config: HebrusConfig, stored: str = "BF16") -> Path:
+    """A checkpoint of `config` whose tensors are all zero (stored as `stored`, a safetensors
+    dtype of 2 or 4 bytes) but the PLE hash constants, written as a sparse file (no data blocks
+    for the zeros); kept and reused if already there."""
     folder = Path(folder)
     weights = folder / "model.safetensors"
     if (folder / "config.json").exists() and weights.exists():
@@ -48,7 +49,7 @@ def sparse_checkpoint(folder: Path, config: HebrusConfig) -> Path:
     real = {"ple.hash_constants": init_parameters(config)["ple.hash_constants"]}
     header, at, placed = {}, 0, {}
     for name, shape in sorted(parameter_shapes(config).items()):
-        dtype, size = ("I64", 8) if name in real else ("BF16", 2)
+        dtype, size = ("I64", 8) if name in real else (stored, 4 if stored == "F32" else 2)
         nbytes = math.prod(shape) * size
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         placed[name] = at

@@ -12,10 +12,10 @@ import torch
 
 from hebrus import faults
 from hebrus.engine.eager import run_stages
-from hebrus.engine.graphs import _CAPTURING
+from hebrus.engine.graphs import capture
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.state.batch import BatchTransaction
-from hebrus.state.budget import Refused, out_of_memory
+from hebrus.state.budget import out_of_memory
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction, abort_error
 
@@ -181,17 +181,16 @@ class BatchSteps:
         return BatchTransaction(parts, self.model.device)
 
     def _capture(self, key):
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                batch = self._batch()
-                batch.local["ids"] = self.ids
-                run_stages(self.model, batch)
-                for part in batch.parts:
-                    part.checks.fold()
-        except Exception as exc:
-            if not (out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted))):
-                self.refused = f"{type(exc).__name__}: {exc}"
+        def plan() -> BatchTransaction:
+            batch = self._batch()
+            batch.local["ids"] = self.ids
+            run_stages(self.model, batch)
+            for part in batch.parts:
+                part.checks.fold()
+            return batch
+
+        graph, batch, self.refused = capture(plan)
+        if graph is None:
             return None
         if batch.failed:                        # a seal refused during capture: not a plan to keep
             return None

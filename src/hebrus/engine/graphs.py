@@ -40,6 +40,22 @@ from hebrus.state.txn import Transaction
 _CAPTURING = threading.Lock()             # one capture at a time in the process
 
 
+def capture(plan):
+    """Capture `plan()` as a CUDA graph, one capture at a time in the process and confined to
+    this thread -> (graph, what plan returned, None), or (None, None, why) when it cannot be
+    captured at all (the steps then stay uncaptured), or (None, None, None) when it was short of
+    memory or budget this time (uncaptured this time only)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            made = plan()
+    except Exception as exc:
+        if out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted)):
+            return None, None, None
+        return None, None, f"{type(exc).__name__}: {exc}"
+    return graph, made, None
+
+
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
@@ -120,17 +136,16 @@ class DecodeSteps:
         finish(txn, work, out)
 
     def _capture(self, ids: torch.Tensor) -> _Graph | None:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                txn = self._transaction()
-                txn.local["ids"] = self.ids
-                run_stages(self.model, txn)
-                txn.checks.fold()
-        except Exception as exc:
-            if not (out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted))):
-                self.refused = f"{type(exc).__name__}: {exc}"      # cannot be captured: stay uncaptured
-            return None                                          # short of memory now: uncaptured this time
+        def plan() -> Transaction:
+            txn = self._transaction()
+            txn.local["ids"] = self.ids
+            run_stages(self.model, txn)
+            txn.checks.fold()
+            return txn
+
+        graph, txn, self.refused = capture(plan)
+        if graph is None:
+            return None
         self.captures += 1
         held = _Graph(graph, txn)
         self.graphs[txn.record.bank] = held
