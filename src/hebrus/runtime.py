@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from hebrus.arguments import count
 from hebrus.config import PRESETS, HebrusConfig, preset
 from hebrus.errors import InvalidInput
 from hebrus.layers.graph import build_stages
@@ -15,15 +16,14 @@ from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of
-from hebrus.presets import TRAINED, names
 from hebrus.ops.norm import accum_dtype
+from hebrus.presets import TRAINED, names
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
-from hebrus.arguments import count
 
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
