@@ -151,6 +151,16 @@ def test_bench_long_compares_sparse_and_dense_attention(tmp_path):
     row = report["comparison"][1]
     assert row["dense_over_qsa"] == pytest.approx(row["dense_decode_ms"] / row["qsa_decode_ms"])
     assert "dense ÷ QSA" in out.getvalue() and "dense ÷ QSA" in (tmp_path / "r.md").read_text()
+    # one attention layer for one query: QSA reads every index key and top_k K/V rows, dense every K/V row
+    layer = {(p["model"], p["context"]): p for p in report["layer"]}
+    assert set(layer) == {(m, c) for m in ("qsa", "dense") for c in (24, 80)}
+    item, kv = 4, 2 * 2 * 64                      # float32; k and v rows of 2 heads × 64
+    assert layer["qsa", 80]["bytes_needed"] == 80 * 64 * item + 64 * kv * item
+    assert layer["qsa", 24]["bytes_needed"] == 24 * 64 * item + 24 * kv * item      # fewer rows than top_k
+    assert layer["dense", 80]["bytes_needed"] == 80 * kv * item
+    assert all(p["seconds"] > 0 and p["over_floor"] == pytest.approx(p["seconds"] / p["floor_seconds"])
+               for p in layer.values())
+    assert "over floor" in (tmp_path / "r.md").read_text()
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--long", "--model", "tiny"]) == 2

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from hebrus.ops.choose import gaps, top_k
+from hebrus.ops.choose import PACK_FROM, gaps, top_k, top_k_packed, top_k_sorted
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.hyper import hc_post, hc_pre, sinkhorn
@@ -137,6 +137,34 @@ def test_top_k_and_its_gap_match_their_definitions(ordered):
         else:
             want = steps[k - 1] if len(v) > k else float("inf")
         assert d == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_top_k_chooses_what_the_stable_sort_chooses(dtype):
+    """The selection on packed keys against its readable twin, on rows full of exact ties,
+    signed zeros, infinities and NaNs, at every k: the same indices in the same order."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        T, N = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+        scores = (torch.randint(-4, 5, (T, N), generator=g).float() / 4).to(dtype)
+        mark = torch.rand(T, N, generator=g)
+        scores[mark < 0.05] = float("-inf")
+        scores[(mark >= 0.05) & (mark < 0.08)] = -0.0
+        scores[(mark >= 0.08) & (mark < 0.09)] = float("nan")
+        scores[(mark >= 0.09) & (mark < 0.10)] = float("inf")
+        for k in {1, min(N, 7), N, int(torch.randint(1, N + 1, (1,), generator=g))}:
+            assert torch.equal(top_k_packed(scores, k), top_k_sorted(scores, k)), (trial, k)
+
+
+def test_selection_over_a_long_row_matches_brute_force_with_ties():
+    """`select` past PACK_FROM rows (where `top_k` packs) against the definition, with ties."""
+    g = torch.Generator().manual_seed(12)
+    S, top_k_ = PACK_FROM + 300, 64
+    scores = torch.randint(0, 40, (3, S), generator=g).float()
+    positions = torch.tensor([S - 1, S // 2, 30])
+    picked, valid = select(scores, positions, top_k_)
+    got = [[int(s) for s, ok in zip(r, v) if ok] for r, v in zip(picked, valid)]
+    assert got == _brute_select(scores, positions, top_k_)
 
 
 def test_route_ties_go_to_the_smaller_expert():

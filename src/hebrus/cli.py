@@ -416,15 +416,22 @@ def _bench_long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
     if not kept:
         raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within {long.LONG_CONTEXT}")
     reports: dict[str, dict] = {}
+    device = _device(args.device)
+    bandwidth = bench.copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
+    layers = [long.layer_point(model, c, bandwidth) | {"model": name} for name, model in models.items() for c in kept]
 
-    def write(name: str, report: dict) -> None:
-        reports[name] = report
-        combined = {**reports, "comparison": long.comparison(reports) if len(reports) == 2 else []}
+    def write(name: str | None = None, report: dict | None = None) -> None:
+        if name is not None:
+            reports[name] = report
+        combined = {**reports, "comparison": long.comparison(reports) if len(reports) == 2 else [], "layer": layers}
         if args.json:
             Path(args.json).write_text(json.dumps(combined, indent=2) + "\n")
         if args.table:
             Path(args.table).write_text("".join(bench.table(r) + "\n" for r in reports.values())
-                                        + long.table(combined["comparison"]))
+                                        + long.table(combined["comparison"]) + "\n" + long.layer_table(layers))
+
+    write()
+    print(long.layer_table(layers))
 
     for name, model in models.items():
         model.session(decode=args.decode)

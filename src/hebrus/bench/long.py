@@ -5,13 +5,19 @@ the Hebrus model (its attention layers are QSA: each query attends to the top_k 
 picks), and the same model with those layers replaced by gated attention over every row (the
 `attention` mixer, fused SDPA / flash kernels on a GPU). Both are measured by `bench.run` at each
 context; the comparison reports each one's decode step time against its own at the shortest
-context, and dense over sparse at each context.
+context, and dense over sparse at each context. `layer_point` times one attention layer's work
+for one query over a full context (indexer scores, selection and attention over the pick, or
+attention over every row) against the bytes that work must read.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from hebrus.bench.limits import sync
 from hebrus.config import preset
+from hebrus.layers.graph import AttentionMixer
 from hebrus.runtime import Model, _place
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
@@ -60,3 +66,71 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['context']} | {r['qsa_decode_ms']:.2f} | {r['qsa_over_shortest']:.2f}x | "
                      f"{r['dense_decode_ms']:.2f} | {r['dense_over_qsa']:.2f}x | {prefill[0]} | {prefill[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def layer_table(points: list[dict]) -> str:
+    lines = ["| model | layer | context | µs per query | bytes needed | floor µs | over floor |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for p in points:
+        lines.append(f"| {p['model']} | {p['layer']} | {p['context']} | {p['seconds'] * 1e6:.1f} | "
+                     f"{p['bytes_needed']:,} | {p['floor_seconds'] * 1e6:.2f} | {p['over_floor']:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def layer_point(model: Model, context: int, bandwidth: float, reps: int = 50) -> dict:
+    """One decode query at position context-1 through the first attention layer of `model`, over
+    `context` random rows: seconds per call (on CUDA, a captured graph replayed `reps` times, as
+    a decode step runs it) and the bytes it must read at least: every index key and the picked
+    K/V rows (QSA), or every K and V row (dense). `bandwidth` counts a copy's bytes read plus
+    written, the memory's total rate, so a kernel that reads N bytes needs N / bandwidth."""
+    stage = next(s for s in model.stages if isinstance(s, AttentionMixer))
+    attn, device, dtype = stage.attn, model.device, model.dtype
+    g = torch.Generator(device="cpu").manual_seed(context)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    k_rows, v_rows, q = rand(context, attn.hkv, attn.dh), rand(context, attn.hkv, attn.dh), rand(1, attn.hq, attn.dh)
+    positions = torch.tensor([context - 1], device=device)
+    item = torch.empty((), dtype=dtype).element_size()
+    if attn.indexed:
+        index_rows, qi, iw = rand(context, attn.di), rand(1, attn.hi, attn.di), rand(1, attn.hi)
+        picked = min(attn.top_k, context)
+        needed = context * attn.di * item + picked * 2 * attn.hkv * attn.dh * item
+
+        def call():
+            return attn._pick_and_attend(qi, iw, q, (index_rows, k_rows, v_rows), context - 1, positions,
+                                         lambda *a, **k: None)
+    else:
+        needed = context * 2 * attn.hkv * attn.dh * item
+
+        def call():
+            return attn.attend(q, k_rows, v_rows, positions)
+    seconds = _time_calls(call, device, reps)
+    floor = needed / bandwidth
+    return {"context": context, "layer": stage.name, "seconds": seconds, "bytes_needed": needed,
+            "floor_seconds": floor, "over_floor": seconds / floor}
+
+
+def _time_calls(call, device: torch.device, reps: int) -> float:
+    """Mean seconds per call over `reps` calls after a warm-up; on CUDA one graph
+    of the call is captured and replayed (no launch gaps, as in a captured decode step)."""
+    call()
+    sync(device)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        call = graph.replay
+        call()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        call()
+    sync(device)
+    return (time.perf_counter() - t) / reps
