@@ -239,6 +239,34 @@ def test_fused_ops_equal_their_twins(dtype, T):
 
 
 @cuda
+def test_a_fused_op_gives_the_same_bits_whatever_it_compiled_before():
+    """The same inputs through a compiled op give the same bits before and after it has met
+    other chunk lengths (the compiler's default would keep a kernel specialised to the first
+    length and then use its general one for that length too: float32 verify saw other bits)."""
+    from hebrus.ops.cuda.fuse import _Fused
+    from hebrus.ops.hyper import hc_pre
+    from hebrus.ops.norm import rms_norm
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    n, D = 4, 512
+    weights = (r((2 + n) * n, n * D), r((2 + n) * n), r(3).abs())
+    torch._dynamo.reset()          # compiled code lives on the op's code object: start from none
+    for op, make in ((rms_norm, lambda T: (r(T, D), r(D), 1e-6)),
+                     (hc_pre, lambda T: (r(T, n, D), *weights, 20, 1e-6, 1e-6))):
+        fresh, first = _Fused(op), make(7)
+        with torch.inference_mode():
+            before = fresh(*first)
+            for T in (9, 300, 2, 1):
+                fresh(*make(T))
+            after = fresh(*first)
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (before, after))):
+            assert torch.equal(a, b), op.__name__
+
+
+@cuda
 @pytest.mark.parametrize("T, S", [(1, 300), (16, 300), (64, 64), (200, 1000)])
 def test_dense_attention_fast_on_cuda_matches_the_twin(T, S):
     """Fast mode's dense attention in bfloat16 with grouped K/V heads of 256 features (the

@@ -1,6 +1,7 @@
 """Pure ops compiled into fused kernels for the CUDA fast path (torch.compile: inductor writes
 one Triton kernel where eager torch launches one per elementwise step). The op itself is the
-readable twin: the compiled one computes the same function, rounded differently.
+readable twin: the compiled one computes the same function, rounded differently, but always the
+same way for the same inputs.
 
 A decode step is hundreds of small ops; launched one by one, even from a CUDA graph, their
 count rather than the bytes they move sets its time. An op compiles on first use for each new
@@ -42,7 +43,11 @@ class _Fused:
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), RECOMPILES))
         self.op = op
-        self.compiled = torch.compile(op, fullgraph=True, dynamic=None)
+        # dynamic from the first call: one kernel per op for every chunk length (lengths 0 and 1
+        # aside), never a kernel for the first length seen and another for the rest. With the
+        # compiler's default, a shape met again after the switch ran the other kernel, rounded
+        # otherwise, so the same chunk on the same state could give other bits.
+        self.compiled = torch.compile(op, fullgraph=True, dynamic=True)
         self.failed: str | None = None
 
     def __call__(self, *args):
