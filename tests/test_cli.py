@@ -30,6 +30,9 @@ def test_info_lists_stages_and_owners(capsys):
     out = capsys.readouterr().out
     for needle in ("layers.1.qsa", "layers.0.gdn.recurrent", "routes", "appended", "banked", "parameters"):
         assert needle in out
+    # the total's note: bytes every token of context adds, the sum of the appended owners' notes
+    per_token = sum(int(m.replace(",", "")) for m in re.findall(r"appended .* ([\d,]+) per token", out))
+    assert re.search(rf"^total .* {per_token:,} per token\s*$", out, re.M) and per_token > 0
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])

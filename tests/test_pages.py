@@ -40,6 +40,25 @@ def test_paged_tables_give_the_resident_results(mode, pages):
         assert len(t.free) + len(t.mapping) == t.pool.shape[0]          # no slot lost
 
 
+def test_a_small_table_is_held_whole_and_read_once():
+    """The unigram table (one page) gets a pool that keeps it, from a budget where it is at most
+    an eighth: read from the host once, never row by row; the n-gram tables share the rest."""
+    model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
+    unigram, ngrams = model.paged["ple.unigram.weight"], [model.paged[f"ple.ngram.{n}.weight"] for n in (2, 3)]
+    assert unigram.capacity >= 1 and unigram.pool.shape[0] == PagedTable.slots_to_hold(1)
+    assert sum(t.pool.shape[0] for t in ngrams) == 40 - unigram.pool.shape[0]
+    _run(model)
+    assert unigram.misses == 1 and unigram.direct == 0 and unigram.hits > 0
+    assert not hebrus.load("shakespeare", ple_cache_bytes=8 * PAGE_BYTES).paged["ple.unigram.weight"].capacity
+
+
+@pytest.mark.parametrize("pages", range(1, 12))
+def test_slots_to_hold_is_the_fewest_that_keep_the_pages(pages):
+    def keeps(slots):
+        return PagedTable(torch.zeros(4, 2), slots, torch.device("cpu"), page_rows=1).capacity >= pages
+    assert keeps(PagedTable.slots_to_hold(pages)) and not keeps(PagedTable.slots_to_hold(pages) - 1)
+
+
 def test_an_aborted_chunk_leaves_the_cache_as_it_was():
     model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
     s = model.session()

@@ -473,7 +473,8 @@ def _info(args) -> int:
         note = "" if spec.kind == BANKED else f"{spec.nbytes} per token"
         total += size
         rows.append([spec.name, spec.kind, str(spec.dtype).removeprefix("torch."), str(shape), f"{size:,}", note])
-    rows.append(["total", "", "", "", f"{total:,}", ""])
+    per_token = sum(spec.nbytes for spec in model.owners if spec.kind != BANKED)
+    rows.append(["total", "", "", "", f"{total:,}", f"{per_token:,} per token"])
     _table(["owner", "kind", "dtype", "shape", "bytes", ""], rows, right=(4,))
     return 0
 

@@ -283,12 +283,26 @@ def _home(name: str, device: torch.device, paging: int | None) -> torch.device:
 def paged_tables(params: dict[str, torch.Tensor], cache_bytes: int, device: torch.device,
                  page_rows: int = DEFAULT_PAGE_ROWS) -> dict[str, PagedTable]:
     """The per-layer-embedding tables, each moved to host memory and served in pages through a
-    device pool; `cache_bytes` is shared among them in proportion to their sizes."""
+    device pool. A table small enough to be held whole by at most 1/SMALL_SHARE of `cache_bytes`
+    (a unigram table, say) gets a pool that holds every page, so it is read from the host once;
+    the others share the rest of `cache_bytes` in proportion to their sizes."""
     sources = {n: (p if isinstance(p, FileRows) else HostRows(p.detach().to("cpu"), pin=device.type == "cuda"))
                for n, p in params.items() if n.startswith(PAGED) and len(p.shape) == 2}
-    total = sum(s.nbytes for s in sources.values())
-    out = {}
+
+    def page_bytes(source) -> int:
+        return page_rows * source.shape[1] * source.dtype.itemsize
+
+    slots = {}
     for name, source in sources.items():
-        page_bytes = page_rows * source.shape[1] * source.dtype.itemsize
-        out[name] = PagedTable(source, cache_bytes * source.nbytes // max(total, 1) // page_bytes, device, page_rows)
-    return out
+        whole = PagedTable.slots_to_hold(-(-source.shape[0] // page_rows))
+        if whole * page_bytes(source) <= cache_bytes // SMALL_SHARE:
+            slots[name] = whole
+    left = cache_bytes - sum(slots[n] * page_bytes(sources[n]) for n in slots)
+    total = sum(s.nbytes for n, s in sources.items() if n not in slots)
+    for name, source in sources.items():
+        if name not in slots:
+            slots[name] = left * source.nbytes // max(total, 1) // page_bytes(source)
+    return {name: PagedTable(source, slots[name], device, page_rows) for name, source in sources.items()}
+
+
+SMALL_SHARE = 8

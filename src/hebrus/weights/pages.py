@@ -129,6 +129,14 @@ class PagedTable:
         self.lock = threading.Lock()
         self.hits = self.misses = self.direct = 0    # pages, over the table's life
 
+    @staticmethod
+    def slots_to_hold(pages: int) -> int:
+        """The fewest pool slots whose mapping keeps `pages` pages (see `capacity`)."""
+        slots = max(2, pages + 1)
+        while slots - max(1, slots // 4) < pages:
+            slots += 1
+        return slots
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.width)
