@@ -16,6 +16,7 @@ from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.session import DECODE
 from hebrus.text import escaped
+from hebrus.weights.quant import QUANT_FORMATS
 
 MODEL_HELP = (f"a preset (trained: {', '.join(TRAINED)}; random: {', '.join(PRESETS)}), a checkpoint "
               f"directory or a Hugging Face repo id in the local cache")
@@ -140,6 +141,16 @@ def _parser() -> argparse.ArgumentParser:
                        help="where random-weight shapes are written and reused (default ~/.cache/hebrus/shapes)")
     bench.set_defaults(handler=_bench)
 
+    quant = sub.add_parser("quantize", help="write a quantized copy of a Hebrus checkpoint",
+                           description="Quantize the model's large projections and write a checkpoint that "
+                                       "loads as it is stored (config.json's quantization_config says how).")
+    quant.add_argument("model", help=MODEL_HELP.removesuffix(" (default: tiny)"))
+    quant.add_argument("out", help="the folder to write (replaced as a whole if it holds a checkpoint)")
+    quant.add_argument("--format", required=True, choices=QUANT_FORMATS,
+                       help="int8 (per output channel), int4 (groups of 128, symmetric), int4-zp (with zero "
+                            "points) or fp8 (e4m3, 128 × 128 blocks)")
+    quant.set_defaults(handler=_quantize)
+
     info = sub.add_parser("info", help="show the config, the stages and every owner with its bytes",
                           description="What a model is made of and what one session of it holds.")
     _model_args(info, default_mode="exact")
@@ -164,6 +175,8 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: st
                    help="serve the per-layer-embedding tables in pages through N bytes of device memory, "
                         "reading them from the checkpoint file (or host memory for a random preset) as "
                         "chunks need them (default: resident)")
+    p.add_argument("--quantize", choices=QUANT_FORMATS, default=None,
+                   help="quantize the large projections as the model loads (default: as stored)")
 
 
 def _load(args):
@@ -178,7 +191,19 @@ def _load(args):
             bar[0](done, total)
 
     return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
-                ple_cache_bytes=getattr(args, "ple_cache_bytes", None))
+                ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None))
+
+
+def _quantize(args) -> int:
+    model = load(args.model, quantize=args.format)
+    model.save(args.out)
+    q = model.spec.quantization
+    print(f"wrote {args.out}: {q.name} weights, {_weight_bytes(model):,} bytes")
+    return 0
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for _, p in model.named_parameters())
 
 
 def _generate(args) -> int:

@@ -24,6 +24,7 @@ from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
+from hebrus.weights.quant import Quantization, check_parts, quantize_params
 
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -84,7 +85,19 @@ class Model:
         if self._in_files():
             raise InvalidInput("save needs every weight in memory; this model reads its PLE tables from its "
                                "checkpoint file (load it without ple_cache_bytes to save it)")
-        return checkpoint.save(path, self.config, self._params)
+        return checkpoint.save(path, self.config, self._params, self.spec.quantization)
+
+    def quantized(self, quantize) -> "Model":
+        """The same model with its large projections quantized (`weights.quant`): "int8",
+        "int4", "int4-zp" (int4 with zero points), "fp8", or a `Quantization`. The other
+        weights are shared with this model, not copied."""
+        q = Quantization.parse(quantize)
+        if self.spec.quantization is not None:
+            raise InvalidInput(f"this model is already quantized ({self.spec.quantization.name}); load its "
+                               f"float checkpoint to quantize it otherwise")
+        params = quantize_params(self._params, q)
+        return Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
+                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
 
     def _in_files(self) -> dict[str, FileRows]:
         """The paged tables read from their checkpoint file (no parameter in memory)."""
@@ -141,12 +154,20 @@ class Model:
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None,
-         ple_cache_bytes: int | None = None) -> Model:
+         ple_cache_bytes: int | None = None, quantize: str | None = None) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
     the local cache. Every argument is checked before anything is read or allocated; bad ones
-    raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load."""
+    raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load.
+    `quantize`: quantize the large projections as the model loads (`Model.quantized`); a
+    checkpoint stored quantized (its config's `quantization_config`) loads as it is stored."""
+    model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
+                  if quantize is not None else None)
+    return model.quantized(quantize) if quantize is not None else model
+
+
+def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:
     dtype = resolve_dtype(dtype)
     device, mode = _device(device), _mode(mode)
     if ple_cache_bytes is not None:
@@ -176,6 +197,10 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
 
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
                              dtype=dtype, device=device, stream=stream)
+    if quantize is not None and loaded.spec.quantization is not None:
+        raise InvalidInput(f"{path} is stored quantized ({loaded.spec.quantization.name}); load it without "
+                           f"quantize")
+    check_parts(loaded.params, loaded.spec.quantization)
     return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path,
                          paging=ple_cache_bytes)
 
@@ -227,11 +252,14 @@ def _mode(mode) -> str:
     return mode
 
 
-def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
+def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None,
            fresh: bool = False) -> torch.Tensor:
     """A fresh copy in the model's dtype (a `fresh` tensor, one the loader just read into a
     buffer of its own and checked to be finite, is kept when it already is one); a weight that
-    does not fit that dtype (1e5 in float16) would turn every chunk non-finite, so it is refused."""
+    does not fit that dtype (1e5 in float16) would turn every chunk non-finite, so it is refused.
+    `dtype` None: kept in its own dtype (a quantized weight's codes)."""
+    if dtype is None:
+        dtype = tensor.dtype
     if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
         return tensor                           # the loader checked it is finite as it read it
     if not fresh and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

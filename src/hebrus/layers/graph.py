@@ -219,7 +219,11 @@ class Head:
 
 
 def build_stages(c: ModelSpec, params: Params, kernels: Kernels) -> list:
-    """The stages, in order, running on the op table `kernels` (see `layers.kernels`)."""
+    """The stages, in order, running on the op table `kernels` (see `layers.kernels`). A
+    quantized model's weights reach the layers folded into `ops.quant.Quantized` weights."""
+    from hebrus.weights.layout import float_shapes
+    from hebrus.weights.quant import folded
+    params = folded(params, c.quantization, float_shapes(c))
     stages: list = [Embed(c, params)]
     if c.ple_dim:
         stages.append(PLE(c, params, kernels))

@@ -11,10 +11,11 @@ from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.moe import route, silu_mul
 from hebrus.ops.norm import rms_norm
+from hebrus.ops.quant import linear
 
 
 def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fused=unfused) -> torch.Tensor:
-    return F.linear(fused(silu_mul)(F.linear(h, gate), F.linear(h, up)), down)
+    return linear(fused(silu_mul)(linear(h, gate), linear(h, up)), down)
 
 
 class MixtureOfExperts:
@@ -30,14 +31,14 @@ class MixtureOfExperts:
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
-        return route(F.linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
+        return route(linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
                      normalize=self.normalize)
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         routed = self.kernels.experts(h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
-        return routed + torch.sigmoid(F.linear(h, self.shared_gate)) * _swiglu(h, *self.shared, self.kernels.fused)
+        return routed + torch.sigmoid(linear(h, self.shared_gate)) * _swiglu(h, *self.shared, self.kernels.fused)
 
 
 class MLP:
@@ -60,5 +61,5 @@ class LayerEmbedding:
         self.eps = s.rms_norm_eps
 
     def __call__(self, h: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
-        mixed = F.gelu(F.linear(h, self.gate), approximate="tanh") * ple
-        return rms_norm(F.linear(mixed, self.down), self.norm, self.eps)
+        mixed = F.gelu(linear(h, self.gate), approximate="tanh") * ple
+        return rms_norm(linear(mixed, self.down), self.norm, self.eps)

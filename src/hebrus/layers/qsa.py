@@ -5,7 +5,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.span import Span
@@ -14,6 +13,7 @@ from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import index_scores, select, sigmoid_gated
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.status import Status
+from hebrus.ops.quant import linear
 
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
@@ -62,17 +62,17 @@ class Attention:
         k_rows, v_rows = rows[0], rows[1]                  # for sessions: one storage each
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
-        q = rotate(F.linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
-        k = rotate(F.linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
+        q = rotate(linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
+        k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         span.put(k_rows, k)
-        span.put(v_rows, F.linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
+        span.put(v_rows, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
         if span.sessions:               # each session over its own rows; check_range is per session
             o = torch.cat([self._attend(h[i:i + 1], span.one(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
                            for i in range(T)])
         else:
             o = self._attend(h, span, q, rows, check_range)
-        gated = self.fused(sigmoid_gated)(o, F.linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
-        return F.linear(gated.flatten(1), w["o_proj.weight"])
+        gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+        return linear(gated.flatten(1), w["o_proj.weight"])
 
     def _attend(self, h, span, q, rows, check_range):
         k_rows, v_rows = rows[0], rows[1]
@@ -82,13 +82,13 @@ class Attention:
 
     def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
         T, w, positions, hi = h.shape[0], self.w, span.positions, self.index_input(h)
-        qi = F.linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
-        ki = layer_norm(F.linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+        qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
+        ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
         icos, isin = (span.take(t) for t in self.index_rope)
         rotate = self.fused(apply_rope)
         qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
         span.put(index_rows, ki)
-        iw = F.linear(hi, w["index_w.weight"])
+        iw = linear(hi, w["index_w.weight"])
         if isinstance(span.start, int) and T > QUERY_BLOCK:
             # a long chunk, a block of queries at a time over the rows it sees: the scores and
             # their sort take O(block × context) memory, never O(chunk × context)

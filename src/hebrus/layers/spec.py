@@ -68,6 +68,8 @@ class ModelSpec:
     ple_ngram: int = 2
     ple_buckets: tuple[int, ...] = (1,)
     ple_conv_kernel: int = 1
+    # weights: None, or a weights.quant.Quantization (which projections are stored quantized, how)
+    quantization: object = None
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.ops.choose import top_k as best_k
+from hebrus.ops.quant import dense, linear
 
 
 def router_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -38,8 +39,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(h, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def experts_per_token(h, weights, experts, gate_up, down) -> torch.Tensor:
@@ -79,6 +80,7 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
     row = h.element_size()
     if (h.shape[1] * row) % 16 or (down.shape[2] * row) % 16:
         return experts_grouped(h, weights, experts, gate_up, down)
+    gate_up, down = dense(gate_up, h.dtype), dense(down, h.dtype)       # quantized stacks: rebuilt whole
     T, k = experts.shape
     ranked, order = torch.sort(experts.flatten(), stable=True)
     token = order // k
@@ -103,8 +105,8 @@ def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
     T, k = experts.shape
     chosen = experts.flatten()
     x = h.repeat_interleave(k, dim=0)                                        # [T*k, D]
-    gate, up = torch.bmm(gate_up[chosen], x[:, :, None])[..., 0].chunk(2, dim=-1)
-    y = torch.bmm(down[chosen], (F.silu(gate) * up)[:, :, None])[..., 0]     # [T*k, D]
+    gate, up = torch.bmm(dense(gate_up[chosen], h.dtype), x[:, :, None])[..., 0].chunk(2, dim=-1)
+    y = torch.bmm(dense(down[chosen], h.dtype), (F.silu(gate) * up)[:, :, None])[..., 0]     # [T*k, D]
     y = y * weights.flatten().to(h.dtype)[:, None]
     return y.view(T, k, -1).sum(1)                                           # choices in rank order
 

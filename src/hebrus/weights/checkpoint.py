@@ -44,15 +44,19 @@ class Header(NamedTuple):
 
 # ---- save ---------------------------------------------------------------------------------
 
-def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]) -> Path:
+def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor], quantization=None) -> Path:
     """Write a checkpoint into the folder `path`, replacing any checkpoint there in one step;
     other plain files in the folder are kept. InvalidInput (nothing changed) if `path` is not a
-    directory or holds subdirectories."""
+    directory or holds subdirectories. `quantization` (a `weights.quant.Quantization`): the
+    params hold quantized weights' parts, and config.json says how (`quantization_config`)."""
     target = _save_target(path)
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.items()}
+    data = config.to_dict()
+    if quantization is not None:
+        data["quantization_config"] = quantization.to_config()
 
     def write(folder: Path) -> None:
-        _write_text(folder / CONFIG, json.dumps(config.to_dict(), indent=2) + "\n")
+        _write_text(folder / CONFIG, json.dumps(data, indent=2) + "\n")
         save_file(tensors, str(folder / WEIGHTS), metadata={"format": "hebrus"})
         os.chmod(folder / WEIGHTS, 0o644)
         fsync(folder / WEIGHTS)
@@ -125,9 +129,17 @@ def _read_family_config(folder: Path, family_of):
     data = read_json(file)
     try:
         family = family_of(data)
-        return family, family.config(data)
+        return family, family.config(data), _quantization(data, file)
     except InvalidInput as exc:
         raise CheckpointError(f"{file}: {exc}") from None
+
+
+def _quantization(data: Any, file: Path):
+    """The config's `quantization_config` (weights stored quantized), or None."""
+    if not isinstance(data, dict) or data.get("quantization_config") is None:
+        return None
+    from hebrus.weights.quant import Quantization
+    return Quantization.from_config(data["quantization_config"], str(file))
 
 
 def load(path: str | Path, family_of: Callable[[Any], Any],
@@ -147,9 +159,9 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
     it in its file": it comes back as a `weights.pages.FileRows` reading rows in that dtype."""
     folder = Path(path)
     identity = _identity(folder)
-    family, config = _read_family_config(folder, family_of)
+    family, config, quantization = _read_family_config(folder, family_of)
     try:
-        spec = family.spec(config)
+        spec = family.spec(config).replace(quantization=quantization)
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
     _check_allocation(spec, dtype, device, folder / CONFIG, stream)
@@ -190,7 +202,7 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
             return into
 
         finals = {name: torch.empty(shapes[name], dtype=dtype_of(name)) for name, recipe in table.sources.items()
-                  if dtype_of is not None and in_file(name, recipe) is None}
+                  if dtype_of is not None and dtype_of(name) is not None and in_file(name, recipe) is None}
         params = {}
         for name, recipe in table.sources.items():
             into = in_file(name, recipe)
@@ -340,7 +352,7 @@ def _check_against(table, headers: dict[str, Header], source: Path) -> None:
 # safetensors dtype names as torch dtypes (the ones a header may pass `_check_against` with).
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
                  "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                 "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32}
+                 "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
@@ -403,6 +415,10 @@ def _tensor(f: BinaryIO, file: Path, name: str, header: Header, offsets: dict[st
 
 
 def _check_finite(tensor: torch.Tensor, file: Path, name: str) -> None:
+    if tensor.dtype == torch.float8_e4m3fn:             # no infinities; NaN is every bit but the sign set
+        if bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise CheckpointError(f"{file}: tensor {name} holds NaN values; weights must be finite")
+        return
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         raise CheckpointError(f"{file}: tensor {name} holds NaN or infinite values; weights must be finite")
 

@@ -20,6 +20,21 @@ def spec_of(c: ModelSpec | HebrusConfig) -> ModelSpec:
 
 
 def parameter_shapes(c: ModelSpec | HebrusConfig) -> dict[str, tuple[int, ...]]:
+    """The stored tensors and their shapes: a quantized model's quantized weights as their parts
+    (`weights.quant`)."""
+    c = spec_of(c)
+    shapes = float_shapes(c)
+    if c.quantization is None:
+        return shapes
+    from hebrus.weights.quant import part_shapes, quantizable
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        out.update(part_shapes(name, shape, c.quantization) if quantizable(name) else {name: shape})
+    return out
+
+
+def float_shapes(c: ModelSpec | HebrusConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight unquantized, as the layers use it."""
     c = spec_of(c)
     V, D, n = c.vocab_size, c.hidden_size, c.hc_streams
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D)}
@@ -118,10 +133,15 @@ def _attention_shapes(c: ModelSpec, p: str, kind: str) -> dict[str, tuple[int, .
     return s
 
 
-def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype | None:
     """Hash constants are int64; hyper-connection parameters, GDN decay parameters and norm
     weights stay in at least float32 (a norm weight is a scale near 1, which a 16-bit type
-    rounds coarsely); everything else is in the model dtype."""
+    rounds coarsely); a quantized weight's codes and zero points stay as stored (None) and its
+    scales in float32; everything else is in the model dtype."""
+    if name.endswith((".qweight", ".qzero")):
+        return None
+    if name.endswith(".qscale"):
+        return torch.float32
     if name == "ple.hash_constants":
         return torch.int64
     if "_hc." in name or name.startswith("head_hc.") or name.endswith(("A_log", "dt_bias", "norm.weight")):
@@ -135,12 +155,18 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32")
 
 
+QUANTIZED_DTYPES = {".qweight": ("I8", "U8", "F8_E4M3"), ".qscale": ("F32",), ".qzero": ("U8",)}
+
+
 def stored_dtypes(name: str) -> tuple[str, ...]:
+    for suffix, allowed in QUANTIZED_DTYPES.items():
+        if name.endswith(suffix):
+            return allowed
     return INTEGER_DTYPES if name == "ple.hash_constants" else FLOAT_DTYPES
 
 
 def parameter_count(c: ModelSpec | HebrusConfig) -> int:
-    return sum(math.prod(s) for name, s in parameter_shapes(c).items() if name != "ple.hash_constants")
+    return sum(math.prod(s) for name, s in float_shapes(c).items() if name != "ple.hash_constants")
 
 
 def rotary_widths(c: ModelSpec) -> set[int]:
@@ -157,6 +183,14 @@ def load_bytes(c: ModelSpec | HebrusConfig, dtype: torch.dtype = torch.float32, 
     cos, sin and the cast copy: 4 × 8 bytes per [max_context, width] entry)."""
     c = spec_of(c)
     shapes = {n: s for n, s in parameter_shapes(c).items() if skip is None or not skip(n)}     # skip: left in files
-    params = sum(math.prod(shape) * storage_dtype(name, dtype).itemsize for name, shape in shapes.items())
+    params = sum(math.prod(shape) * _itemsize(c, name, dtype) for name, shape in shapes.items())
     largest = max(math.prod(shape) for shape in shapes.values())
     return params + 16 * largest + 32 * c.max_context * sum(rotary_widths(c))
+
+
+def _itemsize(c: ModelSpec, name: str, dtype: torch.dtype) -> int:
+    kept = storage_dtype(name, dtype)
+    if kept is None:
+        from hebrus.weights.quant import part_dtype
+        kept = part_dtype(name, c.quantization)
+    return kept.itemsize

@@ -1,0 +1,155 @@
+"""Quantized weights: the formats, quantizing a float weight, and the matrix product over a
+quantized one.
+
+A weight W [..., out, in] (the leading dimensions, if any, index experts) is stored as a
+`Quantized`: integer or fp8 codes and float32 scales, from which W is rebuilt as
+
+  int8  per output channel, symmetric:   W[o, i] = q[o, i] · s[o]                     q ∈ [-127, 127]
+  int4  groups of `group` inputs:        W[o, i] = (q[o, i] − z[o, g]) · s[o, g],      g = i // group,
+                                         q ∈ [0, 15]; symmetric: z = 8; with zero points: z ∈ [0, 15]
+                                         two codes a byte, the even input in the low nibble
+  fp8   e4m3 in blocks of block×block:   W[o, i] = q[o, i] · s[o // block, i // block]
+
+(the fp8 layout is that of Qwen's FP8 checkpoints, whose `weight_scale_inv` is s). A row, group
+or block of zeros gets the scale 1, so every scale is finite and positive; a weight whose
+scales are not is refused where it is loaded (`check_scales`).
+
+`linear(x, w)` is F.linear for a float weight; for a quantized one, as written here, it rebuilds
+the weight in x's dtype and multiplies: the readable twin of any fused kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("int8", "int4", "fp8")
+GROUP = 128           # int4: inputs per scale
+BLOCK = 128           # fp8: rows and columns per scale
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Quantized:
+    format: str                       # one of FORMATS
+    qweight: torch.Tensor             # int8 [..., out, in]; uint8 [..., out, ceil(in/2)]; fp8 [..., out, in]
+    scale: torch.Tensor               # float32 [..., out]; [..., out, groups]; [..., ceil(out/B), ceil(in/B)]
+    zero: torch.Tensor | None = None  # int4 with zero points: uint8 [..., out, groups]
+    inputs: int = 0                   # `in` (int4 packs two a byte, so qweight does not say it)
+    group: int = GROUP                # int4: inputs per group; fp8: the block side
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.qweight.shape[:-1], self.inputs)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scale) + ((self.zero,) if self.zero is not None else ())
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def __getitem__(self, index) -> "Quantized":
+        """One expert of a stack (an index into the leading dimension)."""
+        return Quantized(self.format, self.qweight[index], self.scale[index],
+                         None if self.zero is None else self.zero[index], self.inputs, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W rebuilt (in float32, then rounded once to `dtype`)."""
+        if self.format == "int8":
+            w = self.qweight.float() * self.scale.unsqueeze(-1)
+        elif self.format == "int4":
+            q = unpack_int4(self.qweight, self.inputs).float()
+            zero = 8.0 if self.zero is None else _expand(self.zero.float(), self.group, -1, self.inputs)
+            w = (q - zero) * _expand(self.scale, self.group, -1, self.inputs)
+        elif self.format == "fp8":
+            out = self.qweight.shape[-2]
+            scale = _expand(_expand(self.scale, self.group, -1, self.inputs), self.group, -2, out)
+            w = self.qweight.float() * scale
+        else:
+            raise ValueError(f"unknown format {self.format!r}")
+        return w.to(dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
+    """x @ Wᵀ, W float or quantized."""
+    if isinstance(w, Quantized):
+        return F.linear(x, w.dequantize(x.dtype))
+    return F.linear(x, w)
+
+
+def dense(w: torch.Tensor | Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a float tensor: a quantized one rebuilt in `dtype`, a float one as it is."""
+    return w.dequantize(dtype) if isinstance(w, Quantized) else w
+
+
+def quantize(w: torch.Tensor, format: str, group: int | None = None, zero_point: bool = False) -> Quantized:
+    """W [..., out, in] (any float dtype) in `format`; `group`: int4's group or fp8's block side
+    (default GROUP, BLOCK); `zero_point`: int4 with a zero point per group (else symmetric)."""
+    w = w.detach().float()
+    inputs = w.shape[-1]
+    if format == "int8":
+        scale = _scale(w.abs().amax(-1), 127.0)
+        q = torch.round(w / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return Quantized("int8", q, scale, inputs=inputs)
+    if format == "int4":
+        group = group or GROUP
+        grouped = _groups(w, group)                                    # [..., out, groups, group]
+        if zero_point:
+            low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+            scale = _scale(high - low, 15.0)
+            zero = torch.round(-low / scale).clamp(0, 15)
+        else:
+            scale = _scale(grouped.abs().amax(-1), 7.0)
+            zero = torch.full_like(scale, 8.0)
+        z, s = _expand(zero, group, -1, inputs), _expand(scale, group, -1, inputs)
+        q = torch.round(w / s + z).clamp(0, 15).to(torch.uint8)
+        return Quantized("int4", pack_int4(q), scale, zero.to(torch.uint8) if zero_point else None, inputs, group)
+    if format == "fp8":
+        group = group or BLOCK
+        out = w.shape[-2]
+        padded = F.pad(w, (0, -inputs % group, 0, -out % group))
+        blocks = padded.unflatten(-1, (-1, group)).unflatten(-3, (-1, group))   # [..., out/B, B, in/B, B]
+        scale = _scale(blocks.abs().amax(dim=(-3, -1)), FP8_MAX)               # [..., out/B, in/B]
+        full = _expand(_expand(scale, group, -1, inputs), group, -2, out)
+        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return Quantized("fp8", q, scale, inputs=inputs, group=group)
+    raise ValueError(f"unknown format {format!r}; formats are: {', '.join(FORMATS)}")
+
+
+def check_scales(name: str, scale: torch.Tensor) -> str | None:
+    """Why a weight's scales are unusable (None if they are fine): each must be finite and > 0."""
+    if not bool(torch.isfinite(scale).all()):
+        return f"{name}: its scales hold NaN or infinite values"
+    if not bool((scale > 0).all()):
+        return f"{name}: its scales must be positive (a zero scale loses the weight)"
+    return None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes in [0, 15], [..., n] -> bytes [..., ceil(n/2)]: code 2j in the low nibble of byte j."""
+    if q.shape[-1] % 2:
+        q = F.pad(q, (0, 1))
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `pack_int4`: bytes [..., ceil(n/2)] -> codes [..., n] (uint8)."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)[..., :n]
+
+
+def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """amax / top, with 1 where amax is 0 (nothing to scale)."""
+    return torch.where(amax > 0, amax / top, torch.ones_like(amax)).float()
+
+
+def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., n] -> [..., ceil(n/group), group], the last group padded with zeros."""
+    pad = -w.shape[-1] % group
+    return F.pad(w, (0, pad)).unflatten(-1, (-1, group))
+
+
+def _expand(per_group: torch.Tensor, group: int, dim: int, size: int) -> torch.Tensor:
+    """Each entry along `dim` repeated `group` times, cut to `size`."""
+    return per_group.repeat_interleave(group, dim=dim).narrow(dim, 0, size)

@@ -1,0 +1,169 @@
+"""Which weights a quantized model stores quantized, under which names, and the model-level
+steps: quantizing a model's parameters, and folding stored parts back into `ops.quant.Quantized`
+weights for the layers.
+
+The layers' large projections are quantized (attention q/k/v/o and its output gate, the delta
+rule's qkv, z and out projections, MLP and shared-expert projections, and the routed experts'
+stacks). Embeddings, the output head, norms, routers, the indexer, the hyper-connection maps,
+PLE tables and convolutions stay in the model's dtype: they are small, or read a row at a time,
+or steer discrete choices. A quantized weight `X.weight` (or an expert stack `X`) is stored as
+`X.qweight` (the codes), `X.qscale` (float32 scales) and, for int4 with zero points, `X.qzero`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from hebrus.errors import InvalidInput
+from hebrus.ops.quant import BLOCK, FORMATS, FP8, GROUP, Quantized, check_scales, quantize
+
+QUANTIZED_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                     "up_proj.weight", "down_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+                     "out_proj.weight", "experts.gate_up", "experts.down")
+PARTS = (".qweight", ".qscale", ".qzero")
+QUANT_FORMATS = ("int8", "int4", "int4-zp", "fp8")       # what `quantize=` takes
+
+
+@dataclass(frozen=True)
+class Quantization:
+    format: str                     # one of ops.quant.FORMATS
+    group: int = 0                  # int4: inputs per group; fp8: block side (0: the format's default)
+    zero_point: bool = False        # int4: a zero point per group (else symmetric)
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise InvalidInput(f"unknown quantization format {self.format!r}; formats are: {', '.join(FORMATS)}")
+        if self.group == 0:
+            object.__setattr__(self, "group", BLOCK if self.format == "fp8" else GROUP)
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or not 2 <= self.group <= 4096 \
+                or self.group % 2:
+            raise InvalidInput(f"quantization group must be an even integer from 2 to 4096, got {self.group!r}")
+        if self.zero_point and self.format != "int4":
+            raise InvalidInput("zero points are an int4 option")
+
+    @classmethod
+    def parse(cls, value: "str | Quantization") -> "Quantization":
+        """"int8", "int4", "int4-zp" (with zero points), "fp8", or a Quantization."""
+        if isinstance(value, Quantization):
+            return value
+        if value == "int4-zp":
+            return cls("int4", zero_point=True)
+        if not isinstance(value, str) or value not in QUANT_FORMATS:
+            raise InvalidInput(f"quantize must be one of {', '.join(QUANT_FORMATS)}, got {value!r}")
+        return cls(value)
+
+    @property
+    def name(self) -> str:
+        return "int4-zp" if self.zero_point else self.format
+
+    def __str__(self) -> str:
+        how = {"int8": "per output channel", "fp8": f"e4m3, {self.group} × {self.group} blocks",
+               "int4": f"groups of {self.group}, " + ("zero points" if self.zero_point else "symmetric")}
+        return f"{self.format} ({how[self.format]})"
+
+    def to_config(self) -> dict[str, Any]:
+        """As `quantization_config` in config.json (fp8 in the layout Qwen's FP8 checkpoints use)."""
+        if self.format == "fp8":
+            return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [self.group, self.group]}
+        return {"quant_method": "hebrus", "format": self.format, "group_size": self.group,
+                "zero_point": self.zero_point}
+
+    @classmethod
+    def from_config(cls, data: Any, where: str) -> "Quantization":
+        if not isinstance(data, dict):
+            raise InvalidInput(f"{where}: quantization_config must be an object")
+        method = data.get("quant_method")
+        if method == "fp8":
+            block = data.get("weight_block_size", [BLOCK, BLOCK])
+            if data.get("fmt", "e4m3") != "e4m3" or not isinstance(block, list) or len(block) != 2 \
+                    or block[0] != block[1]:
+                raise InvalidInput(f"{where}: fp8 checkpoints are read in e4m3 with square weight blocks, "
+                                   f"got fmt={data.get('fmt')!r}, weight_block_size={block!r}")
+            return cls("fp8", block[0])
+        if method == "hebrus":
+            return cls(data.get("format"), data.get("group_size", 0), bool(data.get("zero_point", False)))
+        raise InvalidInput(f"{where}: quantization method {method!r} is not supported (hebrus: "
+                           f"int8/int4; fp8 with weight blocks)")
+
+
+def quantizable(name: str) -> bool:
+    return name.startswith("layers.") and name.endswith(QUANTIZED_WEIGHTS)
+
+
+def base(name: str) -> str:
+    """`X.weight` -> `X`, an expert stack's name as it is."""
+    return name.removesuffix(".weight")
+
+
+def is_part(name: str) -> bool:
+    return name.endswith(PARTS)
+
+
+def part_shapes(name: str, shape: tuple[int, ...], q: Quantization) -> dict[str, tuple[int, ...]]:
+    """The stored parts of the weight `name` of `shape` [..., out, in]."""
+    *lead, out, inputs = shape
+    b, groups = base(name), -(-inputs // q.group)
+    if q.format == "int8":
+        return {b + ".qweight": shape, b + ".qscale": (*lead, out)}
+    if q.format == "int4":
+        parts = {b + ".qweight": (*lead, out, -(-inputs // 2)), b + ".qscale": (*lead, out, groups)}
+        if q.zero_point:
+            parts[b + ".qzero"] = (*lead, out, groups)
+        return parts
+    return {b + ".qweight": shape, b + ".qscale": (*lead, -(-out // q.group), groups)}
+
+
+def part_dtype(name: str, q: Quantization) -> torch.dtype:
+    if name.endswith(".qscale"):
+        return torch.float32
+    if name.endswith(".qzero"):
+        return torch.uint8
+    return {"int8": torch.int8, "int4": torch.uint8, "fp8": FP8}[q.format]
+
+
+def quantize_params(params: dict[str, torch.Tensor], q: Quantization) -> dict[str, torch.Tensor]:
+    """The parameters with every quantizable weight replaced by its stored parts."""
+    out = {}
+    for name, t in params.items():
+        if not quantizable(name):
+            out[name] = t
+            continue
+        got = quantize(t, q.format, q.group, q.zero_point)
+        b = base(name)
+        out[b + ".qweight"], out[b + ".qscale"] = got.qweight, got.scale
+        if got.zero is not None:
+            out[b + ".qzero"] = got.zero
+    return out
+
+
+def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The parameters as the layers read them: each quantized weight's parts folded into one
+    `Quantized` under the weight's own name (`shapes`: the float layout's shapes)."""
+    if q is None:
+        return params
+    out = {name: t for name, t in params.items() if not is_part(name)}
+    for name, shape in shapes.items():
+        if quantizable(name):
+            b = base(name)
+            out[name] = Quantized(q.format, params[b + ".qweight"], params[b + ".qscale"], params.get(b + ".qzero"),
+                                  shape[-1], q.group)
+    return out
+
+
+def check_parts(params: dict[str, torch.Tensor], q: Quantization | None) -> None:
+    """Refuse scales that are not finite and positive, and int4 zero points past 15."""
+    if q is None:
+        return
+    for name, t in params.items():
+        if name.endswith(".qscale"):
+            problem = check_scales(name, t)
+            if problem:
+                raise InvalidInput(problem)
+        if name.endswith(".qzero") and bool((t > 15).any()):
+            raise InvalidInput(f"{name}: int4 zero points must lie in 0..15")
+
+
+def with_quantization(spec, q: Quantization | None):
+    return replace(spec, quantization=q)
