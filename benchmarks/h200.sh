@@ -5,7 +5,8 @@
 # Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 8 and 64
 # at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), eager (the 1.68B
 # shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), pages (bench
-# --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident).
+# --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
+# model's validation loss per format, and the 1.68B shape's decode per format).
 # Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -42,6 +43,11 @@ for part in "$@"; do
         timeout 580 python3 -m hebrus bench --ple-pages --ple-gib 8 --ple-cache-mib 512 --rounds 3 \
             --decode-steps 64 --cache /tmp/shapes --json "$out/bench-ple-pages.json" \
             --table "$out/bench-ple-pages.md" 2>&1 | grep -v '^bench' ;;
+    quant)
+        # the validation text travels as recipes/shakespeare/data/val.bin (carry it)
+        timeout 560 python3 -m hebrus bench --quant --model qwen3.5-1.7b --contexts 1024 --batch 1,64 --rounds 2 \
+            --decode-steps 16 --cache /tmp/shapes --json "$out/bench-quant.json" --table "$out/bench-quant.md" \
+            2>&1 | grep -v '^bench\|^validation' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

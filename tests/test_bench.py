@@ -191,3 +191,29 @@ def test_bench_ple_pages_compares_paged_and_resident_tables(tmp_path):
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--ple-pages", "--ple-gib", "0"]) == 2
     assert "--ple-gib must lie in" in err.getvalue()
+
+
+def test_bench_quant_reports_quality_and_speed_per_format(tmp_path):
+    """`--quant`: the trained model's validation loss per format against float (here over a few
+    hundred bytes), and decode speed and KL per format against float on --model."""
+    val = tmp_path / "val.bin"
+    val.write_bytes(b"MACBETH. So foul and fair a day I have not seen.\n" * 6)
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--quant", "--model", "tiny", "--formats", "int8,int4", "--contexts", "24", "--decode-steps",
+            "2", "--rounds", "1", "--val", str(val), "--val-context", "100", "--json", str(tmp_path / "r.json"),
+            "--table", str(tmp_path / "r.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "r.json").read_text())
+    quality = {r["format"]: r for r in report["quality"]}
+    assert list(quality) == ["float", "int8", "int4"] and quality["float"]["increase"] == 0
+    assert quality["int8"]["increase"] == pytest.approx(quality["int8"]["val_nats_per_byte"]
+                                                        / quality["float"]["val_nats_per_byte"] - 1)
+    speed = {r["format"]: r for r in report["speed"]}
+    assert list(speed) == ["float", "int8", "int4"] and speed["float"]["kl"] is None
+    assert speed["int4"]["weight_bytes"] < speed["int8"]["weight_bytes"] < speed["float"]["weight_bytes"]
+    assert speed["int8"]["kl"] >= 0 and speed["int4"]["target"] == 2.0
+    assert "× float" in (tmp_path / "r.md").read_text() and "nats/byte" in out.getvalue()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err := io.StringIO()):
+        assert main(["bench", "--quant", "--formats", "int3"]) == 2
+    assert "--formats takes" in err.getvalue()

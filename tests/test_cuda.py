@@ -342,3 +342,41 @@ def test_batch_graphs_match_eager_batches(tmp_path):
     assert isinstance(got[1], NonFiniteError) and sessions[1].digest() == before
     assert group._steps.replays >= 1
     assert all(torch.isfinite(r.float()).all() for r in group.feed([3, 4, 6]))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
+def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
+    """The Triton products for a decode step's rows against rebuilding W and F.linear, at widths
+    that are and are not multiples of a group or block."""
+    from hebrus.ops.cuda.quant import FEW_ROWS, launch, takes
+    from hebrus.ops.quant import quantize, rebuilt_linear
+    from hebrus.weights.quant import Quantization
+    q = Quantization.parse(format)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for N, K, M in ((4096, 4096, 1), (1000, 300, 3), (256, 1024, FEW_ROWS)):
+        w = quantize(torch.randn(N, K, generator=g, device="cuda"), q.format, zero_point=q.zero_point)
+        x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
+        assert takes(x, w)
+        got, want = launch(x, w), rebuilt_linear(x.float(), w).to(dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert _rel(got.float(), want.float()) <= (1e-5 if dtype == torch.float32 else 1e-2), (N, K, M)
+        assert torch.equal(launch(x, w), got)                         # deterministic
+
+
+@cuda
+@pytest.mark.parametrize("format", ["int4", "fp8"])
+def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format):
+    from hebrus import verify
+    model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", quantize=format)
+    failed = [r for r in verify.run(model) if not r.passed]
+    assert not failed, [(r.name, r.detail) for r in failed]
+    ids = list(range(3, 40))
+    graph, eager = model.session(decode="graph"), model.session(decode="eager")
+    for s in (graph, eager):
+        s.feed(ids)
+    for t in range(12):
+        a, b = graph.feed([t]), eager.feed([t])
+        assert _rel(a.float(), b.float()) <= 2e-2
+    assert graph._steps.replays > 0

@@ -117,6 +117,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="instead of --model: the small shape with --ple-gib of n-gram tables (a sparse "
                             "checkpoint under --cache), decoding an English stream with the tables paged "
                             "through --ple-cache-mib against the same tables resident (both eager)")
+    bench.add_argument("--quant", action="store_true",
+                       help="quantized weights: the trained shakespeare model's validation loss in each of "
+                            "--formats against float (from --val), and --model's decode speed and next-token "
+                            "KL divergence in each format against float")
+    bench.add_argument("--formats", default="int8,int4,int4-zp,fp8", help="formats for --quant (default all)")
+    bench.add_argument("--val", default="recipes/shakespeare/data/val.bin",
+                       help="validation bytes for --quant (default: the recipe's, from its prepare.py)")
+    bench.add_argument("--val-context", type=int, default=8192, help="validation window for --quant (default 8192)")
+    bench.add_argument("--val-bytes", type=int, default=0, help="use only the first N validation bytes (default all)")
     bench.add_argument("--ple-gib", type=float, default=8.0, help="PLE table size for --ple-pages (default 8)")
     bench.add_argument("--ple-cache-mib", type=float, default=512.0,
                        help="page cache for --ple-pages, MiB (default 512)")
@@ -375,6 +384,14 @@ def _bench(args) -> int:
         return _bench_long(args, contexts, batches)
     if args.ple_pages:
         return _bench_pages(args)
+    if args.quant:
+        from hebrus.bench import quant
+
+        def load_as(name, quantize):
+            if name in bench.SHAPES:
+                name = str(bench.random_checkpoint(name, Path(args.cache) / name))
+            return load(name, device=args.device, dtype=args.dtype, mode=args.mode, quantize=quantize)
+        return quant.command(args, contexts, batches, load_as)
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     model = _load(args)

@@ -223,7 +223,7 @@ def build_stages(c: ModelSpec, params: Params, kernels: Kernels) -> list:
     quantized model's weights reach the layers folded into `ops.quant.Quantized` weights."""
     from hebrus.weights.layout import float_shapes
     from hebrus.weights.quant import folded
-    params = folded(params, c.quantization, float_shapes(c))
+    params = folded(params, c.quantization, float_shapes(c), kernels.quantized_linear)
     stages: list = [Embed(c, params)]
     if c.ple_dim:
         stages.append(PLE(c, params, kernels))

@@ -18,6 +18,7 @@ from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports)
 from hebrus.ops.qsa import dense_attention, dense_attention_fast, sparse_attention
+from hebrus.ops.quant import rebuilt_linear
 
 
 class Chooser(Protocol):
@@ -53,6 +54,7 @@ class Kernels:
     sparse_attend: Callable = sparse_attention    # (q, k_rows, v_rows, picked, valid) -> o: over picked rows
     index_input: Callable = unfused       # h -> what the indexer reads (training: cut from the trunk's gradient)
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
+    quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
@@ -61,7 +63,9 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     mode of a 16-bit model on a CUDA device runs the delta rule through fla's kernels when fla is
     installed (`hebrus.ops.cuda`; their TF32 dots would not meet float32's fast bound); their
     readable twins are `ops.gdn`. Fast mode on CUDA also compiles the elementwise groups the
-    layers mark (`fused`, `hebrus.ops.cuda.fuse`); the ops as written are their twins."""
+    layers mark (`fused`, `hebrus.ops.cuda.fuse`), and multiplies by quantized weights in Triton
+    kernels for a decode step's few rows (`hebrus.ops.cuda.quant`); the ops as written are their
+    twins."""
     choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
         rule = delta_rule_batched
@@ -73,10 +77,16 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
             experts = experts_grouped_mm                  # no host synchronisation
         experts = experts_few_first(experts)              # a decode step: none in any dtype
-        fuse = unfused
+        fuse, quantized = unfused, rebuilt_linear
         if device is not None and device.type == "cuda":
             from hebrus.ops.cuda import fuse as cuda_fuse
             if cuda_fuse.enabled():
                 fuse = cuda_fuse.fused
-        return Kernels(True, rule, experts, choose, attend=dense_attention_fast, fused=fuse)
+            try:
+                from hebrus.ops.cuda import quant as cuda_quant          # Triton
+                quantized = cuda_quant.linear
+            except ImportError:
+                pass
+        return Kernels(True, rule, experts, choose, attend=dense_attention_fast, fused=fuse,
+                       quantized_linear=quantized)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

@@ -14,12 +14,14 @@ A weight W [..., out, in] (the leading dimensions, if any, index experts) is sto
 or block of zeros gets the scale 1, so every scale is finite and positive; a weight whose
 scales are not is refused where it is loaded (`check_scales`).
 
-`linear(x, w)` is F.linear for a float weight; for a quantized one, as written here, it rebuilds
-the weight in x's dtype and multiplies: the readable twin of any fused kernel.
+`linear(x, w)` is F.linear for a float weight; for a quantized one, the kernel the model's op
+table gave it, or `rebuilt_linear`: the weight rebuilt in x's dtype, then multiplied, the
+readable twin of every quantized kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,7 @@ class Quantized:
     zero: torch.Tensor | None = None  # int4 with zero points: uint8 [..., out, groups]
     inputs: int = 0                   # `in` (int4 packs two a byte, so qweight does not say it)
     group: int = GROUP                # int4: inputs per group; fp8: the block side
+    matmul: Callable | None = field(default=None, compare=False)   # (x, self) -> x Wᵀ; None: `rebuilt_linear`
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -52,7 +55,7 @@ class Quantized:
     def __getitem__(self, index) -> "Quantized":
         """One expert of a stack (an index into the leading dimension)."""
         return Quantized(self.format, self.qweight[index], self.scale[index],
-                         None if self.zero is None else self.zero[index], self.inputs, self.group)
+                         None if self.zero is None else self.zero[index], self.inputs, self.group, self.matmul)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W rebuilt (in float32, then rounded once to `dtype`)."""
@@ -72,10 +75,16 @@ class Quantized:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
-    """x @ Wᵀ, W float or quantized."""
+    """x @ Wᵀ, W float or quantized (through the weight's own `matmul`, which the model's op
+    table chose, or `rebuilt_linear`)."""
     if isinstance(w, Quantized):
-        return F.linear(x, w.dequantize(x.dtype))
+        return (w.matmul or rebuilt_linear)(x, w)
     return F.linear(x, w)
+
+
+def rebuilt_linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
+    """W rebuilt in x's dtype, then F.linear: the readable twin of every quantized kernel."""
+    return F.linear(x, w.dequantize(x.dtype))
 
 
 def dense(w: torch.Tensor | Quantized, dtype: torch.dtype) -> torch.Tensor:

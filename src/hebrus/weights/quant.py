@@ -138,9 +138,11 @@ def quantize_params(params: dict[str, torch.Tensor], q: Quantization) -> dict[st
     return out
 
 
-def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tuple[int, ...]],
+           matmul=None) -> dict[str, Any]:
     """The parameters as the layers read them: each quantized weight's parts folded into one
-    `Quantized` under the weight's own name (`shapes`: the float layout's shapes)."""
+    `Quantized` under the weight's own name (`shapes`: the float layout's shapes), multiplied by
+    `matmul` (the op table's choice; None: `ops.quant.rebuilt_linear`)."""
     if q is None:
         return params
     out = {name: t for name, t in params.items() if not is_part(name)}
@@ -148,7 +150,7 @@ def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tup
         if quantizable(name):
             b = base(name)
             out[name] = Quantized(q.format, params[b + ".qweight"], params[b + ".qscale"], params.get(b + ".qzero"),
-                                  shape[-1], q.group)
+                                  shape[-1], q.group, matmul)
     return out
 
 
