@@ -176,9 +176,11 @@ def test_an_overflowing_product_aborts_the_chunk_and_publishes_nothing():
     assert torch.equal(s.feed(TEXT[5:12]), clean.feed(TEXT[5:12])) and s.digest() == clean.digest()
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_verify_passes_on_an_int4_model(mode, capsys):
-    assert main(["verify", "--quantize", "int4", "--mode", mode]) == 0
+@pytest.mark.parametrize("format, mode", [("int4", "exact"), ("int4", "fast"), ("fp8", "fast")])
+def test_verify_passes_on_a_quantized_model(format, mode, capsys):
+    """Every stage × every fault kind, and the equivalence checks (which rebuild the model in
+    float64 and in exact mode: fp8 codes have no isfinite of their own)."""
+    assert main(["verify", "--quantize", format, "--mode", mode]) == 0
     assert ", 0 failed" in capsys.readouterr().out
 
 

@@ -24,6 +24,7 @@ from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
+from hebrus.ops.quant import all_finite
 from hebrus.weights.quant import Quantization, check_parts, quantize_params
 
 MODES = ("exact", "fast")
@@ -262,7 +263,7 @@ def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.d
         dtype = tensor.dtype
     if fresh and tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous():
         return tensor                           # the loader checked it is finite as it read it
-    if not fresh and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not fresh and not all_finite(tensor):
         raise InvalidInput(f"weight {name} holds NaN or infinite values; weights must be finite")
     placed = torch.empty(tensor.shape, dtype=dtype, device=device)
     checkpoint.converted(placed, tensor, name)

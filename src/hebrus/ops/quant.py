@@ -126,6 +126,14 @@ def quantize(w: torch.Tensor, format: str, group: int | None = None, zero_point:
     raise ValueError(f"unknown format {format!r}; formats are: {', '.join(FORMATS)}")
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t, for any dtype (fp8 e4m3 has no infinity and no isfinite: its NaN
+    is every bit but the sign set)."""
+    if t.dtype == FP8:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
 def check_scales(name: str, scale: torch.Tensor) -> str | None:
     """Why a weight's scales are unusable (None if they are fine): each must be finite and > 0."""
     if not bool(torch.isfinite(scale).all()):

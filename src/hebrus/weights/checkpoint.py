@@ -27,6 +27,7 @@ from hebrus.weights.atomic import fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.layers.spec import ModelSpec
 from hebrus.weights.layout import load_bytes, parameter_shapes
+from hebrus.ops.quant import all_finite
 from hebrus.weights.pages import FileRows
 
 CONFIG = "config.json"
@@ -373,7 +374,7 @@ def converted(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
     """`source` copied into `target` (whose dtype may be narrower); a finite weight that does not
     fit the target dtype (1e5 in float16) would turn every chunk non-finite: InvalidInput."""
     target.copy_(source)
-    if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+    if not all_finite(target):
         raise InvalidInput(f"weight {name} does not fit in {target.dtype} (largest magnitude "
                            f"{float(source.double().abs().max()):.3g}); load the model in a wider dtype")
 
@@ -415,11 +416,7 @@ def _tensor(f: BinaryIO, file: Path, name: str, header: Header, offsets: dict[st
 
 
 def _check_finite(tensor: torch.Tensor, file: Path, name: str) -> None:
-    if tensor.dtype == torch.float8_e4m3fn:             # no infinities; NaN is every bit but the sign set
-        if bool(((tensor.view(torch.uint8) & 0x7F) == 0x7F).any()):
-            raise CheckpointError(f"{file}: tensor {name} holds NaN values; weights must be finite")
-        return
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise CheckpointError(f"{file}: tensor {name} holds NaN or infinite values; weights must be finite")
 
 

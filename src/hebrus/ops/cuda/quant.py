@@ -95,21 +95,22 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     return launch(x, w)
 
 
-def launch(x: torch.Tensor, w: Quantized) -> torch.Tensor:
-    """The kernel for w's format on x [..., K] (any device Triton runs on)."""
+def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int = 128, warps: int = 4) -> torch.Tensor:
+    """The kernel for w's format on x [..., K] (any device Triton runs on); `block_n` outputs a
+    program (fp8: dividing the block), `block_k` inputs a step (int8), `warps` a program."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     M, N = x2.shape[0], w.qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, BLOCK_N), M)
+    grid = (triton.cdiv(N, block_n), M)
     if w.format == "int8":
-        _int8_kernel[grid](x2, w.qweight, w.scale, y, N, K, BLOCK_N=BLOCK_N, BLOCK_K=128)
+        _int8_kernel[grid](x2, w.qweight, w.scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     elif w.format == "int4":
         G = w.scale.shape[-1]
         zero = w.zero if w.zero is not None else w.scale
         _int4_kernel[grid](x2, w.qweight, w.scale.contiguous(), zero.contiguous(), y, N, K, G,
-                           HAS_ZERO=w.zero is not None, BLOCK_N=BLOCK_N, GROUP=w.group)
+                           HAS_ZERO=w.zero is not None, BLOCK_N=block_n, GROUP=w.group, num_warps=warps)
     else:
-        _fp8_kernel[grid](x2, w.qweight, w.scale.contiguous(), y, N, K, w.scale.shape[-1], BLOCK_N=BLOCK_N,
-                          BLOCK=w.group)
+        _fp8_kernel[grid](x2, w.qweight, w.scale.contiguous(), y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
+                          BLOCK=w.group, num_warps=warps)
     return y.view(*lead, N)
