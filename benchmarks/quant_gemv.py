@@ -17,7 +17,9 @@ from hebrus.ops.quant import quantize, rebuilt_linear
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="/tmp")
+parser.add_argument("--formats", default="int8,int4,int4-zp,fp8")
 args = parser.parse_args()
+wanted = args.formats.split(",")
 device = torch.device("cuda")
 bandwidth = copy_bandwidth(device, 2**30)
 lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; x: one bf16 row"]
@@ -28,14 +30,16 @@ for N, K in ((6144, 2048), (4096, 4096)):
     t = _time_calls(lambda: F.linear(x, wb), device, 200)
     lines.append(f"\n## {N} x {K}\nbf16 F.linear: {t * 1e6:.1f} µs, {N * K * 2 / t / bandwidth:.0%} of bandwidth")
     for fmt, zp in (("int8", False), ("int4", False), ("int4", True), ("fp8", False)):
-        q = quantize(w, fmt, zero_point=zp)
         name = fmt + ("-zp" if zp else "")
+        if name not in wanted:
+            continue
+        q = quantize(w, fmt, zero_point=zp)
         t = _time_calls(lambda: rebuilt_linear(x, q), device, 50)
         lines.append(f"{name} rebuilt: {t * 1e6:.1f} µs")
         best = None
         for block_n in (16, 32, 64):
             for warps in (4, 8):
-                for block_k in ((128, 512) if fmt == "int8" else (128,)):
+                for block_k in ((512, 1024) if fmt == "int4" else (128, 512) if fmt == "int8" else (128,)):
                     try:
                         t = _time_calls(lambda: launch(x, q, block_n, block_k, warps), device, 200)
                     except Exception as exc:
@@ -47,5 +51,5 @@ for N, K in ((6144, 2048), (4096, 4096)):
         lines.append(f"{name} best: {t * 1e6:.1f} µs (block_n {block_n}, block_k {block_k}, warps {warps}), "
                      f"{q.nbytes / t / bandwidth:.0%} of bandwidth, {q.nbytes:,} bytes")
         print(lines[-1], flush=True)
-Path(args.out, "quant-gemv-h200.txt").write_text("\n".join(lines) + "\n")
+Path(args.out, f"quant-gemv-h200-{'-'.join(wanted)}.txt").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -39,28 +39,28 @@ def _int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_
 
 @triton.jit
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GROUP: tl.constexpr):
-    # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] per GROUP inputs
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] per GROUP inputs.
+    # A step takes BLOCK_K inputs (BLOCK_K / 2 bytes a row); inputs 2j and 2j + 1 share a group.
     m, pid = tl.program_id(1), tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     half = (K + 1) // 2
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g in range(0, G):
-        j = g * (GROUP // 2) + tl.arange(0, GROUP // 2)          # bytes of this group
+    for j0 in range(0, half, BLOCK_K // 2):
+        j = j0 + tl.arange(0, BLOCK_K // 2)                      # bytes of this step
         even, odd = 2 * j, 2 * j + 1
         xe = tl.load(x_ptr + m * K + even, mask=even < K, other=0.0).to(tl.float32)
         xo = tl.load(x_ptr + m * K + odd, mask=odd < K, other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + n[:, None] * half + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
-        b = b.to(tl.int32)
-        lo, hi = (b & 15).to(tl.float32), (b >> 4).to(tl.float32)
+        inside = (n[:, None] < N) & (j[None, :] < half)
+        b = tl.load(w_ptr + n[:, None] * half + j[None, :], mask=inside, other=0).to(tl.int32)
+        g = (2 * j) // GROUP
+        s = tl.load(s_ptr + n[:, None] * G + g[None, :], mask=inside, other=0.0)
         if HAS_ZERO:
-            z = tl.load(z_ptr + n * G + g, mask=n < N, other=0).to(tl.float32)
+            z = tl.load(z_ptr + n[:, None] * G + g[None, :], mask=inside, other=0).to(tl.float32)
         else:
-            z = tl.full((BLOCK_N,), 8.0, tl.float32)
-        # Σ (q − z)·x = Σ q·x − z·Σ x over the group
-        dot = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) - z * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
-        s = tl.load(s_ptr + n * G + g, mask=n < N, other=0.0)
-        acc += s * dot
+            z = 8.0
+        lo, hi = (b & 15).to(tl.float32) - z, (b >> 4).to(tl.float32) - z
+        acc += tl.sum(s * (lo * xe[None, :] + hi * xo[None, :]), axis=1)
     tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
@@ -95,9 +95,10 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     return launch(x, w)
 
 
-def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int = 128, warps: int = 4) -> torch.Tensor:
+def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int = 512, warps: int = 8) -> torch.Tensor:
     """The kernel for w's format on x [..., K] (any device Triton runs on); `block_n` outputs a
-    program (fp8: dividing the block), `block_k` inputs a step (int8), `warps` a program."""
+    program (fp8: dividing the block), `block_k` inputs a step (int8, int4: a power of two), `warps`
+    a program. The defaults are the fastest of benchmarks/quant_gemv.py's sweep on the H200."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     M, N = x2.shape[0], w.qweight.shape[0]
@@ -109,7 +110,8 @@ def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int =
         G = w.scale.shape[-1]
         zero = w.zero if w.zero is not None else w.scale
         _int4_kernel[grid](x2, w.qweight, w.scale.contiguous(), zero.contiguous(), y, N, K, G,
-                           HAS_ZERO=w.zero is not None, BLOCK_N=block_n, GROUP=w.group, num_warps=warps)
+                           HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group,
+                           num_warps=warps)
     else:
         _fp8_kernel[grid](x2, w.qweight, w.scale.contiguous(), y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
                           BLOCK=w.group, num_warps=warps)
