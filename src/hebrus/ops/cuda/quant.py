@@ -95,10 +95,12 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     return launch(x, w)
 
 
-def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int = 512, warps: int = 8) -> torch.Tensor:
+def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int | None = None,
+           warps: int = 8) -> torch.Tensor:
     """The kernel for w's format on x [..., K] (any device Triton runs on); `block_n` outputs a
     program (fp8: dividing the block), `block_k` inputs a step (int8, int4: a power of two), `warps`
     a program. The defaults are the fastest of benchmarks/quant_gemv.py's sweep on the H200."""
+    block_k = block_k or (1024 if w.format == "int4" else 512)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     M, N = x2.shape[0], w.qweight.shape[0]
