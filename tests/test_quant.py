@@ -194,3 +194,43 @@ def test_the_quantize_command_writes_a_checkpoint_info_describes(tmp_path, capsy
     with pytest.raises(SystemExit) as exited:
         main(["quantize", "tiny", str(out), "--format", "int2"])
     assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_an_fp8_checkpoint_in_the_published_layout_loads_as_stored(tmp_path, family):
+    """A Qwen3.5 checkpoint whose layers' linear weights are fp8 with `weight_scale_inv` block
+    scales beside them (blocks of 32 here, so a tiny model has several): weights the model keeps
+    quantized take the file's codes as they are (or, split from a fused tensor, are quantized
+    again), weights it keeps in float are rebuilt from their codes; the logits match the same
+    model loaded from a float checkpoint of the rebuilt weights."""
+    from safetensors.torch import load_file, save_file
+
+    from tests import foreign
+    folder, _ = foreign.build(family, tmp_path / "float")
+    config = json.loads((folder / "config.json").read_text())
+    stored, rebuilt = {}, {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.startswith("model.layers.") and t.dim() in (2, 3) and "norm" not in name and "conv1d" not in name:
+            q = quantize(t, "fp8", group=32)
+            stored[name], stored[name + "_scale_inv"] = q.qweight, q.scale
+            rebuilt[name] = q.dequantize()
+        else:
+            stored[name] = rebuilt[name] = t
+    for sub, tensors, extra in (("fp8", stored, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}}), ("rebuilt", rebuilt, {})):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "config.json").write_text(json.dumps(config | extra))
+        save_file(tensors, tmp_path / sub / "model.safetensors")
+    fp8 = hebrus.load(tmp_path / "fp8")
+    reference = hebrus.load(tmp_path / "rebuilt").quantized(Quantization("fp8", 32))
+    assert str(fp8.spec.quantization) == "fp8 (e4m3, 32 × 32 blocks)"
+    params = dict(fp8.named_parameters())
+    layer = fp8.spec.mixers.index("gdn")
+    f, m = f"model.layers.{layer}.linear_attn.", f"layers.{layer}.gdn."
+    assert torch.equal(params[m + "out_proj.qweight"].view(torch.uint8), stored[f + "out_proj.weight"].view(torch.uint8))
+    assert torch.equal(params[m + "out_proj.qscale"], stored[f + "out_proj.weight_scale_inv"])
+    assert torch.equal(params[m + "in_proj_a.weight"], rebuilt[f + "in_proj_a.weight"])   # kept in float: rebuilt
+    ids = [t % 101 for t in TEXT[:40]]
+    a, b = fp8.session(), reference.session()
+    assert torch.equal(a.feed(ids), b.feed(ids)) and a.digest() == b.digest()
+    assert hebrus.load(tmp_path / "fp8", mode="fast").session().feed(ids).shape == (101,)

@@ -184,6 +184,9 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
         handles = {name: stack.enter_context(_open(folder / name)) for name in files}
         headers = _headers(handles, folder, source, weight_map)
         table = family.names(spec, set(headers))
+        if spec.quantization is not None and not any(n.endswith(".qscale") for n in table.sources):
+            from hebrus.weights.quant import quantized_table       # a foreign family's quantized files
+            table = quantized_table(table, spec, set(headers))
         _check_against(table, headers, source)
         offsets = {file: _data_offsets(folder / file) for file in files}
         raw = {file: stack.enter_context(open(folder / file, "rb")) for file in files}   # one open per file

@@ -169,3 +169,65 @@ def check_parts(params: dict[str, torch.Tensor], q: Quantization | None) -> None
 
 def with_quantization(spec, q: Quantization | None):
     return replace(spec, quantization=q)
+
+
+SCALE_SUFFIX = "_scale_inv"        # an fp8 file tensor's block scales, beside it (`X.weight_scale_inv`)
+
+
+def quantized_table(table, spec, on_disk: set[str]):
+    """A foreign family's names table for a quantized spec, from its float table: where a file
+    holds a weight in fp8 with block scales beside it, a weight the model keeps quantized takes
+    the codes and scales as they are (a weight built from several file tensors, or split from
+    one, is rebuilt and quantized again; with blocks that align, to the same codes); a weight the
+    model keeps in float is rebuilt from them; a quantized weight stored in float is quantized as
+    it loads."""
+    from hebrus.models.table import NamesTable, Source
+    from hebrus.ops.quant import dense
+    from hebrus.weights.layout import float_shapes
+    q, shapes = spec.quantization, float_shapes(spec)
+    out = NamesTable(dict(table.shapes), {}, table.ignored)
+
+    def stored(file: str) -> bool:
+        return file + SCALE_SUFFIX in on_disk
+
+    def scales_of(file: str) -> str:
+        """The file tensor's scales, listed with the shape its blocks give."""
+        *lead, rows, cols = table.shapes[file]
+        out.shapes[file + SCALE_SUFFIX] = (*lead, -(-rows // q.group), -(-cols // q.group))
+        return file + SCALE_SUFFIX
+
+    def rebuilt(src) -> Source:
+        """The float weight from the source's file tensors, each fp8 one rebuilt from its scales."""
+        files = src.names + tuple(scales_of(f) for f in src.names if stored(f))
+
+        def build(*tensors):
+            codes, scales, parts = tensors[:len(src.names)], iter(tensors[len(src.names):]), []
+            for f, t in zip(src.names, codes):
+                parts.append(dense(Quantized("fp8", t, next(scales).float(), None, t.shape[-1], q.group),
+                                   torch.float32) if stored(f) else t)
+            return src.build(*parts)
+        return Source(files, build)
+
+    for name, src in table.sources.items():
+        if not quantizable(name):
+            out.sources[name] = rebuilt(src) if any(stored(f) for f in src.names) else src
+            continue
+        b = base(name)
+        if q.format == "fp8" and src.is_copy and stored(src.names[0]) and tuple(table.shapes[src.names[0]]) == shapes[name]:
+            out.sources[b + ".qweight"] = Source(src.names)
+            out.sources[b + ".qscale"] = Source((scales_of(src.names[0]),), lambda s: s.float())
+            continue
+        whole = rebuilt(src) if any(stored(f) for f in src.names) else src
+        fields = {".qweight": "qweight", ".qscale": "scale"} | ({".qzero": "zero"} if q.zero_point else {})
+        for suffix, field in fields.items():       # each part quantizes the weight again: loads are rare
+            out.sources[b + suffix] = Source(whole.names, lambda *t, build=whole.build, field=field: getattr(
+                quantize(build(*t), q.format, q.group, q.zero_point), field))
+
+    def dtypes(name: str) -> tuple[str, ...]:
+        if name.endswith(SCALE_SUFFIX):
+            return ("F32", "BF16")
+        if stored(name):
+            return ("F8_E4M3",)
+        return table.dtypes(name)
+    out.dtypes = dtypes
+    return out
