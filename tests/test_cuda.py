@@ -380,3 +380,15 @@ def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format):
         a, b = graph.feed([t]), eager.feed([t])
         assert _rel(a.float(), b.float()) <= 2e-2
     assert graph._steps.replays > 0
+
+
+@cuda
+@pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
+def test_a_quantized_cache_decodes_from_graphs_on_cuda(kv_cache):
+    model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", kv_cache=kv_cache)
+    graph, eager = model.session(decode="graph"), model.session(decode="eager")
+    for s in (graph, eager):
+        s.feed(list(range(3, 40)))
+    for t in range(12):
+        assert _rel(graph.feed([t]).float(), eager.feed([t]).float()) <= 2e-2
+    assert graph._steps.replays > 0

@@ -186,6 +186,9 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: st
                         "chunks need them (default: resident)")
     p.add_argument("--quantize", choices=QUANT_FORMATS, default=None,
                    help="quantize the large projections as the model loads (default: as stored)")
+    p.add_argument("--kv-cache", choices=("int8", "fp8"), default=None,
+                   help="keep attention's K/V rows and index keys as codes with a scale per row "
+                        "(default: in the model's dtype)")
 
 
 def _load(args):
@@ -200,7 +203,8 @@ def _load(args):
             bar[0](done, total)
 
     return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
-                ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None))
+                ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None),
+                kv_cache=getattr(args, "kv_cache", None))
 
 
 def _quantize(args) -> int:

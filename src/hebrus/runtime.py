@@ -24,7 +24,7 @@ from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
-from hebrus.ops.quant import all_finite
+from hebrus.ops.quant import CACHE_FORMATS, all_finite
 from hebrus.weights.quant import Quantization, check_parts, quantize_params
 
 MODES = ("exact", "fast")
@@ -87,6 +87,15 @@ class Model:
             raise InvalidInput("save needs every weight in memory; this model reads its PLE tables from its "
                                "checkpoint file (load it without ple_cache_bytes to save it)")
         return checkpoint.save(path, self.config, self._params, self.spec.quantization)
+
+    def with_kv_cache(self, kv_cache: str | None) -> "Model":
+        """The same weights (shared) with attention's K/V rows and index keys stored as "int8"
+        or "fp8" codes with a float32 scale per row (per head of a K/V row), or None: in the
+        model's dtype."""
+        if kv_cache is not None and kv_cache not in CACHE_FORMATS:
+            raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
+        return Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
+                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
 
     def quantized(self, quantize) -> "Model":
         """The same model with its large projections quantized (`weights.quant`): "int8",
@@ -155,17 +164,22 @@ class Model:
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None,
-         ple_cache_bytes: int | None = None, quantize: str | None = None) -> Model:
+         ple_cache_bytes: int | None = None, quantize: str | None = None, kv_cache: str | None = None) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
     the local cache. Every argument is checked before anything is read or allocated; bad ones
     raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load.
     `quantize`: quantize the large projections as the model loads (`Model.quantized`); a
-    checkpoint stored quantized (its config's `quantization_config`) loads as it is stored."""
+    checkpoint stored quantized (its config's `quantization_config`) loads as it is stored.
+    `kv_cache`: "int8" or "fp8" to keep attention's rows as codes with a scale per row
+    (`Model.with_kv_cache`)."""
+    if kv_cache is not None and kv_cache not in CACHE_FORMATS:
+        raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
     model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
                   if quantize is not None else None)
-    return model.quantized(quantize) if quantize is not None else model
+    model = model.quantized(quantize) if quantize is not None else model
+    return model.with_kv_cache(kv_cache) if kv_cache is not None else model
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:

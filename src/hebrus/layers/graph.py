@@ -136,6 +136,8 @@ class AttentionMixer(Sublayer):
         super().__init__(c, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.{kind}"
         self.parts = ("k", "v", "index") if kind == "qsa" else ("k", "v")
+        if c.kv_cache is not None:               # a quantized cache: each log's scales after the codes
+            self.parts += tuple(part + "_scale" for part in self.parts)
         self.attn = Attention(c, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
 
     def run(self, txn: StepContext) -> None:

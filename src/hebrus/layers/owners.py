@@ -6,6 +6,8 @@ import torch
 from hebrus.layers.spec import ModelSpec
 from hebrus.state.owners import APPENDED, OwnerSpec
 
+CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}      # a quantized cache's row dtypes
+
 
 def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:
     n, D, V = c.hc_streams, c.hidden_size, c.vocab_size
@@ -27,10 +29,13 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
                 OwnerSpec(p + "gdn.recurrent", (c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim), state_dtype),
             ]
         elif kind in ("qsa", "attention"):
-            kv = (c.attn_kv_heads, c.attn_head_dim)
-            specs += [OwnerSpec(f"{p}{kind}.k", kv, dtype, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, dtype, APPENDED)]
+            kv, rows = (c.attn_kv_heads, c.attn_head_dim), dtype if c.kv_cache is None else CODES[c.kv_cache]
+            specs += [OwnerSpec(f"{p}{kind}.k", kv, rows, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, rows, APPENDED)]
             if kind == "qsa":
-                specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), dtype, APPENDED))
+                specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), rows, APPENDED))
+            if c.kv_cache is not None:          # a float32 scale per row (per head of a K/V row)
+                specs += [OwnerSpec(f"{p}{kind}.{part}_scale", shape, torch.float32, APPENDED) for part, shape in
+                          (("k", kv[:1]), ("v", kv[:1])) + ((("index", (1,)),) if kind == "qsa" else ())]
         else:
             raise ValueError(f"unknown mixer {kind!r}")
     if c.moe_layers:

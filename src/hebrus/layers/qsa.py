@@ -13,7 +13,7 @@ from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import index_scores, select, sigmoid_gated
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.status import Status
-from hebrus.ops.quant import linear
+from hebrus.ops.quant import QuantizedRows, dense, linear, quantize_rows
 
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
@@ -46,6 +46,7 @@ class Attention:
         self.index_input = kernels.index_input
         self.hq, self.hkv, self.dh = s.attn_heads, s.attn_kv_heads, s.attn_head_dim
         self.hi, self.di, self.top_k = s.index_heads, s.index_dim, s.top_k
+        self.cache, self.parts = s.kv_cache, 3 if indexed else 2      # quantized rows: scales after codes
         self.eps = s.rms_norm_eps
         self.rope = rotary(s.rotary_dim)
         self.index_rope = rotary(self.di) if indexed else None
@@ -59,13 +60,12 @@ class Attention:
         one storage per session and `check_range` one check per session."""
         T, w = h.shape[0], self.w
         span = Span(start, T, h.device)
-        k_rows, v_rows = rows[0], rows[1]                  # for sessions: one storage each
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
         q = rotate(linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
         k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
-        span.put(k_rows, k)
-        span.put(v_rows, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
+        self._put(span, rows, 0, k)
+        self._put(span, rows, 1, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
         if span.sessions:               # each session over its own rows; check_range is per session
             o = torch.cat([self._attend(h[i:i + 1], span.one(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
                            for i in range(T)])
@@ -74,20 +74,36 @@ class Attention:
         gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return linear(gated.flatten(1), w["o_proj.weight"])
 
-    def _attend(self, h, span, q, rows, check_range):
-        k_rows, v_rows = rows[0], rows[1]
-        if self.indexed:
-            return self._sparse(h, span, q, k_rows, v_rows, rows[2], check_range)
-        return self.attend(q, span.visible(k_rows), span.visible(v_rows), span.positions)
+    def _put(self, span, rows, part: int, value: torch.Tensor) -> None:
+        """Write the chunk's rows of row log `part` (0 k, 1 v, 2 index): as they are, or, with a
+        quantized cache, their codes and beside them (log `part` + `parts`) their scales."""
+        if self.cache is None:
+            span.put(rows[part], value)
+            return
+        codes, scale = quantize_rows(value, self.cache)
+        span.put(rows[part], codes)
+        span.put(rows[part + self.parts], scale if scale.dim() > 1 else scale[:, None])
 
-    def _sparse(self, h, span, q, k_rows, v_rows, index_rows, check_range):
+    def _view(self, rows, part: int, cut, dtype: torch.dtype):
+        """Rows `cut` of row log `part`: a tensor, or with a quantized cache `QuantizedRows`."""
+        if self.cache is None:
+            return cut(rows[part])
+        return QuantizedRows.of(cut(rows[part]), cut(rows[part + self.parts]), dtype)
+
+    def _attend(self, h, span, q, rows, check_range):
+        if self.indexed:
+            return self._sparse(h, span, q, rows, check_range)
+        k, v = (dense(self._view(rows, part, span.visible, q.dtype)) for part in (0, 1))
+        return self.attend(q, k, v, span.positions)
+
+    def _sparse(self, h, span, q, rows, check_range):
         T, w, positions, hi = h.shape[0], self.w, span.positions, self.index_input(h)
         qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
         ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
         icos, isin = (span.take(t) for t in self.index_rope)
         rotate = self.fused(apply_rope)
         qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
-        span.put(index_rows, ki)
+        self._put(span, rows, 2, ki)
         iw = linear(hi, w["index_w.weight"])
         if isinstance(span.start, int) and T > QUERY_BLOCK:
             # a long chunk, a block of queries at a time over the rows it sees: the scores and
@@ -95,17 +111,18 @@ class Attention:
             blocks = []
             for a in range(0, T, QUERY_BLOCK):
                 b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
-                blocks.append(self._pick_and_attend(
-                    qi[a:b], iw[a:b], q[a:b], (index_rows[:end], k_rows[:end], v_rows[:end]), span.start + a,
-                    positions[a:b], check_range))
+                seen = [self._view(rows, part, lambda r, end=end: r[:end], q.dtype) for part in (2, 0, 1)]
+                blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a,
+                                                    positions[a:b], check_range))
             return torch.cat(blocks)
-        return self._pick_and_attend(qi, iw, q, [span.visible(r) for r in (index_rows, k_rows, v_rows)],
-                                     span.start, positions, check_range)
+        seen = [self._view(rows, part, span.visible, q.dtype) for part in (2, 0, 1)]
+        return self._pick_and_attend(qi, iw, q, seen, span.start, positions, check_range)
 
     def _pick_and_attend(self, qi, iw, q, rows, start, positions, check_range):
-        """Queries at `positions` (the first at `start`) over the visible (index, k, v) rows."""
+        """Queries at `positions` (the first at `start`) over the visible (index, k, v) rows
+        (k and v: tensors, or `QuantizedRows` whose picked rows alone are rebuilt)."""
         index_rows, k_rows, v_rows = rows
-        picked, valid = self.select(index_scores(qi, iw, index_rows), start, positions)
+        picked, valid = self.select(index_scores(qi, iw, dense(index_rows)), start, positions)
         check_range(picked - positions[:, None], 1, Status.INDEX_RANGE, lower=None)
         return self.sparse_attend(q, k_rows, v_rows, picked, valid)
 

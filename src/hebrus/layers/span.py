@@ -52,7 +52,10 @@ class Span:
             for i, log in enumerate(rows):
                 self.one(i).put(log, value[i:i + 1])
         elif self.planned:
-            rows.index_copy_(0, self.positions, value.to(rows.dtype))
+            value = value.to(rows.dtype)
+            if rows.dtype == torch.float8_e4m3fn:       # fp8 codes: copied as the bytes they are
+                rows, value = rows.view(torch.uint8), value.view(torch.uint8)
+            rows.index_copy_(0, self.positions, value)
         else:
             rows[self.start:self.start + self.length] = value
 

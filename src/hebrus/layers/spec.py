@@ -70,6 +70,8 @@ class ModelSpec:
     ple_conv_kernel: int = 1
     # weights: None, or a weights.quant.Quantization (which projections are stored quantized, how)
     quantization: object = None
+    # K/V rows and index keys: None (the model dtype), or "int8" / "fp8" codes with a scale per row
+    kv_cache: str | None = None
 
     def __post_init__(self) -> None:
         problems = list(self._problems())

@@ -87,9 +87,12 @@ def rebuilt_linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
-def dense(w: torch.Tensor | Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """A weight as a float tensor: a quantized one rebuilt in `dtype`, a float one as it is."""
-    return w.dequantize(dtype) if isinstance(w, Quantized) else w
+def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A weight or row log as a float tensor: a quantized one (`Quantized`, `QuantizedRows`)
+    rebuilt (in `dtype`, default its own), a float one as it is."""
+    if isinstance(w, Quantized):
+        return w.dequantize(dtype or torch.float32)
+    return w.dequantize(dtype) if isinstance(w, QuantizedRows) else w
 
 
 def quantize(w: torch.Tensor, format: str, group: int | None = None, zero_point: bool = False) -> Quantized:
@@ -157,8 +160,8 @@ def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """amax / top, with 1 where amax is 0 (nothing to scale)."""
-    return torch.where(amax > 0, amax / top, torch.ones_like(amax)).float()
+    """amax / top, with 1 where amax is 0 (nothing to scale); a NaN or infinite amax stays so."""
+    return torch.where(amax == 0, torch.ones_like(amax), amax / top).float()
 
 
 def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -170,3 +173,43 @@ def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
 def _expand(per_group: torch.Tensor, group: int, dim: int, size: int) -> torch.Tensor:
     """Each entry along `dim` repeated `group` times, cut to `size`."""
     return per_group.repeat_interleave(group, dim=dim).narrow(dim, 0, size)
+
+
+CACHE_FORMATS = ("int8", "fp8")
+_CODES = {"int8": (torch.int8, 127.0), "fp8": (FP8, FP8_MAX)}
+
+
+def quantize_rows(x: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows x [..., d] -> (codes [..., d], float32 scales [...]): one scale per row (per
+    head of a K/V row), its largest magnitude over the code range; 1 for a row of zeros. A
+    non-finite row gets a non-finite scale, which the stage's finite checks see."""
+    dtype, top = _CODES[format]
+    amax = x.detach().float().abs().amax(-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / top)      # NaN and inf stay: checked
+    scaled = x.float() / scale.unsqueeze(-1)
+    codes = scaled.round().clamp(-top, top).to(dtype) if format == "int8" else scaled.clamp(-top, top).to(dtype)
+    return codes, scale
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A row log's codes and per-row scales, read as rows of `dtype`: indexing by a tensor of
+    row numbers gathers those rows' codes and rebuilds only them (attention over picked rows)."""
+    codes: torch.Tensor          # [S, ..., d]
+    scale: torch.Tensor          # [S, ...]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return (self.codes[rows].float() * self.scale[rows]).to(self.dtype)
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> "QuantizedRows":
+        """From a log's codes and its scales log (one scale per row, or per head of a row)."""
+        return cls(codes, scale if scale.dim() == codes.dim() else scale.unsqueeze(-1), dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self.codes.float() * self.scale).to(dtype or self.dtype)
