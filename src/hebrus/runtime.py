@@ -1,6 +1,7 @@
 """`hebrus.load` and `Model`: weights on a device, a mode, the stage list and the owner table."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -155,6 +156,19 @@ class Model:
         the reservation, they grow as needed instead)."""
         from hebrus.session import Session
         return Session(self, memory_budget=memory_budget, decode=decode, reserve=reserve)
+
+    def restore(self, path, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
+        """A session exactly as `Session.save` wrote it to `path` (the same digest), or
+        InvalidInput when the file is not a session of this model or is damaged."""
+        s = self.session(memory_budget=memory_budget, decode=decode, reserve=reserve)
+        s._restore(path)
+        return s
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of the owner table and every weight (`snapshot.model_fingerprint`)."""
+        from hebrus.snapshot import model_fingerprint
+        return model_fingerprint(self)
 
     def __repr__(self) -> str:
         c = self.spec

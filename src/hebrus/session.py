@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -87,6 +88,31 @@ class Session:
             return self.image.read("logits").clone()
 
     # ---- transactions ----------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the published state to the file `path` atomically (a temporary file, flushed,
+        renamed over it), with its digest and the model's fingerprint: `model.restore(path)`
+        gives back this session exactly."""
+        from hebrus import snapshot
+        with self._exclusive():
+            snapshot.write(self.image, Path(path), self.model.fingerprint)
+
+    def _restore(self, path) -> None:
+        """Install a saved image into this fresh session, every check passed first; InvalidInput
+        (the session unusable, nothing else touched) when the file is not this model's, or is
+        damaged: the digest of what was read must be the digest recorded."""
+        from hebrus import snapshot
+        record, banked, digest = snapshot.read(Path(path), self.image, self.model.fingerprint)
+        rows = sum(t.numel() * t.element_size() for t in record.storages)
+        try:
+            self.budget.hold(rows, "the saved session's rows")
+        except Refused as exc:
+            raise InvalidInput(f"memory_budget too small for the saved session: {exc}") from None
+        for name, value in banked.items():
+            self.image.banks[0][name].copy_(value)
+        self.image.publish(record)
+        if self.image.digest() != digest:
+            raise InvalidInput(f"{path}: its contents do not match the digest recorded with them (damaged)")
+
     def feed(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one chunk as one transaction; return the last position's logits (a new tensor,
         or `out`, which is written only if the chunk publishes)."""
