@@ -152,7 +152,7 @@ def test_bad_quantize_arguments_are_refused():
     with pytest.raises(InvalidInput, match="zero points"):
         Quantization("fp8", zero_point=True)
     with pytest.raises(InvalidInput, match="not supported"):
-        Quantization.from_config({"quant_method": "gptq"}, "config.json")
+        Quantization.from_config({"quant_method": "gptq"})
 
 
 def test_an_overflowing_product_aborts_the_chunk_and_publishes_nothing():
@@ -310,3 +310,85 @@ def test_verify_passes_with_a_quantized_cache(kv_cache, mode, capsys):
 def test_a_bad_kv_cache_is_refused():
     with pytest.raises(InvalidInput, match="kv_cache must be one of int8, fp8"):
         hebrus.load("tiny", kv_cache="int4")
+
+
+def _retyped(folder, name: str, dtype) -> None:
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[name] = tensors[name].view(dtype)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "hebrus"})
+
+
+@pytest.mark.parametrize("format, wrong", [("int8", torch.uint8), ("int4", torch.int8), ("fp8", torch.int8)])
+def test_codes_stored_in_another_formats_dtype_are_refused(tmp_path, format, wrong):
+    hebrus.load("tiny", quantize=format).save(tmp_path)
+    _retyped(tmp_path, "layers.1.qsa.q_proj.qweight", wrong)
+    with pytest.raises(hebrus.CheckpointError, match="wrong dtypes"):
+        hebrus.load(tmp_path)
+
+
+def test_an_int8_code_of_minus_128_is_refused(tmp_path):
+    hebrus.load("tiny", quantize="int8").save(tmp_path)
+    _tamper(tmp_path, "layers.1.qsa.q_proj.qweight", -128)
+    with pytest.raises(hebrus.CheckpointError, match="-127..127"):
+        hebrus.load(tmp_path)
+
+
+def test_a_weight_too_small_to_scale_still_gets_a_positive_scale(tmp_path):
+    """amax / 127 of a subnormal row underflows to 0: the scale is clamped, so the quantized
+    model saves a checkpoint that loads."""
+    model = hebrus.load("tiny")
+    dict(model.named_parameters())["layers.1.qsa.q_proj.weight"][0] = 1e-44
+    for format in ("int8", "fp8"):
+        q = model.quantized(format)
+        scale = dict(q.named_parameters())["layers.1.qsa.q_proj.qscale"]
+        assert bool((scale > 0).all())
+        q.save(tmp_path / format)
+        assert torch.equal(hebrus.load(tmp_path / format).session().feed([1, 2]), q.session().feed([1, 2]))
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"quant_method": "hebrus", "format": "int4", "zero_point": "false"}, "true or false"),
+    ({"quant_method": "hebrus", "format": "int8", "group_size": 0}, "positive integer"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 0]}, "square weight blocks"),
+])
+def test_a_malformed_quantization_config_is_refused(tmp_path, config, why):
+    hebrus.load("tiny", quantize="int8").save(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(data | {"quantization_config": config}))
+    with pytest.raises(hebrus.CheckpointError, match=why):
+        hebrus.load(tmp_path)
+
+
+def test_a_kv_cache_needs_attention_layers():
+    from hebrus.config import preset
+    from hebrus.weights.init import init_parameters
+    config = preset("tiny").replace(layer_types=("gdn",) * 4)
+    model = hebrus.Model(config, init_parameters(config))
+    with pytest.raises(InvalidInput, match="no attention"):
+        model.with_kv_cache("int8")
+
+
+def test_foreign_fp8_scales_that_are_not_positive_are_refused(tmp_path):
+    """On a weight the model rebuilds (a router kept in float) as on one it takes as stored."""
+    from safetensors.torch import load_file, save_file
+
+    from tests import foreign
+    folder, _ = foreign.build("qwen3_5_moe", tmp_path / "float")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.startswith("model.layers.") and t.dim() == 2 and "norm" not in name:
+            q = quantize(t, "fp8", group=16)
+            tensors[name], tensors[name + "_scale_inv"] = q.qweight, q.scale
+        else:
+            tensors[name] = t
+    for name in ("model.layers.1.mlp.gate.weight_scale_inv", "model.layers.1.linear_attn.out_proj.weight_scale_inv"):
+        bad = dict(tensors)
+        bad[name] = -bad[name]
+        (tmp_path / "fp8").mkdir(exist_ok=True)
+        (tmp_path / "fp8" / "config.json").write_text(json.dumps(config | {"quantization_config": {
+            "quant_method": "fp8", "weight_block_size": [16, 16]}}))
+        save_file(bad, tmp_path / "fp8" / "model.safetensors")
+        with pytest.raises(InvalidInput, match="positive"):
+            hebrus.load(tmp_path / "fp8")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from hebrus.bench import SHAPES
-from hebrus.config import PRESETS
+from hebrus.config import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
@@ -208,7 +208,12 @@ def _load(args):
 
 
 def _quantize(args) -> int:
-    model = load(args.model, quantize=args.format)
+    model = load(args.model)
+    if not isinstance(model.config, HebrusConfig):          # refused before the work of quantizing
+        raise InvalidInput(f"quantize writes Hebrus checkpoints; {args.model} is a {model.spec.family} model: "
+                           f"quantize it as it loads instead (--quantize {args.format}, or "
+                           f"hebrus.load(..., quantize={args.format!r}))")
+    model = model.quantized(args.format)
     model.save(args.out)
     q = model.spec.quantization
     print(f"wrote {args.out}: {q.name} weights, {_weight_bytes(model):,} bytes")

@@ -11,7 +11,7 @@ import torch
 
 from hebrus.arguments import count
 from hebrus.config import PRESETS, HebrusConfig, preset
-from hebrus.errors import InvalidInput
+from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.owners import owner_specs
@@ -95,6 +95,9 @@ class Model:
         model's dtype."""
         if kv_cache is not None and kv_cache not in CACHE_FORMATS:
             raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
+        if kv_cache is not None and not self.spec.has_attention:
+            raise InvalidInput(f"kv_cache quantizes attention's rows; this {self.spec.family} model has no attention "
+                               f"layers")
         return Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
                              self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
 
@@ -107,6 +110,7 @@ class Model:
             raise InvalidInput(f"this model is already quantized ({self.spec.quantization.name}); load its "
                                f"float checkpoint to quantize it otherwise")
         params = quantize_params(self._params, q)
+        check_parts(params, q)                  # what a save would write must load again
         return Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
                              self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
 
@@ -229,7 +233,10 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
     if quantize is not None and loaded.spec.quantization is not None:
         raise InvalidInput(f"{path} is stored quantized ({loaded.spec.quantization.name}); load it without "
                            f"quantize")
-    check_parts(loaded.params, loaded.spec.quantization)
+    try:
+        check_parts(loaded.params, loaded.spec.quantization, where=str(path))
+    except InvalidInput as exc:
+        raise CheckpointError(str(exc)) from None
     return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path,
                          paging=ple_cache_bytes)
 

@@ -109,6 +109,8 @@ def command(args, contexts: list[int], batches: tuple[int, ...], load) -> int:
     from hebrus.progress import ProgressBar
     from hebrus.weights.quant import QUANT_FORMATS
 
+    if args.val_context < 1 or args.val_bytes < 0:
+        raise InvalidInput("--val-context must be at least 1 and --val-bytes at least 0")
     formats = [f for f in args.formats.split(",") if f]
     unknown = [f for f in formats if f not in QUANT_FORMATS]
     if unknown or not formats:

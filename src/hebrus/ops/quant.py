@@ -11,8 +11,9 @@ A weight W [..., out, in] (the leading dimensions, if any, index experts) is sto
   fp8   e4m3 in blocks of block×block:   W[o, i] = q[o, i] · s[o // block, i // block]
 
 (the fp8 layout is that of Qwen's FP8 checkpoints, whose `weight_scale_inv` is s). A row, group
-or block of zeros gets the scale 1, so every scale is finite and positive; a weight whose
-scales are not is refused where it is loaded (`check_scales`).
+or block of zeros gets the scale 1 (and none underflows to 0), so every scale of a finite weight
+is finite and positive; a weight whose scales are not is refused where it is loaded
+(`check_scales`).
 
 `linear(x, w)` is F.linear for a float weight; for a quantized one, the kernel the model's op
 table gave it, or `rebuilt_linear`: the weight rebuilt in x's dtype, then multiplied, the
@@ -160,8 +161,12 @@ def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """amax / top, with 1 where amax is 0 (nothing to scale); a NaN or infinite amax stays so."""
-    return torch.where(amax == 0, torch.ones_like(amax), amax / top).float()
+    """amax / top, with 1 where amax is 0 (nothing to scale) and at least float32's smallest
+    normal where amax / top would underflow to 0 (a scale is never 0); a NaN or infinite amax
+    stays so, for the checks to see."""
+    amax = amax.float()
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(amax == 0, torch.ones_like(amax), (amax / top).clamp(min=tiny))
 
 
 def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -185,7 +190,7 @@ def quantize_rows(x: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Ten
     non-finite row gets a non-finite scale, which the stage's finite checks see."""
     dtype, top = _CODES[format]
     amax = x.detach().float().abs().amax(-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / top)      # NaN and inf stay: checked
+    scale = _scale(amax, top)
     scaled = x.float() / scale.unsqueeze(-1)
     codes = scaled.round().clamp(-top, top).to(dtype) if format == "int8" else scaled.clamp(-top, top).to(dtype)
     return codes, scale

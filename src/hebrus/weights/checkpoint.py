@@ -130,17 +130,17 @@ def _read_family_config(folder: Path, family_of):
     data = read_json(file)
     try:
         family = family_of(data)
-        return family, family.config(data), _quantization(data, file)
+        return family, family.config(data), _quantization(data)
     except InvalidInput as exc:
         raise CheckpointError(f"{file}: {exc}") from None
 
 
-def _quantization(data: Any, file: Path):
+def _quantization(data: Any):
     """The config's `quantization_config` (weights stored quantized), or None."""
     if not isinstance(data, dict) or data.get("quantization_config") is None:
         return None
     from hebrus.weights.quant import Quantization
-    return Quantization.from_config(data["quantization_config"], str(file))
+    return Quantization.from_config(data["quantization_config"])
 
 
 def load(path: str | Path, family_of: Callable[[Any], Any],
@@ -184,9 +184,14 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
         handles = {name: stack.enter_context(_open(folder / name)) for name in files}
         headers = _headers(handles, folder, source, weight_map)
         table = family.names(spec, set(headers))
-        if spec.quantization is not None and not any(n.endswith(".qscale") for n in table.sources):
-            from hebrus.weights.quant import quantized_table       # a foreign family's quantized files
-            table = quantized_table(table, spec, set(headers))
+        if spec.quantization is not None:
+            from hebrus.weights.quant import quantized_table, restrict_dtypes
+            if not any(n.endswith(".qscale") for n in table.sources):       # a foreign family's files
+                try:
+                    table = quantized_table(table, spec, set(headers))
+                except InvalidInput as exc:
+                    raise CheckpointError(f"{source}: {exc}") from None
+            restrict_dtypes(table, spec.quantization)
         _check_against(table, headers, source)
         offsets = {file: _data_offsets(folder / file) for file in files}
         raw = {file: stack.enter_context(open(folder / file, "rb")) for file in files}   # one open per file

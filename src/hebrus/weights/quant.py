@@ -40,6 +40,8 @@ class Quantization:
         if not isinstance(self.group, int) or isinstance(self.group, bool) or not 2 <= self.group <= 4096 \
                 or self.group % 2:
             raise InvalidInput(f"quantization group must be an even integer from 2 to 4096, got {self.group!r}")
+        if not isinstance(self.zero_point, bool):
+            raise InvalidInput(f"zero_point must be true or false, got {self.zero_point!r}")
         if self.zero_point and self.format != "int4":
             raise InvalidInput("zero points are an int4 option")
 
@@ -71,21 +73,31 @@ class Quantization:
                 "zero_point": self.zero_point}
 
     @classmethod
-    def from_config(cls, data: Any, where: str) -> "Quantization":
+    def from_config(cls, data: Any) -> "Quantization":
+        """From config.json's `quantization_config`; InvalidInput for anything else than the two
+        methods, with fields of their types (the caller names the file)."""
         if not isinstance(data, dict):
-            raise InvalidInput(f"{where}: quantization_config must be an object")
+            raise InvalidInput("quantization_config must be an object")
         method = data.get("quant_method")
         if method == "fp8":
             block = data.get("weight_block_size", [BLOCK, BLOCK])
             if data.get("fmt", "e4m3") != "e4m3" or not isinstance(block, list) or len(block) != 2 \
-                    or block[0] != block[1]:
-                raise InvalidInput(f"{where}: fp8 checkpoints are read in e4m3 with square weight blocks, "
+                    or block[0] != block[1] or not _whole(block[0]):
+                raise InvalidInput(f"fp8 checkpoints are read in e4m3 with square weight blocks, "
                                    f"got fmt={data.get('fmt')!r}, weight_block_size={block!r}")
             return cls("fp8", block[0])
         if method == "hebrus":
-            return cls(data.get("format"), data.get("group_size", 0), bool(data.get("zero_point", False)))
-        raise InvalidInput(f"{where}: quantization method {method!r} is not supported (hebrus: "
+            group, zero_point = data.get("group_size", GROUP), data.get("zero_point", False)
+            if not _whole(group) or not isinstance(zero_point, bool):
+                raise InvalidInput(f"quantization_config needs group_size a positive integer and zero_point "
+                                   f"true or false, got {group!r} and {zero_point!r}")
+            return cls(data.get("format"), group, zero_point)
+        raise InvalidInput(f"quantization method {method!r} is not supported (hebrus: "
                            f"int8/int4; fp8 with weight blocks)")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def quantizable(name: str) -> bool:
@@ -154,17 +166,35 @@ def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tup
     return out
 
 
-def check_parts(params: dict[str, torch.Tensor], q: Quantization | None) -> None:
-    """Refuse scales that are not finite and positive, and int4 zero points past 15."""
+def check_parts(params: dict[str, torch.Tensor], q: Quantization | None, where: str = "") -> None:
+    """Refuse scales that are not finite and positive, int4 zero points past 15 and int8 codes
+    of -128 (`where`, when given, starts the message: the checkpoint folder)."""
     if q is None:
         return
+    lead = f"{where}: " if where else ""
     for name, t in params.items():
+        problem = None
         if name.endswith(".qscale"):
             problem = check_scales(name, t)
-            if problem:
-                raise InvalidInput(problem)
-        if name.endswith(".qzero") and bool((t > 15).any()):
-            raise InvalidInput(f"{name}: int4 zero points must lie in 0..15")
+        elif name.endswith(".qzero") and bool((t > 15).any()):
+            problem = f"{name}: int4 zero points must lie in 0..15"
+        elif name.endswith(".qweight") and t.dtype == torch.int8 and bool((t == -128).any()):
+            problem = f"{name}: int8 codes must lie in -127..127"
+        if problem:
+            raise InvalidInput(lead + problem)
+
+
+def restrict_dtypes(table, q: Quantization) -> None:
+    """Each stored part admits its format's dtype only (an int4 code read as int8 would shift
+    its sign in)."""
+    stored = {torch.int8: "I8", torch.uint8: "U8", FP8: "F8_E4M3", torch.float32: "F32"}
+    allowed = table.dtypes
+
+    def dtypes(name: str) -> tuple[str, ...]:
+        if is_part(name):
+            return (stored[part_dtype(name, q)],)
+        return allowed(name)
+    table.dtypes = dtypes
 
 
 def with_quantization(spec, q: Quantization | None):
@@ -192,6 +222,9 @@ def quantized_table(table, spec, on_disk: set[str]):
 
     def scales_of(file: str) -> str:
         """The file tensor's scales, listed with the shape its blocks give."""
+        if len(table.shapes[file]) < 2:
+            raise InvalidInput(f"{file}{SCALE_SUFFIX}: block scales beside a tensor of "
+                               f"{len(table.shapes[file])} dimensions (only matrices are stored in fp8)")
         *lead, rows, cols = table.shapes[file]
         out.shapes[file + SCALE_SUFFIX] = (*lead, -(-rows // q.group), -(-cols // q.group))
         return file + SCALE_SUFFIX
@@ -203,8 +236,13 @@ def quantized_table(table, spec, on_disk: set[str]):
         def build(*tensors):
             codes, scales, parts = tensors[:len(src.names)], iter(tensors[len(src.names):]), []
             for f, t in zip(src.names, codes):
-                parts.append(dense(Quantized("fp8", t, next(scales).float(), None, t.shape[-1], q.group),
-                                   torch.float32) if stored(f) else t)
+                if stored(f):
+                    scale = next(scales).float()
+                    problem = check_scales(f + SCALE_SUFFIX, scale)
+                    if problem:
+                        raise InvalidInput(problem)
+                    t = dense(Quantized("fp8", t, scale, None, t.shape[-1], q.group), torch.float32)
+                parts.append(t)
             return src.build(*parts)
         return Source(files, build)
 
@@ -215,7 +253,7 @@ def quantized_table(table, spec, on_disk: set[str]):
         b = base(name)
         if q.format == "fp8" and src.is_copy and stored(src.names[0]) and tuple(table.shapes[src.names[0]]) == shapes[name]:
             out.sources[b + ".qweight"] = Source(src.names)
-            out.sources[b + ".qscale"] = Source((scales_of(src.names[0]),), lambda s: s.float())
+            out.sources[b + ".qscale"] = Source((scales_of(src.names[0]),), lambda s: s.float())    # checked at load
             continue
         whole = rebuilt(src) if any(stored(f) for f in src.names) else src
         fields = {".qweight": "qweight", ".qscale": "scale"} | ({".qzero": "zero"} if q.zero_point else {})

@@ -81,11 +81,14 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, GK, BLOCK_N: tl.constexpr, BLO
 
 
 def takes(x: torch.Tensor, w: Quantized) -> bool:
-    """Whether the kernels take this product: a CUDA x of few rows, a single (not stacked) weight
-    in its stored layout, fp8 blocks a multiple of BLOCK_N."""
+    """Whether the kernels take this product: a CUDA x of few rows in a 16- or 32-bit float (they
+    accumulate in float32; a float64 model keeps its own precision through the twin), a single
+    (not stacked) weight in its stored layout, fp8 blocks a power of two from BLOCK_N."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.is_cuda and 0 < rows <= FEW_ROWS and w.qweight.dim() == 2 and w.qweight.is_contiguous()
-            and (w.format != "fp8" or w.group % BLOCK_N == 0) and (w.format != "int4" or w.group % 2 == 0))
+    return (x.is_cuda and 0 < rows <= FEW_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and w.qweight.dim() == 2 and w.qweight.is_contiguous()
+            and (w.format != "fp8" or (w.group % BLOCK_N == 0 and w.group & (w.group - 1) == 0))
+            and (w.format != "int4" or w.group % 2 == 0))
 
 
 def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
