@@ -151,21 +151,39 @@ class Model:
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
                              paging=self.paging)
 
-    def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
+    def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0, journal=None):
         """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a
         fast-mode model on a GPU, else eager), "eager", "planned" (the graph's static plan run
         op by op, any device) or "graph". `reserve`: how many positions the session expects to
         reach; its row logs (K/V, index keys, routes) grow straight to that many rows the first
         time they grow, so a long decode never stops to copy them (if the memory budget refuses
-        the reservation, they grow as needed instead)."""
+        the reservation, they grow as needed instead). `journal`: a new file where each chunk's
+        token ids are written and flushed before the chunk is published (`hebrus.journal`;
+        after a crash, `recover` reaches every committed chunk)."""
         from hebrus.session import Session
-        return Session(self, memory_budget=memory_budget, decode=decode, reserve=reserve)
+        return Session(self, memory_budget=memory_budget, decode=decode, reserve=reserve, journal=journal)
 
     def restore(self, path, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
         """A session exactly as `Session.save` wrote it to `path` (the same digest), or
         InvalidInput when the file is not a session of this model or is damaged."""
         s = self.session(memory_budget=memory_budget, decode=decode, reserve=reserve)
         s._restore(path)
+        return s
+
+    def recover(self, journal, snapshot=None, memory_budget: int | None = None, decode: str = "auto",
+                reserve: int = 0):
+        """After a crash: the session of `snapshot` (a file `Session.save` wrote; None: from the
+        empty state) with the chunks of `journal` past it fed again, each as it was, then
+        journaling on into the same file. Every chunk whose call returned is in the journal."""
+        from hebrus import journal as journals
+        records, _ = journals.read(journal, self.fingerprint)
+        s = self.restore(snapshot, memory_budget, decode, reserve) if snapshot is not None else \
+            self.session(memory_budget, decode, reserve)
+        journals.replay(s, records)
+        s.journal = journals.Journal(journal, self.fingerprint)       # the torn tail, if any, cut off
+        if s.journal.frontier != s.frontier:
+            raise InvalidInput(f"{journal} ends at position {s.journal.frontier}, the recovered session at "
+                               f"{s.frontier}")
         return s
 
     @functools.cached_property

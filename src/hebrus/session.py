@@ -36,7 +36,8 @@ DECODE = ("auto", "eager", "planned", "graph")
 
 
 class Session:
-    def __init__(self, model, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
+    def __init__(self, model, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0,
+                 journal=None):
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
         reserve = arguments.reserve(reserve, model.spec.max_context)
@@ -54,6 +55,14 @@ class Session:
         self.reserve = reserve                  # rows every row log grows to at once, when granted
         self._steps = (DecodeSteps(model, self.image, self.budget, capture=decode == "graph")
                        if decode in ("planned", "graph") else None)
+        self.journal = None                     # a `hebrus.journal.Journal`: each chunk on disk before its flip
+        if journal is not None:
+            from hebrus.journal import Journal
+            self.journal = Journal(journal, model.fingerprint)
+            if self.journal.frontier:
+                self.journal.close()
+                raise InvalidInput(f"{journal} already holds chunks; continue it with "
+                                   f"model.recover({str(journal)!r}, snapshot=...) or journal into a new file")
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
         self._inside: int | None = None         # the thread running a call on this session
 
@@ -200,6 +209,15 @@ class Session:
         return out if out is not None else self.image.read("logits").clone()
 
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+        if self.journal is None:
+            return self._run(ids, out)
+        self.image.before_flip = lambda: self.journal.append(self.frontier, ids)
+        try:
+            self._run(ids, out)
+        finally:
+            self.image.before_flip = None
+
+    def _run(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         if self._steps is not None and self._steps.accepts(ids):
             self._steps.step(ids, out)
             return
@@ -274,6 +292,8 @@ def _batch_sessions(sessions) -> tuple[list, object]:
         raise InvalidInput("the sessions of a batch must share one model object")
     if not model.kernels.batched:
         raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
+    if any(s.journal is not None for s in sessions):
+        raise InvalidInput("journaled sessions feed one at a time (a batch does not write journals yet)")
     return sessions, model
 
 

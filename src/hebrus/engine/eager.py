@@ -1,6 +1,6 @@
 """The eager runner: every stage of a chunk in order, then one validation and the flip.
 
-    begin -> for each stage: run, injection point, seal -> validate -> publish
+    begin -> for each stage: run, injection point, seal -> validate -> before the flip -> publish
 
 Any exception before the flip becomes the `ChunkAborted` of its kind and publishes nothing.
 """
@@ -46,6 +46,8 @@ def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Ten
         try:
             work(txn)
             txn.validate()
+            if txn.image.before_flip is not None:
+                txn.image.before_flip()
         except ChunkAborted:
             raise
         except Exception as exc:

@@ -36,6 +36,9 @@ class Image:
         # set when an aborted transaction may have written rows past the frontier; a runner that
         # reads whole storages (a planned step masks rows rather than slicing them) zeroes them
         self.tail_dirty = False
+        # called once a chunk has passed every check, before its flip (a journal's write); what
+        # it raises aborts the chunk
+        self.before_flip = None
 
     def clean_tails(self) -> None:
         """Zero every appended storage past the public frontier (private rows only)."""
