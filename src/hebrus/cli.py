@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-from pathlib import Path
-
-from hebrus.bench import SHAPES
+from hebrus.bench import command as bench_command
 from hebrus.config import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.session import DECODE
 from hebrus.text import escaped
 from hebrus.weights.quant import QUANT_FORMATS
 
@@ -92,63 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(ver, default_mode="exact")
     ver.set_defaults(handler=_verify)
 
-    bench = sub.add_parser("bench", help="prefill and decode speed against in-place writes and the device's limits",
-                           description="At each context: prefill, then decode, with transactional sessions and "
-                                       "an in-place variant taking turns; beside them the device's copy bandwidth "
-                                       "(the decode floor) and matrix throughput (the prefill roofline). Prints a "
-                                       "table; --json and --table write it.")
-    bench.add_argument("--model", default="small",
-                       help=f"{MODEL_HELP.removesuffix(' (default: tiny)')}, or a random-weight shape "
-                            f"({', '.join(SHAPES)}) written under --cache (default: small)")
-    bench.add_argument("--mode", choices=MODES, default="fast", help="execution mode (default fast)")
-    bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default=None,
-                       help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
-    bench.add_argument("--contexts", default=None,
-                       help="comma-separated prompt lengths; those that leave no room for the decode steps "
-                            "within the model's max_context are skipped (default 1024,32768; with --long "
-                            "1024,8192,32768,131072)")
-    bench.add_argument("--long", action="store_true",
-                       help="instead of --model: the small shape with a 132K context limit, its sparse (QSA) "
-                            "attention against the same model with dense attention over every row; prints "
-                            "both tables and their comparison (decode against the shortest context, dense "
-                            "over sparse)")
-    bench.add_argument("--ple-pages", action="store_true",
-                       help="instead of --model: the small shape with --ple-gib of n-gram tables (a sparse "
-                            "checkpoint under --cache), decoding an English stream with the tables paged "
-                            "through --ple-cache-mib against the same tables resident (both eager)")
-    bench.add_argument("--quant", action="store_true",
-                       help="quantized weights: the trained shakespeare model's validation loss in each of "
-                            "--formats against float (from --val), and --model's decode speed and next-token "
-                            "KL divergence in each format against float")
-    bench.add_argument("--formats", default="int8,int4,int4-zp,fp8", help="formats for --quant (default all)")
-    bench.add_argument("--val", default="recipes/shakespeare/data/val.bin",
-                       help="validation bytes for --quant (default: the recipe's, from its prepare.py)")
-    bench.add_argument("--val-context", type=int, default=8192, help="validation window for --quant (default 8192)")
-    bench.add_argument("--val-bytes", type=int, default=0, help="use only the first N validation bytes (default all)")
-    bench.add_argument("--ple-gib", type=float, default=8.0, help="PLE table size for --ple-pages (default 8)")
-    bench.add_argument("--ple-cache-mib", type=float, default=512.0,
-                       help="page cache for --ple-pages, MiB (default 512)")
-    bench.add_argument("--batch", default="1",
-                       help="comma-separated numbers of sessions decoding together (hebrus.Batch, stepped "
-                            "as --decode says; prefill is not batched and not reported above 1) (default 1)")
-    bench.add_argument("--decode-steps", type=int, default=32, help="decode steps per round (default 32)")
-    bench.add_argument("--rounds", type=int, default=3,
-                       help="timed rounds after one untimed warm-up round at each context; medians are reported "
-                            "(default 3)")
-    bench.add_argument("--chunk", type=int, default=2048, help="prefill chunk length (default 2048)")
-    bench.add_argument("--decode", choices=DECODE, default="auto",
-                       help="how one-token steps run: auto (CUDA graphs for fast mode on a GPU, else eager), "
-                            "eager, planned (the graphs' static plan, uncaptured) or graph (default auto); the "
-                            "in-place variant is captured too when graphs are")
-    bench.add_argument("--compare-transformers", action="store_true",
-                       help="also time transformers on the same checkpoint and device (a checkpoint directory "
-                            "or shape transformers can read; it must be installed)")
-    bench.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    bench.add_argument("--table", metavar="FILE", help="also write the table as Markdown")
-    bench.add_argument("--cache", default=str(Path.home() / ".cache" / "hebrus" / "shapes"),
-                       help="where random-weight shapes are written and reused (default ~/.cache/hebrus/shapes)")
-    bench.set_defaults(handler=_bench)
+    bench_command.add_parser(sub, MODEL_HELP, _load)
 
     quant = sub.add_parser("quantize", help="write a quantized copy of a Hebrus checkpoint",
                            description="Quantize the model's large projections and write a checkpoint that "
@@ -360,141 +300,6 @@ def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()
     console = Console(file=sys.stdout, markup=False, emoji=False, highlight=False,
                       width=None if tty else 10_000)
     console.print(table)
-
-
-MAX_BATCH = 1024
-
-
-def _bench(args) -> int:
-    import torch
-
-    from hebrus import bench
-    from hebrus.progress import ProgressBar
-    for name in ("decode_steps", "rounds", "chunk"):
-        if getattr(args, name) < 1:
-            raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
-    try:
-        batches = tuple(int(b) for b in args.batch.split(","))
-    except ValueError:
-        raise InvalidInput(f"--batch must be comma-separated integers, got {args.batch!r}") from None
-    if not batches or min(batches) < 1 or max(batches) > MAX_BATCH:
-        raise InvalidInput(f"--batch takes sizes from 1 to {MAX_BATCH}")
-    if args.contexts is None:
-        args.contexts = "1024,8192,32768,131072" if args.long else "1024,32768"
-    try:
-        contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        raise InvalidInput(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
-    if not contexts or min(contexts) < 1:
-        raise InvalidInput("--contexts needs positive lengths")
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    if args.long:
-        return _bench_long(args, contexts, batches)
-    if args.ple_pages:
-        return _bench_pages(args)
-    if args.quant:
-        from hebrus.bench import quant
-
-        def load_as(name, quantize):
-            if name in bench.SHAPES:
-                name = str(bench.random_checkpoint(name, Path(args.cache) / name))
-            return load(name, device=args.device, dtype=args.dtype, mode=args.mode, quantize=quantize)
-        return quant.command(args, contexts, batches, load_as)
-    if args.model in bench.SHAPES:
-        args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
-    model = _load(args)
-    model.session(decode=args.decode)                    # refuses a decode the model cannot run
-    if args.compare_transformers and model.source is None:
-        raise InvalidInput("--compare-transformers needs a checkpoint directory or a shape, not a preset")
-    room = model.spec.max_context - args.decode_steps                  # the decode steps come after
-    kept = [c for c in contexts if c <= room]
-    for c in sorted(set(contexts) - set(kept)):
-        print(f"(context {c} skipped: with {args.decode_steps} decode steps it passes the model's max_context "
-              f"{model.spec.max_context})", file=sys.stderr)
-    if not kept:
-        raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within the model's "
-                           f"max_context {model.spec.max_context}")
-    compare = model.source if args.compare_transformers else None
-
-    def write(report: dict) -> None:                    # after every context: a cut-off run keeps its points
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        if args.table:
-            Path(args.table).write_text(bench.table(report))
-
-    report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
-                       ProgressBar("bench", unit="point"), decode=args.decode, compare=compare, on_point=write,
-                       batches=batches)
-    print(bench.table(report), end="")
-    return 0
-
-
-def _bench_pages(args) -> int:
-    from hebrus import bench
-    from hebrus.bench import pages
-    from hebrus.runtime import _device, resolve_dtype
-
-    if args.model != "small" or args.compare_transformers or args.long:
-        raise InvalidInput("--ple-pages builds its own model: leave out --model, --long and --compare-transformers")
-    if not (0 < args.ple_gib <= 256 and 0 <= args.ple_cache_mib <= 2**20):
-        raise InvalidInput("--ple-gib must lie in (0, 256] and --ple-cache-mib in [0, 1048576]")
-    config = pages.paged_config(args.ple_gib * 2**30)
-    folder = pages.sparse_checkpoint(Path(args.cache) / f"ple-pages-{args.ple_gib:g}gib", config)
-    report = pages.run(folder, _device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
-                       prompt=1024, steps=args.decode_steps, rounds=args.rounds)
-    report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
-    text = pages.table(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.table:
-        Path(args.table).write_text(text)
-    print(text, end="")
-    return 0
-
-
-def _bench_long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
-    from hebrus import bench
-    from hebrus.bench import long
-    from hebrus.progress import ProgressBar
-    from hebrus.runtime import _device, resolve_dtype
-
-    if args.model != "small" or args.compare_transformers:
-        raise InvalidInput("--long builds its own two models: leave out --model and --compare-transformers")
-    models = long.long_models(_device(args.device), resolve_dtype(args.dtype), args.mode)
-    room = long.LONG_CONTEXT - args.decode_steps
-    kept = [c for c in contexts if c <= room]
-    if not kept:
-        raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within {long.LONG_CONTEXT}")
-    reports: dict[str, dict] = {}
-    device = _device(args.device)
-    bandwidth = bench.copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
-    layers = [long.layer_point(model, c, bandwidth) | {"model": name} for name, model in models.items() for c in kept]
-
-    def write(name: str | None = None, report: dict | None = None) -> None:
-        if name is not None:
-            reports[name] = report
-        combined = {**reports, "comparison": long.comparison(reports) if len(reports) == 2 else [], "layer": layers}
-        if args.json:
-            Path(args.json).write_text(json.dumps(combined, indent=2) + "\n")
-        if args.table:
-            Path(args.table).write_text("".join(bench.table(r) + "\n" for r in reports.values())
-                                        + long.table(combined["comparison"]) + "\n" + long.layer_table(layers))
-
-    write()
-    print(long.layer_table(layers))
-
-    for name, model in models.items():
-        model.session(decode=args.decode)
-        report = bench.run(model, f"small, {name} attention", kept, args.decode_steps, args.rounds, args.chunk,
-                           ProgressBar(f"bench {name}", unit="point"), decode=args.decode,
-                           on_point=lambda r, name=name: write(name, r), batches=batches)
-        write(name, report)
-        print(bench.table(report))
-        del model
-        models[name] = None
-    print(long.table(long.comparison(reports)), end="")
-    return 0
 
 
 def _info(args) -> int:
