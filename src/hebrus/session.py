@@ -28,7 +28,7 @@ from hebrus.errors import AllocationError, ChunkAborted, InvalidInput
 from hebrus.layers.kernels import top_k_chooser
 from hebrus.sampling import Sampling, penalise, sample
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
-from hebrus.state.image import Image
+from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
 
 
@@ -97,6 +97,21 @@ class Session:
             return self.image.read("logits").clone()
 
     # ---- transactions ----------------------------------------------------------------------
+    def fork(self) -> "Session":
+        """A new session at this one's frontier with the same state: banked values copied, row
+        logs shared (no row is copied, whatever the context length). The two then diverge
+        independently: the first chunk either one feeds writes its rows into a copy of its own,
+        so neither ever sees the other's later rows. The fork has this session's memory budget
+        limit, decode route and reservation, and no journal."""
+        with self._exclusive():
+            fork = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve)
+            record = self.image.public
+            for name, value in self.image.banks[record.bank].items():
+                fork.image.banks[0][name].copy_(value)
+            fork.image.publish(Published(bank=0, frontier=record.frontier, storages=record.storages))
+            fork.image.share(self.image)
+            return fork
+
     def save(self, path) -> None:
         """Write the published state to the file `path` atomically (a temporary file, flushed,
         renamed over it), with its digest and the model's fingerprint: `model.restore(path)`

@@ -109,8 +109,7 @@ class BatchSteps:
         return [s.image.public.storages for s in self.sessions]
 
     def accepts(self) -> bool:
-        return not faults.armed() and all(
-            all(st.shape[0] > s.image.public.frontier for st in s.image.public.storages) for s in self.sessions)
+        return not faults.armed() and all(s.image.room() for s in self.sessions)
 
     def reservation(self) -> list[int]:
         """Rows to extend each session's storage to when one of them must grow: what the

@@ -82,11 +82,10 @@ class DecodeSteps:
 
     def accepts(self, ids: torch.Tensor) -> bool:
         """Whether this chunk can run from the plan: one token, no fault armed, and every row
-        log already holding the row."""
+        log already holding the row, in storage of its own (not shared with a fork)."""
         if len(ids) != 1 or faults.armed():
             return False
-        record = self.image.public
-        return all(storage.shape[0] > record.frontier for storage in record.storages)
+        return self.image.room()
 
     def retire_stale(self) -> None:
         """Drop graphs captured for storage the session no longer holds (after an eager chunk

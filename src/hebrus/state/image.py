@@ -39,6 +39,21 @@ class Image:
         # called once a chunk has passed every check, before its flip (a journal's write); what
         # it raises aborts the chunk
         self.before_flip = None
+        # ids of row storages another session's image holds too (a fork's): their rows below the
+        # frontier are read by both, so a chunk never writes them in place but into a copy
+        self.shared: set[int] = set()
+
+    def share(self, other: "Image") -> None:
+        """Make `other`'s public record this image's rows (a fork), both marking them shared."""
+        ids = {id(st) for st in other.public.storages}
+        self.shared |= ids
+        other.shared |= ids
+
+    def room(self) -> bool:
+        """Whether every row log can take the next row in place: capacity past the frontier,
+        and not shared with another session."""
+        record = self.public
+        return all(st.shape[0] > record.frontier and id(st) not in self.shared for st in record.storages)
 
     def clean_tails(self) -> None:
         """Zero every appended storage past the public frontier (private rows only)."""

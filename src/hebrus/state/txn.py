@@ -104,11 +104,14 @@ class Transaction:
         i = self.image.slot[name]
         storage = self.storages[i]
         need = self.frontier + self.length
-        if storage.shape[0] < need:
+        shared = storage is self.record.storages[i] and id(storage) in self.image.shared
+        if storage.shape[0] < need or shared:
             if self.planned:
                 raise StructuralError(self.stage, f"{name} holds {storage.shape[0]} rows; a planned step "
-                                      f"needs {need} reserved")
-            storage = self._grow(name, storage, need)
+                                      f"needs {need} reserved and unshared")
+            # shared with a fork: rows are copied at the same capacity, then written here alone
+            storage = self._grow(name, storage, need) if storage.shape[0] < need else \
+                self._allocate(name, storage, storage.shape[0], self.frontier)
             self.storages[i] = storage
         self._rows_handed = True
         if self.planned:                    # the rows at the device-side positions, once written
