@@ -147,6 +147,49 @@ class Session:
             self._check_room(len(chunk))
             return self._transact(chunk, out)
 
+    def feed_prefix(self, ids, accept) -> tuple[int, torch.Tensor]:
+        """Run `ids` [T], decide from the chunk's own logits how many of its tokens to keep, and
+        publish only those: `accept(logits)` gets the logits at every position [T, V] and returns
+        k in 0..T; the session then holds exactly what feeding `ids[:k]` alone gives (exact mode:
+        bit for bit). Returns (k, logits [T, V]). A failure in either pass publishes nothing.
+
+        This is the readable form: the chunk runs once for its logits, as a transaction that
+        ends before its flip (so it publishes nothing), then its first k tokens run as one."""
+        chunk = self._ids(ids)
+        self._check_faults()
+        if not callable(accept):
+            raise InvalidInput("accept must be a function of the chunk's logits [T, V] returning 0..T")
+        with self._exclusive():
+            self._check_room(len(chunk))
+            logits = self._logits_at_every_position(chunk)
+            k = accept(logits)
+            if isinstance(k, torch.Tensor) and k.numel() == 1:
+                k = int(k)
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= len(chunk):
+                raise InvalidInput(f"accept returned {k!r}; it must return an integer from 0 to {len(chunk)}")
+            if k:
+                self._transact(chunk[:k], None)
+            return k, logits
+
+    def _logits_at_every_position(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The chunk's logits [T, V] from a transaction stopped before its flip, each position's
+        computed as the head computes a chunk's last (one row, in a buffer of its own), so they
+        are the bits feeding the chunk up to that position would publish (exact mode)."""
+        head = self.model.stages[-1]
+
+        def stop(txn) -> None:
+            X = txn.local["streams"]
+            raise _Seen(torch.cat([head.logits(X[t:t + 1].clone()) for t in range(X.shape[0])]))
+        saved, self.image.before_flip = self.image.before_flip, stop      # no journal record either
+        try:
+            with torch.inference_mode():
+                eager.run_chunk(self.model, self.image, self.budget, chunk, None, self.reserve)
+        except _Seen as seen:
+            return seen.logits
+        finally:
+            self.image.before_flip = saved
+        raise RuntimeError("the transaction reached its flip")          # unreachable: stop always raises
+
     def prefill(self, ids, chunk_size: int = 64) -> torch.Tensor:
         """Feed `ids` in chunks of `chunk_size`, one transaction each, with no other caller's
         chunk in between. If a chunk fails, the error's `.published` says how many tokens of
@@ -226,7 +269,7 @@ class Session:
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
         if self.journal is None:
             return self._run(ids, out)
-        self.image.before_flip = lambda: self.journal.append(self.frontier, ids)
+        self.image.before_flip = lambda txn: self.journal.append(self.frontier, ids)
         try:
             self._run(ids, out)
         finally:
@@ -264,6 +307,15 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+class _Seen(ChunkAborted):
+    """Ends a transaction before its flip, carrying what it computed (`feed_prefix`)."""
+    kind = "seen"
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__("head", "stopped before the flip")
+        self.logits = logits
 
 
 def feed_many(sessions, tokens, outs=None) -> list:

@@ -47,7 +47,7 @@ def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Ten
             work(txn)
             txn.validate()
             if txn.image.before_flip is not None:
-                txn.image.before_flip()
+                txn.image.before_flip(txn)
         except ChunkAborted:
             raise
         except Exception as exc:

@@ -36,8 +36,8 @@ class Image:
         # set when an aborted transaction may have written rows past the frontier; a runner that
         # reads whole storages (a planned step masks rows rather than slicing them) zeroes them
         self.tail_dirty = False
-        # called once a chunk has passed every check, before its flip (a journal's write); what
-        # it raises aborts the chunk
+        # called with the transaction once a chunk has passed every check, before its flip (a
+        # journal's write); what it raises aborts the chunk
         self.before_flip = None
         # ids of row storages another session's image holds too (a fork's): their rows below the
         # frontier are read by both, so a chunk never writes them in place but into a copy
