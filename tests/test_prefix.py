@@ -92,3 +92,53 @@ def test_only_the_kept_prefix_is_journaled(tmp_path, tiny_fast):
     s.journal.close()
     back = tiny_fast.recover(tmp_path / "j")
     assert back.frontier == 7 and back.digest() == s.digest()
+
+
+def test_lookup_drafts_what_followed_the_latest_ngram():
+    from hebrus.session import lookup
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 4) == [7, 5, 1, 2]      # the latest 3-gram match
+    assert lookup([4, 8, 4], 3) == [8, 4]                                     # down to one token
+    assert lookup([1, 2, 3], 5) == [] and lookup([1, 1], 0) == []
+
+
+@pytest.mark.parametrize("name", ["tiny", "shakespeare"])
+def test_speculative_greedy_decoding_gives_the_plain_greedy_output(name, monkeypatch):
+    """Exact mode: the same tokens and the same final state, bit for bit, with chunks of several
+    tokens kept at once where the drafts agree."""
+    from hebrus.session import Session
+    model = hebrus.load(name)
+    prompt = list(b"To be, or not to be, that is the question. To be, or not to be, that is")
+    plain = model.session()
+    want = list(plain.generate(prompt, max_new_tokens=30))
+    kept = []
+    real = Session.feed_prefix
+
+    def counted(self, ids, accept):
+        k, logits = real(self, ids, accept)
+        kept.append(k)
+        return k, logits
+    monkeypatch.setattr(Session, "feed_prefix", counted)
+    spec = model.session()
+    got = list(spec.generate(prompt, max_new_tokens=30, speculate="lookup"))
+    assert got == want and spec.digest() == plain.digest()
+    assert kept                                       # drafts were tried ...
+    if name == "shakespeare":                         # ... and a trained model agrees with some
+        assert max(kept) > 1
+
+
+def test_speculation_stops_where_plain_decoding_stops(tiny):
+    prompt = list(b"abcabcabcabc")
+    plain = list(tiny.session().generate(prompt, max_new_tokens=12))
+    stop = plain[4]
+    want = plain[:plain.index(stop) + 1]
+    got = list(tiny.session().generate(prompt, max_new_tokens=12, speculate="lookup", stop_ids=[stop]))
+    assert got == want
+    assert len(list(tiny.session().generate(prompt, max_new_tokens=5, speculate="lookup"))) == 5
+
+
+def test_speculation_is_greedy_only(tiny):
+    s = tiny.session()
+    with pytest.raises(InvalidInput, match="greedily"):
+        s.generate([1, 2], temperature=0.7, speculate="lookup")
+    with pytest.raises(InvalidInput, match="'lookup'"):
+        s.generate([1, 2], speculate="draft")

@@ -203,12 +203,20 @@ class Session:
 
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, chunk_size: int = 64, *, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=()) -> Iterator[int]:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=(),
+                 speculate: str | None = None, draft_tokens: int = 8) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction, ending after `max_new_tokens` or after a token in `stop_ids` (which
         is yielded and committed). The repetition penalty counts `ids`, `seen` (ids fed earlier
         that should count too) and the tokens generated. Every argument is checked now; tokens
-        come as you iterate."""
+        come as you iterate.
+
+        `speculate="lookup"` (greedy decoding only): after each greedy token, up to
+        `draft_tokens` more are drafted by finding the latest n-gram (n = 3, 2, 1) of the text so
+        far (`seen`, `ids` and the output) earlier in it and taking what followed; the token and
+        its draft run as one chunk, and `feed_prefix` keeps the longest part the model's own
+        greedy choices agree with. The output is the plain greedy output (exact mode: the same
+        tokens, bit for bit the same state)."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = arguments.chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
@@ -220,12 +228,54 @@ class Session:
         earlier = arguments.in_vocabulary(arguments.token_ids(seen, self.spec.max_context, "seen ids"),
                                           self.spec.vocab_size).tolist()
         generator = arguments.generator(seed)
+        if speculate is not None:
+            if speculate != "lookup":
+                raise InvalidInput(f"speculate must be None or 'lookup', got {speculate!r}")
+            if sampling.temperature != 0.0 or sampling.repetition_penalty != 1.0:
+                raise InvalidInput("speculate decodes greedily: temperature 0 and no repetition penalty")
+            draft_tokens = arguments.count("draft_tokens", draft_tokens)
         self._check_faults()
         with self._exclusive():
             if not len(prompt) and self.frontier == 0:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
+        if speculate is not None:
+            return self._speculate(prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens)
         return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
+
+    def _speculate(self, prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens):
+        start = self.frontier
+        history = earlier + prompt.tolist()
+        try:
+            logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
+            made = 0
+            while made < max_new_tokens:
+                token = int(torch.argmax(logits))
+                draft = lookup(history + [token], min(draft_tokens, max_new_tokens - made - 1))
+                chunk = [token] + draft
+
+                def agreeing(chunk_logits, chunk=chunk):
+                    k = 1
+                    while k < len(chunk) and chunk[k - 1] not in stops \
+                            and int(torch.argmax(chunk_logits[k - 1])) == chunk[k]:
+                        k += 1
+                    return k
+                if draft:
+                    k, chunk_logits = self.feed_prefix(chunk, agreeing)
+                    logits = chunk_logits[k - 1]
+                else:
+                    k, logits = 1, self.feed([token])
+                for t in chunk[:k]:
+                    history.append(t)
+                    made += 1
+                    yield t
+                    if t in stops:
+                        return
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            _published(exc, self.frontier - start)
+            raise
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
         start = self.frontier
@@ -307,6 +357,19 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+def lookup(history: list[int], most: int, longest: int = 3) -> list[int]:
+    """Up to `most` tokens that followed the latest earlier occurrence of the history's last
+    n-gram (n from `longest` down to 1); none if no n-gram recurs."""
+    if most <= 0:
+        return []
+    for n in range(min(longest, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for at in range(len(history) - n - 1, -1, -1):
+            if history[at:at + n] == tail:
+                return history[at + n:at + n + most]
+    return []
 
 
 class _Seen(ChunkAborted):
