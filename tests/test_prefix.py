@@ -95,7 +95,7 @@ def test_only_the_kept_prefix_is_journaled(tmp_path, tiny_fast):
 
 
 def test_lookup_drafts_what_followed_the_latest_ngram():
-    from hebrus.session import lookup
+    from hebrus.speculate import lookup
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 4) == [7, 5, 1, 2]      # the latest 3-gram match
     assert lookup([4, 8, 4], 3) == [8, 4]                                     # down to one token
     assert lookup([1, 2, 3], 5) == [] and lookup([1, 1], 0) == []

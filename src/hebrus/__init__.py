@@ -7,8 +7,9 @@ from hebrus.config import HebrusConfig
 from hebrus.errors import (FAULT_KINDS, AllocationError, CheckpointError, ChunkAborted, CommandError,
                            DeviceStatusError, InvalidInput, NonFiniteError, StructuralError)
 from hebrus.faults import inject
+from hebrus.batching import Batch, feed_many
 from hebrus.runtime import Model, load
-from hebrus.session import Batch, Session, feed_many
+from hebrus.session import Session
 
 __version__ = "0.1.0"
 

@@ -45,6 +45,18 @@ class ChunkAborted(RuntimeError):
         return self
 
 
+def note_published(exc: BaseException, count: int) -> None:
+    """Tell the caller of a multi-transaction call how many of its tokens were committed
+    before `exc` (a signal's exception can arrive after a chunk published)."""
+    if isinstance(exc, ChunkAborted):
+        exc.with_published(count)
+        return
+    try:
+        exc.published = count
+    except AttributeError:                      # an exception type that takes no attributes
+        pass
+
+
 class StructuralError(ChunkAborted):
     kind = "structural"
 

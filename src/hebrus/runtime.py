@@ -25,7 +25,7 @@ from hebrus.weights.files import folder_path
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
-from hebrus.ops.quant import CACHE_FORMATS, all_finite
+from hebrus.ops.quant import all_finite, check_cache_format
 from hebrus.weights.quant import Quantization, check_parts, quantize_params
 
 MODES = ("exact", "fast")
@@ -93,8 +93,7 @@ class Model:
         """The same weights (shared) with attention's K/V rows and index keys stored as "int8"
         or "fp8" codes with a float32 scale per row (per head of a K/V row), or None: in the
         model's dtype."""
-        if kv_cache is not None and kv_cache not in CACHE_FORMATS:
-            raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
+        check_cache_format(kv_cache)
         if kv_cache is not None and not self.spec.has_attention:
             raise InvalidInput(f"kv_cache quantizes attention's rows; this {self.spec.family} model has no attention "
                                f"layers")
@@ -210,8 +209,7 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     checkpoint stored quantized (its config's `quantization_config`) loads as it is stored.
     `kv_cache`: "int8" or "fp8" to keep attention's rows as codes with a scale per row
     (`Model.with_kv_cache`)."""
-    if kv_cache is not None and kv_cache not in CACHE_FORMATS:
-        raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
+    check_cache_format(kv_cache)                            # before anything is read
     model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
                   if quantize is not None else None)
     model = model.quantized(quantize) if quantize is not None else model

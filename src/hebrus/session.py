@@ -15,18 +15,19 @@ the published record and needs no lock.
 from __future__ import annotations
 
 import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from hebrus import arguments, faults
-from hebrus.engine import batch, eager
+from hebrus.engine import eager
 from hebrus.engine.graphs import DecodeSteps
-from hebrus.errors import AllocationError, ChunkAborted, InvalidInput
+from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
 from hebrus.layers.kernels import top_k_chooser
 from hebrus.sampling import Sampling, penalise, sample
+from hebrus.speculate import greedy_with_lookup
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
@@ -240,42 +241,8 @@ class Session:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
         if speculate is not None:
-            return self._speculate(prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens)
+            return greedy_with_lookup(self, prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens)
         return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
-
-    def _speculate(self, prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens):
-        start = self.frontier
-        history = earlier + prompt.tolist()
-        try:
-            logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
-            made = 0
-            while made < max_new_tokens:
-                token = int(torch.argmax(logits))
-                draft = lookup(history + [token], min(draft_tokens, max_new_tokens - made - 1))
-                chunk = [token] + draft
-
-                def agreeing(chunk_logits, chunk=chunk):
-                    k = 1
-                    while k < len(chunk) and chunk[k - 1] not in stops \
-                            and int(torch.argmax(chunk_logits[k - 1])) == chunk[k]:
-                        k += 1
-                    return k
-                if draft:
-                    k, chunk_logits = self.feed_prefix(chunk, agreeing)
-                    logits = chunk_logits[k - 1]
-                else:
-                    k, logits = 1, self.feed([token])
-                for t in chunk[:k]:
-                    history.append(t)
-                    made += 1
-                    yield t
-                    if t in stops:
-                        return
-        except GeneratorExit:
-            raise
-        except BaseException as exc:
-            _published(exc, self.frontier - start)
-            raise
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
         start = self.frontier
@@ -296,7 +263,7 @@ class Session:
         except GeneratorExit:                     # the caller closed the generator
             raise
         except BaseException as exc:              # Ctrl-C: the token may be committed, not yet yielded
-            _published(exc, self.frontier - start)
+            note_published(exc, self.frontier - start)
             raise
 
     def _prefill(self, tokens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -305,7 +272,7 @@ class Session:
             try:
                 logits = self._transact(tokens[begin:begin + chunk_size], None)
             except BaseException as exc:
-                _published(exc, self.frontier - start)
+                note_published(exc, self.frontier - start)
                 raise
         return logits
 
@@ -359,19 +326,6 @@ class Session:
                                + ", ".join(self._stage_names))
 
 
-def lookup(history: list[int], most: int, longest: int = 3) -> list[int]:
-    """Up to `most` tokens that followed the latest earlier occurrence of the history's last
-    n-gram (n from `longest` down to 1); none if no n-gram recurs."""
-    if most <= 0:
-        return []
-    for n in range(min(longest, len(history) - 1), 0, -1):
-        tail = history[-n:]
-        for at in range(len(history) - n - 1, -1, -1):
-            if history[at:at + n] == tail:
-                return history[at + n:at + n + most]
-    return []
-
-
 class _Seen(ChunkAborted):
     """Ends a transaction before its flip, carrying what it computed (`feed_prefix`)."""
     kind = "seen"
@@ -379,112 +333,6 @@ class _Seen(ChunkAborted):
     def __init__(self, logits: torch.Tensor):
         super().__init__("head", "stopped before the flip")
         self.logits = logits
-
-
-def feed_many(sessions, tokens, outs=None) -> list:
-    """One token for each of several sessions of one fast-mode model, in one pass (the stages run
-    once for all of them); each session is its own transaction. Returns, per session in order,
-    its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
-    `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
-    argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
-    that arrives while the sessions publish is delivered once they all have; its exception
-    carries `.results`, the list above. (`Batch` does the same for a fixed list of sessions,
-    step after step, from CUDA graphs on a GPU.)"""
-    sessions, model = _batch_sessions(sessions)
-    return _feed_together(sessions, model, tokens, outs, None)
-
-
-class Batch:
-    """A fixed list of sessions of one fast-mode model that step together, one token each, call
-    after call (a decode loop over many conversations). `feed` is `feed_many` for them; the
-    static step plan is kept between calls, captured as CUDA graphs with `decode="graph"` (the
-    default on a GPU; "planned" runs the plan uncaptured, "eager" runs every step as
-    `feed_many` does)."""
-
-    def __init__(self, sessions, decode: str = "auto"):
-        self.sessions, self.model = _batch_sessions(sessions)
-        self.decode = _decode(self.model, decode)
-        self._steps = (batch.BatchSteps(self.model, self.sessions, capture=self.decode == "graph")
-                       if self.decode in ("planned", "graph") else None)
-
-    def feed(self, tokens, outs=None) -> list:
-        return _feed_together(self.sessions, self.model, tokens, outs, self._steps)
-
-
-def _batch_sessions(sessions) -> tuple[list, object]:
-    sessions = list(sessions) if isinstance(sessions, (list, tuple)) else None
-    if not sessions or not all(isinstance(s, Session) for s in sessions):
-        raise InvalidInput("sessions must be a non-empty list of hebrus sessions")
-    if len({id(s) for s in sessions}) != len(sessions):
-        raise InvalidInput("each session may appear once in a batch")
-    model = sessions[0].model
-    if any(s.model is not model for s in sessions):
-        raise InvalidInput("the sessions of a batch must share one model object")
-    if not model.kernels.batched:
-        raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
-    if any(s.journal is not None for s in sessions):
-        raise InvalidInput("journaled sessions feed one at a time (a batch does not write journals yet)")
-    return sessions, model
-
-
-def _feed_together(sessions, model, tokens, outs, steps) -> list:
-    ids = arguments.in_vocabulary(arguments.token_ids(tokens, model.spec.max_context), model.spec.vocab_size)
-    if len(ids) != len(sessions):
-        raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
-    if outs is None:
-        outs = [None] * len(sessions)
-    elif not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
-        raise InvalidInput(f"outs must be None or a list of {len(sessions)} tensors or Nones")
-    outs = list(outs)                           # checked and used from this copy only
-    for s, out in zip(sessions, outs):
-        s._check_out(out)
-    spans = sorted((o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()) for o in outs if o is not None)
-    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
-        raise InvalidInput("outs must not overlap: each session's logits need their own memory")
-    for s in sessions:
-        s._check_faults()
-    with ExitStack() as held:
-        for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
-            held.enter_context(s._exclusive())
-        for i, s in enumerate(sessions):
-            try:
-                s._check_room(1)
-            except InvalidInput as exc:
-                raise InvalidInput(f"session {i}: {exc}") from None
-        try:
-            with torch.inference_mode():
-                if faults.armed():              # injection points are the eager runner's: one at a time
-                    return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
-                if steps is not None and steps.accepts():
-                    return steps.step(ids, outs)
-                reserve = steps.reservation() if steps is not None else None
-                return batch.run_tokens(model, sessions, ids, outs, reserve)
-        finally:
-            for s in sessions:
-                if s._steps is not None:
-                    s._steps.retire_stale()
-            if steps is not None:
-                steps.retire_stale()
-
-
-def _fed_alone(session: Session, ids: torch.Tensor, out):
-    """One session's token through its own runner (the caller holds its lock)."""
-    try:
-        return session._transact(ids, out)
-    except ChunkAborted as exc:
-        return exc
-
-
-def _published(exc: BaseException, count: int) -> None:
-    """Tell the caller of a multi-transaction call how many of its tokens were committed
-    before `exc` (a signal's exception can arrive after a chunk published)."""
-    if isinstance(exc, ChunkAborted):
-        exc.with_published(count)
-        return
-    try:
-        exc.published = count
-    except AttributeError:                      # an exception type that takes no attributes
-        pass
 
 
 def _decode(model, decode) -> str:

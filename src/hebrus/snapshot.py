@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hebrus.errors import InvalidInput
-from hebrus.state.image import Image, Published
+from hebrus.state.image import Image, Published, tensor_bytes
 from hebrus.state.owners import APPENDED
 from hebrus.weights.atomic import fsync
 
@@ -97,10 +97,10 @@ def model_fingerprint(model) -> str:
         h.update(f"{spec.name}|{spec.kind}|{spec.dtype}|{spec.shape}|".encode())
     for name, p in sorted(model.named_parameters()):
         h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
-        h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(p))
     for name, table in sorted(model.paged.items()):
         h.update(f"{name}|paged|{table.dtype}|{table.shape}|".encode())
-        h.update(table.source.read(0, table.rows).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(table.source.read(0, table.rows)))
     return h.hexdigest()
 
 

@@ -9,11 +9,16 @@ end of a fixed set of prompts.
 """
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import torch
 
-from hebrus import training
+from hebrus import bench, training
+from hebrus.errors import InvalidInput
+from hebrus.progress import ProgressBar
+from hebrus.weights.quant import QUANT_FORMATS
 
 QUALITY_TARGETS = {"int8": 0.005, "fp8": 0.005, "int4": 0.03, "int4-zp": 0.03}     # loss increase allowed
 SPEED_TARGETS = {"int4": 2.0, "int4-zp": 2.0, "fp8": 1.6}                         # × the float decode tok/s
@@ -101,14 +106,6 @@ def command(args, contexts: list[int], batches: tuple[int, ...], load) -> int:
     """`hebrus bench --quant`: quality on the trained model (skipped without its validation
     file, with a note), speed and divergence on `--model`. `load(name, quantize)` loads a model
     as the other bench commands do. Writes --json and --table after every part."""
-    import json
-    import sys
-
-    from hebrus import bench
-    from hebrus.errors import InvalidInput
-    from hebrus.progress import ProgressBar
-    from hebrus.weights.quant import QUANT_FORMATS
-
     if args.val_context < 1 or args.val_bytes < 0:
         raise InvalidInput("--val-context must be at least 1 and --val-bytes at least 0")
     formats = [f for f in args.formats.split(",") if f]

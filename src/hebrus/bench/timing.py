@@ -81,7 +81,7 @@ def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
 
 
 def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
-    from hebrus.session import Batch
+    from hebrus.batching import Batch
     decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
     for r in range(rounds + 1):
         first, inplace = model.session(decode="eager"), InPlaceSession(model)

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from hebrus.layers.spec import ModelSpec
+from hebrus.ops.quant import CACHE_DTYPES
 from hebrus.state.owners import APPENDED, OwnerSpec
-
-CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}      # a quantized cache's row dtypes
 
 
 def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:
@@ -29,7 +28,7 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
                 OwnerSpec(p + "gdn.recurrent", (c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim), state_dtype),
             ]
         elif kind in ("qsa", "attention"):
-            kv, rows = (c.attn_kv_heads, c.attn_head_dim), dtype if c.kv_cache is None else CODES[c.kv_cache]
+            kv, rows = (c.attn_kv_heads, c.attn_head_dim), dtype if c.kv_cache is None else CACHE_DTYPES[c.kv_cache]
             specs += [OwnerSpec(f"{p}{kind}.k", kv, rows, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, rows, APPENDED)]
             if kind == "qsa":
                 specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), rows, APPENDED))

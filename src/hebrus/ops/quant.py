@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hebrus.errors import InvalidInput
+
 FORMATS = ("int8", "int4", "fp8")
 GROUP = 128           # int4: inputs per scale
 BLOCK = 128           # fp8: rows and columns per scale
@@ -180,15 +182,22 @@ def _expand(per_group: torch.Tensor, group: int, dim: int, size: int) -> torch.T
     return per_group.repeat_interleave(group, dim=dim).narrow(dim, 0, size)
 
 
-CACHE_FORMATS = ("int8", "fp8")
-_CODES = {"int8": (torch.int8, 127.0), "fp8": (FP8, FP8_MAX)}
+CACHE_DTYPES = {"int8": torch.int8, "fp8": FP8}      # a quantized cache's code dtypes
+CACHE_FORMATS = tuple(CACHE_DTYPES)
+_TOP = {"int8": 127.0, "fp8": FP8_MAX}                # the largest code
+
+
+def check_cache_format(kv_cache) -> None:
+    """InvalidInput unless `kv_cache` is None or one of CACHE_FORMATS."""
+    if kv_cache is not None and kv_cache not in CACHE_FORMATS:
+        raise InvalidInput(f"kv_cache must be one of {', '.join(CACHE_FORMATS)} or None, got {kv_cache!r}")
 
 
 def quantize_rows(x: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache rows x [..., d] -> (codes [..., d], float32 scales [...]): one scale per row (per
     head of a K/V row), its largest magnitude over the code range; 1 for a row of zeros. A
     non-finite row gets a non-finite scale, which the stage's finite checks see."""
-    dtype, top = _CODES[format]
+    dtype, top = CACHE_DTYPES[format], _TOP[format]
     amax = x.detach().float().abs().amax(-1)
     scale = _scale(amax, top)
     scaled = x.float() / scale.unsqueeze(-1)

@@ -88,5 +88,10 @@ class Image:
         for spec in self.specs:
             value = self.value(spec.name, record)
             h.update(f"{spec.name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
-            h.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(tensor_bytes(value))
         return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in memory order, on the host: what digests and fingerprints hash."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -11,7 +11,7 @@ or steer discrete choices. A quantized weight `X.weight` (or an expert stack `X`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,10 +195,6 @@ def restrict_dtypes(table, q: Quantization) -> None:
             return (stored[part_dtype(name, q)],)
         return allowed(name)
     table.dtypes = dtypes
-
-
-def with_quantization(spec, q: Quantization | None):
-    return replace(spec, quantization=q)
 
 
 SCALE_SUFFIX = "_scale_inv"        # an fp8 file tensor's block scales, beside it (`X.weight_scale_inv`)

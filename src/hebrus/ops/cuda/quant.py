@@ -19,10 +19,6 @@ FEW_ROWS = 16
 BLOCK_N = 16
 
 
-def available() -> bool:
-    return True
-
-
 @triton.jit
 def _int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m, pid = tl.program_id(1), tl.program_id(0)

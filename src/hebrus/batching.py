@@ -1,0 +1,106 @@
+"""Several sessions fed one token each in one pass (`feed_many`, `Batch`): the stages run once
+for all of them, each session its own transaction."""
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+from hebrus import arguments, faults
+from hebrus.engine import batch
+from hebrus.errors import ChunkAborted, InvalidInput
+from hebrus.session import Session, _decode
+
+
+def feed_many(sessions, tokens, outs=None) -> list:
+    """One token for each of several sessions of one fast-mode model, in one pass (the stages run
+    once for all of them); each session is its own transaction. Returns, per session in order,
+    its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
+    `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
+    argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
+    that arrives while the sessions publish is delivered once they all have; its exception
+    carries `.results`, the list above. (`Batch` does the same for a fixed list of sessions,
+    step after step, from CUDA graphs on a GPU.)"""
+    sessions, model = _batch_sessions(sessions)
+    return _feed_together(sessions, model, tokens, outs, None)
+
+
+class Batch:
+    """A fixed list of sessions of one fast-mode model that step together, one token each, call
+    after call (a decode loop over many conversations). `feed` is `feed_many` for them; the
+    static step plan is kept between calls, captured as CUDA graphs with `decode="graph"` (the
+    default on a GPU; "planned" runs the plan uncaptured, "eager" runs every step as
+    `feed_many` does)."""
+
+    def __init__(self, sessions, decode: str = "auto"):
+        self.sessions, self.model = _batch_sessions(sessions)
+        self.decode = _decode(self.model, decode)
+        self._steps = (batch.BatchSteps(self.model, self.sessions, capture=self.decode == "graph")
+                       if self.decode in ("planned", "graph") else None)
+
+    def feed(self, tokens, outs=None) -> list:
+        return _feed_together(self.sessions, self.model, tokens, outs, self._steps)
+
+
+def _batch_sessions(sessions) -> tuple[list, object]:
+    sessions = list(sessions) if isinstance(sessions, (list, tuple)) else None
+    if not sessions or not all(isinstance(s, Session) for s in sessions):
+        raise InvalidInput("sessions must be a non-empty list of hebrus sessions")
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise InvalidInput("each session may appear once in a batch")
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
+        raise InvalidInput("the sessions of a batch must share one model object")
+    if not model.kernels.batched:
+        raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
+    if any(s.journal is not None for s in sessions):
+        raise InvalidInput("journaled sessions feed one at a time (a batch does not write journals yet)")
+    return sessions, model
+
+
+def _feed_together(sessions, model, tokens, outs, steps) -> list:
+    ids = arguments.in_vocabulary(arguments.token_ids(tokens, model.spec.max_context), model.spec.vocab_size)
+    if len(ids) != len(sessions):
+        raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
+    if outs is None:
+        outs = [None] * len(sessions)
+    elif not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
+        raise InvalidInput(f"outs must be None or a list of {len(sessions)} tensors or Nones")
+    outs = list(outs)                           # checked and used from this copy only
+    for s, out in zip(sessions, outs):
+        s._check_out(out)
+    spans = sorted((o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()) for o in outs if o is not None)
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise InvalidInput("outs must not overlap: each session's logits need their own memory")
+    for s in sessions:
+        s._check_faults()
+    with ExitStack() as held:
+        for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
+            held.enter_context(s._exclusive())
+        for i, s in enumerate(sessions):
+            try:
+                s._check_room(1)
+            except InvalidInput as exc:
+                raise InvalidInput(f"session {i}: {exc}") from None
+        try:
+            with torch.inference_mode():
+                if faults.armed():              # injection points are the eager runner's: one at a time
+                    return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
+                if steps is not None and steps.accepts():
+                    return steps.step(ids, outs)
+                reserve = steps.reservation() if steps is not None else None
+                return batch.run_tokens(model, sessions, ids, outs, reserve)
+        finally:
+            for s in sessions:
+                if s._steps is not None:
+                    s._steps.retire_stale()
+            if steps is not None:
+                steps.retire_stale()
+
+
+def _fed_alone(session: Session, ids: torch.Tensor, out):
+    """One session's token through its own runner (the caller holds its lock)."""
+    try:
+        return session._transact(ids, out)
+    except ChunkAborted as exc:
+        return exc
