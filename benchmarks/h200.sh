@@ -6,7 +6,9 @@
 # at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), eager (the 1.68B
 # shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), pages (bench
 # --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
-# model's validation loss per format, and the 1.68B shape's decode per format).
+# model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
+# 1.68B shape's greedy decoding plain, with prompt lookup and with its int8 twin as a draft model, and
+# the cost of a fork at 1K and 32K; then the same for the trained shakespeare model).
 # Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -19,7 +21,7 @@ for part in "$@"; do
     case $part in
     tests)
         # failures first, in short form; torch's captured debug logging left out
-        timeout 420 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
+        timeout 560 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
             ${HEBRUS_TESTS:+-k "$HEBRUS_TESTS"} > "$out/test-cuda.txt" 2>&1
         tail -3 "$out/test-cuda.txt" ;;
     small)
@@ -48,6 +50,13 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --quant --model qwen3.5-1.7b --contexts 1024 --batch 1,64 --rounds 2 \
             --decode-steps 16 --cache /tmp/shapes --json "$out/bench-quant.json" --table "$out/bench-quant.md" \
             2>&1 | grep -v '^bench\|^validation' ;;
+    spec)
+        timeout 400 python3 -m hebrus bench --spec --model qwen3.5-1.7b --contexts 1024,32768 --rounds 2 \
+            --spec-tokens 256 --draft qwen3.5-1.7b --draft-quantize int8 --cache /tmp/shapes \
+            --json "$out/bench-spec-qwen3.5-1.7b.json" --table "$out/bench-spec-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        timeout 180 python3 -m hebrus bench --spec --model shakespeare --contexts 1024,8000 --rounds 2 \
+            --spec-tokens 256 --json "$out/bench-spec-shakespeare.json" --table "$out/bench-spec-shakespeare.md" \
+            2>&1 | grep -v '^bench' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

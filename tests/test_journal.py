@@ -47,7 +47,8 @@ def test_recovery_replays_the_journal_past_the_snapshot(tmp_path, fast):
         s2.feed(ids)
     assert back.digest() == s2.digest()
     records, _ = journals.read(tmp_path / "j", fast.fingerprint)
-    assert [len(ids) for _, ids in records] == [9, 1, 10, 3]
+    assert [(len(ids), kept, prefix) for _, ids, kept, prefix in records] == \
+        [(9, 9, False), (1, 1, False), (10, 10, False), (3, 3, False)]
 
 
 def test_a_torn_last_record_is_dropped(tmp_path, fast):

@@ -6,7 +6,7 @@ import torch
 
 from hebrus.ops.choose import PACK_FROM, gaps, top_k, top_k_packed, top_k_sorted
 from hebrus.ops.conv import causal_conv
-from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent, gdn_recurrent_states, gdn_states
 from hebrus.ops.hyper import hc_post, hc_pre, sinkhorn
 from hebrus.ops.moe import experts_grouped, experts_grouped_mm, experts_per_token, route
 from hebrus.ops.norm import l2_norm
@@ -52,6 +52,33 @@ def test_gdn_state_carries_across_calls():
     o_b, s_b = gdn_chunked(q[37:], k[37:], v[37:], g[37:], b[37:], s_a)
     torch.testing.assert_close(torch.cat([o_a, o_b]), o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s_b, s_all, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 2, 9, 33])
+def test_gdn_states_after_every_token_equal_the_recurrence(T):
+    """The fast per-token states (one block of the chunked form) against the recurrence run one
+    token at a time, and the last against the chunked form's final state."""
+    q, k, v, g, b, s = _gdn_inputs(T, seed=3)
+    before = s.clone()
+    o1, states1 = gdn_recurrent_states(q, k, v, g, b, s)
+    o2, states2 = gdn_states(q, k, v, g, b, s)
+    assert torch.equal(s, before) and states2.shape == (T,) + tuple(s.shape)
+    torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(states2, states1, rtol=1e-10, atol=1e-10)
+    for t in (0, T // 2, T - 1):
+        _, alone = gdn_recurrent(q[:t + 1], k[:t + 1], v[:t + 1], g[:t + 1], b[:t + 1], s)
+        assert torch.equal(states1[t], alone)
+    torch.testing.assert_close(states2[-1], gdn_chunked(q, k, v, g, b, s)[1], rtol=1e-10, atol=1e-10)
+
+
+def test_causal_conv_states_after_every_token():
+    g = torch.Generator().manual_seed(1)
+    x, state = torch.randn(6, 5, generator=g), torch.randn(3, 5, generator=g)
+    w = torch.randn(5, 4, generator=g)
+    y, each = causal_conv(x, state, w, each=True)
+    assert torch.equal(y, causal_conv(x, state, w)[0]) and each.shape == (6, 3, 5)
+    for t in range(6):
+        assert torch.equal(each[t], causal_conv(x[:t + 1], state, w)[1])
 
 
 def test_causal_conv_matches_definition_and_splits():

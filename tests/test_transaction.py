@@ -272,7 +272,8 @@ def test_every_step_context_offers_what_stages_use(tiny_fast):
     txn = Transaction(s.image, 1, tiny_fast.stage_names, s.budget, max_rows=tiny_fast.spec.max_context)
     inplace = InPlaceSession(tiny_fast)
     ids = torch.tensor([1])
+    from hebrus.training import SequenceContext
     contexts = [txn, BatchTransaction([txn], tiny_fast.device), _InPlaceContext(inplace, ids, 0),
-                _InPlaceBatchContext([inplace], ids)]
+                _InPlaceBatchContext([inplace], ids), SequenceContext(tiny_fast.spec, ids, torch.float32)]
     assert all(isinstance(c, StepContext) for c in contexts)
     txn.abort()

@@ -29,12 +29,30 @@ def penalise(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) ->
 
 
 def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> int:
-    """Greedy at temperature 0 (ties to the smaller id); otherwise sampling from the softmax at
-    `temperature`, restricted to the top_k ids, then to the smallest set holding top_p of the
-    mass, then to ids with at least min_p times the largest probability."""
-    temperature, top_p, top_k, min_p = how.temperature, how.top_p, how.top_k, how.min_p
-    if temperature == 0:
+    """Greedy at temperature 0 (ties to the smaller id); otherwise a draw from `distribution`."""
+    if how.temperature == 0:
         return int(torch.argmax(logits))
+    return draw(distribution(logits, how), generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One id with probability weights[i] / Σ weights (float64, not negative, any device), by
+    the inverse of the cumulative sum at one float64 uniform. (torch.multinomial, drawn first
+    after seeding, favoured some ids: 0.5901 of 200,000 freshly seeded draws where the
+    probability is 0.5864, 3.4 standard deviations.)"""
+    cdf = weights.detach().to("cpu", torch.float64).cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))         # the first id whose cdf passes u
+    if i >= len(cdf):                                        # u rounded up to the total
+        i = int(torch.nonzero(weights).max())
+    return i
+
+
+def distribution(logits: torch.Tensor, how: Sampling) -> torch.Tensor:
+    """What `sample` draws from at a temperature above 0, as weights [V] in float64 (not
+    normalised): the softmax at `temperature`, restricted to the top_k ids, then to the smallest
+    set holding top_p of the mass, then to ids with at least min_p times the largest probability."""
+    temperature, top_p, top_k, min_p = how.temperature, how.top_p, how.top_k, how.min_p
     scaled = logits.double()
     scaled = (scaled - scaled.max()) / temperature          # <= 0, so no temperature overflows it
     probs = torch.softmax(scaled, dim=-1)
@@ -48,5 +66,4 @@ def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> i
     if min_p > 0.0:
         keep &= sorted_p >= min_p * sorted_p[0]
     sorted_p = torch.where(keep, sorted_p, 0.0)
-    probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return torch.zeros_like(probs).scatter(0, order, sorted_p)

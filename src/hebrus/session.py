@@ -27,7 +27,7 @@ from hebrus.engine.graphs import DecodeSteps
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
 from hebrus.layers.kernels import top_k_chooser
 from hebrus.sampling import Sampling, penalise, sample
-from hebrus.speculate import greedy_with_lookup
+from hebrus import speculate as speculation
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
@@ -152,25 +152,43 @@ class Session:
         """Run `ids` [T], decide from the chunk's own logits how many of its tokens to keep, and
         publish only those: `accept(logits)` gets the logits at every position [T, V] and returns
         k in 0..T; the session then holds exactly what feeding `ids[:k]` alone gives (exact mode:
-        bit for bit). Returns (k, logits [T, V]). A failure in either pass publishes nothing.
+        bit for bit). Returns (k, logits [T, V]). A failure publishes nothing, and so does k = 0.
 
-        This is the readable form: the chunk runs once for its logits, as a transaction that
-        ends before its flip (so it publishes nothing), then its first k tokens run as one."""
+        One pass: the chunk runs as a prefix transaction, which keeps every banked value after
+        each of its tokens in scratch, and once its checks have passed publishes those after
+        token k by the same flip as any chunk (`state.txn`). `feed_prefix_twice` is its readable
+        twin."""
+        chunk, accept = self._prefix_call(ids, accept)
+        seen = []
+
+        def keep(logits: torch.Tensor) -> int:
+            seen.append(logits)
+            return _kept(accept(logits), len(chunk))
+        with self._exclusive():
+            self._check_room(len(chunk))
+            with torch.inference_mode():
+                k = self._run_stages(chunk, None, keep)
+            return k, seen[0]
+
+    def feed_prefix_twice(self, ids, accept) -> tuple[int, torch.Tensor]:
+        """`feed_prefix` in its readable form: the chunk runs once for its logits, as a
+        transaction that ends before its flip (so it publishes nothing), then its first k tokens
+        run as one."""
+        chunk, accept = self._prefix_call(ids, accept)
+        with self._exclusive():
+            self._check_room(len(chunk))
+            logits = self._logits_at_every_position(chunk)
+            k = _kept(accept(logits), len(chunk))
+            if k:
+                self._transact(chunk[:k], None)
+            return k, logits
+
+    def _prefix_call(self, ids, accept):
         chunk = self._ids(ids)
         self._check_faults()
         if not callable(accept):
             raise InvalidInput("accept must be a function of the chunk's logits [T, V] returning 0..T")
-        with self._exclusive():
-            self._check_room(len(chunk))
-            logits = self._logits_at_every_position(chunk)
-            k = accept(logits)
-            if isinstance(k, torch.Tensor) and k.numel() == 1:
-                k = int(k)
-            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= len(chunk):
-                raise InvalidInput(f"accept returned {k!r}; it must return an integer from 0 to {len(chunk)}")
-            if k:
-                self._transact(chunk[:k], None)
-            return k, logits
+        return chunk, accept
 
     def _logits_at_every_position(self, chunk: torch.Tensor) -> torch.Tensor:
         """The chunk's logits [T, V] from a transaction stopped before its flip, each position's
@@ -205,19 +223,21 @@ class Session:
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, chunk_size: int = 64, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=(),
-                 speculate: str | None = None, draft_tokens: int = 8) -> Iterator[int]:
+                 speculate=None, draft_tokens: int = 8) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction, ending after `max_new_tokens` or after a token in `stop_ids` (which
         is yielded and committed). The repetition penalty counts `ids`, `seen` (ids fed earlier
         that should count too) and the tokens generated. Every argument is checked now; tokens
         come as you iterate.
 
-        `speculate="lookup"` (greedy decoding only): after each greedy token, up to
-        `draft_tokens` more are drafted by finding the latest n-gram (n = 3, 2, 1) of the text so
-        far (`seen`, `ids` and the output) earlier in it and taking what followed; the token and
-        its draft run as one chunk, and `feed_prefix` keeps the longest part the model's own
-        greedy choices agree with. The output is the plain greedy output (exact mode: the same
-        tokens, bit for bit the same state)."""
+        `speculate`: "lookup" drafts up to `draft_tokens` tokens after each chosen one by finding
+        the latest n-gram (n = 3, 2, 1) of the text so far (`seen`, `ids` and the output) earlier
+        in it and taking what followed; a hebrus model (same vocabulary) drafts them itself, fed
+        `seen` and `ids` first. The token and its drafts run as one chunk, and `feed_prefix`
+        keeps the part that stands (`hebrus.speculate`): greedy decoding gives the plain greedy
+        output (exact mode: the same tokens, bit for bit the same state), sampling follows the
+        plain sampling distribution (speculative rejection sampling; not the same draws for a
+        seed). Not with a repetition penalty."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = arguments.chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
@@ -230,18 +250,19 @@ class Session:
                                           self.spec.vocab_size).tolist()
         generator = arguments.generator(seed)
         if speculate is not None:
-            if speculate != "lookup":
-                raise InvalidInput(f"speculate must be None or 'lookup', got {speculate!r}")
-            if sampling.temperature != 0.0 or sampling.repetition_penalty != 1.0:
-                raise InvalidInput("speculate decodes greedily: temperature 0 and no repetition penalty")
+            if sampling.repetition_penalty != 1.0:
+                raise InvalidInput("speculate does not take a repetition penalty")
             draft_tokens = arguments.count("draft_tokens", draft_tokens)
+            drafter = speculation.drafter(speculate, self.model, earlier + prompt.tolist(),
+                                          max_new_tokens + draft_tokens, chunk_size)
         self._check_faults()
         with self._exclusive():
             if not len(prompt) and self.frontier == 0:
                 raise InvalidInput("empty chunk: a new session's prompt needs at least one token id")
             self._check_room(len(prompt) + max_new_tokens)
         if speculate is not None:
-            return greedy_with_lookup(self, prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens)
+            return speculation.speculative(self, prompt, max_new_tokens, sampling, stops, earlier, generator,
+                                           chunk_size, drafter, draft_tokens)
         return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
@@ -283,21 +304,23 @@ class Session:
             self._run_stages(ids, out)
         return out if out is not None else self.image.read("logits").clone()
 
-    def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+    def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
+        """One transaction (or, with `keep`, a prefix transaction) with the journal's record
+        written before its flip; returns the number of tokens published."""
         if self.journal is None:
-            return self._run(ids, out)
-        self.image.before_flip = lambda txn: self.journal.append(self.frontier, ids)
+            return self._run(ids, out, keep)
+        self.image.before_flip = lambda txn: self.journal.append(self.frontier, ids, txn.length, txn.each)
         try:
-            self._run(ids, out)
+            return self._run(ids, out, keep)
         finally:
             self.image.before_flip = None
 
-    def _run(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
-        if self._steps is not None and self._steps.accepts(ids):
+    def _run(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
+        if keep is None and self._steps is not None and self._steps.accepts(ids):
             self._steps.step(ids, out)
-            return
+            return len(ids)
         try:
-            eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve)
+            return eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve, keep)
         finally:
             if self._steps is not None:
                 self._steps.retire_stale()
@@ -324,6 +347,15 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+def _kept(k, length: int) -> int:
+    """`accept`'s answer as a count of tokens, or InvalidInput."""
+    if isinstance(k, torch.Tensor) and k.numel() == 1:
+        k = int(k)
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= length:
+        raise InvalidInput(f"accept returned {k!r}; it must return an integer from 0 to {length}")
+    return k
 
 
 class _Seen(ChunkAborted):

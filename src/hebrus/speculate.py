@@ -1,10 +1,26 @@
-"""Speculative greedy decoding: drafts from the text so far (prompt lookup), kept where the
-model's own greedy choices agree, through `Session.feed_prefix`."""
+"""Speculative decoding: tokens drafted cheaply, checked by one chunk of the model, and kept
+through `Session.feed_prefix` as far as they stand.
+
+Each round feeds the next token t (already chosen) and up to `draft_tokens` drafted ones
+d_1..d_n as one prefix transaction. The chunk's logits at the position before d_i give the
+model's distribution p_i for it (plain decoding's: temperature, top_k, top_p, min_p applied).
+
+- Greedy: d_i is kept while it is p_i's choice; the first one that is not is replaced by it.
+- Sampling (speculative rejection sampling): d_i, proposed with probability q_i(d_i), is kept
+  with probability min(1, p_i(d_i) / q_i(d_i)); at the first refusal the next token is drawn from
+  max(0, p_i - q_i), normalised, and when every draft is kept, from p_{n+1}. Every emitted token
+  then has exactly the distribution plain sampling gives it.
+
+Drafters: `Lookup` (prompt lookup: what followed the latest earlier occurrence of the text's
+last n-gram; such a draft is certain, q_i(d_i) = 1) and `DraftModel` (a second hebrus model
+with its own session, proposing on a fork of it).
+"""
 from __future__ import annotations
 
 import torch
 
-from hebrus.errors import note_published
+from hebrus.errors import InvalidInput, note_published
+from hebrus.sampling import Sampling, distribution, draw, sample
 
 
 def lookup(history: list[int], most: int, longest: int = 3) -> list[int]:
@@ -20,38 +36,139 @@ def lookup(history: list[int], most: int, longest: int = 3) -> list[int]:
     return []
 
 
-def greedy_with_lookup(session, prompt, max_new_tokens, stops, earlier, chunk_size, draft_tokens):
-    """`Session.generate(..., speculate="lookup")`'s tokens (its arguments already checked):
-    after each greedy token, up to `draft_tokens` drafted ones run with it as one chunk, and the
-    longest part whose previous positions' greedy choices predict it is kept."""
+class Lookup:
+    """Drafts by prompt lookup over the text so far."""
+
+    def __init__(self, history: list[int]):
+        self.history = list(history)
+
+    def propose(self, token: int, most: int, sampling: Sampling, generator) -> tuple[list[int], None]:
+        return lookup(self.history + [token], most), None
+
+    def commit(self, tokens: list[int]) -> None:
+        self.history += tokens
+
+
+class DraftModel:
+    """Drafts by a second hebrus model: its own session, fed the same text; each round's
+    proposals run on a fork of it (one token per step), which is then dropped, and the tokens
+    kept are fed to the session as one chunk."""
+
+    def __init__(self, model, history: list[int], chunk_size: int):
+        self.session = model.session()
+        if history:
+            self.session.prefill(history, chunk_size)
+
+    def propose(self, token: int, most: int, sampling: Sampling, generator):
+        """(drafts, their proposal distributions [n, V] normalised, or None when greedy)."""
+        if most <= 0:
+            return [], None
+        fork = self.session.fork()
+        logits = fork.feed([token])
+        drafts, proposals = [], []
+        for i in range(most):
+            if sampling.temperature == 0:
+                drafts.append(int(torch.argmax(logits)))
+            else:
+                q = _normalised(distribution(logits, sampling))
+                drafts.append(draw(q, generator))
+                proposals.append(q)
+            if i + 1 < most:
+                logits = fork.feed([drafts[-1]])
+        return drafts, (torch.stack(proposals) if proposals else None)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.session.feed(tokens)
+
+
+def drafter(speculate, model, history: list[int], room: int, chunk_size: int):
+    """The drafter `Session.generate(speculate=...)` names ("lookup", or a hebrus model with the
+    target's vocabulary and room for the text), checked."""
+    if isinstance(speculate, str) and speculate == "lookup":
+        return lambda: Lookup(history)
+    from hebrus.runtime import Model
+    if not isinstance(speculate, Model):
+        raise InvalidInput(f"speculate must be None, 'lookup' or a hebrus model to draft with, got {speculate!r}")
+    if speculate.spec.vocab_size != model.spec.vocab_size:
+        raise InvalidInput(f"the draft model's vocabulary has {speculate.spec.vocab_size} ids, the model's "
+                           f"{model.spec.vocab_size}: they must share one")
+    if len(history) + room > speculate.spec.max_context:
+        raise InvalidInput(f"the draft model's context limit of {speculate.spec.max_context} cannot hold the "
+                           f"{len(history)} ids of the text and {room} more")
+    return lambda: DraftModel(speculate, history, chunk_size)
+
+
+def speculative(session, prompt, max_new_tokens: int, sampling: Sampling, stops: frozenset, earlier: list[int],
+                generator, chunk_size: int, make_drafter, draft_tokens: int, record: list | None = None):
+    """`Session.generate(..., speculate=...)`'s tokens, its arguments already checked.
+    `record` (the benchmark's) gets (chunk length, tokens kept) for each verifying chunk."""
     start = session.frontier
-    history = earlier + prompt.tolist()
     try:
         logits = session.prefill(prompt, chunk_size) if len(prompt) else session.logits
-        made = 0
-        while made < max_new_tokens:
-            token = int(torch.argmax(logits))
-            chunk = [token] + lookup(history + [token], min(draft_tokens, max_new_tokens - made - 1))
+        drafts = make_drafter()
+        token, made = sample(logits, sampling, generator), 0
+        while True:
+            room = min(draft_tokens, max_new_tokens - made - 1) if token not in stops else 0
+            proposed, proposals = drafts.propose(token, room, sampling, generator)
+            chunk = [token] + proposed
+            if proposed:
+                verdict = {}
 
-            def agreeing(chunk_logits, chunk=chunk):
-                k = 1
-                while k < len(chunk) and chunk[k - 1] not in stops \
-                        and int(torch.argmax(chunk_logits[k - 1])) == chunk[k]:
-                    k += 1
-                return k
-            if len(chunk) > 1:
-                k, chunk_logits = session.feed_prefix(chunk, agreeing)
-                logits = chunk_logits[k - 1]
+                def accept(chunk_logits, chunk=chunk, proposals=proposals):
+                    k, verdict["next"] = _verify(chunk, chunk_logits, proposals, sampling, generator, stops)
+                    return k
+                k, _ = session.feed_prefix(chunk, accept)
+                following = verdict["next"]
+                if record is not None:
+                    record.append((len(chunk), k))
             else:
-                k, logits = 1, session.feed([token])
+                k, logits, following = 1, session.feed([token]), None
+            drafts.commit(chunk[:k])
             for t in chunk[:k]:
-                history.append(t)
                 made += 1
                 yield t
-                if t in stops:
+                if t in stops or made == max_new_tokens:
                     return
+            token = following if following is not None else sample(logits, sampling, generator)
     except GeneratorExit:
         raise
     except BaseException as exc:
         note_published(exc, session.frontier - start)
         raise
+
+
+def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Sampling, generator,
+            stops: frozenset) -> tuple[int, int | None]:
+    """(how many of `chunk` to keep, the token after them, or None after a stop). Position i of
+    `logits` [T, V] is the model's distribution for chunk[i + 1]."""
+    k = 1
+    while k < len(chunk):
+        if chunk[k - 1] in stops:
+            return k, None
+        d = chunk[k]
+        if sampling.temperature == 0:
+            choice = int(torch.argmax(logits[k - 1]))
+            if choice != d:
+                return k, choice
+        else:
+            p = _normalised(distribution(logits[k - 1], sampling))
+            q = None if proposals is None else proposals[k - 1]
+            proposed = 1.0 if q is None else float(q[d])
+            if float(torch.rand((), dtype=torch.float64, generator=generator)) * proposed >= float(p[d]):
+                residual = p.clone()                # refused: draw from max(0, p - q)
+                if q is None:
+                    residual[d] = 0.0
+                else:
+                    residual = (p - q).clamp_min(0.0)
+                if not float(residual.sum()) > 0.0:
+                    residual = p
+                return k, draw(residual, generator)
+        k += 1
+    if chunk[k - 1] in stops:
+        return k, None
+    return k, sample(logits[k - 1], sampling, generator)
+
+
+def _normalised(weights: torch.Tensor) -> torch.Tensor:
+    weights = weights.cpu()
+    return weights / weights.sum()

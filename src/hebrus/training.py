@@ -47,6 +47,7 @@ class SequenceContext:
     device-side checks are not kept (training data is trusted and in range)."""
 
     batched = False
+    each = False            # never a prefix transaction
 
     def __init__(self, spec: ModelSpec, ids: torch.Tensor, dtype: torch.dtype):
         self.start = 0

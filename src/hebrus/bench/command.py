@@ -44,6 +44,16 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="quantized weights: the trained shakespeare model's validation loss in each of "
                             "--formats against float (from --val), and --model's decode speed and next-token "
                             "KL divergence in each format against float")
+    bench.add_argument("--spec", action="store_true",
+                       help="speculative decoding: --model's greedy tokens/s on a repetitive prompt, plain "
+                            "against prompt lookup (and --draft), with the drafts kept and whether the output "
+                            "equals plain decoding's; then a fork's cost at each of --contexts")
+    bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
+    bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
+    bench.add_argument("--draft", default=None,
+                       help="a draft model for --spec, named as --model is (its vocabulary must be --model's)")
+    bench.add_argument("--draft-quantize", default=None,
+                       help="quantize --draft as it loads (int8, int4, int4-zp, fp8)")
     bench.add_argument("--formats", default="int8,int4,int4-zp,fp8", help="formats for --quant (default all)")
     bench.add_argument("--val", default="recipes/shakespeare/data/val.bin",
                        help="validation bytes for --quant (default: the recipe's, from its prepare.py)")
@@ -82,7 +92,7 @@ def run(args, load_model) -> int:
 
     from hebrus import bench
     from hebrus.progress import ProgressBar
-    for name in ("decode_steps", "rounds", "chunk"):
+    for name in ("decode_steps", "rounds", "chunk", "spec_tokens", "draft_tokens"):
         if getattr(args, name) < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
     try:
@@ -115,6 +125,8 @@ def run(args, load_model) -> int:
         return quant.command(args, contexts, batches, load_as)
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
+    if args.spec:
+        return _spec(args, contexts, load_model)
     model = load_model(args)
     model.session(decode=args.decode)                    # refuses a decode the model cannot run
     if args.compare_transformers and model.source is None:
@@ -139,6 +151,46 @@ def run(args, load_model) -> int:
                        ProgressBar("bench", unit="point"), decode=args.decode, compare=compare, on_point=write,
                        batches=batches)
     print(bench.table(report), end="")
+    return 0
+
+
+def _spec(args, contexts: list[int], load_model) -> int:
+    from hebrus import bench
+    from hebrus.bench import spec
+    from hebrus.progress import ProgressBar
+
+    model = load_model(args)
+    drafters = {"lookup": "lookup"}
+    if args.draft is not None:
+        name = args.draft
+        if name in bench.SHAPES:
+            name = str(bench.random_checkpoint(name, Path(args.cache) / name))
+        draft = load(name, device=args.device, dtype=args.dtype, mode=args.mode, quantize=args.draft_quantize)
+        label = Path(args.draft).name + (f" ({args.draft_quantize})" if args.draft_quantize else "")
+        drafters[f"draft model {label}"] = draft
+    prompt = spec.workload(model.spec.vocab_size)
+    if len(prompt) + args.spec_tokens + args.draft_tokens > model.spec.max_context:
+        raise InvalidInput(f"the {len(prompt)}-token prompt and --spec-tokens {args.spec_tokens} pass the model's "
+                           f"max_context {model.spec.max_context}")
+    kept = [c for c in contexts if c + 2 <= model.spec.max_context]
+    for c in sorted(set(contexts) - set(kept)):
+        print(f"(fork at context {c} skipped: past the model's max_context {model.spec.max_context})", file=sys.stderr)
+    report = {"model": Path(args.model).name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+              "mode": model.mode, "passage": 128, "repeats": len(prompt) // 128, "new": args.spec_tokens,
+              "draft_tokens": args.draft_tokens, "rounds": args.rounds,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": bench._commit()}
+    bar = ProgressBar("bench --spec", unit="run")
+    report["decode"] = spec.decode_point(model, prompt, args.spec_tokens, args.rounds, drafters, args.draft_tokens,
+                                         progress=bar)
+    report["fork"] = spec.fork_points(model, kept)
+    if len(report["fork"]) > 1:
+        report["fork_ratio"] = report["fork"][-1]["fork_ms"] / report["fork"][0]["fork_ms"]
+    text = spec.table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(text)
+    print(text, end="")
     return 0
 
 

@@ -108,7 +108,9 @@ class InPlaceBatch:
 
 class _Unchecked:
     """What both in-place contexts share: no checks, chunk-local values kept, resources held
-    until `_run` commits them."""
+    until `_run` commits them. Never a prefix transaction."""
+
+    each = False
 
     def emit(self, key, value):
         self.local[key] = value

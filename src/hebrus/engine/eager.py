@@ -18,18 +18,21 @@ from hebrus.state.txn import Transaction, abort_error
 
 
 def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None,
-              reserve: int = 0) -> None:
+              reserve: int = 0, keep: Callable[[torch.Tensor], int] | None = None) -> int:
     """One chunk as one transaction (the caller holds the session lock, in inference mode).
-    Row storage that must grow grows to `reserve` rows if that is granted."""
+    Row storage that must grow grows to `reserve` rows if that is granted. With `keep`, a prefix
+    transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
+    says how many of its tokens to publish (0: none; what it raises is raised as it is).
+    Returns the number of tokens published."""
     txn = Transaction(image, len(ids), model.stage_names, budget, max_rows=model.spec.max_context,
-                      reserve=reserve, reserve_only_growing=True)
+                      reserve=reserve, reserve_only_growing=True, each=keep is not None)
 
     def work(txn: Transaction) -> None:
         txn.local["ids"] = ids.to(model.device)
         run_stages(model, txn)
         txn.extend_reserved()
 
-    finish(txn, work, out)
+    return finish(txn, work, out, None if keep is None else lambda txn: keep(txn.after_each["logits"]))
 
 
 def run_stages(model, txn: Transaction) -> None:
@@ -40,18 +43,27 @@ def run_stages(model, txn: Transaction) -> None:
         txn.seal()
 
 
-def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None) -> None:
-    """Do `work`, validate, publish; any exception on the way is the abort of its kind."""
+def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,
+           keep: Callable[[Transaction], int] | None = None) -> int:
+    """Do `work`, validate, (a prefix transaction) keep the first `keep(txn)` tokens, publish;
+    any exception on the way but `keep`'s own is the abort of its kind. Returns the number of
+    tokens published."""
     try:
-        try:
-            work(txn)
-            txn.validate()
-            if txn.image.before_flip is not None:
-                txn.image.before_flip(txn)
-        except ChunkAborted:
-            raise
-        except Exception as exc:
-            raise abort_error(txn.stage, exc) from exc
+        _as_abort(txn, lambda: (work(txn), txn.validate()))
+        if keep is not None and not txn.keep(keep(txn)):      # the caller's choice: its errors are its own
+            return 0
+        if txn.image.before_flip is not None:
+            _as_abort(txn, lambda: txn.image.before_flip(txn))
         txn.publish(out)                # what is raised after the flip is not an abort
+        return txn.length
     finally:
         txn.abort()
+
+
+def _as_abort(txn: Transaction, do: Callable[[], object]) -> None:
+    try:
+        do()
+    except ChunkAborted:
+        raise
+    except Exception as exc:
+        raise abort_error(txn.stage, exc) from exc

@@ -22,17 +22,17 @@ class GatedDeltaNet:
         self.eps = c.rms_norm_eps
 
     def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels,
-                 sessions: bool = False):
+                 sessions: bool = False, each: bool = False):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
         With `sessions`, row i of h is one token of session i, whose states are conv_state[i]
-        and S[i]."""
+        and S[i]. With `each`, both states after every token ([T, ...]: a prefix transaction)."""
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
         if sessions:                              # B sequences of one token each
             projected, b, a = projected[:, None], b[:, None], a[:, None]
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
-            projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
-        o, S = kernels.delta_rule(q, k, v, g, beta, S)          # sessions: B sequences of one token
+            projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
+        o, S = (kernels.delta_rule_each if each else kernels.delta_rule)(q, k, v, g, beta, S)          # sessions: B sequences of one token
         if sessions:
             o = o[:, 0]
         z = linear(h, self.w_z).view(T, self.hv, self.dv)

@@ -28,15 +28,21 @@ from hebrus.state.status import Status
 Params = dict[str, torch.Tensor]
 
 
-def scan(step: Callable, batched: bool, start: int, inputs: tuple[torch.Tensor, ...], state):
+def scan(step: Callable, batched: bool, start: int, inputs: tuple[torch.Tensor, ...], state,
+         each: bool = False):
     """`step(position, *inputs, state) -> (out, state)` over the chunk: once when batched (fast
-    mode), once per token (on fresh copies) in exact mode."""
+    mode), once per token (on fresh copies) in exact mode. With `each` (a prefix transaction),
+    the state after every token, stacked, instead of the last: exact mode keeps each token's,
+    and a batched step is called with `each=True` to return them itself."""
     if batched:
-        return step(start, *inputs, state)
-    outs = []
+        return step(start, *inputs, state, each=True) if each else step(start, *inputs, state)
+    outs, states = [], []
     for t in range(inputs[0].shape[0]):
         out, state = step(start + t, *(x[t:t + 1].clone() for x in inputs), state)
         outs.append(out)
+        states.append(state)
+    if each:
+        state = tuple(map(torch.stack, zip(*states))) if isinstance(state, tuple) else torch.stack(states)
     return torch.cat(outs), state
 
 
@@ -73,17 +79,21 @@ class PLE:
         ids = ids.clamp(0, self.vocab - 1)
         claims = self.ple.claims(txn.hold)
 
-        def step(pos, ids, *rest):
+        def step(pos, ids, *rest, each=False):
             *hashes, conv = rest
-            return self.ple(ids, hashes, conv, sessions=txn.batched, claims=claims)
+            return self.ple(ids, hashes, conv, sessions=txn.batched, claims=claims, each=each)
 
-        ple, conv = scan(step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"))
+        ple, conv = scan(step, self.kernels.batched, txn.start, (ids, *hashes), txn.read("ple.conv"), txn.each)
         txn.emit("ple", ple)
         if txn.batched:
             txn.write("ple.history", torch.cat([history, ids[:, None]], dim=1)[:, -self.keep:])
+        elif txn.each:                  # after token t: the `keep` ids ending at it
+            ids = torch.cat([history, ids])
+            after = torch.arange(1, len(ids) - self.keep + 1, device=ids.device)
+            txn.write_each("ple.history", ids[after[:, None] + torch.arange(self.keep, device=ids.device)])
         else:
             txn.write("ple.history", torch.cat([history, ids])[-self.keep:])
-        txn.write("ple.conv", conv)
+        (txn.write_each if txn.each else txn.write)("ple.conv", conv)
 
 
 class Sublayer:
@@ -115,15 +125,16 @@ class GDNMixer(Sublayer):
     def run(self, txn: StepContext) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
 
-        def step(pos, X, state):
+        def step(pos, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=txn.batched)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=txn.batched, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
         X, (conv_state, S) = scan(step, self.kernels.batched, txn.start, (txn.local["streams"],),
-                                  (txn.read(conv).transpose(-1, -2), txn.read(rec)))
-        txn.write(conv, conv_state.transpose(-1, -2))
-        txn.write(rec, S)
+                                  (txn.read(conv).transpose(-1, -2), txn.read(rec)), txn.each)
+        write = txn.write_each if txn.each else txn.write
+        write(conv, conv_state.transpose(-1, -2))
+        write(rec, S)
         txn.emit("streams", X)
 
 
@@ -200,6 +211,7 @@ class Head:
     name = "head"
 
     def __init__(self, c: ModelSpec, params: Params, kernels: Kernels):
+        self.batched = kernels.batched
         self.residual = residual(c, params, "head_hc", kernels.fused)
         self.norm, self.eps = params["norm.weight"], c.rms_norm_eps
         self.rms_norm = kernels.fused(rms_norm)
@@ -210,6 +222,15 @@ class Head:
         return F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
 
     def run(self, txn: StepContext) -> None:
+        if txn.each:                # a prefix transaction: the values after every position
+            X = txn.local["streams"]
+            if self.batched:
+                logits = self.logits(X)
+            else:                   # each row as a chunk's last is computed: one row, its own buffer
+                logits = torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
+            txn.write_each("residual", X)
+            txn.write_each("logits", logits)
+            return
         X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
         logits = self.logits(X)
         if txn.batched:                                       # one row per session

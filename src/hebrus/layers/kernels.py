@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from hebrus.ops.choose import top_k
-from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
+from hebrus.ops.gdn import gdn_chunked, gdn_recurrent, gdn_recurrent_states, gdn_states
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports)
 from hebrus.ops.qsa import dense_attention, dense_attention_fast, sparse_attention
@@ -55,6 +55,8 @@ class Kernels:
     index_input: Callable = unfused       # h -> what the indexer reads (training: cut from the trunk's gradient)
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
+    # (q, k, v, g, beta, state) -> (o, the state after every token): a prefix transaction's chunk
+    delta_rule_each: Callable = gdn_recurrent_states
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
@@ -88,5 +90,5 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             except ImportError:
                 pass
         return Kernels(True, rule, experts, choose, attend=dense_attention_fast, fused=fuse,
-                       quantized_linear=quantized)
+                       quantized_linear=quantized, delta_rule_each=gdn_states)
     return Kernels(False, gdn_recurrent, experts_per_token, choose)

@@ -32,10 +32,11 @@ class PerLayerEmbedding:
         return ngram_buckets(ids, history, self.constants, self.buckets)
 
     def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor,
-                 sessions: bool = False, claims: dict | None = None):
+                 sessions: bool = False, claims: dict | None = None, each: bool = False):
         """ids [T] -> (ple [T, L, P], conv_state [Kp-1, L·P]). With `sessions`, id i is one
         token of session i, whose conv state is conv_state[i]. Paged tables (`weights.pages`)
-        are read through this chunk's `claims`."""
+        are read through this chunk's `claims`. With `each`, the conv state after every token
+        [T, Kp-1, L·P]."""
         e = take(self.unigram, ids, claims)
         for table, bucket in zip(self.tables, hashes):
             e = e + take(table, bucket, claims)
@@ -43,6 +44,6 @@ class PerLayerEmbedding:
             mixed, conv_state = causal_conv(e[:, None], conv_state, self.conv_w)
             mixed = mixed[:, 0]
         else:
-            mixed, conv_state = causal_conv(e, conv_state, self.conv_w)
+            mixed, conv_state = causal_conv(e, conv_state, self.conv_w, each)
         a = e + F.silu(mixed)
         return a.view(-1, self.layers, self.dim), conv_state

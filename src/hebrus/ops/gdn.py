@@ -15,16 +15,18 @@ from hebrus.ops.conv import causal_conv
 from hebrus.ops.norm import l2_norm
 
 
-def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int]):
+def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int],
+               each: bool = False):
     """The delta rule's inputs from the mixer's projections: the causal conv over the q/k/v
     projection, SiLU, per-head L2 norms (q also scaled by dk^-½), key heads repeated to the
     value heads, β = σ(b) and g = −A·softplus(a + dt_bias) in the state's dtype.
     projected [T, 2·hk·dk + hv·dv]; b, a [T, hv]; heads = (hk, dk, hv, dv)
     -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv], conv_state). Leading dims before T are
-    independent sequences (conv_state [B, Kc-1, C] then)."""
+    independent sequences (conv_state [B, Kc-1, C] then). With `each`, the conv state after every
+    token [T, Kc-1, C] (one sequence)."""
     hk, dk, hv, dv = heads
     lead = projected.shape[:-1]
-    mixed, conv_state = causal_conv(projected, conv_state, conv_w)
+    mixed, conv_state = causal_conv(projected, conv_state, conv_w, each)
     q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
     group = hv // hk
     q = (l2_norm(q.reshape(*lead, hk, dk)) * dk ** -0.5).repeat_interleave(group, dim=-2)
@@ -48,6 +50,42 @@ def gdn_recurrent(q, k, v, g, beta, state):
         S = S + kt[..., None] * u[..., None, :]
         out.append((S * qt[..., None]).sum(-2))
     return torch.stack(out, dim=-3), S
+
+
+def gdn_recurrent_states(q, k, v, g, beta, state):
+    """`gdn_recurrent` keeping the state after every token: (o [T, H, dv], states [T, H, dk, dv]).
+    The readable twin of `gdn_states`."""
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        o, state = gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)
+
+
+def gdn_states(q, k, v, g, beta, state):
+    """The state after every token of a short chunk at once, and the outputs from them:
+    (o [T, H, dv], states [T, H, dk, dv]), the chunk as one block of the chunked form below,
+        S_t = Γ_t S₀ + Σ_{j≤t} (Γ_t/Γ_j) k_j u_jᵀ ,   o_t = S_tᵀ q_t .
+    It holds T states (T·H·dk·dv values), so it is meant for drafts, not prompts."""
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    dt = state.dtype
+    q, k, v, g, beta = (t.to(dt).transpose(0, 1) for t in (q, k, v, g, beta))     # heads first
+    gamma64 = g.to(torch.float64).cumsum(-1)                                     # log Γ [H, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    decay = torch.exp((gamma64[..., :, None] - gamma64[..., None, :]).masked_fill(~causal, float("-inf"))).to(dt)
+    strict = decay.masked_fill(torch.eye(T, dtype=torch.bool, device=k.device), 0.0)
+    lower = beta[..., :, None] * (k @ k.transpose(-1, -2)) * strict             # L [H, T, T]
+    gamma = gamma64.exp().to(dt)
+    rhs = beta[..., None] * v - (beta * gamma)[..., None] * (k @ state)         # β⊙V − (β⊙Γ⊙K) S₀
+    eye = torch.eye(T, dtype=dt, device=k.device)
+    u = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)   # [H, T, dv]
+    # Σ_j decay[t, j] k_j u_jᵀ for every t: [H, T, T] @ [H, T, dk·dv]
+    outer = (k[..., :, None] * u[..., None, :]).flatten(-2)
+    states = gamma[..., None, None] * state[:, None] + (decay @ outer).view(H, T, dk, dv)
+    o = (states * q[..., None]).sum(-2)                                           # S_tᵀ q_t
+    return o.transpose(0, 1), states.transpose(0, 1)
 
 
 def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):

@@ -26,6 +26,7 @@ class BatchTransaction:
         self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
     batched = True
+    each = False            # one token per session: never a prefix transaction
 
     # ---- what stages use -------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:

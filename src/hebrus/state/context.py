@@ -19,6 +19,9 @@ class StepContext(Protocol):
     batched: bool        # True: row i of every chunk-local tensor is session i's one token
     start: object        # the first position: an int, a [1] device tensor (a planned step), or one per session
     local: dict[str, torch.Tensor]      # chunk-local values by name ("ids", "streams", "ple")
+    # True: a prefix transaction (`state.txn.Transaction(each=True)`), whose stages write banked
+    # owners with `write_each(name, values after every token [T, ...])`; only it has that call
+    each: bool
 
     def read(self, name: str) -> torch.Tensor:
         """The public value of a banked owner (stacked per session when batched). Never write it."""

@@ -6,6 +6,12 @@ small). `seal` closes each stage's bookkeeping, `validate` reads every device-si
 in one transfer, and `publish` copies the output to the caller and flips the public record.
 Anything that raises before the flip leaves the public image as it was.
 
+A prefix transaction (`each=True`) keeps every banked owner's value after each token of the
+chunk in scratch (`write_each`); once the chunk has passed its checks, `keep(k)` makes the
+values after token k the private bank's and the frontier start + k, so the flip publishes the
+chunk's first k tokens. The rejected tail's rows lie past the frontier, unpublished; nothing is
+copied to undo them.
+
 A planned transaction (`planned=True`) is the static plan of a one-token step that a CUDA graph
 captures once and replays at every position (`hebrus.engine.graphs`): stages see the chunk's
 start as a device tensor (the public bank's `frontier`), appended storage must already hold the
@@ -39,9 +45,10 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 class Transaction:
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
                  max_rows: int, output: str = "logits", planned: bool = False, reserve: int = 0,
-                 reserve_only_growing: bool = False):
+                 reserve_only_growing: bool = False, each: bool = False):
         record = image.public
-        self.image, self.record, self.planned = image, record, planned
+        self.image, self.record, self.planned, self.each = image, record, planned, each
+        self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
         self.frontier, self.length = record.frontier, length
         self.public = image.banks[record.bank]
         # what stages see as the chunk's first position: an int, or (planned) a device tensor
@@ -66,6 +73,7 @@ class Transaction:
         self._rows_handed = False
         self._held: list = []                       # resources committed with the chunk (`hold`)
         self._done = False
+        self._cut = False                           # `keep` left rows past the new frontier
         budget.begin()
         if "frontier" in self.private:
             if planned:
@@ -89,6 +97,31 @@ class Transaction:
         """Store the new value of a banked owner in the private bank."""
         self.private[name].copy_(value)
         self.wrote(name)
+
+    def write_each(self, name: str, values: torch.Tensor) -> None:
+        """A prefix transaction's values of a banked owner after every token of the chunk [T, ...]:
+        the last is written as `write` writes, all are kept (and checked) for `keep`."""
+        self.write(name, values[-1])
+        self.after_each[name] = values
+        self._writes.append(values)
+        self._value_bytes += values.numel() * values.element_size()
+
+    def keep(self, k: int) -> int:
+        """Publish only the chunk's first k tokens (a prefix transaction, after `validate`): the
+        banked values after token k become the private bank's and the frontier moves by k. The
+        rows of the tokens after k stay past the frontier, never public. Returns k."""
+        if not self.each or self.planned:
+            raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
+        if 0 < k < self.length:
+            missing = sorted(n for n in self.written if n != "frontier" and n not in self.after_each)
+            if missing:
+                raise StructuralError("keep", f"no value after every token for {', '.join(missing)}")
+            for name, values in self.after_each.items():
+                self.private[name].copy_(values[k - 1])
+            if "frontier" in self.private:
+                self.private["frontier"].fill_(self.frontier + k)
+            self.length, self._cut = k, True
+        return k
 
     def wrote(self, name: str) -> None:
         """The bookkeeping of `write` for a private value already stored (a batch stores every
@@ -225,6 +258,8 @@ class Transaction:
             self._copy_out(out)
             self.image.publish(record)
             self._done = True
+            if self._cut:                           # the rejected tail's rows, past the frontier
+                self.image.tail_dirty = True
             try:
                 self.budget.commit(released)
             finally:
