@@ -217,3 +217,24 @@ def test_bench_quant_reports_quality_and_speed_per_format(tmp_path):
     with redirect_stdout(io.StringIO()), redirect_stderr(err := io.StringIO()):
         assert main(["bench", "--quant", "--formats", "int3"]) == 2
     assert "--formats takes" in err.getvalue()
+
+
+def test_bench_spec_compares_speculation_with_plain_decoding(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--spec", "--model", "tiny", "--draft", "tiny", "--draft-quantize", "int8",
+            "--spec-tokens", "12", "--draft-tokens", "4", "--rounds", "1", "--contexts", "16,64,4096",
+            "--json", str(tmp_path / "s.json"), "--table", str(tmp_path / "s.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "s.json").read_text())
+    rows = {row["variant"]: row for row in report["decode"]}
+    assert list(rows) == ["plain", "lookup", "draft model tiny (int8)"]
+    assert rows["plain"]["speedup_over_plain"] == 1.0 and rows["lookup"]["output_equals_plain"]
+    assert rows["draft model tiny (int8)"]["drafted"] > 0 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert [row["context"] for row in report["fork"]] == [16, 64] and report["fork_ratio"] > 0
+    assert "fork at context 4096 skipped" in err.getvalue()
+    assert (tmp_path / "s.md").read_text() == out.getvalue()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--spec", "--model", "tiny", "--spec-tokens", "0"]) == 2
+        assert main(["bench", "--spec", "--model", "tiny", "--spec-tokens", "2000"]) == 2
+    assert "--spec-tokens must be at least 1" in err.getvalue() and "max_context" in err.getvalue()

@@ -159,3 +159,40 @@ def test_a_partly_kept_chunk_is_journaled_and_replayed_as_it_ran(tmp_path, tiny_
     records, _ = journal.read(tmp_path / "j", tiny_fast.fingerprint)
     assert [(start, len(ids), kept, prefix) for start, ids, kept, prefix in records] == \
         [(0, 5, 5, False), (5, 7, 2, True), (7, 3, 3, True)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+def test_planned_prefix_transactions_match_eager(fast_models, name):
+    """A prefix transaction from the static plan (what a CUDA graph captures; uncaptured here)
+    against the eager runner's: the same logits and kept state within fast mode's tolerance, the
+    same routes, and the plan reused for every chunk of its length."""
+    model = fast_models[name]
+    vocab = model.spec.vocab_size
+    prompt = [t % vocab for t in TEXT[:9]]
+    planned, eager = model.session(decode="planned", reserve=64), model.session(decode="eager")
+    for s in (planned, eager):
+        s.feed(prompt)
+    for k in (2, 0, 5, 3):
+        chunk = [(t * 7 + k) % vocab for t in TEXT[9:14]]
+        k1, logits1 = planned.feed_prefix(chunk, lambda logits, k=k: k)
+        k2, logits2 = eager.feed_prefix(chunk, lambda logits, k=k: k)
+        assert k1 == k2 == k and planned.frontier == eager.frontier
+        torch.testing.assert_close(logits1, logits2, rtol=2e-5, atol=2e-5)
+        for spec in planned.image.specs:
+            a, b = planned.image.value(spec.name), eager.image.value(spec.name)
+            if a.is_floating_point():
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+            else:
+                assert torch.equal(a, b), spec.name
+    assert planned._prefix_steps[5].uncaptured == 4
+    torch.testing.assert_close(planned.feed([3]), eager.feed([3]), rtol=2e-5, atol=2e-5)
+
+
+def test_speculation_on_a_planned_session_pads_its_chunks_to_one_length(tiny_fast):
+    prompt = list(b"abcabcabcabcabcabc")
+    plain = tiny_fast.session(decode="planned", reserve=128)
+    want = list(plain.generate(prompt, max_new_tokens=24))
+    spec = tiny_fast.session(decode="planned", reserve=128)
+    got = list(spec.generate(prompt, max_new_tokens=24, speculate="lookup", draft_tokens=4))
+    assert got == want and spec.frontier == plain.frontier
+    assert list(spec._prefix_steps) == [5] and spec._prefix_steps[5].uncaptured > 0

@@ -56,6 +56,7 @@ class Session:
         self.reserve = reserve                  # rows every row log grows to at once, when granted
         self._steps = (DecodeSteps(model, self.image, self.budget, capture=decode == "graph")
                        if decode in ("planned", "graph") else None)
+        self._prefix_steps: dict[int, DecodeSteps] = {}     # planned prefix transactions, by length
         self.journal = None                     # a `hebrus.journal.Journal`: each chunk on disk before its flip
         if journal is not None:
             from hebrus.journal import Journal
@@ -231,7 +232,7 @@ class Session:
         come as you iterate.
 
         `speculate`: "lookup" drafts up to `draft_tokens` tokens after each chosen one by finding
-        the latest n-gram (n = 3, 2, 1) of the text so far (`seen`, `ids` and the output) earlier
+        the latest n-gram (n = 8 down to 1) of the text so far (`seen`, `ids` and the output) earlier
         in it and taking what followed; a hebrus model (same vocabulary) drafts them itself, fed
         `seen` and `ids` first. The token and its drafts run as one chunk, and `feed_prefix`
         keeps the part that stands (`hebrus.speculate`): greedy decoding gives the plain greedy
@@ -319,11 +320,34 @@ class Session:
         if keep is None and self._steps is not None and self._steps.accepts(ids):
             self._steps.step(ids, out)
             return len(ids)
+        if keep is not None and self._steps is not None:
+            steps = self._prefix_steps_for(len(ids))
+            if steps.accepts(ids):
+                return steps.step(ids, out, eager.by_logits(keep))
         try:
             return eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve, keep)
         finally:
-            if self._steps is not None:
-                self._steps.retire_stale()
+            for steps in (self._steps, *self._prefix_steps.values()):
+                if steps is not None:
+                    steps.retire_stale()
+
+    def _prefix_steps_for(self, length: int) -> DecodeSteps:
+        """The planned prefix transactions of `length` tokens (graphs, as decode steps run), the
+        two lengths used last kept."""
+        steps = self._prefix_steps.pop(length, None)
+        if steps is None:
+            steps = DecodeSteps(self.model, self.image, self.budget, capture=self.decode == "graph",
+                                length=length, each=True)
+        self._prefix_steps[length] = steps
+        while len(self._prefix_steps) > 2:
+            del self._prefix_steps[next(iter(self._prefix_steps))]
+        return steps
+
+    @property
+    def plans_prefixes(self) -> bool:
+        """Whether prefix transactions run from a static plan (per chunk length), so that
+        speculation pads its chunks to one length."""
+        return self._steps is not None
 
     # ---- checks (stateless ones before the lock, the rest under it) ------------------------
     def _ids(self, ids, allow_empty: bool = False) -> torch.Tensor:

@@ -12,7 +12,7 @@ model's distribution p_i for it (plain decoding's: temperature, top_k, top_p, mi
   then has exactly the distribution plain sampling gives it.
 
 Drafters: `Lookup` (prompt lookup: what followed the latest earlier occurrence of the text's
-last n-gram; such a draft is certain, q_i(d_i) = 1) and `DraftModel` (a second hebrus model
+last n-gram, n from 8 down to 1; such a draft is certain, q_i(d_i) = 1) and `DraftModel` (a second hebrus model
 with its own session, proposing on a fork of it).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hebrus.errors import InvalidInput, note_published
 from hebrus.sampling import Sampling, distribution, draw, sample
 
 
-def lookup(history: list[int], most: int, longest: int = 3) -> list[int]:
+def lookup(history: list[int], most: int, longest: int = 8) -> list[int]:
     """Up to `most` tokens that followed the latest earlier occurrence of the history's last
     n-gram (n from `longest` down to 1); none if no n-gram recurs."""
     if most <= 0:
@@ -51,11 +51,11 @@ class Lookup:
 
 class DraftModel:
     """Drafts by a second hebrus model: its own session, fed the same text; each round's
-    proposals run on a fork of it (one token per step), which is then dropped, and the tokens
-    kept are fed to the session as one chunk."""
+    proposals run on a fork of it (one token per step, eagerly: a fork would capture graphs of
+    its own), which is then dropped, and the tokens kept are fed to the session as one chunk."""
 
     def __init__(self, model, history: list[int], chunk_size: int):
-        self.session = model.session()
+        self.session = model.session(decode="eager")
         if history:
             self.session.prefill(history, chunk_size)
 
@@ -117,7 +117,7 @@ def speculative(session, prompt, max_new_tokens: int, sampling: Sampling, stops:
                 def accept(chunk_logits, chunk=chunk, proposals=proposals):
                     k, verdict["next"] = _verify(chunk, chunk_logits, proposals, sampling, generator, stops)
                     return k
-                k, _ = session.feed_prefix(chunk, accept)
+                k, _ = session.feed_prefix(_padded(session, chunk, 1 + draft_tokens), accept)
                 following = verdict["next"]
                 if record is not None:
                     record.append((len(chunk), k))
@@ -135,6 +135,15 @@ def speculative(session, prompt, max_new_tokens: int, sampling: Sampling, stops:
     except BaseException as exc:
         note_published(exc, session.frontier - start)
         raise
+
+
+def _padded(session, chunk: list[int], length: int) -> list[int]:
+    """The chunk, padded to `length` with its last token when the session runs prefix
+    transactions from a plan (one plan, one CUDA graph, for every round) and has room: the
+    padding is never kept (`_verify` keeps at most the real chunk)."""
+    if not session.plans_prefixes or session.frontier + length > session.spec.max_context:
+        return chunk
+    return chunk + chunk[-1:] * (length - len(chunk))
 
 
 def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Sampling, generator,

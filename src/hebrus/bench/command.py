@@ -168,7 +168,7 @@ def _spec(args, contexts: list[int], load_model) -> int:
         draft = load(name, device=args.device, dtype=args.dtype, mode=args.mode, quantize=args.draft_quantize)
         label = Path(args.draft).name + (f" ({args.draft_quantize})" if args.draft_quantize else "")
         drafters[f"draft model {label}"] = draft
-    prompt = spec.workload(model.spec.vocab_size)
+    prompt = spec.workload(model)
     if len(prompt) + args.spec_tokens + args.draft_tokens > model.spec.max_context:
         raise InvalidInput(f"the {len(prompt)}-token prompt and --spec-tokens {args.spec_tokens} pass the model's "
                            f"max_context {model.spec.max_context}")
@@ -176,7 +176,7 @@ def _spec(args, contexts: list[int], load_model) -> int:
     for c in sorted(set(contexts) - set(kept)):
         print(f"(fork at context {c} skipped: past the model's max_context {model.spec.max_context})", file=sys.stderr)
     report = {"model": Path(args.model).name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-              "mode": model.mode, "passage": 128, "repeats": len(prompt) // 128, "new": args.spec_tokens,
+              "mode": model.mode, "prompt_tokens": len(prompt), "new": args.spec_tokens,
               "draft_tokens": args.draft_tokens, "rounds": args.rounds,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": bench._commit()}
     bar = ProgressBar("bench --spec", unit="run")

@@ -1,6 +1,7 @@
 """`hebrus bench --spec`: speculative decoding against plain decoding, and what a fork costs.
 
-A repetitive workload: a prompt of a random passage said `repeats` times, then greedy decoding
+A repetitive workload (`workload`): random seed ids and the model's own continuation of them,
+said twice, then the seed again; then greedy decoding
 of `new` tokens, plain (one token per transaction, CUDA graphs where the model runs them) and
 speculative (prompt lookup; a draft model if given), rounds taking turns so drift hits all
 alike. Reported per variant: tokens/s, the median over rounds; how many drafted tokens were kept
@@ -20,9 +21,19 @@ from hebrus.bench.limits import sync
 from hebrus.sampling import Sampling
 
 
-def workload(vocab: int, passage: int = 128, repeats: int = 4, seed: int = 0) -> list[int]:
+SEED_TEXT = b"First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+
+
+def workload(model, seed_tokens: int = 64, passage: int = 192, repeats: int = 2, seed: int = 0) -> list[int]:
+    """A repetitive prompt: seed ids (a line of English for a byte-level model, else random
+    ids), then the model's own greedy continuation of them (`passage` tokens), the two said
+    `repeats` times, then the seed once more; what follows is most likely the continuation
+    again (prompt lookup's best case: a text rewritten or quoted)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (passage,), generator=gen).tolist() * repeats
+    ids = list(SEED_TEXT) if model.spec.vocab_size == 256 else \
+        torch.randint(0, model.spec.vocab_size, (seed_tokens,), generator=gen).tolist()
+    said = ids + list(model.session(decode="eager").generate(ids, max_new_tokens=passage))
+    return said * repeats + ids
 
 
 def decode_point(model, prompt: list[int], new: int, rounds: int, drafters: dict, draft_tokens: int,
@@ -106,8 +117,9 @@ def fork_points(model, contexts: list[int], repeats: int = 50) -> list[dict]:
 
 def table(report: dict) -> str:
     lines = [f"# speculative decoding: {report['model']} on {report['device']} ({report['dtype']}, {report['mode']})",
-             "", f"prompt: a {report['passage']}-token passage said {report['repeats']} times; "
-             f"{report['new']} new tokens, greedy; up to {report['draft_tokens']} drafted per chunk", "",
+             "", f"prompt: {report['prompt_tokens']} tokens (seed ids: English bytes for a byte-level model, else "
+             f"random; the model's own continuation of them; both said twice, then the seed again); {report['new']} new tokens, greedy; up to "
+             f"{report['draft_tokens']} drafted per chunk", "",
              "| variant | tokens/s | × plain | drafts kept | tokens per chunk | output = plain |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     for row in report["decode"]:

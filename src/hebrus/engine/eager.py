@@ -32,7 +32,13 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
         run_stages(model, txn)
         txn.extend_reserved()
 
-    return finish(txn, work, out, None if keep is None else lambda txn: keep(txn.after_each["logits"]))
+    return finish(txn, work, out, by_logits(keep))
+
+
+def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transaction], int] | None:
+    """A prefix transaction's choice made from a copy of its logits at every position (a
+    replayed graph writes the next replay's into the same memory)."""
+    return None if keep is None else lambda txn: keep(txn.after_each["logits"].clone())
 
 
 def run_stages(model, txn: Transaction) -> None:

@@ -1,4 +1,5 @@
-"""One-token steps from a static plan, captured as CUDA graphs: one per bank parity.
+"""Steps from a static plan, captured as CUDA graphs: one per bank parity. One-token decode
+steps, and prefix transactions of a fixed length (a speculative round's verifying chunk).
 
 A decode step does the same work at every position, so it can be recorded once and replayed.
 What changes from step to step is kept on the device where the graph finds it:
@@ -63,15 +64,17 @@ class _Graph:
 
 
 class DecodeSteps:
-    """The planned one-token steps of one session. `capture=False` runs the plan without a
-    graph (any device): the same work, launched op by op."""
+    """The planned steps of one session: chunks of `length` tokens (one: decode steps), plain
+    or (`each`) prefix transactions. `capture=False` runs the plan without a graph (any
+    device): the same work, launched op by op."""
 
-    def __init__(self, model, image, budget, capture: bool):
+    def __init__(self, model, image, budget, capture: bool, length: int = 1, each: bool = False):
         self.model, self.image, self.budget, self.capture = model, image, budget, capture
-        self.ids = torch.zeros(1, dtype=torch.int64, device=model.device)
-        # the token goes to the device from pinned memory without stopping the host (each step
+        self.length, self.each = length, each
+        self.ids = torch.zeros(length, dtype=torch.int64, device=model.device)
+        # the tokens go to the device from pinned memory without stopping the host (each step
         # reads its checks back before the next one reuses this buffer)
-        self.staged = torch.zeros(1, dtype=torch.int64, pin_memory=model.device.type == "cuda")
+        self.staged = torch.zeros(length, dtype=torch.int64, pin_memory=model.device.type == "cuda")
         self.graphs: dict[int, _Graph] = {}
         self.warm: set[int] = set()              # parities run from the plan at least once
         self.captures = 0                        # graphs captured so far (for tests and bench)
@@ -81,11 +84,11 @@ class DecodeSteps:
         self._storages = image.public.storages   # the row storage that `warm` and `graphs` belong to
 
     def accepts(self, ids: torch.Tensor) -> bool:
-        """Whether this chunk can run from the plan: one token, no fault armed, and every row
-        log already holding the row, in storage of its own (not shared with a fork)."""
-        if len(ids) != 1 or faults.armed():
+        """Whether this chunk can run from the plan: `length` tokens, no fault armed, and every
+        row log already holding their rows, in storage of its own (not shared with a fork)."""
+        if len(ids) != self.length or faults.armed():
             return False
-        return self.image.room()
+        return self.image.room(self.length)
 
     def retire_stale(self) -> None:
         """Drop graphs captured for storage the session no longer holds (after an eager chunk
@@ -96,16 +99,18 @@ class DecodeSteps:
             self.warm.clear()
         self._storages = storages
 
-    def step(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+    def step(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
+        """Run the chunk (a prefix transaction's `keep` as in `engine.eager.finish`); returns
+        the number of tokens published."""
         self.retire_stale()
         record = self.image.public
         held = self.graphs.get(record.bank)
         if held is None and self.capture and self.refused is None and record.bank in self.warm:
             held = self._capture(ids)
         if held is None:
-            self._uncaptured(ids, out)
+            published = self._uncaptured(ids, out, keep)
             self.warm.add(record.bank)
-            return
+            return published
 
         def replay(txn: Transaction) -> None:
             txn.restart()
@@ -114,7 +119,7 @@ class DecodeSteps:
             txn.completion.record_replay()
             self.replays += 1
 
-        finish(held.txn, replay, out)
+        return finish(held.txn, replay, out, keep)
 
     def _stage(self, ids: torch.Tensor) -> None:
         """The step's inputs where the plan reads them; rows past the frontier zeroed if an
@@ -123,7 +128,7 @@ class DecodeSteps:
         self.staged.copy_(ids)
         self.ids.copy_(self.staged, non_blocking=True)
 
-    def _uncaptured(self, ids: torch.Tensor, out: torch.Tensor | None) -> None:
+    def _uncaptured(self, ids: torch.Tensor, out: torch.Tensor | None, keep) -> int:
         txn = self._transaction()
 
         def work(txn: Transaction) -> None:
@@ -132,7 +137,7 @@ class DecodeSteps:
             run_stages(self.model, txn)
             self.uncaptured += 1
 
-        finish(txn, work, out)
+        return finish(txn, work, out, keep)
 
     def _capture(self, ids: torch.Tensor) -> _Graph | None:
         def plan() -> Transaction:
@@ -151,5 +156,5 @@ class DecodeSteps:
         return held
 
     def _transaction(self) -> Transaction:
-        return Transaction(self.image, 1, self.model.stage_names, self.budget,
-                           max_rows=self.model.spec.max_context, planned=True)
+        return Transaction(self.image, self.length, self.model.stage_names, self.budget,
+                           max_rows=self.model.spec.max_context, planned=True, each=self.each)

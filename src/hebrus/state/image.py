@@ -49,11 +49,11 @@ class Image:
         self.shared |= ids
         other.shared |= ids
 
-    def room(self) -> bool:
-        """Whether every row log can take the next row in place: capacity past the frontier,
-        and not shared with another session."""
+    def room(self, rows: int = 1) -> bool:
+        """Whether every row log can take the next `rows` rows in place: the capacity past the
+        frontier, and not shared with another session."""
         record = self.public
-        return all(st.shape[0] > record.frontier and id(st) not in self.shared for st in record.storages)
+        return all(st.shape[0] >= record.frontier + rows and id(st) not in self.shared for st in record.storages)
 
     def clean_tails(self) -> None:
         """Zero every appended storage past the public frontier (private rows only)."""

@@ -50,6 +50,7 @@ class Transaction:
         self.image, self.record, self.planned, self.each = image, record, planned, each
         self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
         self.frontier, self.length = record.frontier, length
+        self.chunk_length = length                  # `length` is what is published: `keep` may cut it
         self.public = image.banks[record.bank]
         # what stages see as the chunk's first position: an int, or (planned) a device tensor
         self.start = self.public["frontier"].view(1) if planned else record.frontier
@@ -110,7 +111,7 @@ class Transaction:
         """Publish only the chunk's first k tokens (a prefix transaction, after `validate`): the
         banked values after token k become the private bank's and the frontier moves by k. The
         rows of the tokens after k stay past the frontier, never public. Returns k."""
-        if not self.each or self.planned:
+        if not self.each:
             raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
         if 0 < k < self.length:
             missing = sorted(n for n in self.written if n != "frontier" and n not in self.after_each)
@@ -199,6 +200,7 @@ class Transaction:
         if not (self.planned and same) or self._held:      # held resources are one chunk's, never replayed
             raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
         self.record, self.frontier, self._done = record, record.frontier, False
+        self.length, self._cut = self.chunk_length, False          # a replay's `keep` chooses again
         self.completion.restart()
         self.budget.begin()
         if self._peak is None:              # each stage asked for working-so-far + its growth
