@@ -7,8 +7,8 @@
 # shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), pages (bench
 # --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
-# 1.68B shape's greedy decoding plain, with prompt lookup and with its int8 twin as a draft model, and
-# the cost of a fork at 1K and 32K; then the same for the trained shakespeare model).
+# 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
+# then the trained shakespeare model, also with its int8 twin as a draft model).
 # Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -51,12 +51,12 @@ for part in "$@"; do
             --decode-steps 16 --cache /tmp/shapes --json "$out/bench-quant.json" --table "$out/bench-quant.md" \
             2>&1 | grep -v '^bench\|^validation' ;;
     spec)
-        timeout 400 python3 -m hebrus bench --spec --model qwen3.5-1.7b --contexts 1024,32768 --rounds 2 \
-            --spec-tokens 256 --draft qwen3.5-1.7b --draft-quantize int8 --cache /tmp/shapes \
+        timeout 300 python3 -m hebrus bench --spec --model qwen3.5-1.7b --contexts 1024,32768 --rounds 2 \
+            --spec-tokens 256 --cache /tmp/shapes \
             --json "$out/bench-spec-qwen3.5-1.7b.json" --table "$out/bench-spec-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
-        timeout 180 python3 -m hebrus bench --spec --model shakespeare --contexts 1024,8000 --rounds 2 \
-            --spec-tokens 256 --json "$out/bench-spec-shakespeare.json" --table "$out/bench-spec-shakespeare.md" \
-            2>&1 | grep -v '^bench' ;;
+        timeout 240 python3 -m hebrus bench --spec --model shakespeare --draft shakespeare --draft-quantize int8 \
+            --contexts 1024,8000 --rounds 2 --spec-tokens 256 --json "$out/bench-spec-shakespeare.json" \
+            --table "$out/bench-spec-shakespeare.md" 2>&1 | grep -v '^bench' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

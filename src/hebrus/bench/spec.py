@@ -32,7 +32,7 @@ def workload(model, seed_tokens: int = 64, passage: int = 192, repeats: int = 2,
     gen = torch.Generator().manual_seed(seed)
     ids = list(SEED_TEXT) if model.spec.vocab_size == 256 else \
         torch.randint(0, model.spec.vocab_size, (seed_tokens,), generator=gen).tolist()
-    said = ids + list(model.session(decode="eager").generate(ids, max_new_tokens=passage))
+    said = ids + list(model.session().generate(ids, max_new_tokens=passage))
     return said * repeats + ids
 
 
