@@ -56,7 +56,10 @@ for part in "$@"; do
             --json "$out/bench-spec-qwen3.5-1.7b.json" --table "$out/bench-spec-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
         timeout 240 python3 -m hebrus bench --spec --model shakespeare --draft shakespeare --draft-quantize int8 \
             --contexts 1024,8000 --rounds 2 --spec-tokens 256 --json "$out/bench-spec-shakespeare.json" \
-            --table "$out/bench-spec-shakespeare.md" 2>&1 | grep -v '^bench' ;;
+            --table "$out/bench-spec-shakespeare.md" 2>&1 | grep -v '^bench'
+        timeout 120 python3 -m hebrus bench --spec --model shakespeare --draft-tokens 16 --contexts 1024 --rounds 2 \
+            --spec-tokens 256 --json "$out/bench-spec-shakespeare-16.json" \
+            --table "$out/bench-spec-shakespeare-16.md" 2>&1 | grep -v '^bench' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

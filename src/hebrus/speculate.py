@@ -151,14 +151,14 @@ def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Samplin
     """(how many of `chunk` to keep, the token after them, or None after a stop). Position i of
     `logits` [T, V] is the model's distribution for chunk[i + 1]."""
     k = 1
+    choices = logits.argmax(-1).tolist() if sampling.temperature == 0 else None    # one transfer
     while k < len(chunk):
         if chunk[k - 1] in stops:
             return k, None
         d = chunk[k]
-        if sampling.temperature == 0:
-            choice = int(torch.argmax(logits[k - 1]))
-            if choice != d:
-                return k, choice
+        if choices is not None:
+            if choices[k - 1] != d:
+                return k, choices[k - 1]
         else:
             p = _normalised(distribution(logits[k - 1], sampling))
             q = None if proposals is None else proposals[k - 1]
@@ -175,7 +175,7 @@ def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Samplin
         k += 1
     if chunk[k - 1] in stops:
         return k, None
-    return k, sample(logits[k - 1], sampling, generator)
+    return k, choices[k - 1] if choices is not None else sample(logits[k - 1], sampling, generator)
 
 
 def _normalised(weights: torch.Tensor) -> torch.Tensor:
