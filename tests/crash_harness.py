@@ -3,7 +3,8 @@
     python tests/crash_harness.py TRIALS SEED FOLDER    -> one JSON line: counts
 
 Each trial forks a child that journals a session of the tiny model (fast mode) into FOLDER,
-feeds it a seeded mix of prefill chunks and single tokens, saves a snapshot after its third
+feeds it a seeded mix of prefill chunks, single tokens and prefix transactions keeping part of
+their chunk (`Session.feed_prefix`), saves a snapshot after its third
 chunk, and after each feed returns writes the new frontier to a pipe. The parent kills it with
 SIGKILL after a random delay, then recovers from the journal (and the snapshot, when the child
 got that far) and checks that the recovered session holds every acknowledged chunk (and at most
@@ -26,19 +27,32 @@ torch.set_num_threads(1)                # forked children: no thread pool to inh
 import hebrus  # noqa: E402
 
 
-def chunks(seed: int) -> list[list[int]]:
+def chunks(seed: int) -> list[tuple[list[int], int | None]]:
+    """(ids, None) for a plain chunk, (ids, k) for a prefix transaction keeping k of them."""
     rng = random.Random(seed)
     out = []
     for _ in range(40):
         n = rng.choice([1, 1, 1, 2, 5, 9])
-        out.append([rng.randrange(256) for _ in range(n)])
+        ids = [rng.randrange(256) for _ in range(n)]
+        out.append((ids, rng.randrange(n + 1) if n > 1 and rng.random() < 0.3 else None))
     return out
 
 
-def child(model, folder: Path, work: list[list[int]], pipe: int) -> None:
+def feed(session, ids: list[int], keep: int | None) -> None:
+    if keep is None:
+        session.feed(ids)
+    else:
+        session.feed_prefix(ids, lambda logits: keep)
+
+
+def kept(ids: list[int], keep: int | None) -> int:
+    return len(ids) if keep is None else keep
+
+
+def child(model, folder: Path, work, pipe: int) -> None:
     s = model.session(journal=folder / "journal")
-    for i, ids in enumerate(work):
-        s.feed(ids)
+    for i, (ids, keep) in enumerate(work):
+        feed(s, ids, keep)
         if i == 2:
             s.save(folder / "snapshot")
         os.write(pipe, f"{s.frontier}\n".encode())
@@ -67,13 +81,12 @@ def trial(model, folder: Path, seed: int, rng: random.Random) -> dict:
     s = model.recover(folder / "journal", snapshot=snapshot)
     s.journal.close()
     reference = model.session()
-    ends, at = [0], 0
-    for ids in work:
+    at = 0
+    for ids, keep in work:
         if at >= s.frontier:
             break
-        reference.feed(ids)
-        at += len(ids)
-        ends.append(at)
+        feed(reference, ids, keep)
+        at += kept(ids, keep)
     in_flight = at == s.frontier and (s.frontier == acknowledged or s.frontier == _next_end(work, acknowledged))
     same = at == s.frontier and reference.digest() == s.digest()
     return {"acknowledged": acknowledged, "recovered": s.frontier, "lost": max(0, acknowledged - s.frontier),
@@ -82,8 +95,8 @@ def trial(model, folder: Path, seed: int, rng: random.Random) -> dict:
 
 def _next_end(work, position: int) -> int:
     at = 0
-    for ids in work:
-        at += len(ids)
+    for ids, keep in work:
+        at += kept(ids, keep)
         if at > position:
             return at
     return at
@@ -102,7 +115,7 @@ def main() -> None:
         "acknowledged_tokens": sum(r["acknowledged"] for r in results),
         "recovered_beyond_acknowledged": sum(r["recovered"] > r["acknowledged"] for r in results),
         "killed_before_any_ack": sum(r["acknowledged"] == 0 for r in results),
-        "killed_after_all": sum(r["acknowledged"] == sum(map(len, chunks(seed * 1000 + i)))
+        "killed_after_all": sum(r["acknowledged"] == sum(kept(*c) for c in chunks(seed * 1000 + i))
                                 for i, r in enumerate(results)),
         "bad": [r for r in results if not r["ok"]][:5],
     }))
