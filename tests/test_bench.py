@@ -238,3 +238,21 @@ def test_bench_spec_compares_speculation_with_plain_decoding(tmp_path):
         assert main(["bench", "--spec", "--model", "tiny", "--spec-tokens", "0"]) == 2
         assert main(["bench", "--spec", "--model", "tiny", "--spec-tokens", "2000"]) == 2
     assert "--spec-tokens must be at least 1" in err.getvalue() and "max_context" in err.getvalue()
+
+
+def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
+    pytest.importorskip("uvicorn")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--serve", "--model", "tiny", "--clients", "1,3", "--requests", "4", "--serve-prompt", "8",
+            "--serve-tokens", "4", "--json", str(tmp_path / "v.json"), "--table", str(tmp_path / "v.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert [p["clients"] for p in report["points"]] == [1, 3]
+    for point in report["points"]:
+        assert point["output_tokens_per_s"] > 0 and point["offline"]["tokens_per_s"] > 0
+        assert point["ttft_ms_p50"] > 0 and point["throughput_over_offline"] > 0
+    assert (tmp_path / "v.md").read_text() == out.getvalue()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--serve", "--model", "tiny", "--clients", "0"]) == 2
+    assert "--clients takes" in err.getvalue()

@@ -1,20 +1,59 @@
-"""The README's Python examples run as written (in a fresh folder, since they write files)."""
+"""The README's examples run as written: every Python block (in a fresh folder, since they
+write files), and the serving section's shell and client blocks against a real `hebrus serve`
+on the port they name."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PYTHON = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+SERVED = "127.0.0.1:8000"
 
 
 def test_the_readme_has_python_examples():
-    assert len(BLOCKS) >= 2
+    assert len(PYTHON) >= 3
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_a_readme_example_runs(index, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("index", [i for i, block in enumerate(PYTHON) if SERVED not in block])
+def test_a_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})
+    exec(compile(PYTHON[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})
+
+
+def test_the_serving_examples_run_against_the_server_they_start():
+    pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    shell = re.search(r"```bash\n(pip install -e '\.\[serve\]'\n.*?)```", README, flags=re.S).group(1)
+    lines = shell.strip().splitlines()
+    assert lines[1].startswith("hebrus serve") and lines[1].endswith("&")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    command = lines[1].removesuffix("&").split()
+    server = subprocess.Popen([sys.executable, "-m", "hebrus", *command[1:]], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://{SERVED}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        curl = "\n".join(lines[2:])
+        answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120,
+                                           check=True).stdout)
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["choices"][0]["text"]
+        client = next(block for block in PYTHON if SERVED in block)
+        done = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(done.stdout.strip()) > 0
+    finally:
+        server.terminate()
+        server.wait(60)

@@ -36,6 +36,12 @@ class ByteText:
         raise InvalidInput("--chat needs a checkpoint with a chat template (tokenizer_config.json or "
                            "chat_template.jinja); this model has none")
 
+    def conversation(self, messages: list[dict[str, str]]) -> str:
+        """A whole conversation as a prompt, for a model without a chat template: each message
+        as its role in capitals, a full stop and its text (the way the shipped model's plays
+        name their speakers), then the assistant's name, opening its turn."""
+        return _plain_conversation(messages)
+
 
 class _ByteStream:
     def __init__(self):
@@ -93,6 +99,14 @@ class CheckpointText:
         context = {"messages": [{"role": "user", "content": text}], "add_generation_prompt": True, **self.special}
         return _render(self.template, context, self.folder)
 
+    def conversation(self, messages: list[dict[str, str]]) -> str:
+        """A whole conversation (`{"role", "content"}` dicts) through the chat template, the
+        assistant's turn opened; without a template, as `ByteText.conversation` writes it."""
+        if self.template is None:
+            return _plain_conversation(messages)
+        context = {"messages": messages, "add_generation_prompt": True, **self.special}
+        return _render(self.template, context, self.folder)
+
     def _stop_ids(self, vocab_size: int) -> tuple[int, ...]:
         """generation_config.json's eos_token_id, else config.json's, else the tokenizer's eos token."""
         for file in ("generation_config.json", "config.json"):
@@ -123,6 +137,10 @@ class _TokenStream:
 
     def flush(self) -> str:
         return ""
+
+
+def _plain_conversation(messages: list[dict[str, str]]) -> str:
+    return "".join(f"{m['role'].upper()}.\n{m['content']}\n\n" for m in messages) + "ASSISTANT.\n"
 
 
 def text_for(model) -> ByteText | CheckpointText:

@@ -1,4 +1,4 @@
-"""The `hebrus` command: generate, verify, info."""
+"""The `hebrus` command: generate, verify, bench, quantize, serve, info."""
 from __future__ import annotations
 
 import argparse
@@ -100,11 +100,43 @@ def _parser() -> argparse.ArgumentParser:
                             "points) or fp8 (e4m3, 128 × 128 blocks)")
     quant.set_defaults(handler=_quantize)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                           description="Serve /v1/completions, /v1/chat/completions (streaming or not), /v1/models, "
+                                       "/health and /metrics. Requests run together in one engine loop; a request "
+                                       "whose transaction aborts gets an error and no other request is touched. "
+                                       "Needs pip install 'hebrus[serve]'.")
+    _model_args(serve, default_mode="fast", default_model="shakespeare")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require Authorization: Bearer KEY (repeatable: several keys, each with its own "
+                            "kept conversations; default: no key)")
+    serve.add_argument("--max-sessions", type=int, default=16, help="requests running at once (default 16)")
+    serve.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
+    serve.set_defaults(handler=_serve)
+
     info = sub.add_parser("info", help="show the config, the stages and every owner with its bytes",
                           description="What a model is made of and what one session of it holds.")
     _model_args(info, default_mode="exact")
     info.set_defaults(handler=_info)
     return parser
+
+
+def _serve(args) -> int:
+    if not 1 <= args.port <= 65535:
+        raise InvalidInput(f"--port must lie in [1, 65535], got {args.port}")
+    if args.max_sessions < 1:
+        raise InvalidInput("--max-sessions must be at least 1")
+    import importlib
+    try:
+        for package in ("fastapi", "uvicorn", "prometheus_client"):
+            importlib.import_module(package)
+        from hebrus import serve
+    except ImportError as exc:
+        raise InvalidInput(f"hebrus serve needs its extra: pip install 'hebrus[serve]' ({exc})") from None
+    model = _load(args)
+    serve.run(model, args.name or args.model, args.host, args.port, args.api_key, args.max_sessions)
+    return 0
 
 
 def _version() -> str:

@@ -48,6 +48,14 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="speculative decoding: --model's greedy tokens/s on a repetitive prompt, plain "
                             "against prompt lookup (and --draft), with the drafts kept and whether the output "
                             "equals plain decoding's; then a fork's cost at each of --contexts")
+    bench.add_argument("--serve", action="store_true",
+                       help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
+                            "--clients concurrent streaming requests against the same engine decoding offline: "
+                            "requests/s, output tokens/s, time to first token, inter-token latency")
+    bench.add_argument("--clients", default="1,16,64", help="concurrencies for --serve (default 1,16,64)")
+    bench.add_argument("--requests", type=int, default=64, help="requests per concurrency for --serve (default 64)")
+    bench.add_argument("--serve-prompt", type=int, default=128, help="prompt tokens per --serve request (default 128)")
+    bench.add_argument("--serve-tokens", type=int, default=64, help="new tokens per --serve request (default 64)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -92,7 +100,8 @@ def run(args, load_model) -> int:
 
     from hebrus import bench
     from hebrus.progress import ProgressBar
-    for name in ("decode_steps", "rounds", "chunk", "spec_tokens", "draft_tokens"):
+    for name in ("decode_steps", "rounds", "chunk", "spec_tokens", "draft_tokens", "requests", "serve_prompt",
+                 "serve_tokens"):
         if getattr(args, name) < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
     try:
@@ -127,6 +136,8 @@ def run(args, load_model) -> int:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
     if args.spec:
         return _spec(args, contexts, load_model)
+    if args.serve:
+        return _serve(args, load_model)
     model = load_model(args)
     model.session(decode=args.decode)                    # refuses a decode the model cannot run
     if args.compare_transformers and model.source is None:
@@ -186,6 +197,29 @@ def _spec(args, contexts: list[int], load_model) -> int:
     if len(report["fork"]) > 1:
         report["fork_ratio"] = report["fork"][-1]["fork_ms"] / report["fork"][0]["fork_ms"]
     text = spec.table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(text)
+    print(text, end="")
+    return 0
+
+
+def _serve(args, load_model) -> int:
+    from hebrus import bench
+    from hebrus.bench import serve
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        raise InvalidInput(f"--clients must be comma-separated integers, got {args.clients!r}") from None
+    if not clients or min(clients) < 1 or max(clients) > MAX_BATCH:
+        raise InvalidInput(f"--clients takes concurrencies from 1 to {MAX_BATCH}")
+    model = load_model(args)
+    if args.serve_prompt + args.serve_tokens > model.spec.max_context:
+        raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {model.spec.max_context}")
+    report = serve.run(model, Path(args.model).name, clients, args.requests, args.serve_prompt, args.serve_tokens)
+    report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
+    text = serve.table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.table:

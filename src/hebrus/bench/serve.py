@@ -1,0 +1,143 @@
+"""`hebrus bench --serve`: the server under load against the same engine offline.
+
+The server runs in this process on a loopback port (`hebrus.serve.build` and uvicorn), and
+`clients` streaming requests at a time are kept in flight until `requests` have been answered,
+each a prompt of `prompt` tokens and `tokens` new ones (greedy; no stop, so every request makes
+all of them). Reported per concurrency: requests/s, output tokens/s, time to first token and
+inter-token latency (p50, p99). Beside them, offline: the same number of sessions prefilled,
+then decoding `tokens` steps together in one pass per step (`feed_many`, or one session after
+another in exact mode), and the prefill of one prompt alone; the ratios are server over offline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import torch
+
+from hebrus.bench.limits import sync
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def offline(model, batch: int, prompt: int, tokens: int) -> dict:
+    """Tokens/s of `batch` sessions decoding together after their prefill, and one prefill's time."""
+    from hebrus.batching import feed_many
+    sessions = [model.session(decode="eager") for _ in range(batch)]
+    asks = prompts(model.spec.vocab_size, batch, prompt, seed=1)
+    sync(model.device)
+    started = time.perf_counter()
+    sessions[0].prefill(asks[0], 256)
+    sync(model.device)
+    prefill_s = time.perf_counter() - started
+    for s, ids in zip(sessions[1:], asks[1:]):
+        s.prefill(ids, 256)
+    logits = [s.logits for s in sessions]
+    sync(model.device)
+    started = time.perf_counter()
+    for _ in range(tokens):
+        chosen = [int(torch.argmax(x)) for x in logits]
+        if model.kernels.batched:
+            logits = feed_many(sessions, chosen)
+        else:
+            logits = [s.feed([t]) for s, t in zip(sessions, chosen)]
+    sync(model.device)
+    return {"batch": batch, "tokens_per_s": batch * tokens / (time.perf_counter() - started),
+            "prefill_ms": prefill_s * 1e3}
+
+
+async def _load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int) -> dict:
+    import httpx
+    ttft, itl, made = [], [], 0
+    queue = list(asks)
+
+    async def worker(client):
+        nonlocal made
+        while queue:
+            ids = queue.pop()
+            started = last = time.perf_counter()
+            body = {"model": name, "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+                if reply.status_code != 200:
+                    raise RuntimeError(f"the server answered {reply.status_code}: {await reply.aread()}")
+                first = True
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"the server failed a request: {event['error']}")
+                    if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
+                        continue
+                    now = time.perf_counter()
+                    (ttft if first else itl).append(now - (started if first else last))
+                    first, last = False, now
+                    made += 1
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    wall = time.perf_counter() - started
+    return {"clients": clients, "requests": len(asks), "requests_per_s": len(asks) / wall,
+            "events_per_s": made / wall, "output_tokens_per_s": len(asks) * tokens / wall,
+            "ttft_ms_p50": _percentile(ttft, 0.5) * 1e3, "ttft_ms_p99": _percentile(ttft, 0.99) * 1e3,
+            "itl_ms_p50": _percentile(itl, 0.5) * 1e3 if itl else None,
+            "itl_ms_p99": _percentile(itl, 0.99) * 1e3 if itl else None}
+
+
+def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int) -> dict:
+    import uvicorn
+
+    from hebrus import serve
+    app, scheduler = serve.build(model, name, max_sessions=max(concurrencies), kept_bytes=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    points = []
+    try:
+        asyncio.run(_load(url, name, prompts(model.spec.vocab_size, 2, prompt, seed=9), 1, 4))   # warm-up
+        for clients in concurrencies:
+            asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
+            point = asyncio.run(_load(url, name, asks, clients, tokens))
+            point["offline"] = offline(model, clients, prompt, tokens)
+            point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
+            point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
+            points.append(point)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        scheduler.stop(drain_seconds=5)
+    return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "mode": model.mode, "prompt": prompt, "tokens": tokens, "points": points}
+
+
+def table(report: dict) -> str:
+    lines = [f"# serving: {report['model']} on {report['device']} ({report['dtype']}, {report['mode']})", "",
+             f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request (greedy, streamed)", "",
+             "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | TTFT p50 ms | TTFT p99 ms "
+             "| prefill ms | ITL p50 ms | ITL p99 ms |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in report["points"]:
+        itl50 = "–" if p["itl_ms_p50"] is None else f"{p['itl_ms_p50']:.1f}"
+        itl99 = "–" if p["itl_ms_p99"] is None else f"{p['itl_ms_p99']:.1f}"
+        lines.append(f"| {p['clients']} | {p['requests_per_s']:.2f} | {p['output_tokens_per_s']:.1f} | "
+                     f"{p['offline']['tokens_per_s']:.1f} | {p['throughput_over_offline']:.2f} | "
+                     f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['offline']['prefill_ms']:.1f} | "
+                     f"{itl50} | {itl99} |")
+    return "\n".join(lines) + "\n"

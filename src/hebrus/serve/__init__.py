@@ -1,0 +1,48 @@
+"""`hebrus serve`: an OpenAI-compatible HTTP server where one failing request never touches
+another. `app` holds the routes, `scheduler` the engine loop, `metrics` the Prometheus side.
+Needs the `serve` extra (FastAPI, uvicorn, prometheus-client)."""
+from __future__ import annotations
+
+
+def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
+          kept_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, fault=None):
+    """(the FastAPI app, its scheduler, started) serving `model` as `name`. `fault` is for
+    tests only: a function of a request returning a stage to fail its next step at, or None."""
+    from hebrus.chat import text_for
+    from hebrus.serve.app import create_app
+    from hebrus.serve.metrics import Metrics
+    from hebrus.serve.scheduler import Scheduler
+    metrics = Metrics()
+    scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, kept_bytes=kept_bytes,
+                          fault=fault, metrics=metrics)
+    app = create_app(model, text_for(model), name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
+                     metrics=metrics)
+    scheduler.start()
+    return app, scheduler
+
+
+def run(model, name: str, host: str, port: int, api_key: str | None, max_sessions: int) -> None:
+    """Serve until SIGTERM or Ctrl-C; in-flight requests are finished first (up to 60 s), then
+    this returns (the command exits 0)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):             # drain on the signal, then return (not die by it)
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=60))
+    try:
+        server.run()                    # returns once open requests have finished
+    finally:
+        scheduler.stop()

@@ -1,0 +1,317 @@
+"""The HTTP side of `hebrus serve`: OpenAI-style routes on FastAPI, every request checked before
+it reaches the engine (`serve.scheduler`), errors in OpenAI's shape.
+
+Refused with a 4xx and nothing in the engine touched: malformed JSON, a known field of the
+wrong type or out of range, an unknown model, a prompt with no tokens or past the context
+limit, a body over `max_body_bytes`, a missing or wrong API key. A full waiting line is a 429
+with Retry-After. A request whose transaction aborts gets a 500 naming the failure kind and
+stage, or, once streaming has begun, an error event; no other request notices.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hebrus.errors import ChunkAborted
+from hebrus.sampling import Sampling
+from hebrus.serve.metrics import Metrics
+from hebrus.serve.scheduler import Overloaded, Request, Scheduler
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The fields both completion routes take; unknown fields are ignored, known ones checked."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("temperature", "top_p", "min_p", mode="before")
+    @classmethod
+    def _number(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("must be a number")
+        return float(value)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 non-empty strings")
+        return stops
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str = Field(pattern="^(system|user|assistant|developer)$")
+    content: str
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list[str] | None = None,
+               max_body_bytes: int = 1 << 20, max_tokens_default: int = 256, metrics: Metrics | None = None):
+    """The app serving `model` as `name`, its text through `text` (`hebrus.chat.text_for`).
+    `api_key`: one key or several; each key's kept conversations are its own."""
+    app = FastAPI(title="hebrus", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = metrics or Metrics()
+    limit = model.spec.max_context
+    keys = None if api_key is None else {f"Bearer {k}" for k in ([api_key] if isinstance(api_key, str) else api_key)}
+
+    @app.middleware("http")
+    async def guard(request: HTTPRequest, call_next):
+        if request.url.path.startswith("/v1/"):
+            if keys is not None and request.headers.get("authorization") not in keys:
+                return error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                             "authentication_error", code="invalid_api_key")
+            size = request.headers.get("content-length")
+            if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+                return error(413, f"the body is over {max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        running, waiting = scheduler.depth
+        return PlainTextResponse(metrics.render(running, waiting), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hebrus"}]}
+
+    async def body_of(request: HTTPRequest, kind) -> Any:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            return error(413, f"the body is over {max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return error(400, "the body is not valid JSON")
+        if not isinstance(data, dict):
+            return error(400, "the body must be a JSON object")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return error(400, f"{where}: {first['msg']}", param=where)
+        if body.model != name:
+            return error(404, f"the model {body.model!r} does not exist; this server has {name!r}",
+                         code="model_not_found", param="model")
+        return body
+
+    def sampling_of(body) -> Sampling:
+        return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p)
+
+    def key_of(request: HTTPRequest) -> str:
+        return request.headers.get("authorization", "")
+
+    async def run(request: HTTPRequest, body, prompt: list[int], chat: bool):
+        if not prompt:
+            return error(400, "the prompt has no tokens", param="prompt")
+        if any(not 0 <= t < model.spec.vocab_size for t in prompt):
+            return error(400, f"token ids must lie in [0, {model.spec.vocab_size})", param="prompt")
+        wanted = body.max_completion_tokens or body.max_tokens or max_tokens_default
+        if len(prompt) + wanted > limit:
+            return error(400, f"the prompt's {len(prompt)} tokens and max_tokens {wanted} pass the context "
+                              f"limit of {limit}", param="max_tokens", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Request(key=key_of(request), prompt=prompt, max_tokens=wanted, sampling=sampling_of(body),
+                      seed=body.seed if body.seed is not None else 0, stop_ids=frozenset(text.stop_ids),
+                      emit=lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
+        started = time.monotonic()
+        try:
+            scheduler.submit(job)
+        except Overloaded as exc:
+            return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
+        metrics.request(chat)
+        reply = Reply(text, body.stop, chat, name, len(prompt), job, metrics, started)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            first = await events.get()              # before the first byte: a failure is still a 500
+            if first[0] == "error":
+                return failure(first[1])
+            return StreamingResponse(reply.stream(first, events, include_usage, request),
+                                     media_type="text/event-stream")
+        while True:
+            kind, value = await events.get()
+            if kind == "error":
+                return failure(value)
+            if not reply.take(kind, value):
+                return JSONResponse(reply.whole())
+
+    def failure(exc: BaseException) -> JSONResponse:
+        if isinstance(exc, ChunkAborted):
+            return error(500, f"the request's transaction aborted ({exc.kind} at {exc.stage}): {exc}; nothing "
+                              f"else was affected", "server_error", code=f"aborted_{exc.kind}")
+        return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = await body_of(request, CompletionBody)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            prompt = text.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        except Exception as exc:                    # noqa: BLE001 - a tokenizer's refusal
+            return error(400, f"prompt: {exc}", param="prompt")
+        return await run(request, body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        body = await body_of(request, ChatBody)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            prompt = text.encode(text.conversation([m.model_dump() for m in body.messages]))
+        except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
+            return error(400, f"messages: {exc}", param="messages")
+        return await run(request, body, prompt, chat=True)
+
+    return app
+
+
+class Reply:
+    """One request's output as it arrives: text decoded as tokens come, cut at a stop string."""
+
+    def __init__(self, text, stops: list[str], chat: bool, name: str, prompt_tokens: int, job: Request,
+                 metrics: Metrics, started: float):
+        self.decoder, self.stops, self.chat, self.name = text.stream(), stops or [], chat, name
+        self.prompt_tokens, self.job, self.metrics, self.started = prompt_tokens, job, metrics, started
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.text, self.sent, self.tokens, self.reason = "", 0, 0, None
+        self.last = None
+
+    def take(self, kind: str, value) -> bool:
+        """Fold one engine event in; False once the request is finished."""
+        if kind == "token":
+            now = time.monotonic()
+            self.metrics.token(now - (self.last or self.started), first=self.last is None)
+            self.last = now
+            self.tokens += 1
+            self.text += self.decoder.push(value)
+            cut = self._cut()
+            if cut is not None:
+                self.text, self.reason = self.text[:cut], "stop"
+                self.job.cancelled.set()                # the engine drops it at its next turn
+                return False
+            return True
+        if self.reason is None:                         # "done": the engine's reason
+            self.text += self.decoder.flush()
+            self.reason = "stop" if value == "stop" else "length"
+        return False
+
+    def _cut(self) -> int | None:
+        found = [self.text.find(s) for s in self.stops]
+        found = [i for i in found if i >= 0]
+        return min(found) if found else None
+
+    def fresh(self) -> str:
+        """Text not sent yet, holding back what could still become a stop string."""
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        end = len(self.text) if self.reason is not None else max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def usage(self) -> dict:
+        cached = self.job.cached
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                "total_tokens": self.prompt_tokens + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def whole(self) -> dict:
+        self.metrics.finished(self.prompt_tokens, self.tokens)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+                      "finish_reason": self.reason, "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": self.text, "finish_reason": self.reason, "logprobs": None}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.name,
+                "choices": [choice], "usage": self.usage()}
+
+    def chunk(self, piece: str, reason: str | None, first: bool = False) -> str:
+        if self.chat:
+            delta = ({"role": "assistant", "content": piece} if first else {"content": piece}) if piece or first else {}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}
+            kind = "text_completion"
+        return _event({"id": self.id, "object": kind, "created": self.created, "model": self.name,
+                       "choices": [choice]})
+
+    async def stream(self, first, events: asyncio.Queue, include_usage: bool, request: HTTPRequest):
+        event, opened = first, False
+        try:
+            while True:
+                kind, value = event
+                if kind == "error":
+                    exc = value
+                    what = (f"the request's transaction aborted ({exc.kind} at {exc.stage})"
+                            if isinstance(exc, ChunkAborted) else f"internal error: {type(exc).__name__}")
+                    yield _event({"error": {"message": what, "type": "server_error",
+                                            "code": f"aborted_{exc.kind}" if isinstance(exc, ChunkAborted) else None}})
+                    break
+                going = self.take(kind, value)
+                piece = self.fresh()
+                if piece or not opened:
+                    yield self.chunk(piece, None, first=not opened)
+                    opened = True
+                if not going:
+                    yield self.chunk("", self.reason)
+                    if include_usage:
+                        yield _event({"id": self.id, "object": "chat.completion.chunk" if self.chat else
+                                      "text_completion", "created": self.created, "model": self.name,
+                                      "choices": [], "usage": self.usage()})
+                    self.metrics.finished(self.prompt_tokens, self.tokens)
+                    break
+                event = await events.get()
+            yield "data: [DONE]\n\n"
+        finally:                                        # a client gone mid-stream frees its request
+            if self.reason is None:
+                self.job.cancelled.set()
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"

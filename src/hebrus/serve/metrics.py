@@ -1,0 +1,38 @@
+"""The server's Prometheus metrics, in a registry of its own (one per app)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("hebrus_requests", "Requests accepted, by route", ["route"], registry=registry)
+        self.tokens_in = Counter("hebrus_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.tokens_out = Counter("hebrus_completion_tokens", "Tokens generated", registry=registry)
+        self.ttft = Histogram("hebrus_time_to_first_token_seconds", "Time to first token", registry=registry,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.itl = Histogram("hebrus_inter_token_latency_seconds", "Time between tokens", registry=registry,
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.aborts = Counter("hebrus_aborted_transactions", "Transactions aborted, by failure kind and stage",
+                              ["kind", "stage"], registry=registry)
+        self.active = Gauge("hebrus_active_sessions", "Requests running in the engine", registry=registry)
+        self.queue = Gauge("hebrus_queue_depth", "Requests waiting for the engine", registry=registry)
+
+    def request(self, chat: bool) -> None:
+        self.requests.labels(route="chat" if chat else "completions").inc()
+
+    def token(self, seconds: float, first: bool) -> None:
+        self.tokens_out.inc()
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def finished(self, prompt_tokens: int, tokens: int) -> None:
+        self.tokens_in.inc(prompt_tokens)
+
+    def aborted(self, kind: str, stage: str) -> None:
+        self.aborts.labels(kind=kind, stage=stage).inc()
+
+    def render(self, running: int, waiting: int) -> bytes:
+        self.active.set(running)
+        self.queue.set(waiting)
+        return generate_latest(self.registry)

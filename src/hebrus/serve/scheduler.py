@@ -1,0 +1,253 @@
+"""The server's engine loop: one thread owns the model and runs every request's transactions.
+
+Each turn of the loop admits waiting requests (up to `max_sessions` running), runs one prefill
+chunk of every request that still has prompt to feed, and then one decode step of every request
+that is decoding: fast mode feeds those tokens in one pass (`feed_many`, one transaction per
+session); exact mode feeds them one after another. A transaction that aborts fails its own
+request only: its session publishes nothing, and every other request goes on as if it had
+never been there. A request samples from its own generator, so what it produces does not depend
+on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
+
+Finished conversations are kept (`Kept`): a later request of the same API key whose prompt
+starts with a kept conversation's tokens forks it and feeds only the rest.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hebrus import faults
+from hebrus.batching import feed_many
+from hebrus.errors import ChunkAborted
+from hebrus.sampling import Sampling, sample
+
+
+@dataclass
+class Request:
+    """One completion: what to feed and how to sample, and where its events go. `emit(kind,
+    value)` is called from the engine thread: ("token", id), ("done", finish reason) or
+    ("error", exception)."""
+    key: str                            # the API key that owns what the request leaves kept
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int
+    stop_ids: frozenset[int]
+    emit: Callable[[str, object], None]
+    keep: bool = True                   # keep the finished conversation for later turns
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # engine-side state
+    session: object = None
+    cached: int = 0                     # prompt tokens found kept
+    fed: int = 0                        # prompt tokens fed so far (cached ones included)
+    logits: torch.Tensor | None = None
+    produced: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    admitted_at: float = 0.0
+
+    def finished(self, reason: str) -> None:
+        self.emit("done", reason)
+
+
+class Kept:
+    """Finished conversations by API key, least recently used evicted first once their rows
+    and banked state pass `budget` bytes."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()   # (key, tokens) -> (session, bytes)
+
+    def find(self, key: str, prompt: list[int]):
+        """The kept session of `key` whose tokens are the longest prefix of `prompt`, and how
+        many tokens it holds; (None, 0) if none."""
+        best, length = None, 0
+        for (owner, tokens), (session, _) in self.entries.items():
+            n = len(tokens)
+            if owner == key and length < n <= len(prompt) and tuple(prompt[:n]) == tokens:
+                best, length = (owner, tokens), n
+        if best is None:
+            return None, 0
+        self.entries.move_to_end(best)
+        return self.entries[best][0], length
+
+    def put(self, key: str, tokens: list[int], session) -> None:
+        size = _session_bytes(session)
+        if size > self.budget:
+            return
+        entry = (key, tuple(tokens))
+        if entry in self.entries:
+            self.used -= self.entries.pop(entry)[1]
+        self.entries[entry] = (session, size)
+        self.used += size
+        while self.used > self.budget:
+            _, (_, freed) = self.entries.popitem(last=False)
+            self.used -= freed
+
+
+def _session_bytes(session) -> int:
+    image = session.image
+    banked = sum(t.numel() * t.element_size() for bank in image.banks for t in bank.values())
+    return banked + sum(t.numel() * t.element_size() for t in image.public.storages)
+
+
+class Overloaded(Exception):
+    """The waiting line is full: the caller answers 429 with Retry-After."""
+
+
+class Scheduler:
+    def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
+                 kept_bytes: int = 1 << 30, fault: Callable[[Request], str | None] | None = None,
+                 metrics=None):
+        self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
+        self.chunk_size = chunk_size
+        self.kept = Kept(kept_bytes)
+        self.fault = fault              # tests only: a stage to fail a request's next step at
+        self.metrics = metrics
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._wake = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="hebrus-engine", daemon=True)
+
+    # ---- what the HTTP side calls (any thread) ---------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if len(self.waiting) >= self.max_waiting:
+                raise Overloaded(f"{len(self.waiting)} requests are waiting")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    def stop(self, drain_seconds: float = 30.0) -> None:
+        """Let running and waiting requests finish (up to `drain_seconds`), then end the loop."""
+        deadline = time.monotonic() + drain_seconds
+        while (self.running or self.waiting) and time.monotonic() < deadline and self.thread.is_alive():
+            time.sleep(0.01)
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self.thread.is_alive():
+            self.thread.join(5)
+
+    @property
+    def depth(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.waiting and not self.running:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                while self.waiting and len(self.running) < self.max_sessions:
+                    self.running.append(self.waiting.popleft())
+            try:
+                self._turn()
+            except Exception as exc:                    # a bug here must not strand the requests
+                for request in self.running:
+                    request.emit("error", exc)
+                self.running = []
+
+    def _turn(self) -> None:
+        for request in list(self.running):
+            if request.cancelled.is_set():
+                self._drop(request)
+            elif request.session is None:
+                self._admit(request)
+        for request in list(self.running):
+            if request.fed < len(request.prompt):
+                self._prefill(request)
+        decoding = [r for r in self.running if r.fed >= len(r.prompt)]
+        if decoding:
+            self._decode(decoding)
+
+    def _admit(self, request: Request) -> None:
+        request.admitted_at = time.monotonic()
+        request.generator = torch.Generator().manual_seed(request.seed)
+        kept, length = self.kept.find(request.key, request.prompt)
+        if kept is not None:
+            request.session = kept.fork()
+            request.cached = request.fed = length
+            request.logits = request.session.logits
+        else:
+            request.session = self.model.session(decode="eager")
+
+    def _prefill(self, request: Request) -> None:
+        chunk = request.prompt[request.fed:request.fed + self.chunk_size]
+        try:
+            request.logits = self._feed(request, chunk)
+        except ChunkAborted as exc:
+            self._fail(request, exc)
+            return
+        request.fed += len(chunk)
+
+    def _decode(self, requests: list[Request]) -> None:
+        tokens = {}
+        for request in requests:
+            token = sample(request.logits, request.sampling, request.generator)
+            tokens[request.id] = token
+        alone = [r for r in requests if not self.model.kernels.batched or (self.fault and self.fault(r))]
+        together = [r for r in requests if r not in alone]
+        results = {}
+        if together:
+            for request, result in zip(together, feed_many([r.session for r in together],
+                                                           [tokens[r.id] for r in together])):
+                results[request.id] = result
+        for request in alone:
+            try:
+                results[request.id] = self._feed(request, [tokens[request.id]])
+            except ChunkAborted as exc:
+                results[request.id] = exc
+        for request in requests:
+            result = results[request.id]
+            if isinstance(result, BaseException):
+                self._fail(request, result)
+                continue
+            token = tokens[request.id]
+            request.logits = result
+            request.produced.append(token)
+            request.emit("token", token)
+            if token in request.stop_ids:
+                self._finish(request, "stop")
+            elif len(request.produced) >= request.max_tokens:
+                self._finish(request, "length")
+            elif request.session.frontier >= self.model.spec.max_context:
+                self._finish(request, "length")
+
+    def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
+        stage = self.fault(request) if self.fault else None
+        if stage is None:
+            return request.session.feed(ids)
+        with faults.inject(stage=stage, kind="nonfinite"):
+            return request.session.feed(ids)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.running.remove(request)
+        if request.keep:
+            self.kept.put(request.key, request.prompt + request.produced, request.session)
+        request.finished(reason)
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        self.running.remove(request)
+        if self.metrics is not None and isinstance(exc, ChunkAborted):
+            self.metrics.aborted(exc.kind, exc.stage)
+        request.emit("error", exc)
+
+    def _drop(self, request: Request) -> None:
+        self.running.remove(request)
+        request.emit("done", "cancelled")
+
+    def stop_early(self, request: Request) -> None:
+        """The HTTP side saw a stop string: finish the request at its next turn."""
+        request.cancelled.set()

@@ -1,0 +1,293 @@
+"""`hebrus serve` driven by real clients over loopback: the official `openai` package (streaming
+and not) and raw `httpx` for what a client library would never send. The engine's outputs are
+compared with `Session.generate` (exact mode: the same tokens), a failing request is shown to
+leave the others untouched, and every refusal is shown to change nothing."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from hebrus import serve
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+KEYS = ["key-a", "key-b"]
+
+
+class Server:
+    def __init__(self, model, **options):
+        self.app, self.scheduler = serve.build(model, "tiny", api_key=KEYS, **options)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = KEYS[0]):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.scheduler.stop(drain_seconds=5)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(tiny)
+    yield s
+    s.close()
+
+
+def _greedy(model, prompt: bytes, n: int, **sampling) -> str:
+    from hebrus.chat import ByteText
+    decoder = ByteText().stream()
+    ids = list(model.session().generate(list(prompt), max_new_tokens=n, **sampling))
+    return "".join(decoder.push(t) for t in ids) + decoder.flush()
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    text = httpx.get(server.url + "/metrics").text
+    assert "hebrus_requests_total" in text and "hebrus_queue_depth" in text
+
+
+def test_a_completion_is_what_the_session_generates(server, tiny):
+    reply = server.client().completions.create(model="tiny", prompt="When shall we", max_tokens=12,
+                                                temperature=0)
+    assert reply.choices[0].text == _greedy(tiny, b"When shall we", 12, temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == 13 and reply.usage.completion_tokens == 12
+    sampled = server.client().completions.create(model="tiny", prompt="When shall we", max_tokens=12,
+                                                  temperature=0.9, seed=7, extra_body={"top_k": 20})
+    assert sampled.choices[0].text == _greedy(tiny, b"When shall we", 12, temperature=0.9, top_k=20, seed=7)
+
+
+def test_chat_streams_what_it_answers_whole(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "Who is there?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    pieces, usage, reasons = [], None, []
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert reasons[-1] == whole.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == whole.usage.completion_tokens == 10
+
+
+def test_a_stop_string_ends_the_text_before_it(server, tiny):
+    full = _greedy(tiny, b"When shall we", 16, temperature=0)
+    stop = full[5:7]
+    reply = server.client().completions.create(model="tiny", prompt="When shall we", max_tokens=16,
+                                                temperature=0, stop=[stop])
+    assert reply.choices[0].text == full[:full.index(stop)] and reply.choices[0].finish_reason == "stop"
+
+
+def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tiny):
+    """Prompts as token ids (a random model's bytes are not always UTF-8 text): the second turn
+    starts with the first turn's prompt and output, which it finds kept."""
+    opening = list(b"Fair is foul")
+    server.client().completions.create(model="tiny", prompt=opening, max_tokens=6, temperature=0)
+    said = list(tiny.session().generate(opening, max_new_tokens=6))
+    follow = opening + said + list(b" and foul is fair")
+    again = server.client().completions.create(model="tiny", prompt=follow, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(opening) + 6
+    other = server.client(KEYS[1]).completions.create(model="tiny", prompt=follow, max_tokens=4, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].text == again.choices[0].text        # the same state either way
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": 5}', 400, "stop"),
+    (b'{"model": "tiny", "prompt": [1, 999]}', 400, "token ids"),
+    (b'{"model": "tiny", "prompt": ""}', 400, "no tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 5000}', 400, "context limit"),
+    (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
+    (b'{"model": "tiny"}', 400, "prompt"),
+])
+def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
+    kept = dict(server.scheduler.kept.entries)
+    reply = httpx.post(server.url + "/v1/completions", content=body,
+                       headers={"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["type"]
+    assert server.scheduler.depth == (0, 0) and dict(server.scheduler.kept.entries) == kept
+
+
+def test_keys_sizes_and_unknown_fields(server):
+    url = server.url + "/v1/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {}, "something_new": [1]}
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
+    huge = {"model": "tiny", "prompt": "x" * (2 << 20)}
+    reply = httpx.post(url, json=huge, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert reply.status_code == 413 and "over" in reply.json()["error"]["message"]
+
+
+def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
+    """32 concurrent streaming requests; one is failed mid-decode (its fourth token's transaction
+    aborts through the test-only fault hook, the real nonfinite path); the other 31 stream what
+    each would alone."""
+    prompts = [f"Request {i}: tomorrow, and tomorrow".encode() for i in range(32)]
+    doomed = 13
+
+    def fault(request):
+        if bytes(request.prompt) == prompts[doomed] and len(request.produced) == 3:
+            return "layers.1.qsa"
+        return None
+    server = Server(tiny, fault=fault, max_sessions=32)
+    try:
+        def ask(i):
+            pieces = []
+            try:
+                for chunk in server.client().completions.create(model="tiny", prompt=prompts[i].decode(),
+                                                                max_tokens=12, temperature=0.8, seed=i,
+                                                                stream=True):
+                    pieces.append(chunk.choices[0].text if chunk.choices else "")
+            except openai.APIError as exc:
+                return "".join(pieces), exc
+            return "".join(pieces), None
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(ask, range(32)))
+        for i, (text, exc) in enumerate(results):
+            if i == doomed:
+                assert exc is not None and "nonfinite" in str(exc), (text, exc)
+                assert len(text) <= 3
+            else:
+                assert exc is None
+                assert text == _greedy(tiny, prompts[i], 12, temperature=0.8, seed=i), i
+        assert 'hebrus_aborted_transactions_total{kind="nonfinite",stage="layers.1.qsa"} 1.0' in \
+            httpx.get(server.url + "/metrics").text
+    finally:
+        server.close()
+
+
+def test_overload_is_a_429_with_retry_after(tiny):
+    server = Server(tiny, max_waiting=0)
+    try:
+        reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                           headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    finally:
+        server.close()
+
+
+def test_a_client_gone_mid_stream_frees_its_request(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      json={"model": "tiny", "prompt": "Out, out", "max_tokens": 500, "stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                break
+    for _ in range(500):
+        if server.scheduler.depth == (0, 0):
+            break
+        time.sleep(0.01)
+    assert server.scheduler.depth == (0, 0)
+
+
+def test_fast_mode_steps_requests_together_and_isolates_a_failure(tiny_fast):
+    """Fast mode feeds the decoding requests' tokens in one pass (`feed_many`); the failing one
+    is stepped alone under its fault and ends in a 500 before anything streamed; the others
+    complete."""
+    doomed = b"Lay on, Macduff"
+
+    def fault(request):
+        return "head" if bytes(request.prompt) == doomed and not request.produced else None
+    server = Server(tiny_fast, fault=fault, max_sessions=8)
+    calls = []
+    real = serve.scheduler.feed_many
+
+    def counted(sessions, tokens):
+        calls.append(len(sessions))
+        return real(sessions, tokens)
+    serve.scheduler.feed_many = counted
+    try:
+        def ask(prompt):
+            try:
+                return server.client().completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                                          temperature=0).choices[0].text
+            except openai.InternalServerError as exc:
+                return exc
+        prompts = [f"Speak {i}" for i in range(7)] + [doomed.decode()]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ask, prompts))
+        assert all(isinstance(r, str) for r in results[:7])
+        assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
+        assert max(calls) > 1                         # several requests' tokens in one pass
+    finally:
+        serve.scheduler.feed_many = real
+        server.close()
+
+
+def test_the_command_refuses_bad_arguments():
+    import io
+    from contextlib import redirect_stderr
+    from hebrus.cli import main
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert main(["serve", "--model", "tiny", "--port", "70000"]) == 2
+        assert main(["serve", "--model", "tiny", "--max-sessions", "0"]) == 2
+    assert "--port must lie in" in err.getvalue() and "--max-sessions" in err.getvalue()
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):
+    """`hebrus serve` as a process: SIGTERM while a stream runs; the stream still ends with its
+    finish reason and [DONE], new connections are refused, and the process exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    process = subprocess.Popen([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--mode", "exact",
+                                "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "Double, double", "max_tokens": 60, "stream": True}) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        process.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+        process.wait()
