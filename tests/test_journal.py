@@ -122,3 +122,24 @@ def test_no_committed_token_is_lost_over_200_kills(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["kills"] == 200 and result["failed"] == 0 and result["tokens_lost"] == 0, result
     assert result["acknowledged_tokens"] > 1000 and result["killed_before_any_ack"] < 100
+
+
+@pytest.mark.parametrize("cut", [0, 5, -1])
+def test_a_creation_cut_short_holds_no_chunk_and_is_begun_anew(tmp_path, fast, cut):
+    """A kill while a journal is being created (the crash test met one) leaves part of its
+    header, or an empty file: recovery starts from nothing, and journaling begins the file again."""
+    from hebrus import journal as journals
+    header = journals.MAGIC + fast.fingerprint.encode()
+    (tmp_path / "j").write_bytes(header[:cut] if cut >= 0 else header[:len(header) + cut])
+    back = fast.recover(tmp_path / "j")
+    assert back.frontier == 0
+    back.feed(TEXT[:4])
+    back.journal.close()
+    again = fast.recover(tmp_path / "j")
+    assert again.frontier == 4 and again.digest() == back.digest()
+    again.journal.close()
+    (tmp_path / "k").write_bytes(header[:7])
+    fresh = fast.session(journal=tmp_path / "k")
+    fresh.feed(TEXT[:2])
+    fresh.journal.close()
+    assert not (tmp_path / "k.new").exists()

@@ -7,7 +7,9 @@ its length, and its values are not the plain chunk's bits in fast mode), the ids
 a CRC-32 of all of that. A record is appended and flushed to the disk after the chunk's checks pass and
 before its flip, so every chunk whose call returned is in the journal; a crash can leave one
 more whole record (a chunk that was never acknowledged) or a torn last record, which replay
-drops. A write that fails cuts the file back to its last whole record and aborts the chunk.
+drops. A write that fails cuts the file back to its last whole record and aborts the chunk. The
+header is written atomically (beside the file, then renamed); a file that holds only part of it
+(a creation cut short by an older version, or an empty file) holds no chunk and is begun anew.
 
 `replay` feeds the records past a session's frontier to it, in their own chunks (a prefix
 transaction's as the same prefix transaction, so fast mode reaches the same bits too): with the snapshot
@@ -40,16 +42,12 @@ class Journal:
         if not self.path.parent.is_dir():
             raise InvalidInput(f"cannot journal into {self.path}: {self.path.parent} is not a directory")
         header = MAGIC + fingerprint.encode()
-        if self.path.exists() and self.path.stat().st_size:
-            records, end = read(self.path, fingerprint)
-            self.end = end
-            self.frontier = records[-1][0] + records[-1][2] if records else 0
-        else:
-            with open(self.path, "wb") as f:
-                f.write(header)
-                f.flush()
-                os.fsync(f.fileno())
-            self.end, self.frontier = len(header), 0
+        records, end = read(self.path, fingerprint) if self.path.exists() else ([], 0)
+        if end < len(header):                       # no journal yet, or a creation cut short
+            _create(self.path, header)
+            end = len(header)
+        self.end = end
+        self.frontier = records[-1][0] + records[-1][2] if records else 0
         self.file = open(self.path, "r+b")
         try:                                        # one writer: a second session would interleave
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,6 +88,8 @@ def read(path, fingerprint: str) -> tuple[list[tuple[int, list[int], int, bool]]
     journal or records that do not follow one another are InvalidInput."""
     data = Path(path).read_bytes()
     header = MAGIC + fingerprint.encode()
+    if len(data) < len(header) and header.startswith(data):
+        return [], 0                                # a creation cut short (or an empty file): no chunk
     if not data.startswith(MAGIC):
         raise InvalidInput(f"{path} is not a hebrus journal")
     if not data.startswith(header):
@@ -121,6 +121,22 @@ def replay(session, records: list[tuple[int, list[int], int, bool]]) -> None:
             session.feed_prefix(ids, lambda logits: kept)
         else:
             session.feed(ids)
+
+
+def _create(path: Path, header: bytes) -> None:
+    """A new journal holding only its header, whole or not at all: written beside it, flushed,
+    renamed over `path`, and the folder flushed."""
+    fresh = path.with_name(path.name + ".new")
+    with open(fresh, "wb") as f:
+        f.write(header)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(fresh, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _record(data: bytes, at: int):

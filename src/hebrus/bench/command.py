@@ -196,13 +196,7 @@ def _spec(args, contexts: list[int], load_model) -> int:
     report["fork"] = spec.fork_points(model, kept)
     if len(report["fork"]) > 1:
         report["fork_ratio"] = report["fork"][-1]["fork_ms"] / report["fork"][0]["fork_ms"]
-    text = spec.table(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.table:
-        Path(args.table).write_text(text)
-    print(text, end="")
-    return 0
+    return _written(args, report, spec.table(report))
 
 
 def _serve(args, load_model) -> int:
@@ -219,13 +213,7 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {model.spec.max_context}")
     report = serve.run(model, Path(args.model).name, clients, args.requests, args.serve_prompt, args.serve_tokens)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
-    text = serve.table(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.table:
-        Path(args.table).write_text(text)
-    print(text, end="")
-    return 0
+    return _written(args, report, serve.table(report))
 
 
 def _pages(args) -> int:
@@ -242,7 +230,11 @@ def _pages(args) -> int:
     report = pages.run(folder, _device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
                        prompt=1024, steps=args.decode_steps, rounds=args.rounds)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
-    text = pages.table(report)
+    return _written(args, report, pages.table(report))
+
+
+def _written(args, report: dict, text: str) -> int:
+    """The report to --json, its table to --table and to the terminal."""
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.table:

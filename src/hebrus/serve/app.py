@@ -184,27 +184,25 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
                               f"else was affected", "server_error", code=f"aborted_{exc.kind}")
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    @app.post("/v1/completions")
-    async def completions(request: HTTPRequest):
-        body = await body_of(request, CompletionBody)
+    async def route(request: HTTPRequest, kind, chat: bool, prompt_of, param: str):
+        body = await body_of(request, kind)
         if isinstance(body, JSONResponse):
             return body
         try:
-            prompt = text.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        except Exception as exc:                    # noqa: BLE001 - a tokenizer's refusal
-            return error(400, f"prompt: {exc}", param="prompt")
-        return await run(request, body, prompt, chat=False)
+            prompt = prompt_of(body)
+        except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
+            return error(400, f"{param}: {exc}", param=param)
+        return await run(request, body, prompt, chat=chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await route(request, CompletionBody, False, lambda body: text.encode(body.prompt)
+                           if isinstance(body.prompt, str) else list(body.prompt), "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
-        body = await body_of(request, ChatBody)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            prompt = text.encode(text.conversation([m.model_dump() for m in body.messages]))
-        except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
-            return error(400, f"messages: {exc}", param="messages")
-        return await run(request, body, prompt, chat=True)
+        return await route(request, ChatBody, True, lambda body: text.encode(
+            text.conversation([m.model_dump() for m in body.messages])), "messages")
 
     return app
 
