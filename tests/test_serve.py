@@ -291,3 +291,17 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_bounded_load_test_reports_throughput_and_time_to_first_token(server, capsys):
+    """24 streaming requests, 8 at a time, over loopback: every one answered in full; the
+    throughput and p50/p99 time to first token are printed (speed lives in `bench --serve`)."""
+    import asyncio
+    from hebrus.bench.serve import load, prompts
+    asks = prompts(256, 24, 16, seed=3)
+    point = asyncio.run(load(server.url, "tiny", asks, 8, 8, key=KEYS[0]))
+    assert point["requests"] == 24 and point["events_per_s"] > 0
+    assert point["ttft_ms_p50"] <= point["ttft_ms_p99"]
+    with capsys.disabled():
+        print(f"\nload test: {point['requests_per_s']:.1f} requests/s, {point['output_tokens_per_s']:.0f} tokens/s, "
+              f"TTFT p50 {point['ttft_ms_p50']:.0f} ms, p99 {point['ttft_ms_p99']:.0f} ms")

@@ -57,7 +57,9 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
             "prefill_ms": prefill_s * 1e3}
 
 
-async def _load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int) -> dict:
+async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int, key: str | None = None) -> dict:
+    """Keep `clients` streaming requests in flight until every prompt of `asks` is answered
+    (`tokens` new ones each, greedy); their throughput and latencies."""
     import httpx
     ttft, itl, made = [], [], 0
     queue = list(asks)
@@ -85,7 +87,9 @@ async def _load(url: str, name: str, asks: list[list[int]], clients: int, tokens
                     first, last = False, now
                     made += 1
     started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers,
+                                 limits=httpx.Limits(max_connections=clients + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - started
     return {"clients": clients, "requests": len(asks), "requests_per_s": len(asks) / wall,
@@ -111,10 +115,10 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     url = f"http://127.0.0.1:{port}"
     points = []
     try:
-        asyncio.run(_load(url, name, prompts(model.spec.vocab_size, 2, prompt, seed=9), 1, 4))   # warm-up
+        asyncio.run(load(url, name, prompts(model.spec.vocab_size, 2, prompt, seed=9), 1, 4))   # warm-up
         for clients in concurrencies:
             asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
-            point = asyncio.run(_load(url, name, asks, clients, tokens))
+            point = asyncio.run(load(url, name, asks, clients, tokens))
             point["offline"] = offline(model, clients, prompt, tokens)
             point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
