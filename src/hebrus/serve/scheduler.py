@@ -193,10 +193,14 @@ class Scheduler:
         request.fed += len(chunk)
 
     def _decode(self, requests: list[Request]) -> None:
+        """Sample each request's next token and send it at once (it is chosen: the step that
+        commits it only makes the state catch up), then commit them all; a request whose step
+        aborts ends with an error after the token it was committing."""
         tokens = {}
         for request in requests:
             token = sample(request.logits, request.sampling, request.generator)
             tokens[request.id] = token
+            request.emit("token", token)
         alone = [r for r in requests if not self.model.kernels.batched or (self.fault and self.fault(r))]
         together = [r for r in requests if r not in alone]
         results = {}
@@ -217,7 +221,6 @@ class Scheduler:
             token = tokens[request.id]
             request.logits = result
             request.produced.append(token)
-            request.emit("token", token)
             if token in request.stop_ids:
                 self._finish(request, "stop")
             elif len(request.produced) >= request.max_tokens:
