@@ -8,7 +8,8 @@
 # --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
-# then the trained shakespeare model, also with its int8 twin as a draft model).
+# then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
+# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline).
 # Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -60,6 +61,10 @@ for part in "$@"; do
         timeout 120 python3 -m hebrus bench --spec --model shakespeare --draft-tokens 16 --contexts 1024 --rounds 2 \
             --spec-tokens 256 --json "$out/bench-spec-shakespeare-16.json" \
             --table "$out/bench-spec-shakespeare-16.md" 2>&1 | grep -v '^bench' ;;
+    serve)
+        timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
+            --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
+            --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

@@ -95,6 +95,23 @@ def test_chat_streams_what_it_answers_whole(server):
     assert usage.completion_tokens == whole.usage.completion_tokens == 10
 
 
+def test_chat_takes_text_parts_and_refuses_what_it_cannot_do(server):
+    url, auth = server.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEYS[0]}"}
+    parts = {"model": "tiny", "max_tokens": 3, "temperature": 0,
+             "messages": [{"role": "user", "content": [{"type": "text", "text": "Who is "}, {"type": "text", "text": "there?"}]}]}
+    plain = dict(parts, messages=[{"role": "user", "content": "Who is there?"}])
+    a, b = httpx.post(url, json=parts, headers=auth), httpx.post(url, json=plain, headers=auth)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+    for bad, message in [({"role": "wizard", "content": "x"}, "role"), ({"role": "user", "content": 5}, "content"),
+                         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "content")]:
+        reply = httpx.post(url, json=dict(plain, messages=[bad]), headers=auth)
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+    reply = httpx.post(url, json=dict(plain, tools=[{"type": "function"}]), headers=auth)
+    assert reply.status_code == 400 and "not supported" in reply.json()["error"]["message"]
+    assert httpx.post(url, json=dict(plain, messages=[]), headers=auth).status_code == 400
+
+
 def test_a_stop_string_ends_the_text_before_it(server, tiny):
     full = _greedy(tiny, b"When shall we", 16, temperature=0)
     stop = full[5:7]
@@ -129,6 +146,8 @@ def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tin
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 5000}', 400, "context limit"),
     (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "tiny"}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 3}', 400, "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "not supported"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
     kept = dict(server.scheduler.kept.entries)

@@ -1,7 +1,7 @@
 """`hebrus bench --serve`: the server under load against the same engine offline.
 
 The server runs in this process on a loopback port (`hebrus.serve.build` and uvicorn), and
-`clients` streaming requests at a time are kept in flight until `requests` have been answered,
+from another process `clients` streaming requests at a time are kept in flight until `requests` have been answered,
 each a prompt of `prompt` tokens and `tokens` new ones (greedy; no stop, so every request makes
 all of them). Reported per concurrency: requests/s, output tokens/s, time to first token and
 inter-token latency (p50, p99). Beside them, offline: the same number of sessions prefilled,
@@ -99,6 +99,10 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
             "itl_ms_p99": _percentile(itl, 0.99) * 1e3 if itl else None}
 
 
+def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens: int) -> dict:
+    return asyncio.run(load(url, name, asks, clients, tokens))
+
+
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int) -> dict:
     import uvicorn
 
@@ -114,16 +118,23 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
         time.sleep(0.01)
     url = f"http://127.0.0.1:{port}"
     points = []
+    # the clients run in a process of their own: in this one they would share the interpreter
+    # lock with the server and its engine
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        asyncio.run(load(url, name, prompts(model.spec.vocab_size, 2, prompt, seed=9), 1, 4))   # warm-up
+        warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
+        clients_process.submit(_load_here, url, name, warm, 1, 4).result()
         for clients in concurrencies:
             asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
-            point = asyncio.run(load(url, name, asks, clients, tokens))
+            point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
             point["offline"] = offline(model, clients, prompt, tokens)
             point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
             points.append(point)
     finally:
+        clients_process.shutdown()
         server.should_exit = True
         thread.join(30)
         scheduler.stop(drain_seconds=5)

@@ -65,16 +65,46 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    @field_validator("echo", "best_of", "suffix", "logprobs")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value not in (None, False, 1) or (info.field_name != "best_of" and value not in (None, False)):
+            raise ValueError("is not supported by this server")
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str = Field(pattern="^text$")
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: str = Field(pattern="^(system|user|assistant|developer)$")
-    content: str
+    content: str | list[TextPart]
+
+    def plain(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
 
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    tools: list | None = None
+
+    @field_validator("logprobs", "tools")
+    @classmethod
+    def _unsupported(cls, value):
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -202,7 +232,7 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         return await route(request, ChatBody, True, lambda body: text.encode(
-            text.conversation([m.model_dump() for m in body.messages])), "messages")
+            text.conversation([m.plain() for m in body.messages])), "messages")
 
     return app
 
