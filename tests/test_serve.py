@@ -324,3 +324,30 @@ def test_a_bounded_load_test_reports_throughput_and_time_to_first_token(server, 
     with capsys.disabled():
         print(f"\nload test: {point['requests_per_s']:.1f} requests/s, {point['output_tokens_per_s']:.0f} tokens/s, "
               f"TTFT p50 {point['ttft_ms_p50']:.0f} ms, p99 {point['ttft_ms_p99']:.0f} ms")
+
+
+def test_a_request_that_cannot_start_fails_alone(tiny):
+    """The engine loop itself: a request whose admission raises (here a seed its generator
+    refuses, which the HTTP side would never pass) gets the error; the one beside it finishes."""
+    from hebrus.sampling import Sampling
+    from hebrus.serve.scheduler import Request, Scheduler
+    scheduler = Scheduler(tiny)
+    events = {0: [], 1: []}
+    done = threading.Event()
+
+    def emitter(i):
+        def emit(kind, value):
+            events[i].append((kind, value))
+            if kind != "token" and all(e and e[-1][0] != "token" for e in events.values()):
+                done.set()
+        return emit
+    requests = [Request(key="k", prompt=list(b"Hail"), max_tokens=3, sampling=Sampling(), seed=seed,
+                        stop_ids=frozenset(), emit=emitter(i)) for i, seed in enumerate([2**70, 5])]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    try:
+        assert done.wait(30)
+        assert events[0][-1][0] == "error" and [k for k, _ in events[1]] == ["token"] * 3 + ["done"]
+    finally:
+        scheduler.stop(drain_seconds=1)

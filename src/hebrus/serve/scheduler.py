@@ -164,7 +164,10 @@ class Scheduler:
             if request.cancelled.is_set():
                 self._drop(request)
             elif request.session is None:
-                self._admit(request)
+                try:
+                    self._admit(request)
+                except Exception as exc:            # its session could not be made: it alone fails
+                    self._fail(request, exc)
         for request in list(self.running):
             if request.fed < len(request.prompt):
                 self._prefill(request)
@@ -197,8 +200,13 @@ class Scheduler:
         commits it only makes the state catch up), then commit them all; a request whose step
         aborts ends with an error after the token it was committing."""
         tokens = {}
-        for request in requests:
-            token = sample(request.logits, request.sampling, request.generator)
+        for request in list(requests):
+            try:
+                token = sample(request.logits, request.sampling, request.generator)
+            except Exception as exc:                # nothing left to sample from: it alone fails
+                requests.remove(request)
+                self._fail(request, exc)
+                continue
             tokens[request.id] = token
             request.emit("token", token)
         alone = [r for r in requests if not self.model.kernels.batched or (self.fault and self.fault(r))]
