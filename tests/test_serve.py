@@ -22,8 +22,8 @@ KEYS = ["key-a", "key-b"]
 
 
 class Server:
-    def __init__(self, model, **options):
-        self.app, self.scheduler = serve.build(model, "tiny", api_key=KEYS, **options)
+    def __init__(self, model, keys=KEYS, **options):
+        self.app, self.scheduler = serve.build(model, "tiny", api_key=keys, **options)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -351,3 +351,71 @@ def test_a_request_that_cannot_start_fails_alone(tiny):
         assert events[0][-1][0] == "error" and [k for k, _ in events[1]] == ["token"] * 3 + ["done"]
     finally:
         scheduler.stop(drain_seconds=1)
+
+
+def test_what_a_hostile_client_sends_is_refused_in_openai_shape(server):
+    """Found by a review: deep nesting, a chunked body past the limit, unknown routes and
+    methods; each a 4xx with an OpenAI-style body, nothing in the engine touched."""
+    url, auth = server.url + "/v1/completions", {"Authorization": f"Bearer {KEYS[0]}"}
+    deep = httpx.post(url, content=b"[" * 100000 + b"]" * 100000, headers=auth)
+    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]
+
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536
+    big = httpx.post(url, content=chunks(), headers=auth)
+    assert big.status_code == 413 and "over" in big.json()["error"]["message"]
+    for method, path, status in [("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404),
+                                 ("POST", "/v1/completions/", 404), ("PUT", "/v1/chat/completions", 405)]:
+        reply = httpx.request(method, server.url + path, headers=auth)
+        assert reply.status_code == status and reply.json()["error"]["message"], (method, path, reply.text)
+    assert server.scheduler.depth == (0, 0)
+
+
+def test_unseeded_sampling_differs_and_a_gone_client_is_let_go(server):
+    client = server.client()
+    outs = {client.completions.create(model="tiny", prompt="Once upon", max_tokens=8, temperature=1.0).choices[0].text
+            for _ in range(3)}
+    assert len(outs) > 1
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=0.3,
+                   json={"model": "tiny", "prompt": "Tomorrow", "max_tokens": 900, "temperature": 0})
+    for _ in range(400):
+        if server.scheduler.depth == (0, 0):
+            break
+        time.sleep(0.01)
+    assert server.scheduler.depth == (0, 0)
+
+
+def test_an_end_of_sequence_id_is_counted_not_shown():
+    from hebrus.serve.app import Reply
+    from hebrus.serve.metrics import Metrics
+
+    class Text:
+        stop_ids = (0,)
+
+        def stream(self):
+            from hebrus.chat import ByteText
+            return ByteText().stream()
+    job = type("Job", (), {"stop_ids": frozenset({0}), "cached": 0, "cancelled": threading.Event()})()
+    reply = Reply(Text(), [], False, "tiny", 3, job, Metrics(), time.monotonic())
+    for token in b"ok":
+        assert reply.take("token", token)
+    reply.take("token", 0)
+    reply.take("done", "stop")
+    whole = reply.whole()
+    assert whole["choices"][0]["text"] == "ok" and whole["usage"]["completion_tokens"] == 3
+
+
+def test_without_api_keys_nothing_is_kept_for_anyone(tiny):
+    server = Server(tiny, keys=None)
+    try:
+        client = server.client()
+        opening = list(b"my password is hunter2")
+        client.completions.create(model="tiny", prompt=opening, max_tokens=4, temperature=0)
+        said = list(tiny.session().generate(opening, max_new_tokens=4))
+        again = client.completions.create(model="tiny", prompt=opening + said + [65], max_tokens=2, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0 and not server.scheduler.kept.entries
+    finally:
+        server.close()
+

@@ -3,7 +3,8 @@ it reaches the engine (`serve.scheduler`), errors in OpenAI's shape.
 
 Refused with a 4xx and nothing in the engine touched: malformed JSON, a known field of the
 wrong type or out of range, an unknown model, a prompt with no tokens or past the context
-limit, a body over `max_body_bytes`, a missing or wrong API key. A full waiting line is a 429
+limit, a body over `max_body_bytes` (read no further) or slower than BODY_SECONDS, a missing or
+wrong API key, an unknown route or method. A full waiting line is a 429
 with Retry-After. A request whose transaction aborts gets a 500 naming the failure kind and
 stage, or, once streaming has begun, an error event; no other request notices.
 """
@@ -11,18 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.scheduler import Overloaded, Request, Scheduler
+
+
+BODY_SECONDS = 30.0             # a body that takes longer to arrive is refused
 
 
 class StreamOptions(BaseModel):
@@ -117,21 +125,30 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
                max_body_bytes: int = 1 << 20, max_tokens_default: int = 256, metrics: Metrics | None = None):
     """The app serving `model` as `name`, its text through `text` (`hebrus.chat.text_for`).
     `api_key`: one key or several; each key's kept conversations are its own."""
-    app = FastAPI(title="hebrus", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hebrus", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, exc: HTTPException):
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HTTPRequest, exc: RequestValidationError):
+        return error(400, f"the request is not valid: {exc.errors()[:1]}")
     metrics = metrics or Metrics()
     limit = model.spec.max_context
     keys = None if api_key is None else {f"Bearer {k}" for k in ([api_key] if isinstance(api_key, str) else api_key)}
 
-    @app.middleware("http")
-    async def guard(request: HTTPRequest, call_next):
-        if request.url.path.startswith("/v1/"):
-            if keys is not None and request.headers.get("authorization") not in keys:
-                return error(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                             "authentication_error", code="invalid_api_key")
-            size = request.headers.get("content-length")
-            if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
-                return error(413, f"the body is over {max_body_bytes} bytes")
-        return await call_next(request)
+    def refused(request: HTTPRequest) -> JSONResponse | None:
+        """The key and the declared size of a /v1 request, checked before its body is read. (In
+        the routes: an HTTP middleware would hide a client's going away from them.)"""
+        if keys is not None and request.headers.get("authorization") not in keys:
+            return error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                         "authentication_error", code="invalid_api_key")
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_body_bytes):
+            return error(413, f"the body is over {max_body_bytes} bytes")
+        return None
 
     @app.get("/health")
     async def health():
@@ -143,16 +160,34 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         return PlainTextResponse(metrics.render(running, waiting), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: HTTPRequest):
+        denied = refused(request)
+        if denied is not None:
+            return denied
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hebrus"}]}
 
+    async def read_body(request: HTTPRequest) -> bytes | None:
+        """The body, or None past `max_body_bytes` (read no further than that)."""
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_body_bytes:
+                return None
+            parts.append(part)
+        return b"".join(parts)
+
     async def body_of(request: HTTPRequest, kind) -> Any:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
+        try:
+            raw = await asyncio.wait_for(read_body(request), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            return error(408, f"the body did not arrive within {BODY_SECONDS:g} s")
+        except ClientDisconnect:
+            return error(400, "the client went away while sending the body")
+        if raw is None:
             return error(413, f"the body is over {max_body_bytes} bytes")
         try:
             data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return error(400, "the body is not valid JSON")
         if not isinstance(data, dict):
             return error(400, "the body must be a JSON object")
@@ -178,14 +213,15 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
             return error(400, "the prompt has no tokens", param="prompt")
         if any(not 0 <= t < model.spec.vocab_size for t in prompt):
             return error(400, f"token ids must lie in [0, {model.spec.vocab_size})", param="prompt")
-        wanted = body.max_completion_tokens or body.max_tokens or max_tokens_default
+        wanted = body.max_completion_tokens or body.max_tokens or max(1, min(max_tokens_default, limit - len(prompt)))
         if len(prompt) + wanted > limit:
             return error(400, f"the prompt's {len(prompt)} tokens and max_tokens {wanted} pass the context "
                               f"limit of {limit}", param="max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job = Request(key=key_of(request), prompt=prompt, max_tokens=wanted, sampling=sampling_of(body),
-                      seed=body.seed if body.seed is not None else 0, stop_ids=frozenset(text.stop_ids),
+                      seed=body.seed if body.seed is not None else secrets.randbits(63),
+                      stop_ids=frozenset(text.stop_ids), keep=keys is not None,
                       emit=lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
         started = time.monotonic()
         try:
@@ -196,17 +232,41 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         reply = Reply(text, body.stop, chat, name, len(prompt), job, metrics, started)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            first = await events.get()              # before the first byte: a failure is still a 500
+            first = await next_event(events, request, job)   # before the first byte: a failure is a 500
+            if first is None:
+                return error(400, "the client went away")
             if first[0] == "error":
                 return failure(first[1])
             return StreamingResponse(reply.stream(first, events, include_usage, request),
                                      media_type="text/event-stream")
         while True:
-            kind, value = await events.get()
+            event = await next_event(events, request, job)
+            if event is None:
+                return error(400, "the client went away")
+            kind, value = event
             if kind == "error":
                 return failure(value)
             if not reply.take(kind, value):
                 return JSONResponse(reply.whole())
+
+    async def next_event(events: asyncio.Queue, request: HTTPRequest, job: Request):
+        """The request's next engine event, or None (the request cancelled) once its client is
+        gone: a read of the connection races the event (the body is read by now, so the only
+        message left to come is the disconnect)."""
+        get = asyncio.ensure_future(events.get())
+        gone = asyncio.ensure_future(request.receive())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    return get.result()
+                if gone.result().get("type") == "http.disconnect":
+                    job.cancelled.set()
+                    return None
+                gone = asyncio.ensure_future(request.receive())
+        finally:
+            for task in (get, gone):
+                task.cancel()
 
     def failure(exc: BaseException) -> JSONResponse:
         if isinstance(exc, ChunkAborted):
@@ -215,11 +275,14 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
     async def route(request: HTTPRequest, kind, chat: bool, prompt_of, param: str):
+        denied = refused(request)
+        if denied is not None:
+            return denied
         body = await body_of(request, kind)
         if isinstance(body, JSONResponse):
             return body
         try:
-            prompt = prompt_of(body)
+            prompt = await asyncio.to_thread(prompt_of, body)         # templates and tokenizers off the loop
         except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
             return error(400, f"{param}: {exc}", param=param)
         return await run(request, body, prompt, chat=chat)
@@ -256,7 +319,8 @@ class Reply:
             self.metrics.token(now - (self.last or self.started), first=self.last is None)
             self.last = now
             self.tokens += 1
-            self.text += self.decoder.push(value)
+            if value not in self.job.stop_ids:         # an end-of-sequence id is counted, not shown
+                self.text += self.decoder.push(value)
             cut = self._cut()
             if cut is not None:
                 self.text, self.reason = self.text[:cut], "stop"
@@ -318,7 +382,7 @@ class Reply:
                     exc = value
                     what = (f"the request's transaction aborted ({exc.kind} at {exc.stage})"
                             if isinstance(exc, ChunkAborted) else f"internal error: {type(exc).__name__}")
-                    yield _event({"error": {"message": what, "type": "server_error",
+                    yield _event({"error": {"message": what, "type": "server_error", "param": None,
                                             "code": f"aborted_{exc.kind}" if isinstance(exc, ChunkAborted) else None}})
                     break
                 going = self.take(kind, value)

@@ -190,7 +190,7 @@ class Scheduler:
         chunk = request.prompt[request.fed:request.fed + self.chunk_size]
         try:
             request.logits = self._feed(request, chunk)
-        except ChunkAborted as exc:
+        except Exception as exc:                    # an abort, or anything else: this request's alone
             self._fail(request, exc)
             return
         request.fed += len(chunk)
@@ -213,13 +213,17 @@ class Scheduler:
         together = [r for r in requests if r not in alone]
         results = {}
         if together:
-            for request, result in zip(together, feed_many([r.session for r in together],
-                                                           [tokens[r.id] for r in together])):
-                results[request.id] = result
+            try:
+                step = feed_many([r.session for r in together], [tokens[r.id] for r in together])
+            except Exception:                       # not one session's abort: step them one by one
+                alone, together = requests, []
+            else:
+                for request, result in zip(together, step):
+                    results[request.id] = result
         for request in alone:
             try:
                 results[request.id] = self._feed(request, [tokens[request.id]])
-            except ChunkAborted as exc:
+            except Exception as exc:
                 results[request.id] = exc
         for request in requests:
             result = results[request.id]
@@ -245,9 +249,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.running.remove(request)
+        request.finished(reason)
         if request.keep:
             self.kept.put(request.key, request.prompt + request.produced, request.session)
-        request.finished(reason)
 
     def _fail(self, request: Request, exc: BaseException) -> None:
         self.running.remove(request)
