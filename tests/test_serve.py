@@ -148,6 +148,8 @@ def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tin
     (b'{"model": "tiny"}', 400, "prompt"),
     (b'{"model": "tiny", "prompt": "hi", "logprobs": 3}', 400, "not supported"),
     (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 0}', 400, "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "best_of": 0}', 400, "not supported"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
     kept = dict(server.scheduler.kept.entries)

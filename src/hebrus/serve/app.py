@@ -81,7 +81,8 @@ class CompletionBody(_Common):
     @field_validator("echo", "best_of", "suffix", "logprobs")
     @classmethod
     def _unsupported(cls, value, info):
-        if value not in (None, False, 1) or (info.field_name != "best_of" and value not in (None, False)):
+        fine = value is None or value is False or (info.field_name == "best_of" and value == 1)
+        if not fine:
             raise ValueError("is not supported by this server")
         return value
 
