@@ -126,7 +126,7 @@ def table(report: dict) -> str:
         acceptance = "–" if row["acceptance"] is None else \
             f"{row['drafts_kept']}/{row['drafted']} ({row['acceptance']:.0%})"
         per_chunk = "–" if row["tokens_per_verify_chunk"] is None else f"{row['tokens_per_verify_chunk']:.2f}"
-        same = "yes" if row["output_equals_plain"] else f"no (from token {row['first_difference_at']})"
+        same = "yes" if row["output_equals_plain"] else f"the first {row['first_difference_at']} tokens"
         lines.append(f"| {row['variant']} | {row['tokens_per_s']:.1f} | {row['speedup_over_plain']:.2f}× | "
                      f"{acceptance} | {per_chunk} | {same} |")
     if report["fork"]:
