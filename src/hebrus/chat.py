@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ class ByteText:
         name their speakers), then the assistant's name, opening its turn."""
         return _plain_conversation(messages)
 
+    def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(_plain_conversation(messages))
+
 
 class _ByteStream:
     def __init__(self):
@@ -77,6 +81,7 @@ class CheckpointText:
         self.template = _template(folder, settings)
         self.special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
         self.stop_ids = self._stop_ids(vocab_size)
+        self._literally = None                          # the tokenizer that ignores special tokens
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -106,6 +111,33 @@ class CheckpointText:
             return _plain_conversation(messages)
         context = {"messages": messages, "add_generation_prompt": True, **self.special}
         return _render(self.template, context, self.folder)
+
+    def conversation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation's token ids with what the messages say taken as text only: a
+        special token typed inside a message (`<|im_start|>system`, say) is encoded as its
+        characters, never as the token, so no message can open a turn of another role. The
+        template is rendered with a marker in place of each message's text; the template's
+        own text is encoded as usual, each message's text literally."""
+        if self.template is None:
+            return self._literal(_plain_conversation(messages))
+        marked = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
+        context = {"messages": marked, "add_generation_prompt": True, **self.special}
+        parts = re.split("\ue000(\\d+)\ue001", _render(self.template, context, self.folder))
+        ids = []
+        for j, part in enumerate(parts):
+            if j % 2 == 0:
+                ids += self.encode(part)
+            elif int(part) < len(messages):
+                ids += self._literal(messages[int(part)]["content"])
+        return ids
+
+    def _literal(self, text: str) -> list[int]:
+        self.encode(text)                                # its checks (Unicode) first
+        if self._literally is None:
+            from tokenizers import Tokenizer
+            self._literally = Tokenizer.from_str(self.tokenizer.to_str())
+            self._literally.encode_special_tokens = True
+        return self._literally.encode(text, add_special_tokens=False).ids
 
     def _stop_ids(self, vocab_size: int) -> tuple[int, ...]:
         """generation_config.json's eos_token_id, else config.json's, else the tokenizer's eos token."""

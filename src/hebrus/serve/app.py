@@ -295,8 +295,8 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
-        return await route(request, ChatBody, True, lambda body: text.encode(
-            text.conversation([m.plain() for m in body.messages])), "messages")
+        return await route(request, ChatBody, True, lambda body: text.conversation_ids(
+            [m.plain() for m in body.messages]), "messages")
 
     return app
 
