@@ -192,14 +192,12 @@ class Session:
         return chunk, accept
 
     def _logits_at_every_position(self, chunk: torch.Tensor) -> torch.Tensor:
-        """The chunk's logits [T, V] from a transaction stopped before its flip, each position's
-        computed as the head computes a chunk's last (one row, in a buffer of its own), so they
-        are the bits feeding the chunk up to that position would publish (exact mode)."""
+        """The chunk's logits [T, V] from a transaction stopped before its flip, row by row
+        (`Head.logits_row_by_row`)."""
         head = self.model.stages[-1]
 
         def stop(txn) -> None:
-            X = txn.local["streams"]
-            raise _Seen(torch.cat([head.logits(X[t:t + 1].clone()) for t in range(X.shape[0])]))
+            raise _Seen(head.logits_row_by_row(txn.local["streams"]))
         saved, self.image.before_flip = self.image.before_flip, stop      # no journal record either
         try:
             with torch.inference_mode():

@@ -221,13 +221,15 @@ class Head:
         """Streams X [T, n, D] -> logits [T, V]."""
         return F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
 
+    def logits_row_by_row(self, X: torch.Tensor) -> torch.Tensor:
+        """`logits`, each row computed as a chunk's last is (one row, in a buffer of its own), so
+        each is the bits feeding the chunk up to that position would publish (exact mode)."""
+        return torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
+
     def run(self, txn: StepContext) -> None:
         if txn.each:                # a prefix transaction: the values after every position
             X = txn.local["streams"]
-            if self.batched:
-                logits = self.logits(X)
-            else:                   # each row as a chunk's last is computed: one row, its own buffer
-                logits = torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
+            logits = self.logits(X) if self.batched else self.logits_row_by_row(X)
             txn.write_each("residual", X)
             txn.write_each("logits", logits)
             return

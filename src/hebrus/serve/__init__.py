@@ -1,5 +1,5 @@
 """`hebrus serve`: an OpenAI-compatible HTTP server where one failing request never touches
-another. `app` holds the routes, `scheduler` the engine loop, `metrics` the Prometheus side.
+another. `app` holds the routes, `reply` shapes answers, `scheduler` runs the engine loop, `metrics` the Prometheus side.
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client)."""
 from __future__ import annotations
 

@@ -52,9 +52,6 @@ class Request:
     generator: torch.Generator | None = None
     admitted_at: float = 0.0
 
-    def finished(self, reason: str) -> None:
-        self.emit("done", reason)
-
 
 class Kept:
     """Finished conversations by API key, least recently used evicted first once their rows
@@ -249,7 +246,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         self.running.remove(request)
-        request.finished(reason)
+        request.emit("done", reason)
         if request.keep:
             self.kept.put(request.key, request.prompt + request.produced, request.session)
 
@@ -262,7 +259,3 @@ class Scheduler:
     def _drop(self, request: Request) -> None:
         self.running.remove(request)
         request.emit("done", "cancelled")
-
-    def stop_early(self, request: Request) -> None:
-        """The HTTP side saw a stop string: finish the request at its next turn."""
-        request.cancelled.set()
