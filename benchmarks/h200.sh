@@ -10,7 +10,7 @@
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
 # the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline).
-# Needs fla-core and einops wheels in .whl/ (see DEVELOPERS.md); HEBRUS_COMMIT names the commit.
+# Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
