@@ -424,3 +424,36 @@ def test_a_prefix_transaction_on_cuda_matches_the_cpu_and_its_twin(dtype):
             assert got == want
         else:                                   # fast mode: equal up to a near-tie flipped by rounding
             assert got[:8] == want[:8]
+
+
+@cuda
+def test_the_server_decodes_from_graphs_on_cuda_and_a_failure_stays_alone():
+    """`hebrus serve` on CUDA in fast mode: requests decoding together step from a `Batch`'s
+    graphs; each greedy answer is what its session gives alone, and one request failed through
+    the test-only hook ends in a 500 while the others complete."""
+    pytest.importorskip("uvicorn")
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+    from test_serve import Server, _greedy
+    model = hebrus.load("tiny", device="cuda", mode="fast")
+    doomed = "Lay on, Macduff"
+
+    def fault(request):
+        return "head" if bytes(request.prompt) == doomed.encode() and len(request.produced) == 5 else None
+    server = Server(model, fault=fault, max_sessions=8)
+    try:
+        def ask(prompt):
+            try:
+                return server.client().completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                                          temperature=0).choices[0].text
+            except openai.InternalServerError as exc:
+                return exc
+        prompts = [f"Speak {i}, speak" for i in range(7)] + [doomed]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(ask, prompts))
+        assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
+        for prompt, text in zip(prompts[:7], results[:7]):
+            assert text == _greedy(model, prompt.encode(), 24, temperature=0.0), prompt
+        assert server.scheduler.widest > 1 and server.scheduler.replays > 0, server.scheduler.replays
+    finally:
+        server.close()

@@ -63,7 +63,7 @@ def test_health_models_and_metrics(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
     assert "hebrus_requests_total" in text and "hebrus_queue_depth" in text
 
 
@@ -205,7 +205,7 @@ def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
                 assert exc is None
                 assert text == _greedy(tiny, prompts[i], 12, temperature=0.8, seed=i), i
         assert 'hebrus_aborted_transactions_total{kind="nonfinite",stage="layers.1.qsa"} 1.0' in \
-            httpx.get(server.url + "/metrics").text
+            httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
     finally:
         server.close()
 
@@ -234,21 +234,14 @@ def test_a_client_gone_mid_stream_frees_its_request(server):
 
 
 def test_fast_mode_steps_requests_together_and_isolates_a_failure(tiny_fast):
-    """Fast mode feeds the decoding requests' tokens in one pass (`feed_many`); the failing one
+    """Fast mode steps the decoding requests together in one pass (a `Batch`); the failing one
     is stepped alone under its fault and ends in a 500 before anything streamed; the others
-    complete."""
+    complete, each with what it makes alone."""
     doomed = b"Lay on, Macduff"
 
     def fault(request):
         return "head" if bytes(request.prompt) == doomed and not request.produced else None
     server = Server(tiny_fast, fault=fault, max_sessions=8)
-    calls = []
-    real = serve.scheduler.feed_many
-
-    def counted(sessions, tokens):
-        calls.append(len(sessions))
-        return real(sessions, tokens)
-    serve.scheduler.feed_many = counted
     try:
         def ask(prompt):
             try:
@@ -261,9 +254,10 @@ def test_fast_mode_steps_requests_together_and_isolates_a_failure(tiny_fast):
             results = list(pool.map(ask, prompts))
         assert all(isinstance(r, str) for r in results[:7])
         assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
-        assert max(calls) > 1                         # several requests' tokens in one pass
+        assert server.scheduler.widest > 1            # several requests' tokens in one pass
+        for prompt, text in zip(prompts[:7], results[:7]):
+            assert text == _greedy(tiny_fast, prompt.encode(), 8, temperature=0.0), prompt
     finally:
-        serve.scheduler.feed_many = real
         server.close()
 
 

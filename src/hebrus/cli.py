@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                            description="Serve /v1/completions, /v1/chat/completions (streaming or not), /v1/models, "
-                                       "/health and /metrics. Requests run together in one engine loop; a request "
+                                       "/health and /metrics (with --api-key, every route but /health needs a key). "
+                                       "Requests run together in one engine loop; a request "
                                        "whose transaction aborts gets an error and no other request is touched. "
                                        "Needs pip install 'hebrus[serve]'.")
     _model_args(serve, default_mode="fast", default_model="shakespeare")

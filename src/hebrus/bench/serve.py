@@ -5,8 +5,9 @@ from another process `clients` streaming requests at a time are kept in flight u
 each a prompt of `prompt` tokens and `tokens` new ones (greedy; no stop, so every request makes
 all of them). Reported per concurrency: requests/s, output tokens/s, time to first token and
 inter-token latency (p50, p99). Beside them, offline: the same number of sessions prefilled,
-then decoding `tokens` steps together in one pass per step (`feed_many`, or one session after
-another in exact mode), and the prefill of one prompt alone; the ratios are server over offline.
+then decoding `tokens` steps together (`offline`), and the prefill of one prompt alone; the
+ratios are server over offline, end to end (the same work a client waits for) and over the
+decode steps alone.
 """
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int
 
 
 def offline(model, batch: int, prompt: int, tokens: int) -> dict:
-    """Tokens/s of `batch` sessions decoding together after their prefill, and one prefill's time."""
-    from hebrus.batching import feed_many
+    """The same work as `batch` requests, with no server: `batch` sessions prefilled one after
+    another (chunks of 256, as the server feeds them), then decoding `tokens` steps together
+    (a `Batch`: graphs on CUDA; one session after another in exact mode). Tokens/s end to end
+    (prefill included, as a client sees it) and of the decode steps alone, and the time of one
+    prefill."""
+    from hebrus.batching import Batch
     sessions = [model.session(decode="eager") for _ in range(batch)]
     asks = prompts(model.spec.vocab_size, batch, prompt, seed=1)
     sync(model.device)
@@ -45,16 +50,18 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
         s.prefill(ids, 256)
     logits = [s.logits for s in sessions]
     sync(model.device)
-    started = time.perf_counter()
+    decoding = time.perf_counter()
+    together = Batch(sessions) if model.kernels.batched else None
     for _ in range(tokens):
         chosen = [int(torch.argmax(x)) for x in logits]
-        if model.kernels.batched:
-            logits = feed_many(sessions, chosen)
+        if together is not None:
+            logits = together.feed(chosen)
         else:
             logits = [s.feed([t]) for s, t in zip(sessions, chosen)]
     sync(model.device)
-    return {"batch": batch, "tokens_per_s": batch * tokens / (time.perf_counter() - started),
-            "prefill_ms": prefill_s * 1e3}
+    ended = time.perf_counter()
+    return {"batch": batch, "tokens_per_s": batch * tokens / (ended - started),
+            "decode_tokens_per_s": batch * tokens / (ended - decoding), "prefill_ms": prefill_s * 1e3}
 
 
 async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int, key: str | None = None) -> dict:
@@ -131,6 +138,8 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
             point["offline"] = offline(model, clients, prompt, tokens)
             point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
+            point["throughput_over_offline_decode"] = (point["output_tokens_per_s"]
+                                                       / point["offline"]["decode_tokens_per_s"])
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
             points.append(point)
     finally:
@@ -144,15 +153,17 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
 
 def table(report: dict) -> str:
     lines = [f"# serving: {report['model']} on {report['device']} ({report['dtype']}, {report['mode']})", "",
-             f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request (greedy, streamed)", "",
-             "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | TTFT p50 ms | TTFT p99 ms "
-             "| prefill ms | ITL p50 ms | ITL p99 ms |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request (greedy, streamed); "
+             "offline: the same sessions prefilled, then decoding together; end to end includes the prefills", "",
+             "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "
+             "| server ÷ decode | TTFT p50 ms | TTFT p99 ms | prefill ms | ITL p50 ms | ITL p99 ms |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in report["points"]:
         itl50 = "–" if p["itl_ms_p50"] is None else f"{p['itl_ms_p50']:.1f}"
         itl99 = "–" if p["itl_ms_p99"] is None else f"{p['itl_ms_p99']:.1f}"
         lines.append(f"| {p['clients']} | {p['requests_per_s']:.2f} | {p['output_tokens_per_s']:.1f} | "
                      f"{p['offline']['tokens_per_s']:.1f} | {p['throughput_over_offline']:.2f} | "
+                     f"{p['offline']['decode_tokens_per_s']:.1f} | {p['throughput_over_offline_decode']:.2f} | "
                      f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['offline']['prefill_ms']:.1f} | "
                      f"{itl50} | {itl99} |")
     return "\n".join(lines) + "\n"

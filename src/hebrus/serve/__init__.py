@@ -5,8 +5,9 @@ from __future__ import annotations
 
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
-          kept_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, fault=None):
-    """(the FastAPI app, its scheduler, started) serving `model` as `name`. `fault` is for
+          kept_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512, fault=None):
+    """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
+    prompt tokens fed per turn of the engine loop before its decode step. `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
     from hebrus.chat import text_for
     from hebrus.serve.app import create_app
@@ -14,7 +15,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     from hebrus.serve.scheduler import Scheduler
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, kept_bytes=kept_bytes,
-                          fault=fault, metrics=metrics)
+                          prefill_tokens=prefill_tokens, fault=fault, metrics=metrics)
     app = create_app(model, text_for(model), name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
     scheduler.start()

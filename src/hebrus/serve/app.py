@@ -4,9 +4,10 @@ it reaches the engine (`serve.scheduler`), errors in OpenAI's shape.
 Refused with a 4xx and nothing in the engine touched: malformed JSON, a known field of the
 wrong type or out of range, an unknown model, a prompt with no tokens or past the context
 limit, a body over `max_body_bytes` (read no further) or slower than BODY_SECONDS, a missing or
-wrong API key, an unknown route or method. A full waiting line is a 429
-with Retry-After. A request whose transaction aborts gets a 500 naming the failure kind and
-stage, or, once streaming has begun, an error event; no other request notices.
+wrong API key (on every route but /health, which load balancers ask), an unknown route or
+method. A full waiting line is a 429 with Retry-After. A request whose transaction aborts gets
+a 500 naming the failure kind and stage, or, once streaming has begun, an error event; no
+other request notices.
 """
 from __future__ import annotations
 
@@ -141,8 +142,8 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
     keys = None if api_key is None else {f"Bearer {k}" for k in ([api_key] if isinstance(api_key, str) else api_key)}
 
     def refused(request: HTTPRequest) -> JSONResponse | None:
-        """The key and the declared size of a /v1 request, checked before its body is read. (In
-        the routes: an HTTP middleware would hide a client's going away from them.)"""
+        """The key and the declared size of a /v1 or /metrics request, checked before its body is
+        read. (In the routes: an HTTP middleware would hide a client's going away from them.)"""
         if keys is not None and request.headers.get("authorization") not in keys:
             return error(401, "missing or wrong API key (Authorization: Bearer KEY)",
                          "authentication_error", code="invalid_api_key")
@@ -156,7 +157,10 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: HTTPRequest):
+        denied = refused(request)
+        if denied is not None:
+            return denied
         running, waiting = scheduler.depth
         return PlainTextResponse(metrics.render(running, waiting), media_type="text/plain; version=0.0.4")
 

@@ -1,42 +1,72 @@
-"""Finished conversations kept for later turns, by API key (the server's `Scheduler` owns one)."""
+"""Finished conversations kept for later turns, by API key (the server's `Scheduler` owns one).
+
+`find` looks only among the asking key's own conversations; `put` keeps one. Least recently used
+go first: a key's own once its conversations pass `per_key` bytes, anyone's once all pass `budget`.
+"""
 from __future__ import annotations
 
-import collections
+from collections import OrderedDict
+from typing import Callable
 
 
 class Kept:
-    """Finished conversations by API key, least recently used evicted first once their rows
-    and banked state pass `budget` bytes."""
+    """Finished conversations by API key, with their rows' and banked state's bytes counted.
+    `per_key` (default: all of `budget`) keeps one key from evicting every other key's;
+    `size_of` (default: the session's bytes) is for tests."""
 
-    def __init__(self, budget: int):
-        self.budget, self.used = budget, 0
-        self.entries: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()   # (key, tokens) -> (session, bytes)
+    def __init__(self, budget: int, per_key: int | None = None,
+                 size_of: Callable[[object], int] | None = None):
+        per_key = budget if per_key is None else per_key
+        if budget < 0 or per_key < 0:
+            raise ValueError(f"kept byte budgets must be at least 0, got budget {budget}, per_key {per_key}")
+        self.budget, self.per_key, self.used = budget, per_key, 0
+        self.size_of = size_of or _session_bytes
+        # least recently used first: (key, tokens) -> (session, bytes), and per key tokens -> bytes
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self.own: dict[str, OrderedDict[tuple, int]] = {}
+        self.used_by: dict[str, int] = {}                   # key -> its entries' bytes
 
     def find(self, key: str, prompt: list[int]):
         """The kept session of `key` whose tokens are the longest prefix of `prompt`, and how
-        many tokens it holds; (None, 0) if none."""
-        best, length = None, 0
-        for (owner, tokens), (session, _) in self.entries.items():
+        many tokens it holds; (None, 0) if none. The one found becomes the most recently used."""
+        best, length, whole = None, 0, tuple(prompt)
+        for tokens in self.own.get(key, ()):
             n = len(tokens)
-            if owner == key and length < n <= len(prompt) and tuple(prompt[:n]) == tokens:
-                best, length = (owner, tokens), n
+            if length < n <= len(whole) and whole[n - 1] == tokens[-1] and whole[:n] == tokens:
+                best, length = tokens, n
         if best is None:
             return None, 0
-        self.entries.move_to_end(best)
-        return self.entries[best][0], length
+        self.own[key].move_to_end(best)
+        self.entries.move_to_end((key, best))
+        return self.entries[(key, best)][0], length
 
     def put(self, key: str, tokens: list[int], session) -> None:
-        size = _session_bytes(session)
-        if size > self.budget:
+        """Keep `session`, which holds `tokens`, for `key` (replacing one that holds the same);
+        not kept if it alone is over `key`'s share or the budget."""
+        size = self.size_of(session)
+        if size > min(self.budget, self.per_key):
             return
-        entry = (key, tuple(tokens))
-        if entry in self.entries:
-            self.used -= self.entries.pop(entry)[1]
-        self.entries[entry] = (session, size)
+        tokens = tuple(tokens)
+        self._drop(key, tokens)
+        self.entries[(key, tokens)] = (session, size)
+        self.own.setdefault(key, OrderedDict())[tokens] = size
+        self.used_by[key] = self.used_by.get(key, 0) + size
         self.used += size
+        while self.used_by[key] > self.per_key:             # the new one fits alone: it is never dropped
+            self._drop(key, next(iter(self.own[key])))
         while self.used > self.budget:
-            _, (_, freed) = self.entries.popitem(last=False)
-            self.used -= freed
+            self._drop(*next(iter(self.entries)))
+
+    def _drop(self, key: str, tokens: tuple) -> None:
+        entry = self.entries.pop((key, tokens), None)
+        if entry is None:
+            return
+        size = entry[1]
+        self.used -= size
+        self.used_by[key] -= size
+        del self.own[key][tokens]
+        if not self.own[key]:
+            del self.own[key], self.used_by[key]
 
 
 def _session_bytes(session) -> int:

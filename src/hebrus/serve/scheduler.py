@@ -1,12 +1,14 @@
 """The server's engine loop: one thread owns the model and runs every request's transactions.
 
-Each turn of the loop admits waiting requests (up to `max_sessions` running), runs one prefill
-chunk of every request that still has prompt to feed, and then one decode step of every request
-that is decoding: fast mode feeds those tokens in one pass (`feed_many`, one transaction per
-session); exact mode feeds them one after another. A transaction that aborts fails its own
-request only: its session publishes nothing, and every other request goes on as if it had
-never been there. A request samples from its own generator, so what it produces does not depend
-on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
+Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
+chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
+at least one chunk, so a long prompt cannot stall), and then one decode step of every request
+that is decoding. Fast mode steps those together (`Batch`: one pass, one transaction per
+session; on CUDA from graphs, captured once the same requests have stepped together twice and
+kept while they go on doing so); exact mode steps them one after another. A transaction that
+aborts fails its own request only: its session publishes nothing, and every other request goes
+on as if it had never been there. A request samples from its own generator, so what it produces
+does not depend on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
 
 Finished conversations are kept (`Kept`): a later request of the same API key whose prompt
 starts with a kept conversation's tokens forks it and feeds only the rest.
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.batching import feed_many
+from hebrus.batching import Batch
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling, sample
 from hebrus.serve.kept import Kept
@@ -60,11 +62,16 @@ class Overloaded(Exception):
 
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
-                 kept_bytes: int = 1 << 30, fault: Callable[[Request], str | None] | None = None,
-                 metrics=None):
+                 prefill_tokens: int = 512, kept_bytes: int = 1 << 30, kept_per_key: int | None = None,
+                 fault: Callable[[Request], str | None] | None = None, metrics=None):
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
-        self.chunk_size = chunk_size
-        self.kept = Kept(kept_bytes)
+        self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
+        self.batch: tuple[tuple[int, ...], Batch] | None = None   # the decoding requests' ids and their Batch
+        self.widest = 0                 # the most requests one decode pass has stepped (tests, bench)
+        self._replayed = 0              # graph replays of batches no longer in use
+        # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
+        # evict every other key's conversations
+        self.kept = Kept(kept_bytes, kept_bytes // 4 if kept_per_key is None else kept_per_key)
         self.fault = fault              # tests only: a stage to fail a request's next step at
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
@@ -115,6 +122,7 @@ class Scheduler:
                 for request in self.running:
                     request.emit("error", exc)
                 self.running = []
+                self._let_batch_go()
 
     def _turn(self) -> None:
         for request in list(self.running):
@@ -125,12 +133,15 @@ class Scheduler:
                     self._admit(request)
                 except Exception as exc:            # its session could not be made: it alone fails
                     self._fail(request, exc)
+        budget = self.prefill_tokens
         for request in list(self.running):
-            if request.fed < len(request.prompt):
-                self._prefill(request)
+            if budget > 0 and request.fed < len(request.prompt):
+                budget -= self._prefill(request)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
             self._decode(decoding)
+        else:
+            self._let_batch_go()
 
     def _admit(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
@@ -143,14 +154,16 @@ class Scheduler:
         else:
             request.session = self.model.session(decode="eager")
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill(self, request: Request) -> int:
+        """Feed the request's next prompt chunk -> its length (what it took of the turn's budget)."""
         chunk = request.prompt[request.fed:request.fed + self.chunk_size]
         try:
             request.logits = self._feed(request, chunk)
         except Exception as exc:                    # an abort, or anything else: this request's alone
             self._fail(request, exc)
-            return
+            return len(chunk)
         request.fed += len(chunk)
+        return len(chunk)
 
     def _decode(self, requests: list[Request]) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
@@ -171,10 +184,12 @@ class Scheduler:
         results = {}
         if together:
             try:
-                step = feed_many([r.session for r in together], [tokens[r.id] for r in together])
+                step = self._batch(together).feed([tokens[r.id] for r in together])
             except Exception:                       # not one session's abort: step them one by one
+                self._let_batch_go()
                 alone, together = requests, []
             else:
+                self.widest = max(self.widest, len(together))
                 for request, result in zip(together, step):
                     results[request.id] = result
         for request in alone:
@@ -196,6 +211,25 @@ class Scheduler:
                 self._finish(request, "length")
             elif request.session.frontier >= self.model.spec.max_context:
                 self._finish(request, "length")
+
+    def _batch(self, requests: list[Request]) -> Batch:
+        """The `Batch` of these requests' sessions: the one in use while the same requests keep
+        decoding together (its graphs are theirs), a new one when any joins or leaves."""
+        ids = tuple(r.id for r in requests)
+        if self.batch is None or self.batch[0] != ids:
+            self._let_batch_go()
+            self.batch = ids, Batch([r.session for r in requests])
+        return self.batch[1]
+
+    def _let_batch_go(self) -> None:
+        """Drop the batch in use: its graphs, and the sessions they hold, go with it."""
+        self._replayed, self.batch = self.replays, None
+
+    @property
+    def replays(self) -> int:
+        """Decode passes run from CUDA graphs so far."""
+        steps = self.batch[1]._steps if self.batch is not None else None
+        return self._replayed + (steps.replays if steps is not None else 0)
 
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
         stage = self.fault(request) if self.fault else None
