@@ -454,6 +454,6 @@ def test_the_server_decodes_from_graphs_on_cuda_and_a_failure_stays_alone():
         assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
         for prompt, text in zip(prompts[:7], results[:7]):
             assert text == _greedy(model, prompt.encode(), 24, temperature=0.0), prompt
-        assert server.scheduler.widest > 1 and server.scheduler.replays > 0, server.scheduler.replays
+        assert server.scheduler.together.widest > 1 and server.scheduler.together.replays > 0, server.scheduler.together.replays
     finally:
         server.close()

@@ -35,6 +35,24 @@ def test_a_fork_shares_rows_and_then_diverges_in_isolation(tiny):
     assert again.digest() == _fed(tiny, TEXT[:12], TEXT[20:22], TEXT[:1]).digest()
 
 
+def test_a_fork_with_its_own_rows_leaves_the_parent_stepping_in_place(tiny):
+    """`fork(copy_rows=True)`: the fork holds a copy of the rows up to the frontier, the parent
+    keeps its storage unshared (it can go on stepping in place); both then go on as the same
+    chunks fed from scratch give."""
+    parent = _fed(tiny, TEXT[:12])
+    fork = parent.fork(copy_rows=True)
+    assert fork.digest() == parent.digest() and fork.frontier == 12
+    assert parent.image.room() and not parent.image.shared and not fork.image.shared
+    assert all(a is not b for a, b in zip(fork.image.public.storages, parent.image.public.storages))
+    storages = list(parent.image.public.storages)
+    a = parent.feed(TEXT[12:13])
+    assert all(x is y for x, y in zip(parent.image.public.storages, storages))   # stepped in place
+    b = fork.feed(TEXT[20:22])
+    want_a, want_b = _fed(tiny, TEXT[:12], TEXT[12:13]), _fed(tiny, TEXT[:12], TEXT[20:22])
+    assert parent.digest() == want_a.digest() and torch.equal(a, want_a.logits)
+    assert fork.digest() == want_b.digest() and torch.equal(b, want_b.logits)
+
+
 def test_forking_copies_no_rows_whatever_the_context(tiny):
     for length in (4, 200):
         parent = _fed(tiny, (TEXT * 10)[:length])

@@ -254,7 +254,7 @@ def test_fast_mode_steps_requests_together_and_isolates_a_failure(tiny_fast):
             results = list(pool.map(ask, prompts))
         assert all(isinstance(r, str) for r in results[:7])
         assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
-        assert server.scheduler.widest > 1            # several requests' tokens in one pass
+        assert server.scheduler.together.widest > 1   # several requests' tokens in one pass
         for prompt, text in zip(prompts[:7], results[:7]):
             assert text == _greedy(tiny_fast, prompt.encode(), 8, temperature=0.0), prompt
     finally:
@@ -269,7 +269,35 @@ def test_the_command_refuses_bad_arguments():
     with redirect_stderr(err):
         assert main(["serve", "--model", "tiny", "--port", "70000"]) == 2
         assert main(["serve", "--model", "tiny", "--max-sessions", "0"]) == 2
+        assert main(["serve", "--model", "tiny", "--prefill-tokens", "0"]) == 2
     assert "--port must lie in" in err.getvalue() and "--max-sessions" in err.getvalue()
+    assert "--prefill-tokens must be at least 1" in err.getvalue()
+
+
+def test_a_turn_feeds_prompts_up_to_its_budget_oldest_first_and_steps_every_decoding_request(tiny):
+    """The engine loop's turns driven by hand: 8 prompt tokens a turn (a chunk is never cut by
+    the budget, and a turn always feeds one), the oldest request's first; the request already
+    decoding makes a token every turn."""
+    from hebrus.sampling import Sampling
+    from hebrus.serve.scheduler import Request, Scheduler
+    scheduler = Scheduler(tiny, chunk_size=8, prefill_tokens=8)
+    events = []
+
+    def asking(n, tag):
+        return Request(key="", prompt=list(range(1, n + 1)), max_tokens=50, sampling=Sampling(), seed=0,
+                       stop_ids=frozenset(), emit=lambda kind, value: events.append((tag, kind)), keep=False)
+    running, first, second = asking(3, "running"), asking(20, "first"), asking(12, "second")
+    scheduler.running = [running]
+    scheduler._turn()                                   # its 3 prompt tokens, then its first token
+    scheduler.running += [first, second]
+    fed = []
+    for _ in range(5):
+        events.clear()
+        scheduler._turn()
+        fed.append((first.fed, second.fed))
+        assert ("running", "token") in events
+    assert fed == [(8, 0), (16, 0), (20, 8), (20, 12), (20, 12)]   # 4 tokens left 4 of the budget
+    assert len(running.produced) == 6
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):

@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="require Authorization: Bearer KEY (repeatable: several keys, each with its own "
                             "kept conversations; default: no key)")
     serve.add_argument("--max-sessions", type=int, default=16, help="requests running at once (default 16)")
+    serve.add_argument("--prefill-tokens", type=int, default=512,
+                       help="prompt tokens fed per turn of the engine loop, between the running requests' "
+                            "steps: more starts new requests sooner, fewer keeps the running ones' "
+                            "tokens coming (default 512)")
     serve.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
     serve.set_defaults(handler=_serve)
 
@@ -128,6 +132,8 @@ def _serve(args) -> int:
         raise InvalidInput(f"--port must lie in [1, 65535], got {args.port}")
     if args.max_sessions < 1:
         raise InvalidInput("--max-sessions must be at least 1")
+    if args.prefill_tokens < 1:
+        raise InvalidInput("--prefill-tokens must be at least 1")
     import importlib
     try:
         for package in ("fastapi", "uvicorn", "prometheus_client"):
@@ -136,7 +142,8 @@ def _serve(args) -> int:
     except ImportError as exc:
         raise InvalidInput(f"hebrus serve needs its extra: pip install 'hebrus[serve]' ({exc})") from None
     model = _load(args)
-    serve.run(model, args.name or args.model, args.host, args.port, args.api_key, args.max_sessions)
+    serve.run(model, args.name or args.model, args.host, args.port, args.api_key, args.max_sessions,
+              args.prefill_tokens)
     return 0
 
 

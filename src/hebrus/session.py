@@ -99,19 +99,23 @@ class Session:
             return self.image.read("logits").clone()
 
     # ---- transactions ----------------------------------------------------------------------
-    def fork(self) -> "Session":
+    def fork(self, copy_rows: bool = False) -> "Session":
         """A new session at this one's frontier with the same state: banked values copied, row
         logs shared (no row is copied, whatever the context length). The two then diverge
         independently: the first chunk either one feeds writes its rows into a copy of its own,
-        so neither ever sees the other's later rows. The fork has this session's memory budget
+        so neither ever sees the other's later rows. `copy_rows`: the fork gets a copy of the
+        rows up to the frontier instead, and this session's storage stays its own (it goes on
+        stepping in place, from the graphs it has). The fork has this session's memory budget
         limit, decode route and reservation, and no journal."""
         with self._exclusive():
             fork = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve)
             record = self.image.public
             for name, value in self.image.banks[record.bank].items():
                 fork.image.banks[0][name].copy_(value)
-            fork.image.publish(Published(bank=0, frontier=record.frontier, storages=record.storages))
-            fork.image.share(self.image)
+            storages = [st[:record.frontier].clone() for st in record.storages] if copy_rows else record.storages
+            fork.image.publish(Published(bank=0, frontier=record.frontier, storages=storages))
+            if not copy_rows:
+                fork.image.share(self.image)
             return fork
 
     def save(self, path) -> None:

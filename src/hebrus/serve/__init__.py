@@ -22,7 +22,8 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     return app, scheduler
 
 
-def run(model, name: str, host: str, port: int, api_key: str | None, max_sessions: int) -> None:
+def run(model, name: str, host: str, port: int, api_key: str | None, max_sessions: int,
+        prefill_tokens: int = 512) -> None:
     """Serve until SIGTERM or Ctrl-C; in-flight requests are finished first (up to 60 s), then
     this returns (the command exits 0)."""
     import contextlib
@@ -41,7 +42,7 @@ def run(model, name: str, host: str, port: int, api_key: str | None, max_session
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions)
+    app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=60))
     try:
         server.run()                    # returns once open requests have finished

@@ -25,10 +25,11 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.batching import Batch
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling, sample
 from hebrus.serve.kept import Kept
+from hebrus.serve.together import Together
+from hebrus.session import _decode as decode_route
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Request:
     produced: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     admitted_at: float = 0.0
+    ended: bool = False                 # finished, failed or dropped
 
 
 class Overloaded(Exception):
@@ -66,9 +68,8 @@ class Scheduler:
                  fault: Callable[[Request], str | None] | None = None, metrics=None):
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
         self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
-        self.batch: tuple[tuple[int, ...], Batch] | None = None   # the decoding requests' ids and their Batch
-        self.widest = 0                 # the most requests one decode pass has stepped (tests, bench)
-        self._replayed = 0              # graph replays of batches no longer in use
+        graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
+        self.together = Together(model, graphs) if model.kernels.batched else None
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
         # evict every other key's conversations
         self.kept = Kept(kept_bytes, kept_bytes // 4 if kept_per_key is None else kept_per_key)
@@ -122,7 +123,8 @@ class Scheduler:
                 for request in self.running:
                     request.emit("error", exc)
                 self.running = []
-                self._let_batch_go()
+                if self.together is not None:
+                    self.together.let_go()
 
     def _turn(self) -> None:
         for request in list(self.running):
@@ -140,8 +142,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
             self._decode(decoding)
-        else:
-            self._let_batch_go()
+        elif self.together is not None:
+            self.together.let_go()      # their graphs and the sessions they hold go with them
 
     def _admit(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
@@ -179,19 +181,14 @@ class Scheduler:
                 continue
             tokens[request.id] = token
             request.emit("token", token)
-        alone = [r for r in requests if not self.model.kernels.batched or (self.fault and self.fault(r))]
+        alone = [r for r in requests if self.together is None or (self.fault and self.fault(r))]
         together = [r for r in requests if r not in alone]
         results = {}
         if together:
             try:
-                step = self._batch(together).feed([tokens[r.id] for r in together])
+                results = self.together.step(together, tokens)
             except Exception:                       # not one session's abort: step them one by one
-                self._let_batch_go()
-                alone, together = requests, []
-            else:
-                self.widest = max(self.widest, len(together))
-                for request, result in zip(together, step):
-                    results[request.id] = result
+                alone = requests
         for request in alone:
             try:
                 results[request.id] = self._feed(request, [tokens[request.id]])
@@ -212,25 +209,6 @@ class Scheduler:
             elif request.session.frontier >= self.model.spec.max_context:
                 self._finish(request, "length")
 
-    def _batch(self, requests: list[Request]) -> Batch:
-        """The `Batch` of these requests' sessions: the one in use while the same requests keep
-        decoding together (its graphs are theirs), a new one when any joins or leaves."""
-        ids = tuple(r.id for r in requests)
-        if self.batch is None or self.batch[0] != ids:
-            self._let_batch_go()
-            self.batch = ids, Batch([r.session for r in requests])
-        return self.batch[1]
-
-    def _let_batch_go(self) -> None:
-        """Drop the batch in use: its graphs, and the sessions they hold, go with it."""
-        self._replayed, self.batch = self.replays, None
-
-    @property
-    def replays(self) -> int:
-        """Decode passes run from CUDA graphs so far."""
-        steps = self.batch[1]._steps if self.batch is not None else None
-        return self._replayed + (steps.replays if steps is not None else 0)
-
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
         stage = self.fault(request) if self.fault else None
         if stage is None:
@@ -239,17 +217,23 @@ class Scheduler:
             return request.session.feed(ids)
 
     def _finish(self, request: Request, reason: str) -> None:
-        self.running.remove(request)
+        self._end(request)
         request.emit("done", reason)
-        if request.keep:
-            self.kept.put(request.key, request.prompt + request.produced, request.session)
+        if request.keep:                # a ghost goes on stepping: what is kept is a copy
+            session = request.session
+            kept = session.fork(copy_rows=True) if self.together and self.together.holds(request) else session
+            self.kept.put(request.key, request.prompt + request.produced, kept)
+
+    def _end(self, request: Request) -> None:
+        self.running.remove(request)
+        request.ended = True
 
     def _fail(self, request: Request, exc: BaseException) -> None:
-        self.running.remove(request)
+        self._end(request)
         if self.metrics is not None and isinstance(exc, ChunkAborted):
             self.metrics.aborted(exc.kind, exc.stage)
         request.emit("error", exc)
 
     def _drop(self, request: Request) -> None:
-        self.running.remove(request)
+        self._end(request)
         request.emit("done", "cancelled")
