@@ -1,7 +1,7 @@
-"""How the server's decoding requests step together (`serve.together`): one batch re-made on any
-change without graphs; with graphs, cohorts whose ended requests stay as ghosts, merged while the
-newest is at least half the one before it. The cohort rules run here on the CPU (their batches
-step eagerly; the CUDA test runs them from graphs), against each session stepped alone."""
+"""How the server's decoding requests step together (`serve.together`): one batch, made again
+on any change without graphs; with graphs, an ended request stays as a ghost until a request
+joins or half are ghosts. The rules run here on the CPU (the batch steps eagerly; the CUDA test
+runs it from graphs), against each session stepped alone."""
 from __future__ import annotations
 
 import itertools
@@ -46,45 +46,36 @@ def _step_and_compare(together, model, live, twins, step):
         assert torch.allclose(got[r.id], want, atol=1e-5, rtol=1e-5), (step, r.id)
 
 
-def test_cohorts_keep_ghosts_merge_by_size_and_give_what_each_session_gives_alone(tiny_fast):
+def test_ended_requests_stay_as_ghosts_until_one_joins_and_each_gets_what_it_gets_alone(tiny_fast):
     model = tiny_fast
     together = Together(model, graphs=True)
     first = _asking(model, 4, seed=0)
     twins = {r.id: _twin(model, r) for r in first}
     live = list(first)
     _step_and_compare(together, model, live, twins, 0)
-    assert [len(c.members) for c in together.cohorts] == [4] and together.made == 1
+    assert len(together.members) == 4 and together.made == 1
 
-    first[1].ended = True                            # one of four ends: a ghost, the cohort stays
+    first[1].ended = True                            # one of four ends: a ghost, the batch stays
     live.remove(first[1])
     frontier = first[1].session.frontier
     _step_and_compare(together, model, live, twins, 1)
-    assert together.made == 1 and first[1] in together.cohorts[0].members
+    assert together.made == 1 and together.holds(first[1])
     assert first[1].session.frontier == frontier + 1          # the ghost stepped (its dummy token)
-    assert together.holds(first[1])
 
-    newcomer = _asking(model, 1, seed=20)            # one joins: a cohort of its own (1 < 4 / 2)
+    newcomer = _asking(model, 1, seed=20)            # one joins: made again of the live ones
     twins.update({r.id: _twin(model, r) for r in newcomer})
     live += newcomer
     _step_and_compare(together, model, live, twins, 2)
-    assert [len(c.members) for c in together.cohorts] == [4, 1] and together.made == 2
+    assert together.made == 2 and len(together.members) == 4 and not together.holds(first[1])
 
-    more = _asking(model, 2, seed=30)                # two more: [4, 2] merges (2 >= 4 / 2), ghost dropped
-    twins.update({r.id: _twin(model, r) for r in more})
-    live += more
-    _step_and_compare(together, model, live, twins, 3)
-    # [4 (one ghost), 1] and a new [2]: [1] and [2] merge, then [4] and [3], the ghost left out
-    assert [len(c.members) for c in together.cohorts] == [6] and together.made == 5
-    assert not together.holds(first[1])
-
-    for r in first:                                  # the first cohort's requests all end
+    for r in first[2:]:                              # two of four end: half are ghosts, made again
         r.ended = True
     live = [r for r in live if not r.ended]
-    _step_and_compare(together, model, live, twins, 4)
-    assert [len(c.members) for c in together.cohorts] == [3] and together.made == 6   # half were ghosts
-    for step in range(5, 9):
+    _step_and_compare(together, model, live, twins, 3)
+    assert together.made == 3 and len(together.members) == 2
+    for step in range(4, 8):
         _step_and_compare(together, model, live, twins, step)
-    assert sum(len(c.members) for c in together.cohorts) <= 2 * len(live)
+    assert together.made == 3
 
 
 def test_a_request_still_running_but_stepping_alone_is_never_a_ghost(tiny_fast):
@@ -122,9 +113,24 @@ def test_without_graphs_one_batch_is_made_again_on_any_change(tiny_fast):
     assert together.made == 1
     asking[0].ended = True
     together.step(asking[1:], {r.id: 3 for r in asking[1:]})
-    assert together.made == 2 and [len(c.members) for c in together.cohorts] == [2]
+    assert together.made == 2 and len(together.members) == 2
     together.let_go()
-    assert not together.cohorts and not together.holds(asking[1])
+    assert together.batch is None and not together.holds(asking[1])
+
+
+def test_a_batch_that_cannot_step_is_let_go_with_no_request_stepped(tiny_fast):
+    """Something other than one session's abort (here a session already at its context limit)
+    raises out of the step; no request has been stepped, so the caller may step each alone."""
+    model = tiny_fast
+    together = Together(model, graphs=True)
+    asking = _asking(model, 2, seed=70)
+    full = model.session(decode="eager")
+    full.feed(tokens(model.spec.max_context, seed=71))
+    asking.append(type(asking[0])(full))
+    frontiers = [r.session.frontier for r in asking]
+    with pytest.raises(Exception):
+        together.step(asking, {r.id: 1 for r in asking})
+    assert together.batch is None and [r.session.frontier for r in asking] == frontiers
 
 
 def test_the_ghost_token_is_in_every_vocabulary():

@@ -3,9 +3,9 @@
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
 at least one chunk, so a long prompt cannot stall), and then one decode step of every request
-that is decoding. Fast mode steps those together (`Batch`: one pass, one transaction per
-session; on CUDA from graphs, captured once the same requests have stepped together twice and
-kept while they go on doing so); exact mode steps them one after another. A transaction that
+that is decoding. Fast mode steps those together (`Together`: one `Batch`, one pass, one
+transaction per session; on CUDA from graphs, kept valid while no request joins by stepping the
+ones that ended as ghosts); exact mode steps them one after another. A transaction that
 aborts fails its own request only: its session publishes nothing, and every other request goes
 on as if it had never been there. A request samples from its own generator, so what it produces
 does not depend on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
