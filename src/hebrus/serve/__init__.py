@@ -13,6 +13,12 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
     from hebrus.serve.scheduler import Scheduler
+    if model.device.type == "cuda":
+        # fused ops compile on first use, here in the engine thread; on the H200 a compile waiting
+        # on the compiler's pool of worker processes, started from that thread, never returned
+        # (benchmarks/results/cuda-h200/test-cuda-serve-d00796d-hang.txt): compile in-process
+        import torch._inductor.config
+        torch._inductor.config.compile_threads = 1
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, kept_bytes=kept_bytes,
                           prefill_tokens=prefill_tokens, fault=fault, metrics=metrics)
