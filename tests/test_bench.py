@@ -253,6 +253,7 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
         assert point["output_tokens_per_s"] > 0 and point["offline"]["tokens_per_s"] > 0
         assert point["ttft_ms_p50"] > 0 and point["throughput_over_offline"] > 0
         assert point["offline"]["decode_tokens_per_s"] >= point["offline"]["tokens_per_s"]
+        assert 0 < point["engine_prefill_ms_p50"] < point["ttft_ms_p50"]
     assert (tmp_path / "v.md").read_text() == out.getvalue()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--serve", "--model", "tiny", "--clients", "0"]) == 2

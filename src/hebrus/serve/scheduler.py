@@ -56,6 +56,7 @@ class Request:
     generator: torch.Generator | None = None
     admitted_at: float = 0.0
     ended: bool = False                 # finished, failed or dropped
+    prefill_s: float = 0.0              # seconds its prompt chunks took to feed
 
 
 class Overloaded(Exception):
@@ -70,6 +71,7 @@ class Scheduler:
         self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
         graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
         self.together = Together(model, graphs) if model.kernels.batched else None
+        self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
         # evict every other key's conversations
         self.kept = Kept(kept_bytes, kept_bytes // 4 if kept_per_key is None else kept_per_key)
@@ -159,12 +161,16 @@ class Scheduler:
     def _prefill(self, request: Request) -> int:
         """Feed the request's next prompt chunk -> its length (what it took of the turn's budget)."""
         chunk = request.prompt[request.fed:request.fed + self.chunk_size]
+        started = time.perf_counter()
         try:
             request.logits = self._feed(request, chunk)
         except Exception as exc:                    # an abort, or anything else: this request's alone
             self._fail(request, exc)
             return len(chunk)
+        request.prefill_s += time.perf_counter() - started     # a feed returns once validated: synced
         request.fed += len(chunk)
+        if request.fed == len(request.prompt):
+            self.prefills.append(request.prefill_s)
         return len(chunk)
 
     def _decode(self, requests: list[Request]) -> None:
