@@ -12,6 +12,11 @@ settings.load_profile(os.environ.get("HEBRUS_HYPOTHESIS", "default"))
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Under pytest-xdist (the README's `-n 2`) each worker computes on one thread: the workers
+# already fill the cores, and two threads each would only contend.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import hebrus  # noqa: E402
 
 

@@ -165,3 +165,39 @@ def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_
         assert again.choices[0].text == _greedy(tiny_fast, bytes(follow), 6, temperature=0.0)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("join_turns", [16, 1])
+def test_with_graphs_requests_wait_to_join_while_prompts_are_fed_and_answer_as_alone(tiny_fast, join_turns):
+    """The engine loop's turns by hand, with the graph rules: a request whose prompt is fed sends
+    its first token at once but joins the batch only when no prompt is left to feed (one remade
+    batch for the burst) or after `join_turns` turns; each greedy answer is its session's alone."""
+    from hebrus.sampling import Sampling
+    from hebrus.serve.scheduler import Request, Scheduler
+    model = tiny_fast
+    scheduler = Scheduler(model, chunk_size=8, prefill_tokens=8, join_turns=join_turns)
+    scheduler.together = Together(model, graphs=True)
+    got = {}
+
+    def asking(n, tag):
+        got[tag] = []
+        return Request(key="", prompt=tokens(n, seed=n), max_tokens=8, sampling=Sampling(temperature=0.0),
+                       seed=0, stop_ids=frozenset(),
+                       emit=lambda kind, value: got[tag].append(value) if kind == "token" else None, keep=False)
+    running, first, second = asking(3, "running"), asking(12, "first"), asking(20, "second")
+    scheduler.running = [running]
+    scheduler._turn()
+    scheduler.running += [first, second]
+    made = []
+    for turn in range(12):
+        scheduler._turn()
+        made.append(scheduler.together.made)
+    # turn 1 feeds the first prompt's 8, turn 2 its last 4 (its first token goes out), turns 2-4
+    # the second's; with 16 turns to wait, both join at turn 4, when no prompt is left to feed
+    if join_turns == 16:
+        assert made[:5] == [1, 1, 1, 2, 2] and first.held == 2 and second.held == 0
+    else:
+        assert made[:5] == [1, 1, 2, 3, 3] and first.held == 1
+    for tag, request in (("running", running), ("first", first), ("second", second)):
+        assert request.ended and request.pending is None
+        assert got[tag] == list(model.session().generate(request.prompt, max_new_tokens=8, temperature=0.0)), tag

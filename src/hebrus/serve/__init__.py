@@ -13,15 +13,19 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
     from hebrus.serve.scheduler import Scheduler
-    if model.device.type == "cuda":
-        # fused ops compile on first use, here in the engine thread; on the H200 a compile waiting
-        # on the compiler's pool of worker processes, started from that thread, never returned
-        # (benchmarks/results/cuda-h200/test-cuda-serve-d00796d-hang.txt): compile in-process
-        import torch._inductor.config
-        torch._inductor.config.compile_threads = 1
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, kept_bytes=kept_bytes,
                           prefill_tokens=prefill_tokens, fault=fault, metrics=metrics)
+    if model.device.type == "cuda":
+        # Fused ops compile on first use. Compiled in the engine thread, waiting on the
+        # compiler's pool of worker processes never returned on the H200
+        # (benchmarks/results/cuda-h200/test-cuda-serve-d00796d-hang.txt), and compiled
+        # in-process they took over a minute there, longer than a client waits. So they compile
+        # here, before serving, with the pool; whatever a rare shape compiles later, in the
+        # engine thread, compiles in-process.
+        import torch._inductor.config
+        scheduler.warm_up()
+        torch._inductor.config.compile_threads = 1
     app = create_app(model, text_for(model), name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
     scheduler.start()
@@ -48,6 +52,10 @@ def run(model, name: str, host: str, port: int, api_key: str | None, max_session
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+    if model.device.type == "cuda":
+        import sys
+        print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",
+              file=sys.stderr, flush=True)
     app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=60))
     try:

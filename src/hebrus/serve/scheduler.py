@@ -5,7 +5,10 @@ chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldes
 at least one chunk, so a long prompt cannot stall), and then one decode step of every request
 that is decoding. Fast mode steps those together (`Together`: one `Batch`, one pass, one
 transaction per session; on CUDA from graphs, kept valid while no request joins by stepping the
-ones that ended as ghosts); exact mode steps them one after another. A transaction that
+ones that ended as ghosts); exact mode steps them one after another. With graphs, a request
+whose prompt is fed waits to join the batch (its first token already sent) while other prompts
+are still being fed, up to `join_turns` turns: a burst of arrivals then costs one remade batch,
+not one per arrival. A transaction that
 aborts fails its own request only: its session publishes nothing, and every other request goes
 on as if it had never been there. A request samples from its own generator, so what it produces
 does not depend on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
@@ -57,6 +60,8 @@ class Request:
     admitted_at: float = 0.0
     ended: bool = False                 # finished, failed or dropped
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
+    pending: int | None = None          # a token sampled and sent, its step not yet committed
+    held: int = 0                       # turns it has waited to join the batch
 
 
 class Overloaded(Exception):
@@ -66,9 +71,9 @@ class Overloaded(Exception):
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, kept_bytes: int = 1 << 30, kept_per_key: int | None = None,
-                 fault: Callable[[Request], str | None] | None = None, metrics=None):
+                 join_turns: int = 16, fault: Callable[[Request], str | None] | None = None, metrics=None):
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
-        self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
+        self.chunk_size, self.prefill_tokens, self.join_turns = chunk_size, prefill_tokens, join_turns
         graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
         self.together = Together(model, graphs) if model.kernels.batched else None
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
@@ -86,6 +91,22 @@ class Scheduler:
     # ---- what the HTTP side calls (any thread) ---------------------------------------------
     def start(self) -> None:
         self.thread.start()
+
+    def warm_up(self) -> None:
+        """Run once, on throwaway sessions, what serving runs: prompt chunks, a step alone and
+        the batches of one and of two sessions (from graphs where the server uses them), so
+        that the fused ops compile here, before the first request, and in the caller's thread."""
+        from hebrus.batching import Batch
+        vocab = self.model.spec.vocab_size
+        sessions = [self.model.session(decode="eager") for _ in range(2)]
+        for i, session in enumerate(sessions):
+            session.feed([(7 * j + i) % vocab for j in range(9)])
+            session.feed([1 % vocab])
+        if self.together is not None:
+            for width in (1, 2):
+                batch = Batch(sessions[:width], decode="graph" if self.together.graphs else "eager")
+                for _ in range(3):          # the third step replays what the second captured
+                    batch.feed([1 % vocab] * width)
 
     def submit(self, request: Request) -> None:
         with self._wake:
@@ -143,9 +164,22 @@ class Scheduler:
                 budget -= self._prefill(request)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
-            self._decode(decoding)
+            self._decode(*self._joining(decoding))
         elif self.together is not None:
             self.together.let_go()      # their graphs and the sessions they hold go with them
+
+    def _joining(self, decoding: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(the requests to step this turn, those that wait to join the batch). With graphs a
+        join remakes the batch, two slow steps of all of it: while prompts are still being fed,
+        requests whose prompt is fed wait (their first token is sent meanwhile) and join
+        together once none is, or once the eldest has waited `join_turns` turns."""
+        together = self.together
+        if together is None or not together.graphs or all(r.fed >= len(r.prompt) for r in self.running):
+            return decoding, []
+        new = [r for r in decoding if not together.holds(r)]
+        if not new or max(r.held for r in new) >= self.join_turns:
+            return decoding, []
+        return [r for r in decoding if together.holds(r)], new
 
     def _admit(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
@@ -173,20 +207,28 @@ class Scheduler:
             self.prefills.append(request.prefill_s)
         return len(chunk)
 
-    def _decode(self, requests: list[Request]) -> None:
+    def _decode(self, requests: list[Request], holding: list[Request] | None = None) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
-        commits it only makes the state catch up), then commit them all; a request whose step
-        aborts ends with an error after the token it was committing."""
-        tokens = {}
-        for request in list(requests):
-            try:
-                token = sample(request.logits, request.sampling, request.generator)
-            except Exception as exc:                # nothing left to sample from: it alone fails
-                requests.remove(request)
-                self._fail(request, exc)
-                continue
-            tokens[request.id] = token
-            request.emit("token", token)
+        commits it only makes the state catch up), then commit those of `requests`; a request
+        whose step aborts ends with an error after the token it was committing. A request of
+        `holding` keeps its token pending, to commit when it steps."""
+        holding = holding if holding is not None else []
+        for group in (requests, holding):
+            for request in list(group):
+                if request.pending is not None:
+                    continue
+                try:
+                    request.pending = sample(request.logits, request.sampling, request.generator)
+                except Exception as exc:            # nothing left to sample from: it alone fails
+                    group.remove(request)
+                    self._fail(request, exc)
+                    continue
+                request.emit("token", request.pending)
+        for request in holding:
+            request.held += 1
+        if not requests:
+            return
+        tokens = {r.id: r.pending for r in requests}
         alone = [r for r in requests if self.together is None or (self.fault and self.fault(r))]
         together = [r for r in requests if r not in alone]
         results = {}
@@ -206,7 +248,7 @@ class Scheduler:
                 self._fail(request, result)
                 continue
             token = tokens[request.id]
-            request.logits = result
+            request.logits, request.pending = result, None
             request.produced.append(token)
             if token in request.stop_ids:
                 self._finish(request, "stop")
