@@ -110,7 +110,7 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
                                  limits=httpx.Limits(max_connections=clients + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - started
-    return {"clients": clients, "requests": len(asks), "requests_per_s": len(asks) / wall,
+    return {"clients": clients, "requests": len(asks), "wall_s": wall, "requests_per_s": len(asks) / wall,
             "events_per_s": made / wall, "output_tokens_per_s": len(asks) * tokens / wall,
             "ttft_ms_p50": _percentile(ttft, 0.5) * 1e3, "ttft_ms_p99": _percentile(ttft, 0.99) * 1e3,
             "itl_ms_p50": _percentile(itl, 0.5) * 1e3 if itl else None,
@@ -146,13 +146,28 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
         clients_process.submit(_load_here, url, name, warm, 1, 4).result()
         for clients in concurrencies:
             asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
+            # offline once before the server too: what the server's run leaves warm (compiled
+            # shapes, the allocator's blocks) must not be all on offline's side
+            first = offline(model, clients, prompt, tokens)
             scheduler.prefills.clear()
+            scheduler.clock_reset()
+            together = scheduler.together
+            if together is not None:
+                together.timed.clear()
+            made, compiled = together.made if together is not None else 0, _compiled()
             point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
+            point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
+                               "batches_made": (together.made if together is not None else 0) - made,
+                               "steps": dict(together.timed) if together is not None else {},
+                               "compiled": _compiled() - compiled}
             # the same requests' prefills as the engine timed them: TTFT less this is what the
             # server adds (queueing, the loop, HTTP), paired within one run
             point["engine_prefill_ms_p50"] = _percentile(list(scheduler.prefills), 0.5) * 1e3
             point["ttft_minus_engine_prefill_ms"] = point["ttft_ms_p50"] - point["engine_prefill_ms_p50"]
+            compiled = _compiled()
             point["offline"] = offline(model, clients, prompt, tokens)
+            point["offline"]["compiled"] = _compiled() - compiled
+            point["offline_first"] = first
             point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
             point["throughput_over_offline_decode"] = (point["output_tokens_per_s"]
                                                        / point["offline"]["decode_tokens_per_s"])
@@ -165,6 +180,15 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
         scheduler.stop(drain_seconds=5)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "points": points}
+
+
+def _compiled() -> int:
+    """Graphs the compiler has made in this process so far (fused ops: CUDA only)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
 
 
 def table(report: dict) -> str:
@@ -184,4 +208,21 @@ def table(report: dict) -> str:
                      f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['offline']['prefill_ms']:.1f} | "
                      f"{p['engine_prefill_ms_p50']:.1f} | {p['ttft_minus_engine_prefill_ms']:+.1f} | "
                      f"{itl50} | {itl99} |")
+    lines += ["", "where the server's engine thread spent each point's wall time (seconds), the batches it made "
+              "and the steps they took (replayed from graphs, or not: uncaptured or captured), and graphs "
+              "compiled during the point; offline first: offline run once before the server (tok/s)", "",
+              "| clients | wall | idle | admit | prefill | sample + send | replayed steps | steps not replayed | alone "
+              "| finish | batches made | compiled (server / offline) | offline first tok/s |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in report["points"]:
+        e = p.get("engine")
+        if e is None:
+            continue
+        spent, steps = e["seconds"], e["steps"]
+        lines.append(f"| {p['clients']} | {p['wall_s']:.2f} | {spent.get('idle', 0):.2f} | {spent.get('admit', 0):.2f} | "
+                     f"{spent.get('prefill', 0):.2f} | {spent.get('sample', 0):.2f} | "
+                     f"{steps.get('replayed', 0)} in {steps.get('replayed_s', 0):.2f} | "
+                     f"{steps.get('slow', 0)} in {steps.get('slow_s', 0):.2f} | {spent.get('alone', 0):.2f} | "
+                     f"{spent.get('finish', 0):.2f} | {e['batches_made']} | "
+                     f"{e['compiled']} / {p['offline']['compiled']} | {p['offline_first']['tokens_per_s']:.1f} |")
     return "\n".join(lines) + "\n"

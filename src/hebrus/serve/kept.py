@@ -26,6 +26,11 @@ class Kept:
         self.own: dict[str, OrderedDict[tuple, int]] = {}
         self.used_by: dict[str, int] = {}                   # key -> its entries' bytes
 
+    @property
+    def keeps(self) -> bool:
+        """Whether anything at all can be kept (a budget of 0 keeps nothing)."""
+        return min(self.budget, self.per_key) > 0
+
     def find(self, key: str, prompt: list[int]):
         """The kept session of `key` whose tokens are the longest prefix of `prompt`, and how
         many tokens it holds; (None, 0) if none. The one found becomes the most recently used."""

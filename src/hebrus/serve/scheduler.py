@@ -77,6 +77,10 @@ class Scheduler:
         graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
         self.together = Together(model, graphs) if model.kernels.batched else None
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
+        # where the engine thread's time goes (bench): seconds idle, admitting, feeding prompts,
+        # sampling and sending tokens, stepping together, stepping alone, and the rest of a turn
+        self.spent: collections.Counter[str] = collections.Counter()
+        self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
         # evict every other key's conversations
         self.kept = Kept(kept_bytes, kept_bytes // 4 if kept_per_key is None else kept_per_key)
@@ -126,6 +130,12 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join(5)
 
+    def clock_reset(self) -> None:
+        """Start `spent` again from now (an idle wait in progress counts from now on)."""
+        with self._wake:
+            self.spent.clear()
+            self._idle_since = max(self._idle_since, time.perf_counter())
+
     @property
     def depth(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -134,8 +144,10 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
+                self._idle_since = time.perf_counter()
                 while not self._stop and not self.waiting and not self.running:
                     self._wake.wait()
+                self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
                     return
                 while self.waiting and len(self.running) < self.max_sessions:
@@ -150,6 +162,7 @@ class Scheduler:
                     self.together.let_go()
 
     def _turn(self) -> None:
+        clock = time.perf_counter()
         for request in list(self.running):
             if request.cancelled.is_set():
                 self._drop(request)
@@ -158,15 +171,22 @@ class Scheduler:
                     self._admit(request)
                 except Exception as exc:            # its session could not be made: it alone fails
                     self._fail(request, exc)
+        clock = self._spend("admit", clock)
         budget = self.prefill_tokens
         for request in list(self.running):
             if budget > 0 and request.fed < len(request.prompt):
                 budget -= self._prefill(request)
+        clock = self._spend("prefill", clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
             self._decode(*self._joining(decoding))
         elif self.together is not None:
             self.together.let_go()      # their graphs and the sessions they hold go with them
+
+    def _spend(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.spent[part] += now - since
+        return now
 
     def _joining(self, decoding: list[Request]) -> tuple[list[Request], list[Request]]:
         """(the requests to step this turn, those that wait to join the batch). With graphs a
@@ -213,6 +233,7 @@ class Scheduler:
         whose step aborts ends with an error after the token it was committing. A request of
         `holding` keeps its token pending, to commit when it steps."""
         holding = holding if holding is not None else []
+        clock = time.perf_counter()
         for group in (requests, holding):
             for request in list(group):
                 if request.pending is not None:
@@ -226,6 +247,7 @@ class Scheduler:
                 request.emit("token", request.pending)
         for request in holding:
             request.held += 1
+        clock = self._spend("sample", clock)
         if not requests:
             return
         tokens = {r.id: r.pending for r in requests}
@@ -237,11 +259,13 @@ class Scheduler:
                 results = self.together.step(together, tokens)
             except Exception:                       # not one session's abort: step them one by one
                 alone = requests
+        clock = self._spend("together", clock)
         for request in alone:
             try:
                 results[request.id] = self._feed(request, [tokens[request.id]])
             except Exception as exc:
                 results[request.id] = exc
+        clock = self._spend("alone", clock)
         for request in requests:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -256,6 +280,7 @@ class Scheduler:
                 self._finish(request, "length")
             elif request.session.frontier >= self.model.spec.max_context:
                 self._finish(request, "length")
+        self._spend("finish", clock)
 
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
         stage = self.fault(request) if self.fault else None
@@ -267,7 +292,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         self._end(request)
         request.emit("done", reason)
-        if request.keep:                # a ghost goes on stepping: what is kept is a copy
+        if request.keep and self.kept.keeps:   # a ghost goes on stepping: what is kept is a copy
             session = request.session
             kept = session.fork(copy_rows=True) if self.together and self.together.holds(request) else session
             self.kept.put(request.key, request.prompt + request.produced, kept)

@@ -15,6 +15,9 @@ every merge costs two slow steps of the merged size.)
 """
 from __future__ import annotations
 
+import collections
+import time
+
 from hebrus.batching import Batch
 
 GHOST_TOKEN = 0                 # what a ghost is fed: any id will do, its results are dropped
@@ -28,6 +31,9 @@ class Together:
         self.widest = 0                 # the most sessions one pass has stepped (tests, bench)
         self.made = 0                   # batches made so far
         self._replayed = 0              # graph replays of batches no longer in use
+        # steps and their seconds, replayed from graphs or not (bench): "replayed", "replayed_s",
+        # "slow", "slow_s"
+        self.timed: collections.Counter[str] = collections.Counter()
 
     def holds(self, request) -> bool:
         """Whether `request`'s session is in the batch (it goes on being stepped as a ghost)."""
@@ -45,7 +51,11 @@ class Together:
                 self.made += 1
             ids = [tokens[r.id] if r.id in live else GHOST_TOKEN for r in self.members]
             self.widest = max(self.widest, len(ids))
+            replays, started = self.replays, time.perf_counter()
             step = self.batch.feed(ids)
+            kind = "replayed" if self.replays > replays else "slow"
+            self.timed[kind] += 1
+            self.timed[kind + "_s"] += time.perf_counter() - started
         except Exception:
             self.let_go()
             raise
