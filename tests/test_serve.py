@@ -443,3 +443,69 @@ def test_without_api_keys_nothing_is_kept_for_anyone(tiny):
     finally:
         server.close()
 
+
+
+def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
+    """While idle the loop makes `spare_sessions` new sessions; a request is admitted with one of
+    them (made before it came) and the loop makes another once idle again. A spare is a new
+    session like any other: the request's tokens equal `Session.generate`'s."""
+    from hebrus.sampling import Sampling
+    from hebrus.serve.scheduler import Request, Scheduler
+    scheduler = Scheduler(tiny, spare_sessions=2)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(scheduler.spares) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        made = list(scheduler.spares)
+        assert len(made) == 2
+        got, done = [], threading.Event()
+        request = Request(key="k", prompt=list(b"Hail"), max_tokens=4, sampling=Sampling(temperature=1.0), seed=3,
+                          stop_ids=frozenset(),
+                          emit=lambda kind, value: got.append(value) if kind == "token" else done.set())
+        scheduler.submit(request)
+        assert done.wait(30)
+        assert any(request.session is s for s in made)
+        while len(scheduler.spares) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(scheduler.spares) == 2 and not any(request.session is s for s in scheduler.spares)
+        assert got == list(tiny.session().generate(list(b"Hail"), max_new_tokens=4, temperature=1.0, seed=3))
+    finally:
+        scheduler.stop(drain_seconds=1)
+    none = Scheduler(tiny, spare_sessions=0)
+    none.start()
+    try:
+        time.sleep(0.1)
+        assert none.spares == []
+    finally:
+        none.stop(drain_seconds=1)
+    with pytest.raises(ValueError, match="spare_sessions"):
+        Scheduler(tiny, spare_sessions=-1)
+
+
+def test_the_outbox_keeps_each_queue_in_order_and_wakes_the_loop_once_for_a_burst():
+    """Events put from another thread reach their queues in order; the events of one burst
+    (one engine turn) wake the loop about once (twice where the loop drains the first before
+    the rest are put), not once each."""
+    import asyncio
+    from hebrus.serve.app import Outbox
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        outbox, wakes = Outbox(loop), []
+        drain = outbox._drain
+        outbox._drain = lambda: (wakes.append(1), drain())
+        queues = [asyncio.Queue() for _ in range(3)]
+
+        def engine():
+            for turn in range(5):
+                for i, q in enumerate(queues):
+                    outbox.put(q, (turn, i))
+                time.sleep(0.02)                # the loop drains between turns
+        await asyncio.to_thread(engine)
+        await asyncio.sleep(0.05)
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        return got, len(wakes)
+    got, wakes = asyncio.run(scenario())
+    assert got == [[(turn, i) for turn in range(5)] for i in range(3)]
+    assert 5 <= wakes <= 10                     # 15 events

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
+import weakref
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -117,6 +119,29 @@ class ChatBody(_Common):
         return value
 
 
+class Outbox:
+    """Engine events on their way to the event loop's request queues. The engine thread puts
+    them from its side; the first one put since the loop last drained asks the loop to drain,
+    so the events of one engine turn (a token for every running request) wake the loop once
+    instead of once each. Each queue gets its events in the order they were put."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock = loop, [], threading.Lock()
+
+    def put(self, queue: asyncio.Queue, event) -> None:
+        with self.lock:
+            self.items.append((queue, event))
+            first = len(self.items) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
           code: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
@@ -138,6 +163,7 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
     async def validation_error(request: HTTPRequest, exc: RequestValidationError):
         return error(400, f"the request is not valid: {exc.errors()[:1]}")
     metrics = metrics or Metrics()
+    outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Outbox] = weakref.WeakKeyDictionary()
     limit = model.spec.max_context
     keys = None if api_key is None else {f"Bearer {k}" for k in ([api_key] if isinstance(api_key, str) else api_key)}
 
@@ -223,11 +249,12 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
             return error(400, f"the prompt's {len(prompt)} tokens and max_tokens {wanted} pass the context "
                               f"limit of {limit}", param="max_tokens", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
+        outbox = outboxes.get(loop) or outboxes.setdefault(loop, Outbox(loop))
         events: asyncio.Queue = asyncio.Queue()
         job = Request(key=key_of(request), prompt=prompt, max_tokens=wanted, sampling=sampling_of(body),
                       seed=body.seed if body.seed is not None else secrets.randbits(63),
                       stop_ids=frozenset(text.stop_ids), keep=keys is not None,
-                      emit=lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
+                      emit=lambda kind, value: outbox.put(events, (kind, value)))
         started = time.monotonic()
         try:
             scheduler.submit(job)
@@ -287,7 +314,10 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         if isinstance(body, JSONResponse):
             return body
         try:
-            prompt = await asyncio.to_thread(prompt_of, body)         # templates and tokenizers off the loop
+            if chat or isinstance(body.prompt, str):    # templates and tokenizers off the loop
+                prompt = await asyncio.to_thread(prompt_of, body)
+            else:                                       # token ids: nothing to run
+                prompt = prompt_of(body)
         except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
             return error(400, f"{param}: {exc}", param=param)
         return await run(request, body, prompt, chat=chat)

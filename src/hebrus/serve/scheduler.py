@@ -13,6 +13,9 @@ aborts fails its own request only: its session publishes nothing, and every othe
 on as if it had never been there. A request samples from its own generator, so what it produces
 does not depend on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
 
+While it has nothing to do, the loop makes up to `spare_sessions` new sessions, so that
+admitting a request takes one instead of waiting for one to be made.
+
 Finished conversations are kept (`Kept`): a later request of the same API key whose prompt
 starts with a kept conversation's tokens forks it and feeds only the rest.
 """
@@ -71,8 +74,14 @@ class Overloaded(Exception):
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, kept_bytes: int = 1 << 30, kept_per_key: int | None = None,
-                 join_turns: int = 16, fault: Callable[[Request], str | None] | None = None, metrics=None):
+                 join_turns: int = 16, spare_sessions: int = 4, fault: Callable[[Request], str | None] | None = None,
+                 metrics=None):
+        if spare_sessions < 0:
+            raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
+        # new sessions made while the loop is idle, so that admitting a request does not wait
+        # for one to be made (on a GPU, allocating its banks takes milliseconds)
+        self.spare_sessions, self.spares = spare_sessions, []
         self.chunk_size, self.prefill_tokens, self.join_turns = chunk_size, prefill_tokens, join_turns
         graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
         self.together = Together(model, graphs) if model.kernels.batched else None
@@ -146,6 +155,15 @@ class Scheduler:
             with self._wake:
                 self._idle_since = time.perf_counter()
                 while not self._stop and not self.waiting and not self.running:
+                    if len(self.spares) < self.spare_sessions:
+                        self._wake.release()            # a request may arrive meanwhile
+                        try:
+                            self.spares.append(self.model.session(decode="eager"))
+                        except Exception:               # no memory for one: admitting makes its own
+                            self.spare_sessions = len(self.spares)
+                        finally:
+                            self._wake.acquire()
+                        continue
                     self._wake.wait()
                 self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
@@ -210,7 +228,7 @@ class Scheduler:
             request.cached = request.fed = length
             request.logits = request.session.logits
         else:
-            request.session = self.model.session(decode="eager")
+            request.session = self.spares.pop() if self.spares else self.model.session(decode="eager")
 
     def _prefill(self, request: Request) -> int:
         """Feed the request's next prompt chunk -> its length (what it took of the turn's budget)."""
