@@ -226,3 +226,20 @@ def test_a_reservation_never_makes_a_chunk_fail():
             published += 1
             assert outcome[300] == outcome[0], rows
     assert 0 < published < 31                   # the sweep crosses the budget where chunks start to fit
+
+
+def test_sampling_many_at_once_equals_sampling_each_alone():
+    """`sample_many` (the greedy ones chosen by one argmax over their stack) gives what `sample`
+    gives each alone, ties to the smaller id included, with the generators drawn as often; a
+    logits it cannot sample from fails alone."""
+    from hebrus.sampling import Sampling, sample, sample_many
+    gen = torch.Generator().manual_seed(4)
+    logits = [torch.randn(50, generator=gen) for _ in range(7)]
+    logits[2][[5, 9]] = 100.0                                   # a tie: the smaller id
+    hows = [Sampling(), Sampling(temperature=0.8),
+            Sampling(), Sampling(temperature=1.0, top_k=5), Sampling(), Sampling(), Sampling(temperature=0.5)]
+    alone = [sample(x, h, torch.Generator().manual_seed(i)) for i, (x, h) in enumerate(zip(logits, hows))]
+    many = sample_many(logits, hows, [torch.Generator().manual_seed(i) for i in range(7)])
+    assert many == alone and many[2] == 5
+    broken = sample_many([logits[0], None, logits[1]], [Sampling()] * 3, [gen] * 3)
+    assert broken[0] == alone[0] and isinstance(broken[1], Exception) and broken[2] == sample(logits[1], Sampling(), gen)

@@ -35,6 +35,26 @@ def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> i
     return draw(distribution(logits, how), generator)
 
 
+def sample_many(logits: list[torch.Tensor], hows: list[Sampling], generators: list[torch.Generator]) -> list:
+    """`sample` for each of several logits [V], in order: an id, or the exception its sampling
+    raised. The greedy ones of one shape, dtype and device are chosen together (one argmax over
+    their stack, one transfer to the host instead of one each: on a GPU, one wait instead of
+    many); each other one is `sample`d alone."""
+    out: list = [None] * len(logits)
+    greedy = [i for i, how in enumerate(hows) if how.temperature == 0 and isinstance(logits[i], torch.Tensor)]
+    kinds = {(logits[i].shape, logits[i].dtype, logits[i].device) for i in greedy}
+    if len(greedy) > 1 and len(kinds) == 1 and logits[greedy[0]].dim() == 1:
+        for i, chosen in zip(greedy, torch.argmax(torch.stack([logits[i] for i in greedy]), dim=-1).tolist()):
+            out[i] = chosen
+    for i, (x, how, generator) in enumerate(zip(logits, hows, generators)):
+        if out[i] is None:
+            try:
+                out[i] = sample(x, how, generator)
+            except Exception as exc:                # its own logits' failure, its alone
+                out[i] = exc
+    return out
+
+
 def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """One id with probability weights[i] / Σ weights (float64, not negative, any device), by
     the inverse of the cumulative sum at one float64 uniform. (torch.multinomial, drawn first

@@ -20,6 +20,7 @@ import time
 import torch
 
 from hebrus.bench.limits import sync
+from hebrus.sampling import Sampling, sample_many
 
 
 PREFILLS = 5                    # prefills timed offline at least: the median is the one to compare TTFT with
@@ -38,7 +39,8 @@ def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int
 def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     """The same work as `batch` requests, with no server: `batch` sessions prefilled one after
     another (chunks of 256, as the server feeds them), then decoding `tokens` steps together
-    (a `Batch`: graphs on CUDA; one session after another in exact mode). Tokens/s end to end
+    (a `Batch`: graphs on CUDA; one session after another in exact mode), each step's tokens
+    chosen together as the server chooses them (`sample_many`). Tokens/s end to end
     (prefill included, as a client sees it) and of the decode steps alone, and the median time
     of one prefill (of at least `PREFILLS`)."""
     from hebrus.batching import Batch
@@ -62,8 +64,9 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     sync(model.device)
     decoding = time.perf_counter()
     together = Batch(sessions) if model.kernels.batched else None
+    greedy = [Sampling()] * batch
     for _ in range(tokens):
-        chosen = [int(torch.argmax(x)) for x in logits]
+        chosen = sample_many(logits, greedy, [None] * batch)     # as the server chooses: one argmax
         if together is not None:
             logits = together.feed(chosen)
         else:

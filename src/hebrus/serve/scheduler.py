@@ -32,7 +32,7 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import ChunkAborted
-from hebrus.sampling import Sampling, sample
+from hebrus.sampling import Sampling, sample_many
 from hebrus.serve.kept import Kept
 from hebrus.serve.together import Together
 from hebrus.session import _decode as decode_route
@@ -252,17 +252,16 @@ class Scheduler:
         `holding` keeps its token pending, to commit when it steps."""
         holding = holding if holding is not None else []
         clock = time.perf_counter()
-        for group in (requests, holding):
-            for request in list(group):
-                if request.pending is not None:
-                    continue
-                try:
-                    request.pending = sample(request.logits, request.sampling, request.generator)
-                except Exception as exc:            # nothing left to sample from: it alone fails
-                    group.remove(request)
-                    self._fail(request, exc)
-                    continue
-                request.emit("token", request.pending)
+        choosing = [(group, r) for group in (requests, holding) for r in group if r.pending is None]
+        chosen = sample_many([r.logits for _, r in choosing], [r.sampling for _, r in choosing],
+                             [r.generator for _, r in choosing])
+        for (group, request), token in zip(choosing, chosen):
+            if isinstance(token, BaseException):    # nothing left to sample from: it alone fails
+                group.remove(request)
+                self._fail(request, token)
+                continue
+            request.pending = token
+            request.emit("token", token)
         for request in holding:
             request.held += 1
         clock = self._spend("sample", clock)
