@@ -484,10 +484,12 @@ def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
 
 
 def test_the_outbox_keeps_each_queue_in_order_and_wakes_the_loop_once_for_a_burst():
-    """Events put from another thread reach their queues in order; the events of one burst
-    (one engine turn) wake the loop about once (twice where the loop drains the first before
-    the rest are put), not once each."""
+    """Events put from another thread reach their queues in order, and a burst put while the
+    loop is busy (one engine turn's tokens) wakes it once, not once per event. A loop that is
+    closed drops what is put for it, and the outbox does not keep it alive."""
     import asyncio
+    import gc
+    import weakref
     from hebrus.serve.app import Outbox
 
     async def scenario():
@@ -496,16 +498,66 @@ def test_the_outbox_keeps_each_queue_in_order_and_wakes_the_loop_once_for_a_burs
         drain = outbox._drain
         outbox._drain = lambda: (wakes.append(1), drain())
         queues = [asyncio.Queue() for _ in range(3)]
+        for turn in range(5):
+            busy, done = threading.Event(), threading.Event()
 
-        def engine():
-            for turn in range(5):
+            def engine(turn=turn):
+                busy.wait(5)
                 for i, q in enumerate(queues):
                     outbox.put(q, (turn, i))
-                time.sleep(0.02)                # the loop drains between turns
-        await asyncio.to_thread(engine)
-        await asyncio.sleep(0.05)
+                done.set()
+            thread = threading.Thread(target=engine)
+            thread.start()
+            loop.call_soon(lambda: (busy.set(), done.wait(5)))    # the loop busy while the turn puts
+            await asyncio.sleep(0.02)
+            thread.join()
         got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
         return got, len(wakes)
     got, wakes = asyncio.run(scenario())
     assert got == [[(turn, i) for turn in range(5)] for i in range(3)]
-    assert 5 <= wakes <= 10                     # 15 events
+    assert wakes == 5                           # 15 events
+    loop = asyncio.new_event_loop()
+    outbox, queue = Outbox(loop), asyncio.Queue()
+    loop.close()
+    outbox.put(queue, 1)
+    outbox.put(queue, 2)
+    assert outbox.items == [] and queue.empty()
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None
+
+
+def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatch):
+    """Making a spare session fails (no memory for one now): the loop stops trying until a
+    request is admitted, the request makes its own session and is served, and after it the
+    spares are made again."""
+    from hebrus.sampling import Sampling
+    from hebrus.serve.scheduler import Request, Scheduler
+    made, real = [], tiny.session
+
+    def session(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        if len(made) == 1:
+            raise RuntimeError("no memory for a session now")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tiny, "session", session)
+    scheduler = Scheduler(tiny, spare_sessions=2)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not scheduler.settled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert made == ["hebrus-engine"] and scheduler.spares == []     # tried once, then waits
+        got, done = [], threading.Event()
+        scheduler.submit(Request(key="k", prompt=list(b"Hail"), max_tokens=3, sampling=Sampling(), seed=1,
+                                 stop_ids=frozenset(),
+                                 emit=lambda kind, value: got.append(kind) if kind == "token" else done.set()))
+        assert done.wait(30) and got == ["token"] * 3
+        while len(scheduler.spares) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(scheduler.spares) == 2
+    finally:
+        scheduler.stop(drain_seconds=1)
+    assert scheduler.spares == []                                       # given back with the loop

@@ -228,18 +228,28 @@ def test_a_reservation_never_makes_a_chunk_fail():
     assert 0 < published < 31                   # the sweep crosses the budget where chunks start to fit
 
 
-def test_sampling_many_at_once_equals_sampling_each_alone():
+def test_sampling_many_at_once_equals_sampling_each_alone(monkeypatch):
     """`sample_many` (the greedy ones chosen by one argmax over their stack) gives what `sample`
-    gives each alone, ties to the smaller id included, with the generators drawn as often; a
-    logits it cannot sample from fails alone."""
+    gives each alone, ties to the smaller id included, and leaves each generator where `sample`
+    leaves it; one it cannot sample from fails alone, the stack it would have joined too."""
+    import hebrus.sampling
     from hebrus.sampling import Sampling, sample, sample_many
     gen = torch.Generator().manual_seed(4)
     logits = [torch.randn(50, generator=gen) for _ in range(7)]
     logits[2][[5, 9]] = 100.0                                   # a tie: the smaller id
-    hows = [Sampling(), Sampling(temperature=0.8),
-            Sampling(), Sampling(temperature=1.0, top_k=5), Sampling(), Sampling(), Sampling(temperature=0.5)]
-    alone = [sample(x, h, torch.Generator().manual_seed(i)) for i, (x, h) in enumerate(zip(logits, hows))]
-    many = sample_many(logits, hows, [torch.Generator().manual_seed(i) for i in range(7)])
-    assert many == alone and many[2] == 5
-    broken = sample_many([logits[0], None, logits[1]], [Sampling()] * 3, [gen] * 3)
-    assert broken[0] == alone[0] and isinstance(broken[1], Exception) and broken[2] == sample(logits[1], Sampling(), gen)
+    hows = [Sampling(), Sampling(temperature=0.8), Sampling(), Sampling(temperature=1.0, top_k=5),
+            Sampling(), Sampling(), Sampling(temperature=0.5)]
+    gens_alone = [torch.Generator().manual_seed(i) for i in range(7)]
+    alone = [sample(x, h, g) for x, h, g in zip(logits, hows, gens_alone)]
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(hebrus.sampling.torch, "stack", lambda xs: stacked.append(len(xs)) or real_stack(xs))
+    gens_many = [torch.Generator().manual_seed(i) for i in range(7)]
+    many = sample_many(logits, hows, gens_many)
+    monkeypatch.undo()
+    assert many == alone and many[2] == 5 and stacked == [4]   # the four greedy ones, together
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens_alone, gens_many))
+    empty = torch.empty(0)
+    broken = sample_many([logits[0], None, empty, empty, logits[1]], [Sampling()] * 5, [None] * 5)
+    assert broken[0] == alone[0] and broken[4] == sample(logits[1], Sampling(), None)
+    assert all(isinstance(b, Exception) for b in broken[1:4])

@@ -35,17 +35,28 @@ def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> i
     return draw(distribution(logits, how), generator)
 
 
-def sample_many(logits: list[torch.Tensor], hows: list[Sampling], generators: list[torch.Generator]) -> list:
+def sample_many(logits: list[torch.Tensor], hows: list[Sampling],
+                generators: list[torch.Generator | None]) -> list:
     """`sample` for each of several logits [V], in order: an id, or the exception its sampling
-    raised. The greedy ones of one shape, dtype and device are chosen together (one argmax over
-    their stack, one transfer to the host instead of one each: on a GPU, one wait instead of
-    many); each other one is `sample`d alone."""
+    raised (the others are sampled all the same). The greedy ones are chosen together, one
+    argmax over the stack of those of one shape, dtype and device (one transfer to the host
+    instead of one each: on a GPU, one wait instead of many); every other one, and any whose
+    stack fails, is `sample`d alone. A greedy choice draws nothing from its generator (it may
+    be None)."""
     out: list = [None] * len(logits)
-    greedy = [i for i, how in enumerate(hows) if how.temperature == 0 and isinstance(logits[i], torch.Tensor)]
-    kinds = {(logits[i].shape, logits[i].dtype, logits[i].device) for i in greedy}
-    if len(greedy) > 1 and len(kinds) == 1 and logits[greedy[0]].dim() == 1:
-        for i, chosen in zip(greedy, torch.argmax(torch.stack([logits[i] for i in greedy]), dim=-1).tolist()):
-            out[i] = chosen
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, how) in enumerate(zip(logits, hows)):
+        if how.temperature == 0 and isinstance(x, torch.Tensor) and x.dim() == 1:
+            groups.setdefault((x.shape, x.dtype, x.device), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        try:
+            chosen = torch.argmax(torch.stack([logits[i] for i in members]), dim=-1).tolist()
+        except Exception:                           # each alone below: its own error, its alone
+            continue
+        for i, token in zip(members, chosen):
+            out[i] = token
     for i, (x, how, generator) in enumerate(zip(logits, hows, generators)):
         if out[i] is None:
             try:

@@ -67,6 +67,9 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     greedy = [Sampling()] * batch
     for _ in range(tokens):
         chosen = sample_many(logits, greedy, [None] * batch)     # as the server chooses: one argmax
+        failed = [c for c in chosen if isinstance(c, BaseException)]
+        if failed:
+            raise failed[0]
         if together is not None:
             logits = together.feed(chosen)
         else:
@@ -151,6 +154,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
             # offline once before the server too: what the server's run leaves warm (compiled
             # shapes, the allocator's blocks) must not be all on offline's side
+            _settled(scheduler)
             first = offline(model, clients, prompt, tokens)
             scheduler.prefills.clear()
             scheduler.clock_reset()
@@ -168,6 +172,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             point["engine_prefill_ms_p50"] = _percentile(list(scheduler.prefills), 0.5) * 1e3
             point["ttft_minus_engine_prefill_ms"] = point["ttft_ms_p50"] - point["engine_prefill_ms_p50"]
             compiled = _compiled()
+            _settled(scheduler)
             point["offline"] = offline(model, clients, prompt, tokens)
             point["offline"]["compiled"] = _compiled() - compiled
             point["offline_first"] = first
@@ -183,6 +188,14 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
         scheduler.stop(drain_seconds=5)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "points": points}
+
+
+def _settled(scheduler, seconds: float = 60.0) -> None:
+    """Wait until the idle engine has made its spare sessions: offline work must not share the
+    model with the engine thread."""
+    deadline = time.monotonic() + seconds
+    while not scheduler.settled and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _compiled() -> int:

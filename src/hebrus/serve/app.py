@@ -122,18 +122,27 @@ class ChatBody(_Common):
 class Outbox:
     """Engine events on their way to the event loop's request queues. The engine thread puts
     them from its side; the first one put since the loop last drained asks the loop to drain,
-    so the events of one engine turn (a token for every running request) wake the loop once
-    instead of once each. Each queue gets its events in the order they were put."""
+    so the events of one engine turn (a token for every running request) wake the loop about
+    once instead of once each. Each queue gets its events in the order they were put. Events
+    for a loop that is gone (closed, or collected) are dropped: nobody is left to read them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.lock = loop, [], threading.Lock()
+        self.loop = weakref.ref(loop)           # the app's table of outboxes is keyed by the loop
+        self.items, self.lock = [], threading.Lock()
 
     def put(self, queue: asyncio.Queue, event) -> None:
         with self.lock:
             self.items.append((queue, event))
             first = len(self.items) == 1
         if first:
-            self.loop.call_soon_threadsafe(self._drain)
+            loop = self.loop()
+            try:
+                if loop is None:
+                    raise RuntimeError("the event loop is gone")
+                loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:                # closed: drop what waits, so later puts try again
+                with self.lock:
+                    self.items = []
 
     def _drain(self) -> None:
         with self.lock:

@@ -82,12 +82,14 @@ class Scheduler:
         # new sessions made while the loop is idle, so that admitting a request does not wait
         # for one to be made (on a GPU, allocating its banks takes milliseconds)
         self.spare_sessions, self.spares = spare_sessions, []
+        self._spares_refused = False    # making one failed: none is made until a request is admitted
         self.chunk_size, self.prefill_tokens, self.join_turns = chunk_size, prefill_tokens, join_turns
         graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
         self.together = Together(model, graphs) if model.kernels.batched else None
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
-        # where the engine thread's time goes (bench): seconds idle, admitting, feeding prompts,
-        # sampling and sending tokens, stepping together, stepping alone, and the rest of a turn
+        # where the engine thread's time goes (bench): seconds idle (making spare sessions
+        # included), admitting, feeding prompts, sampling and sending tokens, stepping together
+        # (making batches included), stepping alone, and the rest of a turn
         self.spent: collections.Counter[str] = collections.Counter()
         self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
@@ -140,10 +142,18 @@ class Scheduler:
             self.thread.join(5)
 
     def clock_reset(self) -> None:
-        """Start `spent` again from now (an idle wait in progress counts from now on)."""
+        """Start `spent` again from now (an idle wait in progress counts from now on). Call it
+        while the loop is idle: a turn under way would add what it spent before the call."""
         with self._wake:
             self.spent.clear()
             self._idle_since = max(self._idle_since, time.perf_counter())
+
+    @property
+    def settled(self) -> bool:
+        """Whether the loop has nothing left to do: no request, and its spare sessions made (or
+        refused for now)."""
+        return (not self.running and not self.waiting
+                and (len(self.spares) >= self.spare_sessions or self._spares_refused))
 
     @property
     def depth(self) -> tuple[int, int]:
@@ -155,18 +165,19 @@ class Scheduler:
             with self._wake:
                 self._idle_since = time.perf_counter()
                 while not self._stop and not self.waiting and not self.running:
-                    if len(self.spares) < self.spare_sessions:
+                    if len(self.spares) < self.spare_sessions and not self._spares_refused:
                         self._wake.release()            # a request may arrive meanwhile
                         try:
                             self.spares.append(self.model.session(decode="eager"))
-                        except Exception:               # no memory for one: admitting makes its own
-                            self.spare_sessions = len(self.spares)
+                        except Exception:               # no memory for one now: admitting makes its own
+                            self._spares_refused = True
                         finally:
                             self._wake.acquire()
                         continue
                     self._wake.wait()
                 self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
+                    self.spares.clear()             # their memory goes back with the loop
                     return
                 while self.waiting and len(self.running) < self.max_sessions:
                     self.running.append(self.waiting.popleft())
@@ -221,6 +232,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
+        self._spares_refused = False
         request.generator = torch.Generator().manual_seed(request.seed)
         kept, length = self.kept.find(request.key, request.prompt)
         if kept is not None:
