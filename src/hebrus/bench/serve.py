@@ -64,9 +64,9 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     sync(model.device)
     decoding = time.perf_counter()
     together = Batch(sessions) if model.kernels.batched else None
-    greedy = [Sampling()] * batch
+    greedy, generators = [Sampling()] * batch, [None] * batch
     for _ in range(tokens):
-        chosen = sample_many(logits, greedy, [None] * batch)     # as the server chooses: one argmax
+        chosen = sample_many(logits, greedy, generators)         # as the server chooses: one argmax
         failed = [c for c in chosen if isinstance(c, BaseException)]
         if failed:
             raise failed[0]
@@ -161,10 +161,10 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             together = scheduler.together
             if together is not None:
                 together.timed.clear()
-            made, compiled = together.made if together is not None else 0, _compiled()
+            made, compiled = _made(together), _compiled()
             point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
             point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
-                               "batches_made": (together.made if together is not None else 0) - made,
+                               "batches_made": _made(together) - made,
                                "steps": dict(together.timed) if together is not None else {},
                                "compiled": _compiled() - compiled}
             # the same requests' prefills as the engine timed them: TTFT less this is what the
@@ -196,6 +196,11 @@ def _settled(scheduler, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not scheduler.settled and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _made(together) -> int:
+    """Batches the server's engine has made so far (none without one)."""
+    return together.made if together is not None else 0
 
 
 def _compiled() -> int:

@@ -134,15 +134,17 @@ class Outbox:
         with self.lock:
             self.items.append((queue, event))
             first = len(self.items) == 1
-        if first:
-            loop = self.loop()
+        if not first:
+            return
+        loop = self.loop()
+        if loop is not None:
             try:
-                if loop is None:
-                    raise RuntimeError("the event loop is gone")
                 loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:                # closed: drop what waits, so later puts try again
-                with self.lock:
-                    self.items = []
+                return
+            except RuntimeError:                # closed
+                pass
+        with self.lock:                         # gone: drop what waits, so later puts try again
+            self.items = []
 
     def _drain(self) -> None:
         with self.lock:
