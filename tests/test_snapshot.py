@@ -90,3 +90,96 @@ def test_a_budget_too_small_for_the_rows_is_refused(saved, tiny):
     from hebrus.state.owners import bank_bytes
     with pytest.raises(InvalidInput, match="too small for the saved session"):
         tiny.restore(saved, memory_budget=bank_bytes(tiny.owners) + 10)
+
+
+# ---- a restored session owns its state --------------------------------------------------------
+
+def test_what_is_done_to_the_file_after_restore_does_not_reach_the_session(tmp_path, tiny):
+    """Rewriting the snapshot in place (as `cp other.hs path` or `open(path, "r+b")` do) once
+    `restore` has returned changes nothing in the restored session."""
+    s, other = tiny.session(), tiny.session()
+    s.feed(TEXT)
+    other.feed(TEXT[::-1])
+    s.save(tmp_path / "s")
+    other.save(tmp_path / "o")
+    back = tiny.restore(tmp_path / "s")
+    digest = back.digest()
+    with open(tmp_path / "s", "r+b") as f:              # the same inode, other bytes
+        f.write((tmp_path / "o").read_bytes())
+    assert back.digest() == digest
+    with open(tmp_path / "s", "r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        f.write(b"\xff" * 64)
+    assert back.digest() == digest
+    assert torch.equal(back.feed(TEXT[:3]), s.feed(TEXT[:3])) and back.digest() == s.digest()
+
+
+def test_a_snapshot_truncated_after_restore_does_not_reach_the_session(tmp_path, tiny):
+    """In a child process: a mapped file cut to nothing would kill it (SIGBUS) at the next read."""
+    import subprocess
+    import sys
+    s = tiny.session()
+    s.feed(TEXT)
+    s.save(tmp_path / "s")
+    s.feed(TEXT[:3])
+    script = (f"import os, hebrus\nm = hebrus.load('tiny')\nback = m.restore({str(tmp_path / 's')!r})\n"
+              f"os.truncate({str(tmp_path / 's')!r}, 0)\nback.feed({TEXT[:3]!r})\nprint(back.digest())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [s.digest()]
+
+
+# ---- a restored session is within the model's limits ------------------------------------------
+
+def _crafted(model, path, frontier: int, change=lambda values: None) -> None:
+    """A snapshot that is self-consistent (owners, fingerprint, digest all agree; none of them is
+    secret) at `frontier`, its rows repeated from a real session's, then `change`d."""
+    from safetensors.torch import save_file
+    from hebrus.state.image import Image, Published
+    real = model.session()
+    real.feed(TEXT)
+    values = {}
+    for spec in model.owners:
+        value = real.image.value(spec.name).clone()
+        if spec.kind == "appended":
+            value = value[torch.arange(frontier) % len(TEXT)].clone()
+        values[spec.name] = value
+    values["frontier"] = torch.tensor(frontier)
+    change(values)
+    image = Image(model.owners, torch.device("cpu"))
+    for name, bank in image.banks[0].items():
+        bank.copy_(values[name])
+    image.publish(Published(0, frontier, tuple(values[s.name] for s in image.appended)))
+    save_file(values, str(path), metadata={"format": "hebrus-session/1", "frontier": str(frontier),
+                                            "digest": image.digest(), "fingerprint": model.fingerprint})
+
+
+def _set(name, index, value):
+    def change(values):
+        values[name][index] = value
+    return change
+
+
+@pytest.mark.parametrize("frontier, change, why", [
+    (1074, lambda values: None, "context limit of 1024"),
+    (30, _set("frontier", (), 29), "frontier"),
+    (30, _set("ple.history", 0, 257), "ple.history"),
+    (30, _set("routes", (3, 1, 0), 4), "routes"),
+    (30, _set("routes", (3, 1, 0), -1), "routes"),
+    (30, _set("residual", (0, 0), float("nan")), "residual"),
+    (30, _set("layers.1.qsa.k", (2, 0, 0), float("inf")), "layers.1.qsa.k"),
+])
+def test_a_crafted_snapshot_past_the_models_limits_is_refused(tmp_path, tiny, frontier, change, why):
+    _crafted(tiny, tmp_path / "ok", 30)
+    assert tiny.restore(tmp_path / "ok").frontier == 30           # the crafting itself is sound
+    _crafted(tiny, tmp_path / "bad", frontier, change)
+    with pytest.raises(InvalidInput, match=why):
+        tiny.restore(tmp_path / "bad")
+
+
+def test_a_session_at_the_context_limit_restores(tmp_path, tiny):
+    _crafted(tiny, tmp_path / "s", tiny.spec.max_context)
+    back = tiny.restore(tmp_path / "s")
+    assert back.frontier == tiny.spec.max_context
+    with pytest.raises(InvalidInput, match="0 tokens left"):
+        back.feed([1])

@@ -6,23 +6,29 @@ format, the frontier, the session's digest and the fingerprint of the model it b
 is written to a temporary file beside the target, flushed to the disk, and renamed over it, so a
 reader finds the old file or the new one, never a part. Reading checks the format, the owners
 against the model's table (names, dtypes, shapes), the fingerprint, and finally the digest of
-what was read against the one recorded: a file changed by a single bit is refused.
+what was read against the one recorded: a file changed by a single bit is refused. Last, the
+values themselves: a file that is consistent but holds what no session publishes (a frontier
+past the model's context limit, NaN, a route to no expert) is refused too.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import secrets
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hebrus.errors import InvalidInput
-from hebrus.state.image import Image, Published, tensor_bytes
+from hebrus.ops.quant import all_finite
+from hebrus.state.image import Image, Published, digest, tensor_bytes
 from hebrus.state.owners import APPENDED
+from hebrus.text import shown
 from hebrus.weights.atomic import fsync
+from hebrus.weights.checkpoint import SAFETENSORS_DTYPES
 
 FORMAT = "hebrus-session/1"
 
@@ -50,43 +56,112 @@ def write(image: Image, path: Path, fingerprint: str) -> None:
     fsync(path.parent)
 
 
-def read(path: Path, image: Image, fingerprint: str) -> tuple[Published, dict[str, torch.Tensor], str]:
-    """(the record to publish, the banked values, the recorded digest) from `path`, every check
-    passed; InvalidInput naming the problem otherwise. Nothing is installed here."""
+def read(path: Path, image: Image, fingerprint: str, max_context: int) -> tuple[Published, dict[str, torch.Tensor]]:
+    """(the record to publish, the banked values) from `path`, every check passed; InvalidInput
+    naming the problem otherwise. Nothing is installed here. Every value is read into memory of
+    its own (never a mapping of the file), so nothing done to the file afterwards can reach a
+    session restored from it."""
     path = Path(path)
     if not path.is_file():
         raise InvalidInput(f"{path} is not a saved session (no such file)")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            names = set(f.keys())
-            tensors = {name: f.get_tensor(name) for name in names}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        with open(path, "rb") as f:
+            header, base, size = _header(f, path)
+            frontier = _check_header(path, header, image, fingerprint, max_context)
+            values = {spec.name: _value(f, path, spec, header[spec.name], frontier, base, size)
+                      for spec in image.specs}
+    except OSError as exc:
         raise InvalidInput(f"{path} is not a readable saved session: {exc}") from None
+    if digest(values) != header["__metadata__"].get("digest"):
+        raise InvalidInput(f"{path}: its contents do not match the digest recorded with them (damaged)")
+    _check_values(path, image, values, frontier)
+    storages = tuple(values[spec.name].to(image.device) for spec in image.appended)
+    banked = {spec.name: values[spec.name].to(image.device) for spec in image.banked}
+    return Published(bank=0, frontier=frontier, storages=storages), banked
+
+
+HEADER_BYTES = 1 << 20          # a session's header names its owners: far less than this
+
+
+def _header(f, path: Path) -> tuple[dict, int, int]:
+    """(the safetensors header, where its data begins, the file's size)."""
+    size = os.fstat(f.fileno()).st_size
+    length = int.from_bytes(_exactly(f, 8, path), "little")
+    if length > min(HEADER_BYTES, size - 8):
+        raise InvalidInput(f"{path} is not a saved session (its header claims {length} bytes)")
+    try:
+        header = json.loads(_exactly(f, length, path))
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidInput(f"{path} is not a saved session (its header is not JSON)") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise InvalidInput(f"{path} is not a saved session of this format ({FORMAT})")
+    return header, 8 + length, size
+
+
+def _check_header(path: Path, header: dict, image: Image, fingerprint: str, max_context: int) -> int:
+    """The frontier, once the format, the model and the owners' names are this model's."""
+    metadata = header["__metadata__"]
     if metadata.get("format") != FORMAT:
         raise InvalidInput(f"{path} is not a saved session of this format ({FORMAT})")
     if metadata.get("fingerprint") != fingerprint:
         raise InvalidInput(f"{path} was saved from another model (its fingerprint differs from this model's)")
-    try:
-        frontier = int(metadata["frontier"])
-    except (KeyError, ValueError):
-        raise InvalidInput(f"{path}: its frontier is missing or not a number") from None
-    expected = {spec.name for spec in image.specs}
+    text = metadata.get("frontier")
+    if not isinstance(text, str) or not text.isdigit() or len(text) > 12:
+        raise InvalidInput(f"{path}: its frontier is missing or not a number")
+    frontier = int(text)
+    if frontier > max_context:
+        raise InvalidInput(f"{path}: the session holds {frontier} tokens, past this model's context limit of "
+                           f"{max_context}")
+    names, expected = set(header) - {"__metadata__"}, {spec.name for spec in image.specs}
     if names != expected:
         raise InvalidInput(f"{path}: its owners differ from this model's (missing: {sorted(expected - names)[:4]}, "
-                           f"unexpected: {sorted(names - expected)[:4]})")
-    banked, storages = {}, []
+                           f"unexpected: {shown(sorted(names - expected)[:4])})")
+    return frontier
+
+
+def _value(f, path: Path, spec, entry, frontier: int, base: int, size: int) -> torch.Tensor:
+    """One owner's value, read from the file into a tensor of its own after its dtype, shape and
+    place in the file are checked against the model's owner table."""
+    stored = torch.uint8 if spec.dtype == torch.float8_e4m3fn else spec.dtype
+    shape = ((frontier,) if spec.kind == APPENDED else ()) + tuple(spec.shape)
+    nbytes = math.prod(shape) * stored.itemsize
+    ok = (isinstance(entry, dict) and entry.get("dtype") == SAFETENSORS_DTYPES[stored]
+          and entry.get("shape") == list(shape))
+    if not ok:
+        raise InvalidInput(f"{path}: owner {spec.name} is {shown(entry.get('dtype') if isinstance(entry, dict) else entry)} "
+                           f"{shown(entry.get('shape') if isinstance(entry, dict) else '')}, this model's is "
+                           f"{SAFETENSORS_DTYPES[stored]} {list(shape)}")
+    offsets = entry.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or offsets[1] - offsets[0] != nbytes or offsets[0] < 0 or base + offsets[1] > size):
+        raise InvalidInput(f"{path}: owner {spec.name}'s data lies outside the file or is not its size")
+    value = torch.empty(shape, dtype=stored)
+    f.seek(base + offsets[0])
+    if nbytes and f.readinto(value.view(-1).view(torch.uint8).numpy()) != nbytes:
+        raise InvalidInput(f"{path}: owner {spec.name} is cut short (the file changed while it was read)")
+    return value.view(spec.dtype)
+
+
+def _check_values(path: Path, image: Image, values: dict[str, torch.Tensor], frontier: int) -> None:
+    """What a session can publish, nothing else: the frontier owner at the frontier, every float
+    finite, every id or route within its owner's limit."""
+    if int(values["frontier"]) != frontier:
+        raise InvalidInput(f"{path}: its frontier owner says {int(values['frontier'])}, its rows {frontier}")
     for spec in image.specs:
-        t = _loaded(tensors[spec.name], spec.dtype)
-        shape = ((frontier,) if spec.kind == APPENDED else ()) + tuple(spec.shape)
-        if t.dtype != spec.dtype or tuple(t.shape) != shape:
-            raise InvalidInput(f"{path}: owner {spec.name} is {str(t.dtype).removeprefix('torch.')} "
-                               f"{tuple(t.shape)}, this model's is {str(spec.dtype).removeprefix('torch.')} {shape}")
-        if spec.kind == APPENDED:
-            storages.append(t.to(image.device))
-        else:
-            banked[spec.name] = t.to(image.device)
-    return Published(bank=0, frontier=frontier, storages=tuple(storages)), banked, metadata.get("digest", "")
+        value = values[spec.name]
+        if not all_finite(value):
+            raise InvalidInput(f"{path}: owner {spec.name} holds NaN or infinite values; a session never publishes "
+                               f"them")
+        if spec.limit is not None and value.numel() and not (0 <= int(value.min()) and int(value.max()) < spec.limit):
+            raise InvalidInput(f"{path}: owner {spec.name} holds values outside [0, {spec.limit}): "
+                               f"{int(value.min())} to {int(value.max())}")
+
+
+def _exactly(f, count: int, path: Path) -> bytes:
+    data = f.read(count)
+    if len(data) != count:
+        raise InvalidInput(f"{path} is not a saved session (it ends after {f.tell()} bytes)")
+    return data
 
 
 def model_fingerprint(model) -> str:
@@ -107,7 +182,3 @@ def model_fingerprint(model) -> str:
 def _stored(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors has no fp8-agnostic path for every dtype here: fp8 rows go as their bytes."""
     return {name: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for name, t in tensors.items()}
-
-
-def _loaded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.view(dtype) if dtype == torch.float8_e4m3fn and t.dtype == torch.uint8 else t

@@ -17,7 +17,7 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
     ]
     if c.ple_dim:
         specs += [
-            OwnerSpec("ple.history", (c.ple_ngram - 1,), torch.int64, fill=V),   # PAD = V
+            OwnerSpec("ple.history", (c.ple_ngram - 1,), torch.int64, fill=V, limit=V + 1),   # PAD = V
             OwnerSpec("ple.conv", (c.ple_conv_kernel - 1, c.ple_width), dtype),
         ]
     for layer, kind in enumerate(c.mixers):
@@ -38,5 +38,5 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
         else:
             raise ValueError(f"unknown mixer {kind!r}")
     if c.moe_layers:
-        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED))
+        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED, limit=c.moe_experts))
     return specs

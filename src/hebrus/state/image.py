@@ -82,16 +82,23 @@ class Image:
         self.public = record                                    # the publication point
 
     def digest(self) -> str:
-        """SHA-256 over each owner's name, dtype, shape and bytes, in spec order, all taken from
-        one published record. The caller keeps the next transaction from writing meanwhile."""
-        record, h = self.public, hashlib.sha256()
-        for spec in self.specs:
-            value = self.value(spec.name, record)
-            h.update(f"{spec.name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
-            h.update(tensor_bytes(value))
-        return h.hexdigest()
+        """`digest` of every owner's value, all taken from one published record. The caller
+        keeps the next transaction from writing meanwhile."""
+        record = self.public
+        return digest({spec.name: self.value(spec.name, record) for spec in self.specs})
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's bytes in memory order, on the host: what digests and fingerprints hash."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+def digest(values: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over each owner's name, dtype, shape and bytes, in the order given (the owner
+    table's): what `Session.digest` returns, and what a saved session is checked against."""
+    h = hashlib.sha256()
+    for name, value in values.items():
+        h.update(f"{name}|{str(value.dtype).removeprefix('torch.')}|{tuple(value.shape)}|".encode())
+        h.update(tensor_bytes(value))
+    return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in memory order, on the host (a view where it already is one): what
+    digests and fingerprints hash."""
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())

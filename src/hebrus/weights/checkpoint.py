@@ -362,6 +362,7 @@ def _check_against(table, headers: dict[str, Header], source: Path) -> None:
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
                  "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
                  "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "F8_E4M3": torch.float8_e4m3fn}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}     # torch dtype -> header name
 
 
 def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
