@@ -156,7 +156,7 @@ def test_a_partly_kept_chunk_is_journaled_and_replayed_as_it_ran(tmp_path, tiny_
     back = tiny_fast.recover(tmp_path / "j")
     assert back.frontier == 10 and back.digest() == s.digest()
     from hebrus import journal
-    records, _ = journal.read(tmp_path / "j", tiny_fast.fingerprint)
+    records, _, _ = journal.read(tmp_path / "j", tiny_fast.fingerprint, tiny_fast.spec.max_context)
     assert [(start, len(ids), kept, prefix) for start, ids, kept, prefix in records] == \
         [(0, 5, 5, False), (5, 7, 2, True), (7, 3, 3, True)]
 

@@ -175,11 +175,11 @@ class Model:
         empty state) with the chunks of `journal` past it fed again, each as it was, then
         journaling on into the same file. Every chunk whose call returned is in the journal."""
         from hebrus import journal as journals
-        records, _ = journals.read(journal, self.fingerprint)
+        records, _, _ = journals.read(journal, self.fingerprint, self.spec.max_context)
         s = self.restore(snapshot, memory_budget, decode, reserve) if snapshot is not None else \
             self.session(memory_budget, decode, reserve)
         journals.replay(s, records)
-        s.journal = journals.Journal(journal, self.fingerprint)       # the torn tail, if any, cut off
+        s.journal = journals.Journal(journal, self.fingerprint, self.spec.max_context)    # the torn tail cut off
         if s.journal.frontier != s.frontier:
             raise InvalidInput(f"{journal} ends at position {s.journal.frontier}, the recovered session at "
                                f"{s.frontier}")

@@ -60,7 +60,7 @@ class Session:
         self.journal = None                     # a `hebrus.journal.Journal`: each chunk on disk before its flip
         if journal is not None:
             from hebrus.journal import Journal
-            self.journal = Journal(journal, model.fingerprint)
+            self.journal = Journal(journal, model.fingerprint, model.spec.max_context)
             if self.journal.frontier:
                 self.journal.close()
                 raise InvalidInput(f"{journal} already holds chunks; continue it with "
