@@ -196,3 +196,39 @@ def test_speculation_on_a_planned_session_pads_its_chunks_to_one_length(tiny_fas
     got = list(spec.generate(prompt, max_new_tokens=24, speculate="lookup", draft_tokens=4))
     assert got == want and spec.frontier == plain.frontier
     assert list(spec._prefix_steps) == [5] and spec._prefix_steps[5].uncaptured > 0
+
+
+class _Liar(int):
+    """An int whose comparisons say whatever lets it through."""
+    def __le__(self, other):
+        return True
+
+    def __ge__(self, other):
+        return True
+
+    def __lt__(self, other):
+        return False
+
+    def __gt__(self, other):
+        return False
+
+
+@pytest.mark.parametrize("answer", [torch.tensor(2.7), torch.tensor(True), torch.tensor([2]), _Liar(100),
+                                    _Liar(-3), 2.0, True, "2", None, torch.tensor(7), torch.tensor(-1)])
+def test_accept_must_answer_a_plain_integer_in_range(tiny, answer):
+    s = tiny.session()
+    s.feed(TEXT[:4])
+    before = s.digest()
+    with pytest.raises(hebrus.InvalidInput, match="integer from 0 to 6"):
+        s.feed_prefix(TEXT[4:10], lambda logits: answer)
+    assert s.digest() == before and s.frontier == 4
+
+
+@pytest.mark.parametrize("answer", [4, torch.tensor(4), torch.tensor(4, dtype=torch.int32)])
+def test_accept_may_answer_an_int_or_an_integer_scalar_tensor(tiny, answer):
+    s, plain = tiny.session(), tiny.session()
+    s.feed(TEXT[:4])
+    plain.feed(TEXT[:4])
+    assert s.feed_prefix(TEXT[4:10], lambda logits: answer)[0] == 4
+    plain.feed(TEXT[4:8])
+    assert s.digest() == plain.digest()

@@ -31,6 +31,7 @@ from hebrus import speculate as speculation
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
+from hebrus.text import shown
 
 
 DECODE = ("auto", "eager", "planned", "graph")
@@ -376,11 +377,16 @@ class Session:
 
 
 def _kept(k, length: int) -> int:
-    """`accept`'s answer as a count of tokens, or InvalidInput."""
-    if isinstance(k, torch.Tensor) and k.numel() == 1:
+    """`accept`'s answer as a count of tokens: a plain int, or an integer tensor of no
+    dimensions (read once), in [0, length]; anything else is InvalidInput."""
+    if type(k) is torch.Tensor and k.dim() == 0 and k.device.type != "meta" and k.dtype in arguments.ID_DTYPES:
         k = int(k)
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= length:
-        raise InvalidInput(f"accept returned {k!r}; it must return an integer from 0 to {length}")
+    if type(k) is not int or not 0 <= k <= length:
+        what = shown(k) if type(k) in (int, float, bool, str, type(None)) else f"a {type(k).__name__}" + (
+            f" of dtype {str(k.dtype).removeprefix('torch.')} and shape {tuple(k.shape)}"
+            if isinstance(k, torch.Tensor) else "")
+        raise InvalidInput(f"accept returned {what}; it must return an integer from 0 to {length} (an int, or an "
+                           f"integer tensor of no dimensions)")
     return k
 
 
