@@ -171,8 +171,19 @@ class _TokenStream:
         return ""
 
 
+ROLES = ("system", "user", "assistant", "developer", "tool")
+_MARKERS = frozenset(f"{role.upper()}." for role in ROLES)
+
+
 def _plain_conversation(messages: list[dict[str, str]]) -> str:
-    return "".join(f"{m['role'].upper()}.\n{m['content']}\n\n" for m in messages) + "ASSISTANT.\n"
+    """Each message as `ROLE.` on a line of its own, then its text; the assistant's turn opened.
+    A line of a message's text that reads as a role's line (whatever its case and the space
+    around it) is escaped with a backslash, so no message can open a turn of another role."""
+    return "".join(f"{m['role'].upper()}.\n{_escaped(m['content'])}\n\n" for m in messages) + "ASSISTANT.\n"
+
+
+def _escaped(text: str) -> str:
+    return "\n".join("\\" + line if line.strip().upper() in _MARKERS else line for line in text.split("\n"))
 
 
 def text_for(model) -> ByteText | CheckpointText:
