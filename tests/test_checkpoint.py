@@ -224,17 +224,48 @@ def _same_weights(a, b):
     return all(torch.equal(t, theirs[name]) for name, t in a.named_parameters())
 
 
-def test_save_over_a_sharded_checkpoint_replaces_it_and_keeps_other_files(tiny, tmp_path):
+def test_save_refuses_a_folder_that_holds_anything_and_changes_nothing(tiny, tmp_path):
+    """Saving over a model (or anything else) needs overwrite=True: a folder holds one model's
+    files, and a save is not how another model's folder gets emptied by accident."""
+    target = tmp_path / "ckpt"
+    _write_sharded(_other(tiny), target)
+    (target / "tokenizer.json").write_text("{}")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    for folder, why in ((target, "already holds a model"), (tmp_path / "notes", "is not empty")):
+        before = _files(folder)
+        with pytest.raises(hebrus.InvalidInput, match=why) as caught:
+            tiny.save(folder)
+        assert "overwrite=True" in str(caught.value) and _files(folder) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "notes"]           # no temporary folder left behind
+
+
+def test_save_with_overwrite_leaves_exactly_the_saved_model(tiny, tmp_path):
     target = tmp_path / "ckpt"
     _write_sharded(_other(tiny), target)
     (target / "README.md").write_text("notes")
-    os.symlink("README.md", target / "tokenizer.json")
-    tiny.save(target)
-    assert sorted(os.listdir(target)) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
-    assert (target / "README.md").read_text() == "notes"
-    assert os.readlink(target / "tokenizer.json") == "README.md"
+    os.symlink("README.md", target / "tokenizer.json")                 # another model's tokenizer
+    tiny.save(target, overwrite=True)
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
     assert _same_weights(hebrus.load(target), tiny)
-    assert os.listdir(tmp_path) == ["ckpt"]                   # no temporary folder left behind
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+TEXT_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
+              "generation_config.json": '{"eos_token_id": 1}', "special_tokens_map.json": "{}"}
+
+
+def test_a_saved_model_brings_its_own_tokenizer_and_template(tiny, tmp_path):
+    source = tiny.save(tmp_path / "source")
+    for name, text in TEXT_FILES.items():
+        (source / name).write_text(text)
+    (source / "README.md").write_text("about the source")
+    loaded = hebrus.load(source)
+    target = loaded.quantized("int8").save(tmp_path / "int8")
+    assert sorted(os.listdir(target)) == sorted(["config.json", "model.safetensors", *TEXT_FILES])
+    assert all((target / name).read_text() == text for name, text in TEXT_FILES.items())
+    loaded.save(source, overwrite=True)                                 # over the folder it came from
+    assert sorted(os.listdir(source)) == sorted(["config.json", "model.safetensors", *TEXT_FILES])
 
 
 def test_save_into_a_new_nested_folder(tiny, tmp_path):
@@ -246,7 +277,7 @@ def test_save_into_a_new_nested_folder(tiny, tmp_path):
 def test_save_through_a_symlink_replaces_the_folder_it_names(tiny, tmp_path):
     real = _other(tiny).save(tmp_path / "real")
     os.symlink("real", tmp_path / "link")
-    tiny.save(tmp_path / "link")
+    tiny.save(tmp_path / "link", overwrite=True)
     assert os.readlink(tmp_path / "link") == "real" and _same_weights(hebrus.load(real), tiny)
     assert sorted(os.listdir(tmp_path)) == ["link", "real"]
 
@@ -259,7 +290,7 @@ def test_save_refuses_a_target_it_cannot_replace_and_changes_nothing(tiny, tmp_p
     (target / "sub").mkdir()
     before = _files(target)
     with pytest.raises(hebrus.InvalidInput, match="subdirectory 'sub'"):
-        _other(tiny).save(target)
+        _other(tiny).save(target, overwrite=True)
     assert _files(target) == before and (tmp_path / "file").read_text() == "not a folder"
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "file"]
 
@@ -277,7 +308,7 @@ def test_a_failed_save_leaves_the_target_as_it_was(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_file", broken)
     with pytest.raises(OSError, match="No space left"):
-        _other(tiny).save(target)
+        _other(tiny).save(target, overwrite=True)
     assert _files(target) == before and os.listdir(tmp_path) == ["ckpt"]
 
 
@@ -301,7 +332,7 @@ def test_every_moment_of_a_save_shows_one_whole_checkpoint(tiny, tmp_path, monke
 
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(checkpoint, "save_file", save_file)
-    tiny.save(target)
+    tiny.save(target, overwrite=True)
     new = _files(target)
     assert seen and all(state in (old, new, None) for state in seen)
 
@@ -313,7 +344,7 @@ def test_a_folder_replaced_while_it_is_read_is_refused(tiny, tmp_path, monkeypat
 
     def open_during_a_save(*args, **kwargs):
         monkeypatch.setattr(checkpoint, "safe_open", real_open)
-        other.save(target)
+        other.save(target, overwrite=True)
         return real_open(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "safe_open", open_during_a_save)

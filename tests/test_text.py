@@ -288,3 +288,20 @@ def test_a_message_cannot_open_a_turn_in_the_plain_format(tmp_path, forged):
     assert checkpoint.template is None
     ids = checkpoint.conversation_ids(messages)
     assert _turns(checkpoint.tokenizer.decode(ids)) == ["SYSTEM", "USER", "ASSISTANT"]
+
+
+def test_quantize_refuses_a_folder_that_holds_a_model_and_force_replaces_it(chat_model, tmp_path, capsys):
+    """`hebrus quantize shakespeare ./tinyqwen` once replaced a Qwen3.5 checkpoint's config and
+    weights and kept its tokenizer, leaving a folder that no longer loaded."""
+    import shutil
+    target = tmp_path / "tinyqwen"
+    shutil.copytree(chat_model, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    assert main(["quantize", "shakespeare", str(target), "--format", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a model" in err and "--force" in err
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert hebrus.load(target).spec.family == "qwen3_5"
+    assert main(["quantize", "shakespeare", str(target), "--format", "int8", "--force"]) == 0
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert hebrus.load(target).spec.quantization.name == "int8"

@@ -175,7 +175,7 @@ def main() -> None:
     if config is not None:
         folder = checkpoint.save(args.out / "model", config,
                                  {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v).cpu()
-                                  for k, v in params.items()})
+                                  for k, v in params.items()}, overwrite=True)     # the run's own output
         summary["checkpoint_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "expert_load"}))

@@ -12,6 +12,7 @@ from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.text import escaped
+from hebrus.weights import checkpoint
 from hebrus.weights.quant import QUANT_FORMATS
 
 MODEL_HELP = (f"a preset (trained: {', '.join(TRAINED)}; random: {', '.join(PRESETS)}), a checkpoint "
@@ -94,10 +95,13 @@ def _parser() -> argparse.ArgumentParser:
                            description="Quantize the model's large projections and write a checkpoint that "
                                        "loads as it is stored (config.json's quantization_config says how).")
     quant.add_argument("model", help=MODEL_HELP.removesuffix(" (default: tiny)"))
-    quant.add_argument("out", help="the folder to write (replaced as a whole if it holds a checkpoint)")
+    quant.add_argument("out", help="the folder to write: new or empty (with --force, replaced as a whole)")
     quant.add_argument("--format", required=True, choices=QUANT_FORMATS,
                        help="int8 (per output channel), int4 (groups of 128, symmetric), int4-zp (with zero "
                             "points) or fp8 (e4m3, 128 × 128 blocks)")
+    quant.add_argument("--force", action="store_true",
+                       help="replace OUT even if it holds a model or other files: it then holds exactly the "
+                            "quantized model (with the source folder's tokenizer and chat template, if any)")
     quant.set_defaults(handler=_quantize)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
@@ -188,13 +192,14 @@ def _load(args):
 
 
 def _quantize(args) -> int:
+    checkpoint.writable_target(args.out, args.force)          # refused before the work of loading
     model = load(args.model)
     if not isinstance(model.config, HebrusConfig):          # refused before the work of quantizing
         raise InvalidInput(f"quantize writes Hebrus checkpoints; {args.model} is a {model.spec.family} model: "
                            f"quantize it as it loads instead (--quantize {args.format}, or "
                            f"hebrus.load(..., quantize={args.format!r}))")
     model = model.quantized(args.format)
-    model.save(args.out)
+    model.save(args.out, overwrite=args.force)
     q = model.spec.quantization
     print(f"wrote {args.out}: {q.name} weights, {_weight_bytes(model):,} bytes")
     return 0

@@ -80,14 +80,18 @@ class Model:
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._params.items()
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write this model as a Hebrus checkpoint into the folder `path` (new or empty; with
+        `overwrite`, a folder that holds anything is replaced whole), with the tokenizer, chat
+        template and generation config of the folder it was loaded from."""
         if not isinstance(self.config, HebrusConfig):
             raise InvalidInput(f"save writes Hebrus checkpoints; this model is {self.spec.family}, whose own "
                                f"checkpoint it was loaded from")
         if self._in_files():
             raise InvalidInput("save needs every weight in memory; this model reads its PLE tables from its "
                                "checkpoint file (load it without ple_cache_bytes to save it)")
-        return checkpoint.save(path, self.config, self._params, self.spec.quantization)
+        return checkpoint.save(path, self.config, self._params, self.spec.quantization, overwrite=overwrite,
+                               companions=self.source)
 
     def with_kv_cache(self, kv_cache: str | None) -> "Model":
         """The same weights (shared) with attention's K/V rows and index keys stored as "int8"

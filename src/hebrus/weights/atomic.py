@@ -1,9 +1,8 @@
 """Replace a folder's contents in one step: build the new folder beside it, then swap it in.
 
 A reader of the folder sees the old contents, then (between two renames) no folder, then the new
-contents; never a mix. Regular files and symlinks of the old folder that the caller does not
-`drop` are carried into the new one (hard links; copies where links fail). A failure before the
-swap leaves the folder as it was and removes the new one.
+contents; never a mix. The new folder holds what the caller writes and nothing of the old one.
+A failure before the swap leaves the folder as it was and removes the new one.
 """
 from __future__ import annotations
 
@@ -17,17 +16,16 @@ from typing import Callable
 from hebrus.errors import InvalidInput
 
 
-def replace_folder(target: Path, write: Callable[[Path], None], drop: set[str]) -> None:
-    """Make `target` a folder holding what `write(folder)` writes plus the old folder's other files."""
-    carried = _carried(target, drop)
+def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
+    """Make `target` a folder holding exactly what `write(folder)` writes. A `target` that exists
+    must be a folder of plain files (`check_replaceable`)."""
+    check_replaceable(target)
     _make_parent(target.parent)
     fresh = _new_folder(target, "new")
     try:
         if os.path.lexists(target):
             os.chmod(fresh, stat.S_IMODE(os.stat(target).st_mode))
         write(fresh)
-        for source in carried:
-            _carry(source, fresh / source.name)
         fsync(fresh)
         _swap(fresh, target)
     except BaseException:
@@ -45,14 +43,14 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _carried(target: Path, drop: set[str]) -> list[Path]:
-    """The old folder's entries to carry over; InvalidInput, before anything changes, if the
-    target is not a folder of plain files."""
+def check_replaceable(target: Path) -> list[str]:
+    """The names in `target` (none when it does not exist); InvalidInput, before anything
+    changes, if it is not a folder of plain files (a folder holding folders is never replaced)."""
     if not os.path.lexists(target):
         return []
     if not target.is_dir():
         raise InvalidInput(f"{target} exists and is not a directory; save writes a checkpoint directory")
-    carried = []
+    names = []
     for entry in os.scandir(target):
         if entry.is_dir(follow_symlinks=False):
             raise InvalidInput(f"{target} holds the subdirectory {entry.name!r}; save replaces the whole "
@@ -60,9 +58,8 @@ def _carried(target: Path, drop: set[str]) -> list[Path]:
         if not (entry.is_file(follow_symlinks=False) or entry.is_symlink()):
             raise InvalidInput(f"{target} holds {entry.name!r}, which is neither a regular file nor a "
                                f"symlink; save only saves over a folder of plain files")
-        if entry.name not in drop:
-            carried.append(Path(entry.path))
-    return carried
+        names.append(entry.name)
+    return sorted(names)
 
 
 def _make_parent(parent: Path) -> None:
@@ -80,17 +77,6 @@ def _new_folder(target: Path, role: str) -> Path:
             return folder
         except FileExistsError:
             continue
-
-
-def _carry(source: Path, destination: Path) -> None:
-    try:
-        os.link(source, destination, follow_symlinks=False)
-    except OSError:
-        if source.is_symlink():
-            os.symlink(os.readlink(source), destination)
-        else:
-            shutil.copy2(source, destination)
-            fsync(destination)
 
 
 def _swap(fresh: Path, target: Path) -> None:

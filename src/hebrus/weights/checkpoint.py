@@ -5,13 +5,15 @@ Loading treats the folder as untrusted input: the config is type- and range-chec
 allocation bounded before any weights file is opened; every tensor's name, shape and dtype are
 checked from the safetensors headers before any data is read. Every problem with the files
 raises one `CheckpointError` naming the file; a weight that does not fit the requested dtype is
-an `InvalidInput` naming the weight. Saving writes a new folder and swaps it in (`atomic`).
+an `InvalidInput` naming the weight. Saving writes a new folder and swaps it in (`atomic`): the folder then holds exactly the saved
+model (with its own tokenizer and template, when it came from a folder that has them).
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, NamedTuple
@@ -23,7 +25,7 @@ from safetensors.torch import save_file
 from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
 from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.text import escaped, shown
-from hebrus.weights.atomic import fsync, replace_folder
+from hebrus.weights.atomic import check_replaceable, fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.layers.spec import ModelSpec
 from hebrus.weights.layout import load_bytes, parameter_shapes
@@ -45,12 +47,15 @@ class Header(NamedTuple):
 
 # ---- save ---------------------------------------------------------------------------------
 
-def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor], quantization=None) -> Path:
-    """Write a checkpoint into the folder `path`, replacing any checkpoint there in one step;
-    other plain files in the folder are kept. InvalidInput (nothing changed) if `path` is not a
-    directory or holds subdirectories. `quantization` (a `weights.quant.Quantization`): the
-    params hold quantized weights' parts, and config.json says how (`quantization_config`)."""
-    target = _save_target(path)
+def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor], quantization=None, *,
+         overwrite: bool = False, companions: Path | None = None) -> Path:
+    """Write a checkpoint into the folder `path`, in one step. A folder that holds anything is
+    refused unless `overwrite`, and is then replaced whole: it holds exactly this checkpoint.
+    InvalidInput (nothing changed) if `path` cannot be such a folder. `quantization` (a
+    `weights.quant.Quantization`): the params hold quantized weights' parts, and config.json says
+    how (`quantization_config`). `companions`: the folder the model came from, whose tokenizer,
+    chat template and generation config (`COMPANIONS`) go with it."""
+    target = writable_target(path, overwrite)
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.items()}
     data = config.to_dict()
     if quantization is not None:
@@ -61,14 +66,47 @@ def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]
         save_file(tensors, str(folder / WEIGHTS), metadata={"format": "hebrus"})
         os.chmod(folder / WEIGHTS, 0o644)
         fsync(folder / WEIGHTS)
+        for name in _companions(companions):
+            shutil.copyfile(companions / name, folder / name)
+            fsync(folder / name)
 
     try:
-        replace_folder(target, write, drop=_checkpoint_files(target))
+        replace_folder(target, write)
     except OSError as exc:
         if exc.errno not in _PATH_ERRORS:
             raise
         raise InvalidInput(f"cannot save into {path}: {exc.strerror}") from None
     return Path(path)
+
+
+# What a checkpoint folder holds beside the weights that belongs to the model: its text.
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
+
+
+def _companions(folder: Path | None) -> list[str]:
+    if folder is None:
+        return []
+    return [name for name in COMPANIONS if (folder / name).is_file()]
+
+
+def writable_target(path, overwrite: bool = False) -> Path:
+    """The real folder a save of `path` writes, once it may: new, empty, or (with `overwrite`) a
+    folder of plain files to replace. InvalidInput otherwise, naming what is there."""
+    target = _save_target(path)
+    try:
+        names = check_replaceable(target)
+    except OSError as exc:
+        if exc.errno not in _PATH_ERRORS:
+            raise
+        raise InvalidInput(f"cannot save into {path}: {exc.strerror}") from None
+    if names and not overwrite:
+        held = [n for n in names if n in (CONFIG, WEIGHTS, INDEX) or n.endswith(".safetensors")]
+        what = f"already holds a model ({', '.join(held[:4])})" if held else f"is not empty ({', '.join(names[:4])})"
+        raise InvalidInput(f"{path} {what}; a save replaces the whole folder with the model it writes: pass "
+                           f"overwrite=True (hebrus quantize --force) to replace it, or name a new folder")
+    return target
 
 
 # Errors that say the path itself cannot be a folder; others (a full disk, no permission) stay OSError.
@@ -91,17 +129,6 @@ def _write_text(file: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _checkpoint_files(folder: Path) -> set[str]:
-    """The names a checkpoint in `folder` owns: config, weights, index and the shards it names."""
-    names = {CONFIG, WEIGHTS, INDEX}
-    if os.path.lexists(folder / INDEX):
-        try:
-            names |= set(_weight_map(folder / INDEX).values())
-        except CheckpointError:                 # a broken index: drop every shard-like file
-            names |= {p.name for p in folder.glob("*.safetensors")}
-    return names
 
 
 # ---- load ---------------------------------------------------------------------------------
