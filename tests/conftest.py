@@ -47,6 +47,22 @@ def tiny64():
     return hebrus.load("tiny", dtype=torch.float64)
 
 
+# How long a test waits for something that should happen soon (a server to start, a request to
+# be let go): long enough for a machine loaded many times over, since a wait ends once it holds.
+PATIENCE = 300.0
+
+
+def wait_until(condition, seconds: float = PATIENCE, step: float = 0.01) -> bool:
+    """Poll `condition()` until it holds or `seconds` pass; its last answer."""
+    import time
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return condition()
+        time.sleep(step)
+    return True
+
+
 def tokens(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()

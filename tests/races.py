@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 
-TIMEOUT = 20.0
+TIMEOUT = 300.0                  # seconds; a wait ends as soon as what it waits for happens
 
 
 class Gate:

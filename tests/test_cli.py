@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import PATIENCE
 
 from hebrus.cli import main
 
@@ -88,7 +89,7 @@ def test_a_closed_pipe_is_not_a_traceback():
     assert proc.stdout.read(1)
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 141
+    assert proc.wait(timeout=PATIENCE) == 141
     assert "Traceback" not in err and "Exception ignored" not in err
 
 

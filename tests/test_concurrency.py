@@ -14,7 +14,7 @@ import torch
 import hebrus
 import hebrus.state.image
 from hebrus.state.image import Image
-from conftest import tokens
+from conftest import PATIENCE, tokens
 from races import Gate, WatchedLock, Worker
 
 
@@ -39,7 +39,7 @@ def test_room_is_checked_under_the_lock(tiny, monkeypatch, mode):
     WatchedLock.install(s)
     a = Worker(lambda: s.feed(tokens(40, seed=1)))
     a.start()
-    assert gate.arrived.wait(20)
+    assert gate.arrived.wait(PATIENCE)
     b = Worker(lambda: s.feed(tokens(30, seed=2)))
     b.start()
     b.wait_settled()                      # b published, or waits for the lock a holds
@@ -77,7 +77,7 @@ def test_digest_sees_one_published_image(tiny, monkeypatch):
     monkeypatch.setattr(hebrus.state.image, "hashlib", types.SimpleNamespace(sha256=ParkingHash))
     WatchedLock.install(s)
     reader.start()
-    assert gate.arrived.wait(20)
+    assert gate.arrived.wait(PATIENCE)
     writer = Worker(lambda: [s.feed(c) for c in chunks])
     writer.start()
     writer.wait_settled()
@@ -125,7 +125,7 @@ def test_returned_logits_belong_to_the_callers_chunk(tiny, monkeypatch, call):
     monkeypatch.setattr(hebrus.Session, "logits", property(park_then_read))
     WatchedLock.install(s)
     a.start()
-    assert published.arrived.wait(20)
+    assert published.arrived.wait(PATIENCE)
     b = Worker(lambda: s.feed(theirs))
     b.start()
     b.wait_settled()                      # b waits for the lock a holds
@@ -139,7 +139,7 @@ def test_returned_logits_belong_to_the_callers_chunk(tiny, monkeypatch, call):
     assert torch.equal(a.result, expected)
 
 
-def _until(condition, timeout: float = 20.0) -> None:
+def _until(condition, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
@@ -178,7 +178,7 @@ def test_prefill_chunks_are_not_interleaved_with_other_callers(tiny, monkeypatch
     WatchedLock.install(s)
     a = Worker(lambda: s.prefill(long, chunk_size=8))
     a.start()
-    assert gate.arrived.wait(20)
+    assert gate.arrived.wait(PATIENCE)
     b = Worker(lambda: s.feed(other))
     b.start()
     b.wait_settled()

@@ -14,16 +14,6 @@ from hebrus.runtime import Model
 IDS = tokens(40, seed=0)
 CHUNKINGS = [[40], [13, 27], [1] * 40]
 
-# Found with the recorder by benchmarks/fast_bound.py (seed 0, prompt 0): at position 62 the
-# layer-3 router of `tiny` (float32) scores experts 0 and 1 within 1.7e-7 of each other, and in
-# these chunks fast mode's rounding picks the other one.
-NEAR_TIE = [7, 47, 204, 0, 252, 170, 124, 166, 32, 97, 113, 122, 72, 229, 46, 41, 163, 250, 55, 154,
-            149, 63, 170, 104, 147, 227, 46, 197, 162, 123, 148, 94, 96, 95, 16, 133, 243, 35, 45, 66,
-            76, 19, 41, 200, 141, 120, 110, 214, 140, 230, 252, 182, 42, 166, 59, 249, 171, 97, 124, 8,
-            138, 59, 112, 190, 87, 170, 218, 31, 51, 74, 112, 23, 37, 13, 63, 96, 61, 200, 46, 189,
-            59, 18, 11, 99, 94, 63, 245, 107, 31, 11, 217, 51, 133, 35, 113, 36, 154, 179, 223, 92]
-NEAR_TIE_CHUNKS = [14, 4, 11, 11, 22, 17, 8, 13]
-
 
 @pytest.fixture(scope="module")
 def twin_experts(tiny):
@@ -51,31 +41,54 @@ def _float_error(fast, exact) -> float:
     return max(err for name, err in errors.items() if name != "routes")
 
 
-def test_a_near_tie_flips_a_route_and_the_replayed_check_explains_it(twin_experts):
-    exact, fast = _feed(twin_experts, IDS), _feed(twin_experts.with_mode("fast"), IDS)
+@pytest.fixture(scope="module")
+def flipped(twin_experts):
+    """A prompt and chunking where fast mode's own rounding picks another expert than exact mode
+    does, searched for here rather than recorded: which near-tie flips depends on the machine's
+    rounding (its BLAS, its thread count), but with 160 near-ties a prompt one flips somewhere."""
+    fast = twin_experts.with_mode("fast")
+    for seed in range(20):
+        ids = tokens(40, seed=seed)
+        exact = _feed(twin_experts, ids)
+        for sizes in CHUNKINGS:
+            own = _feed(fast, ids, sizes)
+            if not torch.equal(own.image.rows("routes"), exact.image.rows("routes")):
+                return ids, sizes, own, exact
+    pytest.fail("no prompt made fast mode's rounding flip a near-tie of the twin experts")
+
+
+def test_a_near_tie_flips_a_route_and_the_replayed_check_explains_it(twin_experts, flipped):
+    ids, sizes, fast, exact = flipped
     # What the old check saw: a route flipped, and everything after it moved far past 1e-5.
-    assert not torch.equal(fast.image.rows("routes"), exact.image.rows("routes"))
+    assert bound.state_error(fast, exact) == (float("inf"), "routes")
     assert _float_error(fast, exact) > 1e-5
-    result = bound.compare_replayed(twin_experts.with_mode("fast"), IDS, CHUNKINGS)
+    result = bound.compare_replayed(twin_experts.with_mode("fast"), ids, CHUNKINGS)
     limit = bound.BOUNDS[torch.float32]
     assert result.problems(limit) == [], result.problems(limit)
     assert result.flips and all(margin <= 1e-6 for margin, _ in result.flips)
     assert result.error <= limit.tolerance
 
 
-def test_a_near_tie_of_the_real_router_fails_the_old_check_and_passes_the_new(tiny, tiny_fast):
-    old = bound.state_error(_feed(tiny_fast, NEAR_TIE, NEAR_TIE_CHUNKS), _feed(tiny, NEAR_TIE))
-    assert old == (float("inf"), "routes")                  # the old check: a failure
-    result = bound.compare_replayed(tiny_fast, NEAR_TIE, [NEAR_TIE_CHUNKS])
-    assert result.problems(bound.BOUNDS[torch.float32]) == []
-    assert [(f.site, f.position, f.recorded, f.own) for _, f in result.flips] == [
-        ("layers.3.ffn", 62, (2, 1), (2, 0))]
-    assert result.flips[0][0] < 1e-6
+@pytest.mark.parametrize("seed", range(4))
+def test_the_real_routers_flips_are_all_at_near_ties(tiny, tiny_fast, seed):
+    """The real router, on prompts of 100 tokens in uneven chunks: whatever fast mode's rounding
+    flips on this machine (usually nothing; benchmarks/fast_bound.py found a flip at a margin of
+    1.7e-7 on one machine), the old check fails only by a route, and the replayed check passes
+    with every flip at a near-tie."""
+    ids = tokens(100, seed=seed)
+    sizes = [14, 4, 11, 11, 22, 17, 8, 13]
+    old = bound.state_error(_feed(tiny_fast, ids, sizes), _feed(tiny, ids))
+    limit = bound.BOUNDS[torch.float32]
+    assert old[0] <= limit.tolerance or old == (float("inf"), "routes"), old
+    result = bound.compare_replayed(tiny_fast, ids, [sizes])
+    assert result.problems(limit) == [], result.problems(limit)
+    assert all(margin <= limit.margin for margin, _ in result.flips)
 
 
-def test_the_replayer_makes_fast_follow_exacts_routes(twin_experts):
-    exact, _, recorder = bound.record(twin_experts, IDS)
-    fast, _, replayer = bound.replay(twin_experts, recorder, IDS, [13, 27])
+def test_the_replayer_makes_fast_follow_exacts_routes(twin_experts, flipped):
+    ids, sizes, _, _ = flipped
+    exact, _, recorder = bound.record(twin_experts, ids)
+    fast, _, replayer = bound.replay(twin_experts, recorder, ids, sizes)
     assert replayer.flips, "the case must contain a flip for this test to mean anything"
     assert torch.equal(fast.image.rows("routes")[:40], exact.image.rows("routes")[:40])
     routes = exact.image.rows("routes")

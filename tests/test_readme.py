@@ -8,15 +8,22 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import PATIENCE, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PYTHON = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 SERVED = "127.0.0.1:8000"
+
+
+def _healthy(httpx, url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=PATIENCE).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_the_readme_has_python_examples():
@@ -40,20 +47,16 @@ def test_the_serving_examples_run_against_the_server_they_start():
     server = subprocess.Popen([sys.executable, "-m", "hebrus", *command[1:]], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://{SERVED}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        assert wait_until(lambda: _healthy(httpx, f"http://{SERVED}/health"), step=0.05), "the server did not start"
         curl = "\n".join(lines[2:])
-        answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120,
-                                           check=True).stdout)
+        answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
+                                           timeout=PATIENCE, check=True).stdout)
         assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["choices"][0]["text"]
         client = next(block for block in PYTHON if SERVED in block)
-        done = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=120, env=env)
+        done = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=PATIENCE,
+                              env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         assert len(done.stdout.strip()) > 0
     finally:
         server.terminate()
-        server.wait(60)
+        server.wait(PATIENCE)

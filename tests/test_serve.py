@@ -13,12 +13,28 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from conftest import PATIENCE, wait_until
 from hebrus import serve
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 KEYS = ["key-a", "key-b"]
+
+
+def _get(*args, **kwargs):
+    return httpx.get(*args, timeout=PATIENCE, **kwargs)
+
+
+def _post(*args, **kwargs):
+    return httpx.post(*args, timeout=PATIENCE, **kwargs)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=PATIENCE).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 class Server:
@@ -30,14 +46,11 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                break
-            time.sleep(0.01)
+        assert wait_until(lambda: self.server.started), "the server did not start"
         self.url = f"http://127.0.0.1:{self.port}"
 
     def client(self, key: str = KEYS[0]):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=PATIENCE)
 
     def close(self):
         self.server.should_exit = True
@@ -60,10 +73,10 @@ def _greedy(model, prompt: bytes, n: int, **sampling) -> str:
 
 
 def test_health_models_and_metrics(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert _get(server.url + "/health").json() == {"status": "ok"}
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+    text = _get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
     assert "hebrus_requests_total" in text and "hebrus_queue_depth" in text
 
 
@@ -100,16 +113,16 @@ def test_chat_takes_text_parts_and_refuses_what_it_cannot_do(server):
     parts = {"model": "tiny", "max_tokens": 3, "temperature": 0,
              "messages": [{"role": "user", "content": [{"type": "text", "text": "Who is "}, {"type": "text", "text": "there?"}]}]}
     plain = dict(parts, messages=[{"role": "user", "content": "Who is there?"}])
-    a, b = httpx.post(url, json=parts, headers=auth), httpx.post(url, json=plain, headers=auth)
+    a, b = _post(url, json=parts, headers=auth), _post(url, json=plain, headers=auth)
     assert a.status_code == b.status_code == 200
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
     for bad, message in [({"role": "wizard", "content": "x"}, "role"), ({"role": "user", "content": 5}, "content"),
                          ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "content")]:
-        reply = httpx.post(url, json=dict(plain, messages=[bad]), headers=auth)
+        reply = _post(url, json=dict(plain, messages=[bad]), headers=auth)
         assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
-    reply = httpx.post(url, json=dict(plain, tools=[{"type": "function"}]), headers=auth)
+    reply = _post(url, json=dict(plain, tools=[{"type": "function"}]), headers=auth)
     assert reply.status_code == 400 and "not supported" in reply.json()["error"]["message"]
-    assert httpx.post(url, json=dict(plain, messages=[]), headers=auth).status_code == 400
+    assert _post(url, json=dict(plain, messages=[]), headers=auth).status_code == 400
 
 
 def test_a_stop_string_ends_the_text_before_it(server, tiny):
@@ -153,8 +166,8 @@ def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tin
 ])
 def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
     kept = dict(server.scheduler.kept.entries)
-    reply = httpx.post(server.url + "/v1/completions", content=body,
-                       headers={"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"})
+    reply = _post(server.url + "/v1/completions", content=body,
+                  headers={"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"})
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["type"]
@@ -164,11 +177,11 @@ def test_bad_requests_are_refused_and_change_nothing(server, body, status, messa
 def test_keys_sizes_and_unknown_fields(server):
     url = server.url + "/v1/completions"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {}, "something_new": [1]}
-    assert httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
-    assert httpx.post(url, json=body).status_code == 401
-    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
+    assert _post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert _post(url, json=body).status_code == 401
+    assert _post(url, json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
     huge = {"model": "tiny", "prompt": "x" * (2 << 20)}
-    reply = httpx.post(url, json=huge, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    reply = _post(url, json=huge, headers={"Authorization": f"Bearer {KEYS[0]}"})
     assert reply.status_code == 413 and "over" in reply.json()["error"]["message"]
 
 
@@ -205,7 +218,7 @@ def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
                 assert exc is None
                 assert text == _greedy(tiny, prompts[i], 8, temperature=0.8, seed=i), i
         assert 'hebrus_aborted_transactions_total{kind="nonfinite",stage="layers.1.qsa"} 1.0' in \
-            httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+            _get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
     finally:
         server.close()
 
@@ -213,8 +226,8 @@ def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
 def test_overload_is_a_429_with_retry_after(tiny):
     server = Server(tiny, max_waiting=0)
     try:
-        reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
-                           headers={"Authorization": f"Bearer {KEYS[0]}"})
+        reply = _post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                      headers={"Authorization": f"Bearer {KEYS[0]}"})
         assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
     finally:
         server.close()
@@ -222,15 +235,12 @@ def test_overload_is_a_429_with_retry_after(tiny):
 
 def test_a_client_gone_mid_stream_frees_its_request(server):
     with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      timeout=PATIENCE,
                       json={"model": "tiny", "prompt": "Out, out", "max_tokens": 500, "stream": True}) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
                 break
-    for _ in range(500):
-        if server.scheduler.depth == (0, 0):
-            break
-        time.sleep(0.01)
-    assert server.scheduler.depth == (0, 0)
+    assert wait_until(lambda: server.scheduler.depth == (0, 0))
 
 
 def test_fast_mode_steps_requests_together_and_isolates_a_failure(tiny_fast):
@@ -315,14 +325,9 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):
                                 "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        assert wait_until(lambda: _healthy(url), step=0.05), "the server did not start"
         lines = []
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", url + "/v1/completions", timeout=PATIENCE,
                           json={"model": "tiny", "prompt": "Double, double", "max_tokens": 60, "stream": True}) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data: "):
@@ -330,7 +335,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):
                     if len(lines) == 2:
                         process.send_signal(signal.SIGTERM)
         assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
-        assert process.wait(timeout=60) == 0
+        assert process.wait(timeout=PATIENCE) == 0
     finally:
         process.kill()
         process.wait()
@@ -371,7 +376,7 @@ def test_a_request_that_cannot_start_fails_alone(tiny):
         scheduler.submit(request)
     scheduler.start()
     try:
-        assert done.wait(30)
+        assert done.wait(PATIENCE)
         assert events[0][-1][0] == "error" and [k for k, _ in events[1]] == ["token"] * 3 + ["done"]
     finally:
         scheduler.stop(drain_seconds=1)
@@ -381,13 +386,13 @@ def test_what_a_hostile_client_sends_is_refused_in_openai_shape(server):
     """Found by a review: deep nesting, a chunked body past the limit, unknown routes and
     methods; each a 4xx with an OpenAI-style body, nothing in the engine touched."""
     url, auth = server.url + "/v1/completions", {"Authorization": f"Bearer {KEYS[0]}"}
-    deep = httpx.post(url, content=b"[" * 100000 + b"]" * 100000, headers=auth)
+    deep = _post(url, content=b"[" * 100000 + b"]" * 100000, headers=auth)
     assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]
 
     def chunks():
         for _ in range(40):
             yield b"x" * 65536
-    big = httpx.post(url, content=chunks(), headers=auth)
+    big = _post(url, content=chunks(), headers=auth)
     assert big.status_code == 413 and "over" in big.json()["error"]["message"]
     for method, path, status in [("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404),
                                  ("POST", "/v1/completions/", 404), ("PUT", "/v1/chat/completions", 405)]:
@@ -404,11 +409,7 @@ def test_unseeded_sampling_differs_and_a_gone_client_is_let_go(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=0.3,
                    json={"model": "tiny", "prompt": "Tomorrow", "max_tokens": 900, "temperature": 0})
-    for _ in range(400):
-        if server.scheduler.depth == (0, 0):
-            break
-        time.sleep(0.01)
-    assert server.scheduler.depth == (0, 0)
+    assert wait_until(lambda: server.scheduler.depth == (0, 0))
 
 
 def test_an_end_of_sequence_id_is_counted_not_shown():
@@ -454,7 +455,7 @@ def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
     scheduler = Scheduler(tiny, spare_sessions=2)
     scheduler.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while len(scheduler.spares) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         made = list(scheduler.spares)
@@ -464,7 +465,7 @@ def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
                           stop_ids=frozenset(),
                           emit=lambda kind, value: got.append(value) if kind == "token" else done.set())
         scheduler.submit(request)
-        assert done.wait(30)
+        assert done.wait(PATIENCE)
         assert any(request.session is s for s in made)
         while len(scheduler.spares) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -545,7 +546,7 @@ def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatc
     scheduler = Scheduler(tiny, spare_sessions=2)
     scheduler.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while not scheduler.settled and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.05)
@@ -554,7 +555,7 @@ def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatc
         scheduler.submit(Request(key="k", prompt=list(b"Hail"), max_tokens=3, sampling=Sampling(), seed=1,
                                  stop_ids=frozenset(),
                                  emit=lambda kind, value: got.append(kind) if kind == "token" else done.set()))
-        assert done.wait(30) and got == ["token"] * 3
+        assert done.wait(PATIENCE) and got == ["token"] * 3
         while len(scheduler.spares) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(scheduler.spares) == 2

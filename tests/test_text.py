@@ -10,6 +10,7 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from conftest import PATIENCE
 
 import hebrus
 from hebrus.chat import CheckpointText, text_for
@@ -147,7 +148,8 @@ def test_a_repo_id_resolves_from_the_local_cache_only(tmp_path):
             "for name in ('Org/Absent', 'Org/Fifo'):\n"
             "    try: hebrus.load(name)\n"
             "    except hebrus.InvalidInput as e: print(e)")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=PATIENCE)
     lines = done.stdout.splitlines()
     assert lines[0] == "qwen3_5", done.stderr
     assert "not in the local Hugging Face cache" in lines[1] and str(tmp_path / "hub") in lines[1]
