@@ -180,7 +180,7 @@ def test_an_overflowing_product_aborts_the_chunk_and_publishes_nothing():
 def test_verify_passes_on_a_quantized_model(format, mode, capsys):
     """Every stage × every fault kind, and the equivalence checks (which rebuild the model in
     float64 and in exact mode: fp8 codes have no isfinite of their own)."""
-    assert main(["verify", "--quantize", format, "--mode", mode]) == 0
+    assert main(["verify", "--model", "tiny", "--quantize", format, "--mode", mode]) == 0
     assert ", 0 failed" in capsys.readouterr().out
 
 
@@ -301,9 +301,9 @@ def test_a_non_finite_cache_row_aborts_its_chunk_through_its_scale():
 
 @pytest.mark.parametrize("kv_cache, mode", [("int8", "exact"), ("fp8", "fast")])
 def test_verify_passes_with_a_quantized_cache(kv_cache, mode, capsys):
-    assert main(["verify", "--kv-cache", kv_cache, "--quantize", "int8", "--mode", mode]) == 0
+    assert main(["verify", "--model", "tiny", "--kv-cache", kv_cache, "--quantize", "int8", "--mode", mode]) == 0
     assert ", 0 failed" in capsys.readouterr().out
-    assert main(["info", "--kv-cache", kv_cache]) == 0
+    assert main(["info", "--model", "tiny", "--kv-cache", kv_cache]) == 0
     assert "qsa.k_scale" in capsys.readouterr().out
 
 

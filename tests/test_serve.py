@@ -66,8 +66,8 @@ def server(tiny):
 
 
 def _greedy(model, prompt: bytes, n: int, **sampling) -> str:
-    from hebrus.chat import ByteText
-    decoder = ByteText().stream()
+    from hebrus.text import ByteTokenizer
+    decoder = ByteTokenizer().stream()
     ids = list(model.session().generate(list(prompt), max_new_tokens=n, **sampling))
     return "".join(decoder.push(t) for t in ids) + decoder.flush()
 
@@ -420,10 +420,10 @@ def test_an_end_of_sequence_id_is_counted_not_shown():
         stop_ids = (0,)
 
         def stream(self):
-            from hebrus.chat import ByteText
-            return ByteText().stream()
+            from hebrus.text import ByteTokenizer
+            return ByteTokenizer().stream()
     job = type("Job", (), {"stop_ids": frozenset({0}), "cached": 0, "cancelled": threading.Event()})()
-    reply = Reply(Text(), [], False, "tiny", 3, job, Metrics(), time.monotonic())
+    reply = Reply(Text(), (), False, "tiny", 3, job, Metrics(), time.monotonic())
     for token in b"ok":
         assert reply.take("token", token)
     reply.take("token", 0)

@@ -10,11 +10,12 @@ from hebrus.faults import inject
 from hebrus.batching import Batch, feed_many
 from hebrus.runtime import Model, load
 from hebrus.session import Session
+from hebrus.text import generate, stream_generate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FAULT_KINDS", "AllocationError", "Batch", "CheckpointError", "ChunkAborted", "CommandError", "DeviceStatusError",
     "HebrusConfig", "InvalidInput", "Model", "NonFiniteError", "Session", "StructuralError",
-    "feed_many", "inject", "load",
+    "feed_many", "generate", "inject", "load", "stream_generate",
 ]

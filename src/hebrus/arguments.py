@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hebrus.errors import InvalidInput
-from hebrus.text import shown
+from hebrus.show import shown
 
 SEED_RANGE = (-(2**63), 2**64)        # what torch.Generator.manual_seed accepts
 ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -199,6 +199,13 @@ def repetition_penalty(value) -> float:
     if not 0.01 <= number <= 100:
         raise InvalidInput(f"repetition_penalty must be in [0.01, 100] (1 = none), got {shown(value)}")
     return number
+
+
+def sampling_option(name: str, value):
+    """One sampling option checked: temperature, top_p, top_k, min_p or repetition_penalty."""
+    checks = {"temperature": temperature, "top_p": top_p, "top_k": lambda v: count("top_k", v), "min_p": min_p,
+              "repetition_penalty": repetition_penalty}
+    return checks[name](value)
 
 
 def _real(name: str, value) -> float:

@@ -1,4 +1,4 @@
-"""The `hebrus` command: generate, verify, bench, quantize, serve, info."""
+"""The `hebrus` command: generate, chat, verify, bench, quantize, serve, info."""
 from __future__ import annotations
 
 import argparse
@@ -6,12 +6,13 @@ import os
 import sys
 import time
 
+from hebrus import text
 from hebrus.bench import command as bench_command
 from hebrus.config import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.text import escaped
+from hebrus.show import escaped
 from hebrus.weights import checkpoint
 from hebrus.weights.quant import QUANT_FORMATS
 
@@ -68,20 +69,23 @@ def _parser() -> argparse.ArgumentParser:
                          description="Generate with the given model, printing the continuation as it comes. "
                                      "A checkpoint's tokenizer.json is used when it has one; otherwise text is bytes.")
     gen.add_argument("prompt", help="the text to continue, or - to read it from standard input")
-    _model_args(gen, default_mode="fast", default_model="shakespeare")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
-    gen.add_argument("--min-p", type=float, default=0.0,
-                     help="drop tokens below min-p times the likeliest one's probability (default 0)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0,
-                     help="divide the logits of tokens already seen by this (default 1: off)")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop when the output contains TEXT (repeatable); the checkpoint's EOS ids always stop")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    _model_args(gen)
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user's message: through the checkpoint's chat template, or the "
+                          "plain format (ROLE. then the text) for a model without one")
+    gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    _text_args(gen)
     gen.set_defaults(handler=_generate)
+
+    chat = sub.add_parser("chat", help="an interactive conversation",
+                          description="Talk with the model: each line you type is a user's message, the "
+                                      "reply streams as it comes. The conversation stays in one session, so a "
+                                      "turn feeds only its new tokens. Commands: /reset, /save FILE, /load FILE "
+                                      "(session snapshots), /help, /quit (or Ctrl-D).")
+    _model_args(chat)
+    chat.add_argument("--system", default=None, help="a system message opening the conversation")
+    _text_args(chat)
+    chat.set_defaults(handler=_chat)
 
     ver = sub.add_parser("verify", help="run the conformance suite",
                          description="Every stage × every fault kind, plus chunking and interleaving equivalence. "
@@ -110,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "Requests run together in one engine loop; a request "
                                        "whose transaction aborts gets an error and no other request is touched. "
                                        "Needs pip install 'hebrus[serve]'.")
-    _model_args(serve, default_mode="fast", default_model="shakespeare")
+    _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -159,11 +163,16 @@ def _version() -> str:
         return "unknown"
 
 
-def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: str = "tiny") -> None:
-    p.add_argument("--model", default=default_model, help=f"{MODEL_HELP} (default: {default_model})")
+def _model_args(p: argparse.ArgumentParser, default_mode: str = text.MODE) -> None:
+    p.add_argument("--model", default=text.MODEL, help=f"{MODEL_HELP} (default: {text.MODEL})")
     p.add_argument("--mode", choices=MODES, default=default_mode, help=f"execution mode (default {default_mode})")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default float32)")
+    p.add_argument("--device", default=text.DEVICE,
+                   help="torch device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default=text.DTYPE,
+                   help="compute dtype: auto is bfloat16 on a GPU and float32 on the CPU (default auto)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the model's arithmetic (default: $HEBRUS_THREADS, else one per core this "
+                        "process may use; on a machine whose cores are busy, fewer threads are faster)")
     p.add_argument("--ple-cache-bytes", type=int, default=None, metavar="N",
                    help="serve the per-layer-embedding tables in pages through N bytes of device memory, "
                         "reading them from the checkpoint file (or host memory for a random preset) as "
@@ -175,10 +184,57 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str, default_model: st
                         "(default: in the model's dtype)")
 
 
-def _load(args):
-    """The model, with a progress bar on stderr once loading has taken more than a second."""
+def _text_args(p: argparse.ArgumentParser) -> None:
+    """Generation options; those left out take the text-level defaults (README: Defaults)."""
+    p.add_argument("--max-new-tokens", type=int, default=text.MAX_NEW_TOKENS,
+                   help=f"tokens to generate at most (default {text.MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the checkpoint's generation_config.json, else 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest tokens; 0 = all (default: the checkpoint's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: the checkpoint's, else 1)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min-p times the likeliest one's probability (default: the checkpoint's, "
+                        "else 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of tokens already seen by this (default: the checkpoint's, else 1: off)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable); the checkpoint's EOS ids always stop")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one each run)")
+
+
+def _text_options(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed, "stop": tuple(args.stop)}
+
+
+def _threads(args) -> None:
+    """--threads, else HEBRUS_THREADS, else torch's own choice (the cores this process may use)."""
+    value = getattr(args, "threads", None)
+    if value is None and os.environ.get("HEBRUS_THREADS"):
+        text_value = os.environ["HEBRUS_THREADS"]
+        if not text_value.isdigit():
+            raise InvalidInput(f"HEBRUS_THREADS must be a positive integer, got {text_value!r}")
+        value = int(text_value)
+    if value is None:
+        return
+    if value < 1:
+        raise InvalidInput(f"--threads must be at least 1, got {value}")
+    import torch
+    torch.set_num_threads(value)
+
+
+def _load(args, say: bool = True):
+    """The model, said on stderr as it loads (what, where, how long), with a progress bar once
+    loading has taken more than a second."""
     from hebrus.progress import ProgressBar
+    from hebrus.runtime import resolve_device
+    _threads(args)
     started, bar = time.perf_counter(), []
+    if say:
+        device = resolve_device(args.device)                # a bad device is refused before anything is said
+        _error(f"hebrus: loading {args.model} ({args.mode} mode, on {device})")
 
     def progress(done: int, total: int) -> None:
         if not bar and time.perf_counter() - started > 1.0 and done < total:
@@ -186,9 +242,17 @@ def _load(args):
         if bar:
             bar[0](done, total)
 
-    return load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
-                ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None),
-                kv_cache=getattr(args, "kv_cache", None))
+    model = load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
+                 ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None),
+                 kv_cache=getattr(args, "kv_cache", None))
+    if say:
+        import torch
+        from hebrus.weights.layout import parameter_count
+        where = f"{model.device}" + (f", {torch.get_num_threads()} threads" if model.device.type == "cpu" else "")
+        _error(f"hebrus: {args.model}: {model.family}, {parameter_count(model.spec) / 1e6:.2f}M parameters, "
+               f"{str(model.dtype).removeprefix('torch.')}, {model.mode} mode, on {where}; loaded in "
+               f"{time.perf_counter() - started:.1f} s")
+    return model
 
 
 def _quantize(args) -> int:
@@ -210,94 +274,44 @@ def _weight_bytes(model) -> int:
 
 
 def _generate(args) -> int:
-    from hebrus.chat import text_for
-
+    from hebrus.text.tokenizers import printable
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    for text in args.stop:
-        if not text:
-            raise InvalidInput("--stop needs a non-empty text")
+    options = text.TextOptions.of(**_text_options(args))        # checked before the model loads
     model = _load(args)
-    text = text_for(model)
-    ids = text.encode(text.chat(prompt) if args.chat else prompt)
-    session = model.session()
-    started = time.perf_counter()
-    _prefill(session, ids[:-1])
-    prompt_seconds = time.perf_counter() - started
-    tokens = session.generate(ids[-1:], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, stop_ids=text.stop_ids,
-                              seen=ids[:-1])
     if args.model in PRESETS:
-        print(f"(preset {args.model!r} has random weights: expect noise, not language)", file=sys.stderr)
-    stream, writer, shown, generated = text.stream(), _StopWriter(args.stop), "", 0
-    started = time.perf_counter()
-    stopped = False
-    for token in tokens:
-        generated += 1
-        if token in text.stop_ids:
-            break
-        shown += stream.push(token)
-        stopped = writer.write(shown)
-        if stopped:
-            break
-    if not stopped:                             # what was held back as a possible stop text
-        writer.write(shown + stream.flush(), final=True)
+        _error(f"(preset {args.model!r} has random weights: expect noise, not language)")
+    asked = [{"role": "user", "content": prompt}] if args.chat else prompt
+    if args.echo:
+        sys.stdout.write(printable(model.tokenizer.apply_chat_template(asked, tokenize=False) if args.chat else prompt))
+    stream = text.stream_text(model.session(), asked, progress=_prefill_bar(), **_fields(options))
+    for piece in stream:
+        sys.stdout.write(printable(piece))
+        sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    _summary(len(ids), prompt_seconds, generated, time.perf_counter() - started)
+    if stream.context_ended:
+        _error(f"(the model's context limit of {model.spec.max_context} tokens ended the generation)")
+    _error(text.summary(stream))
     return 0
 
 
-class _StopWriter:
-    """Writes the text so far as it grows, up to the first stop text. A tail that could still
-    become a stop text is held back until it cannot."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.written, self.searched = stops, 0, 0
-        self.longest = max(map(len, stops), default=0)
-
-    def write(self, shown: str, final: bool = False) -> bool:
-        """True once a stop text appeared. Only the tail that could hold a new occurrence is
-        searched, so a long output costs no rescans."""
-        start = max(0, self.searched - self.longest + 1)
-        self.searched = len(shown)
-        found = [i for i in (shown.find(s, start) for s in self.stops) if i >= 0]
-        cut = min(found, default=-1)
-        held = 0 if final else max((_partial(shown, s) for s in self.stops), default=0)
-        end = cut if cut >= 0 else len(shown) - held
-        if end > self.written:
-            sys.stdout.write(shown[self.written:end])
-            sys.stdout.flush()
-            self.written = end
-        return cut >= 0
+def _fields(options) -> dict:
+    from dataclasses import fields
+    return {f.name: getattr(options, f.name) for f in fields(options)}
 
 
-def _partial(shown: str, stop: str) -> int:
-    """How many trailing characters of `shown` are a proper prefix of `stop`."""
-    for n in range(min(len(stop) - 1, len(shown)), 0, -1):
-        if shown.endswith(stop[:n]):
-            return n
-    return 0
+def _chat(args) -> int:
+    from hebrus import repl
+    options = _fields(text.TextOptions.of(**_text_options(args)))
+    model = _load(args)
+    return repl.run(model, args.model, system=args.system, progress=_prefill_bar(), **options)
 
 
-def _prefill(session, ids: list[int]) -> None:
-    """Feed the prompt in chunks, with progress on stderr when it is long."""
+def _prefill_bar():
+    """Progress on stderr while a long prompt is fed (silent for short ones)."""
     from hebrus.progress import ProgressBar
-    chunk = 256
-    bar = ProgressBar("prefill", unit="token") if len(ids) > 4 * chunk else None
-    for begin in range(0, len(ids), chunk):
-        session.prefill(ids[begin:begin + chunk], chunk_size=64)
-        if bar is not None:
-            bar(min(begin + chunk, len(ids)), len(ids))
-
-
-def _summary(prompt_tokens: int, prompt_seconds: float, generated: int, seconds: float) -> None:
-    """The closing line: prompt and generation speed and peak memory."""
-    import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20       # KiB -> GiB (Linux)
-    print(f"prompt: {prompt_tokens} tokens, {prompt_tokens / max(prompt_seconds, 1e-9):.1f} tokens/s | "
-          f"generation: {generated} tokens, {generated / max(seconds, 1e-9):.1f} tokens/s | "
-          f"peak memory: {peak:.2f} GiB", file=sys.stderr)
+    bar = ProgressBar("prefill", unit="token")
+    return lambda done, total: bar(done, total) if total > 1024 else None
 
 
 def _verify(args) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from hebrus.errors import InvalidInput
 from hebrus.layers.spec import ModelSpec
-from hebrus.text import shown
+from hebrus.show import shown
 from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
 
 LAYER_KINDS = ("gdn", "qsa")

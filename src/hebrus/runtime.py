@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +18,7 @@ from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of
 from hebrus.ops.norm import accum_dtype
 from hebrus.presets import TRAINED, names
+from hebrus.show import shown
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
@@ -37,7 +37,7 @@ class Model:
     def __init__(self, config: HebrusConfig, params: dict[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
                  chooser: Chooser | None = None, ple_cache_bytes: int | None = None):
-        device, mode = _device(device), _mode(mode)
+        device, mode = resolve_device(device), _mode(mode)
         placed = {name: _place(name, t, _home(name, device, ple_cache_bytes), storage_dtype(name, dtype))
                   for name, t in params.items()}
         self._build(config, config.spec(), placed, device, dtype, mode, chooser, paging=ple_cache_bytes)
@@ -190,6 +190,13 @@ class Model:
         return s
 
     @functools.cached_property
+    def tokenizer(self):
+        """Text to ids and back (`hebrus.text.tokenizers`): the checkpoint's tokenizer.json, chat
+        template and generation config, or bytes (token id = byte) for a model without one."""
+        from hebrus.text.tokenizers import tokenizer_for
+        return tokenizer_for(self)
+
+    @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 of the owner table and every weight (`snapshot.model_fingerprint`)."""
         from hebrus.snapshot import model_fingerprint
@@ -206,13 +213,14 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
          ple_cache_bytes: int | None = None, quantize: str | None = None, kv_cache: str | None = None) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
-    any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name") already in
-    the local cache. Every argument is checked before anything is read or allocated; bad ones
+    any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name"), taken from
+    the local cache or downloaded into it (`hebrus.hub.fetch`). Every argument is checked before anything is read or allocated; bad ones
     raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load.
     `quantize`: quantize the large projections as the model loads (`Model.quantized`); a
     checkpoint stored quantized (its config's `quantization_config`) loads as it is stored.
     `kv_cache`: "int8" or "fp8" to keep attention's rows as codes with a scale per row
-    (`Model.with_kv_cache`)."""
+    (`Model.with_kv_cache`). `device="auto"`: CUDA when there is one, else the CPU;
+    `dtype="auto"`: bfloat16 on a GPU, float32 on the CPU."""
     check_cache_format(kv_cache)                            # before anything is read
     model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
                   if quantize is not None else None)
@@ -221,8 +229,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:
-    dtype = resolve_dtype(dtype)
-    device, mode = _device(device), _mode(mode)
+    device, mode = resolve_device(device), _mode(mode)
+    dtype = _auto_dtype(device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
     if ple_cache_bytes is not None:
         ple_cache_bytes = count("ple_cache_bytes (bytes of device memory for PLE pages, or None to keep "
                                 "the tables resident)", ple_cache_bytes)
@@ -237,7 +245,7 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
     if not _is_dir(path):
         if not isinstance(name_or_path, str):               # a path is never looked up as a repo id
             raise InvalidInput(f"{path} is neither a preset ({', '.join(names())}) nor a checkpoint directory")
-        path = _cached_repo(name_or_path)
+        path = _repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return _place(name, tensor, device, storage_dtype(name, dtype), fresh=True)
@@ -257,8 +265,8 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
         check_parts(loaded.params, loaded.spec.quantization, where=str(path))
     except InvalidInput as exc:
         raise CheckpointError(str(exc)) from None
-    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode, source=path,
-                         paging=ple_cache_bytes)
+    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode,
+                         source=Path(os.path.abspath(path)), paging=ple_cache_bytes)
 
 
 def _is_dir(path: Path) -> bool:
@@ -268,38 +276,17 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-def _cached_repo(name) -> Path:
-    """The local snapshot of a Hugging Face repo id, from the cache only: never the network."""
-    text = str(name)
-    if not _REPO_ID.fullmatch(text) or ".." in text or len(text) > 96 or text.endswith((".", "-")):
-        raise InvalidInput(f"{text} is neither a preset ({', '.join(names())}), a checkpoint directory, "
-                           f"nor a Hugging Face repo id (Org/Name)")
+def _repo(name) -> Path:
+    """The local snapshot of a Hugging Face repo id (Org/Name): from the cache, or fetched into
+    it when missing (`hebrus.hub`: only the files hebrus reads; HF_HUB_OFFLINE keeps it to the
+    cache)."""
+    from hebrus import hub
     try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.file_download import repo_folder_name
-    except ImportError:
-        raise InvalidInput(f"{text} is not a directory, and huggingface_hub (needed to find a repo id "
-                           f"in the local cache) is not installed") from None
-    cache = Path(constants.HF_HUB_CACHE)
-    try:
-        repo = cache / repo_folder_name(repo_id=text, repo_type="model")
-    except ValueError as exc:                               # the hub's own repo id rules
-        raise InvalidInput(f"{text} is not a valid Hugging Face repo id: {exc}") from None
-    ref = repo / "refs" / "main"
-    if os.path.lexists(ref) and not os.path.isfile(ref):     # a FIFO there would block the read
-        raise InvalidInput(f"{ref} is not a regular file; the cache entry of {text} is damaged")
-    try:
-        snapshot = Path(snapshot_download(text, local_files_only=True))
-    except Exception:                                       # not cached (hub errors vary by version)
-        raise InvalidInput(f"{text} is not a directory and not in the local Hugging Face cache "
-                           f"({cache}); download it first (hf download {text}) or "
-                           f"pass the checkpoint folder") from None
-    if (repo / "snapshots").resolve() not in snapshot.resolve().parents:
-        raise InvalidInput(f"the cache entry of {text} points outside {repo / 'snapshots'}: {snapshot}")
-    return snapshot
+        repo = hub.check_repo_id(name)
+    except InvalidInput:
+        raise InvalidInput(f"{shown(name)} is neither a preset ({', '.join(names())}), a checkpoint directory, "
+                           f"nor a Hugging Face repo id (Org/Name)") from None
+    return hub.cached(repo) or hub.fetch(repo)
 
 
 def _mode(mode) -> str:
@@ -325,9 +312,12 @@ def _place(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.d
     return placed
 
 
-def _device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     """An explicit, usable device: 'cuda' becomes 'cuda:<current>', so it compares equal to
-    tensors' devices. Anything else than the CPU or a visible CUDA device is InvalidInput."""
+    tensors' devices; 'auto' is CUDA when there is a device, else the CPU. Anything else than
+    the CPU or a visible CUDA device is InvalidInput."""
+    if isinstance(device, str) and device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -348,12 +338,18 @@ def _device(device: str | torch.device) -> torch.device:
     return device
 
 
+def _auto_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on a GPU (its 16-bit matrix units); float32 on the CPU, where 16-bit arithmetic
+    is slower, not faster."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+    raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)} (or auto, where a model loads)")
 
 
 PAGED = ("ple.unigram.weight", "ple.ngram.")      # the tables `ple_cache_bytes` streams

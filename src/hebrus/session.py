@@ -31,7 +31,7 @@ from hebrus import speculate as speculation
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
-from hebrus.text import shown
+from hebrus.show import shown
 
 
 DECODE = ("auto", "eager", "planned", "graph")
@@ -119,13 +119,14 @@ class Session:
                 fork.image.share(self.image)
             return fork
 
-    def save(self, path) -> None:
+    def save(self, path, note: str | None = None) -> None:
         """Write the published state to the file `path` atomically (a temporary file, flushed,
         renamed over it), with its digest and the model's fingerprint: `model.restore(path)`
-        gives back this session exactly."""
+        gives back this session exactly. `note`: text kept with it (`hebrus.snapshot.read_note`),
+        such as the conversation a chat was at."""
         from hebrus import snapshot
         with self._exclusive():
-            snapshot.write(self.image, Path(path), self.model.fingerprint)
+            snapshot.write(self.image, Path(path), self.model.fingerprint, note)
 
     def _restore(self, path) -> None:
         """Install a saved image into this fresh session, every check passed first (`snapshot.read`);
@@ -241,7 +242,10 @@ class Session:
         keeps the part that stands (`hebrus.speculate`): greedy decoding gives the plain greedy
         output (exact mode: the same tokens, bit for bit the same state), sampling follows the
         plain sampling distribution (speculative rejection sampling; not the same draws for a
-        seed). Not with a repetition penalty."""
+        seed). Not with a repetition penalty.
+
+        This is the engine-level call (DESIGN §7): token ids in and out, greedy and seed 0
+        unless told otherwise, in the model's mode. `generate_text` is the text-level one."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = arguments.chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
@@ -268,6 +272,17 @@ class Session:
             return speculation.speculative(self, prompt, max_new_tokens, sampling, stops, earlier, generator,
                                            chunk_size, drafter, draft_tokens)
         return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
+
+    def generate_text(self, prompt, **options):
+        """Text level: `prompt` (text, continued as it is, or a conversation: a list of
+        {"role", "content"} dicts, through the chat template) fed through the model's tokenizer
+        and continued, as a `hebrus.text.TextStream` (iterate for the text as it comes; it
+        counts tokens and time). Unlike `generate`, sampling comes from the checkpoint's
+        generation config (else temperature 1.0) and the seed is random unless given; options
+        as `hebrus.text.TextOptions`: max_new_tokens, temperature, top_p, top_k, min_p,
+        repetition_penalty, seed, stop (strings)."""
+        from hebrus.text.generate import stream_text
+        return stream_text(self, prompt, **options)
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
         start = self.frontier

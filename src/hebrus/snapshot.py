@@ -26,16 +26,17 @@ from hebrus.errors import InvalidInput
 from hebrus.ops.quant import all_finite
 from hebrus.state.image import Image, Published, digest, tensor_bytes
 from hebrus.state.owners import APPENDED
-from hebrus.text import shown
+from hebrus.show import shown
 from hebrus.weights.atomic import fsync
 from hebrus.weights.checkpoint import SAFETENSORS_DTYPES
 
 FORMAT = "hebrus-session/1"
 
 
-def write(image: Image, path: Path, fingerprint: str) -> None:
+def write(image: Image, path: Path, fingerprint: str, note: str | None = None) -> None:
     """The image's public record into `path`, atomically (temporary file, fsync, rename, fsync of
-    the folder). InvalidInput if `path` names a folder or a folder that does not exist."""
+    the folder), with `note` (any text the caller keeps with it: `read_note`). InvalidInput if
+    `path` names a folder or a folder that does not exist."""
     path = Path(path)
     if path.is_dir():
         raise InvalidInput(f"{path} is a directory; a session is saved to a file")
@@ -45,6 +46,10 @@ def write(image: Image, path: Path, fingerprint: str) -> None:
     tensors = {spec.name: image.value(spec.name, record).detach().contiguous().cpu().clone() for spec in image.specs}
     metadata = {"format": FORMAT, "frontier": str(record.frontier), "digest": image.digest(),
                 "fingerprint": fingerprint}
+    if note is not None:
+        if not isinstance(note, str) or len(note.encode()) > NOTE_BYTES:
+            raise InvalidInput(f"a session's note is a str of at most {NOTE_BYTES} bytes")
+        metadata |= {"note": note, "note_sha256": hashlib.sha256(note.encode()).hexdigest()}
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         save_file(_stored(tensors), str(temporary), metadata=metadata)
@@ -80,7 +85,29 @@ def read(path: Path, image: Image, fingerprint: str, max_context: int) -> tuple[
     return Published(bank=0, frontier=frontier, storages=storages), banked
 
 
-HEADER_BYTES = 1 << 20          # a session's header names its owners: far less than this
+NOTE_BYTES = 16 << 20           # the most text a snapshot keeps beside the session
+HEADER_BYTES = NOTE_BYTES + (1 << 20)       # the owners' entries take far less than the rest
+
+
+def read_note(path: Path) -> str | None:
+    """The note `write` kept with the session in `path` (None without one), checked against
+    its hash; InvalidInput if the file is not a saved session or its note is damaged."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInput(f"{path} is not a saved session (no such file)")
+    try:
+        with open(path, "rb") as f:
+            metadata = _header(f, path)[0]["__metadata__"]
+    except OSError as exc:
+        raise InvalidInput(f"{path} is not a readable saved session: {exc}") from None
+    if metadata.get("format") != FORMAT:
+        raise InvalidInput(f"{path} is not a saved session of this format ({FORMAT})")
+    note = metadata.get("note")
+    if note is None:
+        return None
+    if not isinstance(note, str) or hashlib.sha256(note.encode()).hexdigest() != metadata.get("note_sha256"):
+        raise InvalidInput(f"{path}: its note does not match the hash recorded with it (damaged)")
+    return note
 
 
 def _header(f, path: Path) -> tuple[dict, int, int]:

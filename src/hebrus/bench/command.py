@@ -11,6 +11,7 @@ from hebrus.bench import SHAPES
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
 from hebrus.session import DECODE
+from hebrus.text import MODEL
 
 
 def add_parser(sub, model_help: str, load_model) -> None:
@@ -20,13 +21,15 @@ def add_parser(sub, model_help: str, load_model) -> None:
                                        "an in-place variant taking turns; beside them the device's copy bandwidth "
                                        "(the decode floor) and matrix throughput (the prefill roofline). Prints a "
                                        "table; --json and --table write it.")
-    bench.add_argument("--model", default="small",
-                       help=f"{model_help.removesuffix(' (default: tiny)')}, or a random-weight shape "
-                            f"({', '.join(SHAPES)}) written under --cache (default: small)")
+    bench.add_argument("--model", default=MODEL,
+                       help=f"{model_help}, or a random-weight shape ({', '.join(SHAPES)}) written under --cache "
+                            f"(default: {MODEL})")
     bench.add_argument("--mode", choices=MODES, default="fast", help="execution mode (default fast)")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")
     bench.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
+    bench.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="CPU threads (default: $HEBRUS_THREADS, else one per core this process may use)")
     bench.add_argument("--contexts", default=None,
                        help="comma-separated prompt lengths; those that leave no room for the decode steps "
                             "within the model's max_context are skipped (default 1024,32768; with --long "
@@ -219,15 +222,15 @@ def _serve(args, load_model) -> int:
 def _pages(args) -> int:
     from hebrus import bench
     from hebrus.bench import pages
-    from hebrus.runtime import _device, resolve_dtype
+    from hebrus.runtime import resolve_device, resolve_dtype
 
-    if args.model != "small" or args.compare_transformers or args.long:
+    if args.model != MODEL or args.compare_transformers or args.long:
         raise InvalidInput("--ple-pages builds its own model: leave out --model, --long and --compare-transformers")
     if not (0 < args.ple_gib <= 256 and 0 <= args.ple_cache_mib <= 2**20):
         raise InvalidInput("--ple-gib must lie in (0, 256] and --ple-cache-mib in [0, 1048576]")
     config = pages.paged_config(args.ple_gib * 2**30)
     folder = pages.sparse_checkpoint(Path(args.cache) / f"ple-pages-{args.ple_gib:g}gib", config)
-    report = pages.run(folder, _device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
+    report = pages.run(folder, resolve_device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
                        prompt=1024, steps=args.decode_steps, rounds=args.rounds)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     return _written(args, report, pages.table(report))
@@ -247,17 +250,17 @@ def _long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
     from hebrus import bench
     from hebrus.bench import long
     from hebrus.progress import ProgressBar
-    from hebrus.runtime import _device, resolve_dtype
+    from hebrus.runtime import resolve_device, resolve_dtype
 
-    if args.model != "small" or args.compare_transformers:
+    if args.model != MODEL or args.compare_transformers:
         raise InvalidInput("--long builds its own two models: leave out --model and --compare-transformers")
-    models = long.long_models(_device(args.device), resolve_dtype(args.dtype), args.mode)
+    models = long.long_models(resolve_device(args.device), resolve_dtype(args.dtype), args.mode)
     room = long.LONG_CONTEXT - args.decode_steps
     kept = [c for c in contexts if c <= room]
     if not kept:
         raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within {long.LONG_CONTEXT}")
     reports: dict[str, dict] = {}
-    device = _device(args.device)
+    device = resolve_device(args.device)
     bandwidth = bench.copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
     layers = [long.layer_point(model, c, bandwidth) | {"model": name} for name, model in models.items() for c in kept]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from hebrus.errors import InvalidInput
 from hebrus.models import hebrus, qwen3_5, qwen3_5_moe, qwen3_next
-from hebrus.text import shown
+from hebrus.show import shown
 
 FAMILIES: tuple[ModuleType, ...] = (hebrus, qwen3_5, qwen3_5_moe, qwen3_next)
 _BY_TYPE = {model_type: family for family in FAMILIES for model_type in family.MODEL_TYPES}

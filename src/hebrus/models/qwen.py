@@ -17,7 +17,7 @@ from hebrus.config import MAX_HEADS, MAX_ROWS, MAX_WIDTH
 from hebrus.errors import InvalidInput
 from hebrus.layers.spec import ModelSpec
 from hebrus.models.table import NamesTable
-from hebrus.text import shown
+from hebrus.show import shown
 from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
 
 LAYER_KINDS = ("linear_attention", "full_attention")

@@ -9,7 +9,6 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop before its decode step. `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
-    from hebrus.chat import text_for
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
     from hebrus.serve.scheduler import Scheduler
@@ -26,7 +25,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
         import torch._inductor.config
         scheduler.warm_up()
         torch._inductor.config.compile_threads = 1
-    app = create_app(model, text_for(model), name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
+    app = create_app(model, name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
     scheduler.start()
     return app, scheduler

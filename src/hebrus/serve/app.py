@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling
+from hebrus.text.generate import MAX_NEW_TOKENS, TextOptions
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.reply import Reply
 from hebrus.serve.scheduler import Overloaded, Request, Scheduler
@@ -47,10 +48,10 @@ class _Common(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)     # None: the text-level default
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = Field(default=1, ge=1, le=1)
@@ -61,6 +62,8 @@ class _Common(BaseModel):
     @field_validator("temperature", "top_p", "min_p", mode="before")
     @classmethod
     def _number(cls, value):
+        if value is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("must be a number")
         return float(value)
@@ -159,10 +162,14 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
                         status_code=status, headers=headers)
 
 
-def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list[str] | None = None,
-               max_body_bytes: int = 1 << 20, max_tokens_default: int = 256, metrics: Metrics | None = None):
-    """The app serving `model` as `name`, its text through `text` (`hebrus.chat.text_for`).
-    `api_key`: one key or several; each key's kept conversations are its own."""
+def create_app(model, name: str, scheduler: Scheduler, api_key: str | list[str] | None = None,
+               max_body_bytes: int = 1 << 20, max_tokens_default: int = MAX_NEW_TOKENS,
+               metrics: Metrics | None = None):
+    """The app serving `model` as `name`, its text through `model.tokenizer`. `api_key`: one key
+    or several; each key's kept conversations are its own. What a request leaves out takes the
+    text-level defaults (`hebrus.text.generate`): sampling from the checkpoint's generation
+    config, else temperature 1.0; a random seed."""
+    text = model.tokenizer
     app = FastAPI(title="hebrus", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
     @app.exception_handler(HTTPException)
@@ -245,7 +252,8 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         return body
 
     def sampling_of(body) -> Sampling:
-        return Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p)
+        return TextOptions(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                           min_p=body.min_p).sampling(text)
 
     def key_of(request: HTTPRequest) -> str:
         return request.headers.get("authorization", "")
@@ -272,7 +280,8 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
         except Overloaded as exc:
             return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
         metrics.request(chat)
-        reply = Reply(text, body.stop, chat, name, len(prompt), job, metrics, started)
+        stops = tuple(body.stop or ()) + (text.chat_stops if chat else ())
+        reply = Reply(text, stops, chat, name, len(prompt), job, metrics, started)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             first = await next_event(events, request, job)   # before the first byte: a failure is a 500
@@ -340,7 +349,7 @@ def create_app(model, text, name: str, scheduler: Scheduler, api_key: str | list
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
-        return await route(request, ChatBody, True, lambda body: text.conversation_ids(
+        return await route(request, ChatBody, True, lambda body: text.apply_chat_template(
             [m.plain() for m in body.messages]), "messages")
 
     return app

@@ -12,19 +12,24 @@ from fastapi import Request as HTTPRequest
 from hebrus.errors import ChunkAborted
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.scheduler import Request
+from hebrus.text.generate import StopText
 
 
 class Reply:
     """One request's output as it arrives: text decoded as tokens come, cut at a stop string."""
 
-    def __init__(self, text, stops: list[str], chat: bool, name: str, prompt_tokens: int, job: Request,
+    def __init__(self, tokenizer, stops: tuple[str, ...], chat: bool, name: str, prompt_tokens: int, job: Request,
                  metrics: Metrics, started: float):
-        self.decoder, self.stops, self.chat, self.name = text.stream(), stops or [], chat, name
+        self.decoder, self.stop, self.chat, self.name = tokenizer.stream(), StopText(stops), chat, name
         self.prompt_tokens, self.job, self.metrics, self.started = prompt_tokens, job, metrics, started
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.text, self.sent, self.tokens, self.reason = "", 0, 0, None
+        self.pending, self.tokens, self.reason = "", 0, None
         self.last = None
+
+    @property
+    def text(self) -> str:
+        return self.stop.text
 
     def take(self, kind: str, value) -> bool:
         """Fold one engine event in; False once the request is finished."""
@@ -34,28 +39,21 @@ class Reply:
             self.last = now
             self.tokens += 1
             if value not in self.job.stop_ids:         # an end-of-sequence id is counted, not shown
-                self.text += self.decoder.push(value)
-            cut = self._cut()
-            if cut is not None:
-                self.text, self.reason = self.text[:cut], "stop"
+                self.pending += self.stop.add(self.decoder.push(value))
+            if self.stop.stopped:
+                self.reason = "stop"
                 self.job.cancelled.set()                # the engine drops it at its next turn
                 return False
             return True
         if self.reason is None:                         # "done": the engine's reason
-            self.text += self.decoder.flush()
-            self.reason = "stop" if value == "stop" else "length"
+            self.pending += self.stop.add(self.decoder.flush())
+            self.pending += self.stop.finish() if not self.stop.stopped else ""
+            self.reason = "stop" if value == "stop" or self.stop.stopped else "length"
         return False
 
-    def _cut(self) -> int | None:
-        found = [self.text.find(s) for s in self.stops]
-        found = [i for i in found if i >= 0]
-        return min(found) if found else None
-
     def fresh(self) -> str:
-        """Text not sent yet, holding back what could still become a stop string."""
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        end = len(self.text) if self.reason is not None else max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:end], end
+        """Text not sent yet (a tail that could still become a stop string is held back)."""
+        out, self.pending = self.pending, ""
         return out
 
     def usage(self) -> dict:

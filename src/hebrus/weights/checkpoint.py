@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
 from hebrus.errors import CheckpointError, InvalidInput
-from hebrus.text import escaped, shown
+from hebrus.show import escaped, shown
 from hebrus.weights.atomic import check_replaceable, fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
 from hebrus.layers.spec import ModelSpec

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hebrus.errors import CheckpointError, InvalidInput
-from hebrus.text import shown
+from hebrus.show import shown
 
 MAX_JSON_BYTES = 64 * 2**20          # an index of a very large model is a few MiB; config.json is 1 KiB
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Callable, Iterator
 
-from hebrus.text import shown
+from hebrus.show import shown
 
 
 @dataclass(frozen=True)
