@@ -251,6 +251,55 @@ def test_save_with_overwrite_leaves_exactly_the_saved_model(tiny, tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
+def test_overwrite_is_true_or_false(tiny, tmp_path):
+    target = tiny.save(tmp_path / "ckpt")
+    before = _files(target)
+    for value in ("no", 1, None):
+        with pytest.raises(hebrus.InvalidInput, match="overwrite must be True or False"):
+            _other(tiny).save(target, overwrite=value)
+    assert _files(target) == before
+
+
+def test_a_folder_filled_while_the_model_is_written_is_not_replaced(tiny, tmp_path, monkeypatch):
+    """Without overwrite, the new folder takes the place of an absent or empty one by one rename,
+    which refuses a folder that something filled meanwhile."""
+    from hebrus.weights import checkpoint
+    target, real = tmp_path / "ckpt", checkpoint.save_file
+
+    def meanwhile(*args, **kwargs):
+        real(*args, **kwargs)
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    monkeypatch.setattr(checkpoint, "save_file", meanwhile)
+    with pytest.raises(hebrus.InvalidInput, match="was filled while"):
+        tiny.save(target)
+    assert os.listdir(target) == ["notes.txt"] and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_model_saved_after_a_chdir_brings_its_own_folder_files(tiny, tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    tiny.save("m")
+    (tmp_path / "here" / "m" / "chat_template.jinja").write_text("mine")
+    (tmp_path / "there" / "m").mkdir()
+    (tmp_path / "there" / "m" / "chat_template.jinja").write_text("another model's")
+    loaded = hebrus.load("./m")
+    monkeypatch.chdir(tmp_path / "there")
+    loaded.save(tmp_path / "copy")
+    assert (tmp_path / "copy" / "chat_template.jinja").read_text() == "mine"
+
+
+def test_a_saved_model_keeps_its_configs_token_ids(tiny, tmp_path):
+    import json
+    source = tiny.save(tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"eos_token_id": [7, 9], "bos_token_id": 1}))
+    hebrus.load(source).quantized("int8").save(tmp_path / "int8")
+    saved = json.loads((tmp_path / "int8" / "config.json").read_text())
+    assert saved["eos_token_id"] == [7, 9] and saved["bos_token_id"] == 1
+
+
 TEXT_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
               "generation_config.json": '{"eos_token_id": 1}', "special_tokens_map.json": "{}"}
 

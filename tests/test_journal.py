@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -280,3 +281,106 @@ def test_a_format_2_journal_is_read_and_journals_on_as_format_3(tmp_path, fast):
     again = fast.recover(tmp_path / "j")
     assert again.digest() == back.digest()
     again.journal.close()
+
+
+# ---- found by reading the change: the lock, signals, refusals that change nothing -------------
+
+def test_a_dropped_journaled_session_lets_go_of_its_journal(tmp_path, fast):
+    """The journal's file (and its lock) is released when the session is collected."""
+    import gc
+    s = _journaled(fast, tmp_path / "j", [TEXT[:3]])
+    digest = s.digest()
+    del s
+    gc.collect()
+    back = fast.recover(tmp_path / "j")
+    assert back.digest() == digest
+    back.journal.close()
+    opened = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        _journaled(fast, tmp_path / f"k{i}", [TEXT[:1]])
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= opened + 2
+
+
+def test_a_refused_recovery_leaves_the_journal_as_it_was(tmp_path, fast):
+    s = _journaled(fast, tmp_path / "j", [TEXT[:3]])
+    ahead = fast.session()
+    ahead.feed(TEXT[:5])
+    ahead.save(tmp_path / "ahead")
+    s.journal.close()
+    before = (tmp_path / "j").read_bytes()
+    with pytest.raises(InvalidInput, match="ends at position 3"):
+        fast.recover(tmp_path / "j", snapshot=tmp_path / "ahead")
+    assert (tmp_path / "j").read_bytes() == before
+    back = fast.recover(tmp_path / "j")                  # nothing held on to it
+    assert back.frontier == 3
+    back.journal.close()
+
+
+def test_a_new_session_refuses_a_format_2_journal_with_chunks_and_changes_nothing(tmp_path, fast):
+    data = journals.FORMAT_2.encode(fast.fingerprint, [(0, TEXT[:5], 5, False)]) + b"\x07" * 9
+    (tmp_path / "j").write_bytes(data)
+    with pytest.raises(InvalidInput, match="already holds chunks"):
+        fast.session(journal=tmp_path / "j")
+    assert (tmp_path / "j").read_bytes() == data and os.listdir(tmp_path) == ["j"]
+
+
+def test_ctrl_c_while_the_record_is_written_leaves_no_record(tmp_path, fast, monkeypatch):
+    s = _journaled(fast, tmp_path / "j", [TEXT[:3]])
+    digest = s.digest()
+    real = os.fsync
+
+    def interrupted(fd):
+        monkeypatch.setattr(journals.os, "fsync", real)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(journals.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.feed(TEXT[3:6])
+    assert s.digest() == digest and s.frontier == 3
+    s.feed(TEXT[6:8])
+    s.journal.close()
+    assert fast.recover(tmp_path / "j").digest() == s.digest()
+
+
+def test_a_signal_between_the_record_and_the_flip_lands_after_the_flip(tmp_path, fast):
+    """Ctrl-C once the record is on the disk: the chunk still publishes (the record is its),
+    then KeyboardInterrupt is raised."""
+    import signal
+    s = _journaled(fast, tmp_path / "j", [TEXT[:3]])
+    real = s.journal.append
+
+    def then_ctrl_c(*args, **kwargs):
+        real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+    s.journal.append = then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        s.feed(TEXT[3:6])
+    assert s.frontier == 6
+    s.journal.append = real
+    s.feed(TEXT[6:8])
+    s.journal.close()
+    back = fast.recover(tmp_path / "j")
+    assert back.digest() == s.digest() and back.frontier == 8
+
+
+@pytest.mark.parametrize("form", ["2", "3"])
+def test_a_hostile_tail_within_one_record_is_searched_in_linear_time(tmp_path, fast, monkeypatch, form):
+    """A tail no longer than one record, made of heads that each claim a record ending inside the
+    file: the search for whole records after the damage checksums a bounded number of bytes."""
+    layout = journals.FORMAT_2 if form == "2" else journals.FORMAT_3
+    head = layout.encode(fast.fingerprint, [(0, TEXT[:5], 5, False)])
+    word = struct.pack("<I", 0x00000101)                    # count 257 (or a start/kept) at every 4th byte
+    tail = (b"\x00" if form == "2" else b"") + word * ((layout.largest(fast.spec.max_context) - 8) // 4)
+    path = tmp_path / "j"
+    path.write_bytes(head + tail)
+    counted, real = [], journals._crc
+
+    def counting(view, value=0):
+        counted.append(len(view))
+        return real(view, value)
+    monkeypatch.setattr(journals, "_crc", counting)
+    try:
+        journals.read(path, fast.fingerprint, fast.spec.max_context)
+    except InvalidInput as exc:
+        assert "damaged" in str(exc)
+    assert sum(counted) <= 4 * path.stat().st_size + 2 * layout.largest(fast.spec.max_context)

@@ -183,3 +183,31 @@ def test_a_session_at_the_context_limit_restores(tmp_path, tiny):
     assert back.frontier == tiny.spec.max_context
     with pytest.raises(InvalidInput, match="0 tokens left"):
         back.feed([1])
+
+
+def _header_of(path) -> tuple[dict, bytes]:
+    import json
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def _with_header(path, header: bytes, rest: bytes) -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + rest)
+
+
+@pytest.mark.parametrize("frontier", ["²", "٣", "-1", "1e3", " 7"])
+def test_a_frontier_that_is_not_plain_digits_is_refused(saved, tiny, frontier):
+    import json
+    header, rest = _header_of(saved)
+    header["__metadata__"]["frontier"] = frontier
+    _with_header(saved, json.dumps(header).encode(), rest)
+    with pytest.raises(InvalidInput, match="frontier"):
+        tiny.restore(saved)
+
+
+def test_a_header_nested_too_deep_is_refused(saved, tiny):
+    _, rest = _header_of(saved)
+    _with_header(saved, b"[" * 200_000 + b"]" * 200_000, rest)
+    with pytest.raises(InvalidInput, match="not JSON"):
+        tiny.restore(saved)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import struct
 import zlib
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from hebrus.errors import CommandError, InvalidInput
+from hebrus.show import shown
 
 CRC = struct.Struct("<I")
 
@@ -108,9 +110,19 @@ class _Format:
 
     def begins_after(self, data: bytes, at: int, max_context: int) -> bool:
         """Whether a record begins anywhere past `at` (damage in the middle, not a torn end).
-        Format 3: a record word whose head CRC holds; format 2 has only whole records to go by."""
+        Format 3: a record word whose head CRC holds. Format 2 has only whole records to go by,
+        each found by its checksum: the search checksums at most twice the bytes it searches,
+        and a tail that would take more is taken for damage (refused, never dropped)."""
         if not self.word:
-            return any(self.parse(data, i, max_context) is not None for i in range(at + 1, len(data)))
+            budget, spent = 2 * (len(data) - at) + self.largest(0), 0
+            for i in range(at + 1, len(data)):
+                fields = self._fields(data, i, max_context)
+                if fields is None:
+                    continue
+                spent += self.head_size + 4 * fields[1]
+                if spent > budget or self.parse(data, i, max_context) is not None:
+                    return True
+            return False
         found = data.find(self.word, at + 1)
         while found != -1:
             if self._fields(data, found, max_context) is not None:
@@ -126,46 +138,58 @@ MAGIC = FORMAT_3.magic
 
 
 class Journal:
-    def __init__(self, path, fingerprint: str, max_context: int):
-        """Open `path` for appending: a new journal, or one of this model whose torn tail (if
-        any) is cut off first; a format 2 journal is rewritten as format 3."""
-        self.path = Path(path)
-        if self.path.is_dir():
-            raise InvalidInput(f"{self.path} is a directory; a journal is a file")
+    def __init__(self, path, fingerprint: str, max_context: int, empty: bool = False):
+        """Open `path` for appending, locked first (one writer: a second would interleave),
+        then read: a new journal, or one of this model whose torn tail (if any) is cut off; a
+        format 2 journal is rewritten as format 3. `empty`: refuse, changing nothing, a journal
+        that already holds chunks (a new session's)."""
+        self.path = _journal_path(path)
         if not self.path.parent.is_dir():
             raise InvalidInput(f"cannot journal into {self.path}: {self.path.parent} is not a directory")
-        self.max_context = max_context
-        header = MAGIC + fingerprint.encode()
-        records, end, form = read(self.path, fingerprint, max_context) if self.path.exists() else ([], 0, None)
-        if end == 0 or form is not FORMAT_3:        # no journal yet, a creation cut short, or format 2
-            _create(self.path, FORMAT_3.encode(fingerprint, records))
-            end = self.path.stat().st_size
-        self.end = end
+        self.max_context, self.broken = max_context, None       # broken: why no chunk can be journaled
+        if not self.path.exists():
+            _create(self.path, FORMAT_3.encode(fingerprint, []), replace=False)
+        self.file = _locked(self.path)
+        try:
+            self._open(fingerprint, empty)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _open(self, fingerprint: str, empty: bool) -> None:
+        records, end, form = parse(self.path, _read_all(self.file), fingerprint, self.max_context)
         self.frontier = records[-1].start + records[-1].kept if records else 0
-        self.broken: str | None = None          # why no chunk can be journaled any more
-        self.fd = os.open(self.path, os.O_RDWR)
-        try:                                    # one writer: a second session would interleave
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self.fd)
-            raise InvalidInput(f"{self.path} is journaled by another session") from None
-        os.ftruncate(self.fd, self.end)
+        if empty and records:
+            raise InvalidInput(f"{self.path} already holds chunks; continue it with "
+                               f"model.recover({str(self.path)!r}, snapshot=...) or journal into a new file")
+        if end == 0 or form is not FORMAT_3:        # a creation cut short, or format 2: begun anew
+            _create(self.path, FORMAT_3.encode(fingerprint, records))
+            self.file.close()
+            self.file = _locked(self.path)
+            end = os.fstat(self.file.fileno()).st_size
+        self.end = end
+        os.ftruncate(self.file.fileno(), self.end)
 
     def append(self, start: int, ids: torch.Tensor, kept: int | None = None, prefix: bool = False) -> None:
         """One chunk's record (`kept`: how many of its tokens it publishes, default all; `prefix`:
         it runs as a prefix transaction), on the disk when this returns; CommandError (the chunk
-        aborts) when it cannot be written, with nothing of it left as a record in the file."""
+        aborts) when it cannot be written, with nothing of it left as a record in the file (any
+        other exception, Ctrl-C's too, cuts it back as well)."""
         if self.broken is not None:
             raise CommandError("journal", f"the journal {self.path} is broken ({self.broken}), so no chunk can be "
                                           f"journaled; save the session (s.save) and journal into a new file")
         values = ids.detach().to("cpu", torch.int64).tolist()
         record = FORMAT_3.record(start, values, len(values) if kept is None else kept, prefix)
+        fd = self.file.fileno()
         try:
-            _write(self.fd, record, self.end)
-            os.fsync(self.fd)
-        except OSError as exc:
+            _write(fd, record, self.end)
+            os.fsync(fd)
+        except BaseException as exc:
             self._cut_back()
-            raise CommandError("journal", f"the chunk's record could not be written to {self.path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise CommandError("journal", f"the chunk's record could not be written to {self.path}: "
+                                              f"{exc}") from exc
+            raise
         self.end += len(record)
         self.frontier = start + (len(values) if kept is None else kept)
 
@@ -174,31 +198,74 @@ class Journal:
         failed record's word in place (what is left is a torn tail, dropped at recovery). If
         neither can be done, the journal is broken. A flush that fails here leaves it to the next
         record's flush, which carries the cut with it."""
+        fd = self.file.fileno()
         try:
-            os.ftruncate(self.fd, self.end)
+            os.ftruncate(fd, self.end)
         except OSError:
             try:
-                _write(self.fd, bytes(len(FORMAT_3.word)), self.end)
+                _write(fd, bytes(len(FORMAT_3.word)), self.end)
             except OSError as exc:
                 self.broken = f"a record that failed could not be cut back: {exc}"
                 return
         try:
-            os.fsync(self.fd)
+            os.fsync(fd)
         except OSError:
             pass
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Release the file and its lock (also done when the journal is collected)."""
+        self.file.close()
+
+
+def _journal_path(path) -> Path:
+    """`path` as a Path naming a file (or nothing yet); InvalidInput for anything else."""
+    try:
+        path = Path(path)
+        if path.is_dir():
+            raise InvalidInput(f"{path} is a directory; a journal is a file")
+        if path.exists() and not path.is_file():
+            raise InvalidInput(f"{path} is not a regular file; a journal is one")
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"a journal is a file path, got {shown(path)} ({exc})") from None
+    return path
+
+
+def _locked(path: Path):
+    """`path` opened for unbuffered reading and writing (closed, its lock released, when it is
+    collected), exclusively locked, and still the file the path names once locked (another
+    session creating it at the same moment may have renamed a new one over it); InvalidInput
+    when another session holds the lock."""
+    for _ in range(8):
+        file = open(path, "r+b", buffering=0)
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            file.close()
+            raise InvalidInput(f"{path} is journaled by another session") from None
+        if os.path.samestat(os.fstat(file.fileno()), os.stat(path)):
+            return file
+        file.close()
+    raise InvalidInput(f"{path} keeps being replaced while it is opened; is another program writing it?")
+
+
+def _read_all(file) -> bytes:
+    file.seek(0)
+    return file.read()
 
 
 def read(path, fingerprint: str, max_context: int) -> tuple[list[Record], int, _Format | None]:
-    """(the whole records in order, the byte offset after the last one, the file's format). A
-    torn last record is dropped; a damaged record with records after it, more bytes after the
-    last whole record than one record holds, another model's journal or records that do not
-    follow one another are InvalidInput."""
-    data = Path(path).read_bytes()
+    """`parse` of the journal file `path`."""
+    path = _journal_path(path)
+    if not path.exists():
+        raise InvalidInput(f"{path} is not a journal (no such file)")
+    return parse(path, path.read_bytes(), fingerprint, max_context)
+
+
+def parse(path, data: bytes, fingerprint: str, max_context: int) -> tuple[list[Record], int, _Format | None]:
+    """(the whole records in order, the byte offset after the last one, the file's format) of a
+    journal's bytes. A torn last record is dropped; a damaged record with records after it, more
+    bytes after the last whole record than one record holds, another model's journal or records
+    that do not follow one another are InvalidInput."""
     form = next((f for f in FORMATS if data.startswith(f.magic)), None)
     if form is None:
         if any((f.magic + fingerprint.encode()).startswith(data) for f in FORMATS):
@@ -233,7 +300,8 @@ def _check_tail(path, form: _Format, data: bytes, at: int, max_context: int) -> 
         raise InvalidInput(f"{path}: the record at byte {at} is damaged and {rest} bytes follow it, more than one "
                            f"record holds (a crash leaves at most one torn record): {cut}")
     if form.begins_after(data, at, max_context):
-        raise InvalidInput(f"{path}: the record at byte {at} is damaged and whole records follow it: {cut}")
+        raise InvalidInput(f"{path}: the record at byte {at} is damaged and records follow it (what follows is "
+                           f"not the torn end of one record): {cut}")
 
 
 def replay(session, records: list[Record]) -> None:
@@ -260,15 +328,25 @@ def _write(fd: int, data: bytes, at: int) -> None:
         view, at = view[written:], at + written
 
 
-def _create(path: Path, data: bytes) -> None:
+def _create(path: Path, data: bytes, replace: bool = True) -> None:
     """A new journal holding `data` (its header, and any records carried over), whole or not at
-    all: written beside it, flushed, renamed over `path`, and the folder flushed."""
-    fresh = path.with_name(path.name + ".new")
-    with open(fresh, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(fresh, path)
+    all: written beside it, flushed, renamed over `path` (or, not `replace`, linked to `path`
+    unless a file is there by then), and the folder flushed."""
+    fresh = path.with_name(f".{path.name}.{secrets.token_hex(6)}.new")
+    try:
+        with open(fresh, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(fresh, path)
+        else:
+            try:
+                os.link(fresh, path)            # never over a journal another session just made
+            except FileExistsError:
+                pass
+    finally:
+        fresh.unlink(missing_ok=True)
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)

@@ -183,10 +183,13 @@ class Model:
         s = self.restore(snapshot, memory_budget, decode, reserve) if snapshot is not None else \
             self.session(memory_budget, decode, reserve)
         journals.replay(s, records)
+        end = records[-1].start + records[-1].kept if records else 0
+        if end != s.frontier:                   # refused before the journal is opened: it stays as it is
+            raise InvalidInput(f"{journal} ends at position {end}, the recovered session at {s.frontier}")
         s.journal = journals.Journal(journal, self.fingerprint, self.spec.max_context)    # the torn tail cut off
-        if s.journal.frontier != s.frontier:
-            raise InvalidInput(f"{journal} ends at position {s.journal.frontier}, the recovered session at "
-                               f"{s.frontier}")
+        if s.journal.frontier != s.frontier:    # the file changed since it was read
+            s.journal.close()
+            raise InvalidInput(f"{journal} changed while the session was recovered from it; recover again")
         return s
 
     @functools.cached_property

@@ -61,11 +61,7 @@ class Session:
         self.journal = None                     # a `hebrus.journal.Journal`: each chunk on disk before its flip
         if journal is not None:
             from hebrus.journal import Journal
-            self.journal = Journal(journal, model.fingerprint, model.spec.max_context)
-            if self.journal.frontier:
-                self.journal.close()
-                raise InvalidInput(f"{journal} already holds chunks; continue it with "
-                                   f"model.recover({str(journal)!r}, snapshot=...) or journal into a new file")
+            self.journal = Journal(journal, model.fingerprint, model.spec.max_context, empty=True)
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
         self._inside: int | None = None         # the thread running a call on this session
 
@@ -397,9 +393,9 @@ def _kept(k, length: int) -> int:
     if type(k) is torch.Tensor and k.dim() == 0 and k.device.type != "meta" and k.dtype in arguments.ID_DTYPES:
         k = int(k)
     if type(k) is not int or not 0 <= k <= length:
-        what = shown(k) if type(k) in (int, float, bool, str, type(None)) else f"a {type(k).__name__}" + (
-            f" of dtype {str(k.dtype).removeprefix('torch.')} and shape {tuple(k.shape)}"
-            if isinstance(k, torch.Tensor) else "")
+        what = shown(k) if type(k) in (int, float, bool, str, type(None)) else f"an object of type {type(k).__name__}"
+        if isinstance(k, torch.Tensor):
+            what += f" of dtype {str(k.dtype).removeprefix('torch.')} and shape {tuple(k.shape)}"
         raise InvalidInput(f"accept returned {what}; it must return an integer from 0 to {length} (an int, or an "
                            f"integer tensor of no dimensions)")
     return k

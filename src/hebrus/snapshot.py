@@ -118,7 +118,7 @@ def _header(f, path: Path) -> tuple[dict, int, int]:
         raise InvalidInput(f"{path} is not a saved session (its header claims {length} bytes)")
     try:
         header = json.loads(_exactly(f, length, path))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise InvalidInput(f"{path} is not a saved session (its header is not JSON)") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise InvalidInput(f"{path} is not a saved session of this format ({FORMAT})")
@@ -133,7 +133,7 @@ def _check_header(path: Path, header: dict, image: Image, fingerprint: str, max_
     if metadata.get("fingerprint") != fingerprint:
         raise InvalidInput(f"{path} was saved from another model (its fingerprint differs from this model's)")
     text = metadata.get("frontier")
-    if not isinstance(text, str) or not text.isdigit() or len(text) > 12:
+    if not isinstance(text, str) or not (text.isascii() and text.isdigit()) or len(text) > 12:
         raise InvalidInput(f"{path}: its frontier is missing or not a number")
     frontier = int(text)
     if frontier > max_context:

@@ -14,6 +14,7 @@ from hebrus import faults
 from hebrus.errors import ChunkAborted
 from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
+from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction, abort_error
 
 
@@ -51,16 +52,21 @@ def run_stages(model, txn: Transaction) -> None:
 
 def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,
            keep: Callable[[Transaction], int] | None = None) -> int:
-    """Do `work`, validate, (a prefix transaction) keep the first `keep(txn)` tokens, publish;
-    any exception on the way but `keep`'s own is the abort of its kind. Returns the number of
+    """Do `work`, validate, (a prefix transaction) keep the first `keep(txn)` tokens, run the
+    image's `before_flip` hook and publish, with signals held from the hook to the flip (so a
+    journal's record is never on the disk for a chunk a signal kept from publishing); any
+    exception on the way but `keep`'s own is the abort of its kind. Returns the number of
     tokens published."""
     try:
         _as_abort(txn, lambda: (work(txn), txn.validate()))
         if keep is not None and not txn.keep(keep(txn)):      # the caller's choice: its errors are its own
             return 0
-        if txn.image.before_flip is not None:
+        if txn.image.before_flip is None:
+            txn.publish(out)            # what is raised after the flip is not an abort
+            return txn.length
+        with deferred_signals():        # a signal during the hook's write (a journal's) lands after the flip
             _as_abort(txn, lambda: txn.image.before_flip(txn))
-        txn.publish(out)                # what is raised after the flip is not an abort
+            txn.publish(out)
         return txn.length
     finally:
         txn.abort()

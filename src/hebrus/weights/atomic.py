@@ -6,6 +6,7 @@ A failure before the swap leaves the folder as it was and removes the new one.
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -16,9 +17,11 @@ from typing import Callable
 from hebrus.errors import InvalidInput
 
 
-def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
+def replace_folder(target: Path, write: Callable[[Path], None], overwrite: bool = True) -> None:
     """Make `target` a folder holding exactly what `write(folder)` writes. A `target` that exists
-    must be a folder of plain files (`check_replaceable`)."""
+    must be a folder of plain files (`check_replaceable`); unless `overwrite`, an empty one, and
+    the new folder then takes its place by one rename that fails (InvalidInput, nothing
+    replaced) if something was put there meanwhile."""
     check_replaceable(target)
     _make_parent(target.parent)
     fresh = _new_folder(target, "new")
@@ -27,11 +30,26 @@ def replace_folder(target: Path, write: Callable[[Path], None]) -> None:
             os.chmod(fresh, stat.S_IMODE(os.stat(target).st_mode))
         write(fresh)
         fsync(fresh)
-        _swap(fresh, target)
+        if overwrite:
+            _swap(fresh, target)
+        else:
+            _place(fresh, target)
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
     fsync(target.parent)
+
+
+def _place(fresh: Path, target: Path) -> None:
+    """Rename `fresh` to `target`, which must be absent or an empty folder (a rename replaces
+    only that); a file or anything put in the folder meanwhile refuses it."""
+    try:
+        os.rename(fresh, target)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise InvalidInput(f"{target} was filled while the model was being written; nothing was replaced (name "
+                           f"a new folder, or replace it with overwrite=True)") from None
 
 
 def fsync(path: Path) -> None:

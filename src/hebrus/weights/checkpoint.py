@@ -57,7 +57,7 @@ def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]
     chat template and generation config (`COMPANIONS`) go with it."""
     target = writable_target(path, overwrite)
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.items()}
-    data = config.to_dict()
+    data = config.to_dict() | _token_keys(companions)
     if quantization is not None:
         data["quantization_config"] = quantization.to_config()
 
@@ -71,7 +71,7 @@ def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor]
             fsync(folder / name)
 
     try:
-        replace_folder(target, write)
+        replace_folder(target, write, overwrite)
     except OSError as exc:
         if exc.errno not in _PATH_ERRORS:
             raise
@@ -85,6 +85,20 @@ COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "generation_config.json")
 
 
+def _token_keys(folder: Path | None) -> dict[str, Any]:
+    """The special token ids the source folder's config.json names (its stop ids may come from
+    there), carried into the saved config: ints or lists of ints, nothing else."""
+    if folder is None or not (folder / CONFIG).is_file():
+        return {}
+    data = read_json(folder / CONFIG)
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+    def ids(value) -> bool:
+        items = value if isinstance(value, list) else [value]
+        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in items)
+    return {k: data[k] for k in keys if isinstance(data, dict) and k in data and ids(data[k])}
+
+
 def _companions(folder: Path | None) -> list[str]:
     if folder is None:
         return []
@@ -94,6 +108,8 @@ def _companions(folder: Path | None) -> list[str]:
 def writable_target(path, overwrite: bool = False) -> Path:
     """The real folder a save of `path` writes, once it may: new, empty, or (with `overwrite`) a
     folder of plain files to replace. InvalidInput otherwise, naming what is there."""
+    if type(overwrite) is not bool:
+        raise InvalidInput(f"overwrite must be True or False, got {shown(overwrite)}")
     target = _save_target(path)
     try:
         names = check_replaceable(target)
