@@ -221,12 +221,13 @@ def _journal_path(path) -> Path:
     """`path` as a Path naming a file (or nothing yet); InvalidInput for anything else."""
     try:
         path = Path(path)
-        if path.is_dir():
-            raise InvalidInput(f"{path} is a directory; a journal is a file")
-        if path.exists() and not path.is_file():
-            raise InvalidInput(f"{path} is not a regular file; a journal is one")
+        kind = "directory" if path.is_dir() else "other" if path.exists() and not path.is_file() else None
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"a journal is a file path, got {shown(path)} ({exc})") from None
+    if kind == "directory":
+        raise InvalidInput(f"{path} is a directory; a journal is a file")
+    if kind == "other":
+        raise InvalidInput(f"{path} is not a regular file; a journal is one")
     return path
 
 

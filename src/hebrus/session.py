@@ -122,7 +122,7 @@ class Session:
         such as the conversation a chat was at."""
         from hebrus import snapshot
         with self._exclusive():
-            snapshot.write(self.image, Path(path), self.model.fingerprint, note)
+            snapshot.write(self.image, path, self.model.fingerprint, note)
 
     def _restore(self, path) -> None:
         """Install a saved image into this fresh session, every check passed first (`snapshot.read`);
@@ -131,7 +131,7 @@ class Session:
         what no session of this model publishes. The session owns what it read: the file can
         change or go afterwards."""
         from hebrus import snapshot
-        record, banked = snapshot.read(Path(path), self.image, self.model.fingerprint, self.spec.max_context)
+        record, banked = snapshot.read(path, self.image, self.model.fingerprint, self.spec.max_context)
         rows = sum(t.numel() * t.element_size() for t in record.storages)
         try:
             self.budget.hold(rows, "the saved session's rows")

@@ -37,7 +37,7 @@ def write(image: Image, path: Path, fingerprint: str, note: str | None = None) -
     """The image's public record into `path`, atomically (temporary file, fsync, rename, fsync of
     the folder), with `note` (any text the caller keeps with it: `read_note`). InvalidInput if
     `path` names a folder or a folder that does not exist."""
-    path = Path(path)
+    path = _file_path(path)
     if path.is_dir():
         raise InvalidInput(f"{path} is a directory; a session is saved to a file")
     if not path.parent.is_dir():
@@ -66,7 +66,7 @@ def read(path: Path, image: Image, fingerprint: str, max_context: int) -> tuple[
     naming the problem otherwise. Nothing is installed here. Every value is read into memory of
     its own (never a mapping of the file), so nothing done to the file afterwards can reach a
     session restored from it."""
-    path = Path(path)
+    path = _file_path(path)
     if not path.is_file():
         raise InvalidInput(f"{path} is not a saved session (no such file)")
     try:
@@ -92,7 +92,7 @@ HEADER_BYTES = NOTE_BYTES + (1 << 20)       # the owners' entries take far less 
 def read_note(path: Path) -> str | None:
     """The note `write` kept with the session in `path` (None without one), checked against
     its hash; InvalidInput if the file is not a saved session or its note is damaged."""
-    path = Path(path)
+    path = _file_path(path)
     if not path.is_file():
         raise InvalidInput(f"{path} is not a saved session (no such file)")
     try:
@@ -182,6 +182,16 @@ def _check_values(path: Path, image: Image, values: dict[str, torch.Tensor], fro
         if spec.limit is not None and value.numel() and not (0 <= int(value.min()) and int(value.max()) < spec.limit):
             raise InvalidInput(f"{path}: owner {spec.name} holds values outside [0, {spec.limit}): "
                                f"{int(value.min())} to {int(value.max())}")
+
+
+def _file_path(path) -> Path:
+    """`path` as a Path a file can have; InvalidInput for anything else (a number, a NUL byte)."""
+    try:
+        path = Path(path)
+        path.exists()
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"a saved session is a file path, got {shown(path)} ({exc})") from None
+    return path
 
 
 def _exactly(f, count: int, path: Path) -> bytes:
