@@ -205,3 +205,30 @@ def test_a_failing_hub_leaves_the_cached_snapshot_and_refuses_the_rest(server, t
     assert "HTTP 503" in refused and "Org/Bare" in refused and server.url in refused
     assert not requested(server, "/resolve/")
 
+
+
+def _cli(home, endpoint: str, *argv: str, offline: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(home), HF_ENDPOINT=endpoint, NO_PROXY="127.0.0.1", no_proxy="127.0.0.1",
+               PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-m", "hebrus", *argv], env=env, capture_output=True, text=True,
+                          timeout=PATIENCE)
+
+
+def test_hebrus_download_then_load_by_repo_id(server, tmp_path):
+    """`hebrus download Org/Name` prints the folder it fetched; every command then loads the repo
+    id from the cache, offline too; a command naming a missing repo id fetches it itself."""
+    home = tmp_path / "home"
+    done = _cli(home, server.url, "download", "Org/Tiny")
+    assert done.returncode == 0, done.stderr
+    folder = Path(done.stdout.strip())
+    assert folder.parent == home / "hub" / "models--Org--Tiny" / "snapshots"
+    offline = _cli(home, server.url, "generate", "x", "--model", "Org/Tiny", "--max-new-tokens", "3", offline=True)
+    assert offline.returncode == 0, offline.stderr
+    fresh = _cli(tmp_path / "other", server.url, "info", "--model", "Org/Tiny")
+    assert fresh.returncode == 0 and "parameters" in fresh.stdout, fresh.stderr
+    refused = _cli(tmp_path / "third", server.url, "download", "Org/Pickled")
+    assert refused.returncode == 2 and "only safetensors" in refused.stderr
+    assert "Traceback" not in refused.stderr

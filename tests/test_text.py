@@ -249,7 +249,7 @@ def test_the_repetition_penalty_counts_the_prompt_the_output_and_what_was_seen(t
 
 
 def test_a_held_back_stop_prefix_is_written_at_the_end():
-    from hebrus.text.generate import StopText
+    from hebrus.text.generation import StopText
     stop = StopText(("User:",))
     assert stop.add("hello U") == "hello " and not stop.stopped
     assert stop.finish() == "U"

@@ -1,4 +1,4 @@
-"""`python -m hebrus`: the same command line as `hebrus`."""
+"""`python -m hebrus`: the same command line as `hebrus`, with its exit status."""
 from hebrus.cli import console
 
-console()
+raise SystemExit(console())

@@ -1,4 +1,4 @@
-"""The `hebrus` command: generate, chat, verify, bench, quantize, serve, info."""
+"""The `hebrus` command: generate, chat, verify, bench, quantize, serve, download, info."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ from hebrus.weights import checkpoint
 from hebrus.weights.quant import QUANT_FORMATS
 
 MODEL_HELP = (f"a preset (trained: {', '.join(TRAINED)}; random: {', '.join(PRESETS)}), a checkpoint "
-              f"directory or a Hugging Face repo id in the local cache")
+              f"directory or a Hugging Face repo id (Org/Name: from the local cache, downloaded when missing)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(ver, default_mode="exact")
     ver.set_defaults(handler=_verify)
 
-    bench_command.add_parser(sub, MODEL_HELP, _load)
+    bench_command.add_parser(sub, MODEL_HELP, lambda args: _load(args, threads=False))
 
     quant = sub.add_parser("quantize", help="write a quantized copy of a Hebrus checkpoint",
                            description="Quantize the model's large projections and write a checkpoint that "
@@ -128,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
     serve.set_defaults(handler=_serve)
 
+    down = sub.add_parser("download", help="fetch a model from the Hugging Face hub into the local cache",
+                          description="Download Org/Name's config, safetensors weights, tokenizer and chat "
+                                      "template (never pickles or code) into the Hugging Face cache, and print the "
+                                      "folder. HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_TOKEN apply.")
+    down.add_argument("repo", help="the repo id, Org/Name")
+    down.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    down.set_defaults(handler=_download)
+
     info = sub.add_parser("info", help="show the config, the stages and every owner with its bytes",
                           description="What a model is made of and what one session of it holds.")
     _model_args(info, default_mode="exact")
@@ -149,9 +157,36 @@ def _serve(args) -> int:
         from hebrus import serve
     except ImportError as exc:
         raise InvalidInput(f"hebrus serve needs its extra: pip install 'hebrus[serve]' ({exc})") from None
+    listening = _listening(args.host, args.port)            # before the model loads: a port in use fails now
     model = _load(args)
-    serve.run(model, args.name or args.model, args.host, args.port, args.api_key, args.max_sessions,
-              args.prefill_tokens)
+    serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens)
+    return 0
+
+
+def _listening(host: str, port: int):
+    """A socket bound to (host, port), listening; InvalidInput when that address cannot be had."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidInput(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = "the port is in use (another server?); choose another with --port" if exc.errno == 98 else \
+            exc.strerror or str(exc)
+        raise InvalidInput(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
+def _download(args) -> int:
+    from hebrus import hub
+    folder = hub.fetch(args.repo, revision=args.revision)
+    print(folder)
     return 0
 
 
@@ -172,7 +207,7 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str = text.MODE) -> No
                    help="compute dtype: auto is bfloat16 on a GPU and float32 on the CPU (default auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the model's arithmetic (default: $HEBRUS_THREADS, else one per core this "
-                        "process may use; on a machine whose cores are busy, fewer threads are faster)")
+                        "process may use that the load average leaves free, at least one)")
     p.add_argument("--ple-cache-bytes", type=int, default=None, metavar="N",
                    help="serve the per-layer-embedding tables in pages through N bytes of device memory, "
                         "reading them from the checkpoint file (or host memory for a random preset) as "
@@ -209,28 +244,34 @@ def _text_options(args) -> dict:
             "seed": args.seed, "stop": tuple(args.stop)}
 
 
-def _threads(args) -> None:
-    """--threads, else HEBRUS_THREADS, else torch's own choice (the cores this process may use)."""
+def _threads(args, auto: bool = True) -> None:
+    """--threads, else HEBRUS_THREADS, else (`auto`) one per core this process may use that the
+    last minute's load average leaves free, at least one: on a core another process keeps
+    busy, a thread makes every small operation wait for it (one core busy: 20 times slower)."""
     value = getattr(args, "threads", None)
     if value is None and os.environ.get("HEBRUS_THREADS"):
         text_value = os.environ["HEBRUS_THREADS"]
         if not text_value.isdigit():
             raise InvalidInput(f"HEBRUS_THREADS must be a positive integer, got {text_value!r}")
         value = int(text_value)
-    if value is None:
-        return
-    if value < 1:
+    if value is not None and value < 1:
         raise InvalidInput(f"--threads must be at least 1, got {value}")
     import torch
-    torch.set_num_threads(value)
+    if value is None and auto:
+        free = len(os.sched_getaffinity(0)) - os.getloadavg()[0]
+        value = max(1, min(torch.get_num_threads(), int(free + 0.5)))
+    if value is not None:
+        torch.set_num_threads(value)
 
 
-def _load(args, say: bool = True):
+def _load(args, say: bool = True, threads: bool = True):
     """The model, said on stderr as it loads (what, where, how long), with a progress bar once
-    loading has taken more than a second."""
+    loading has taken more than a second; the threads set first (`_threads`) unless not
+    `threads` (the bench sets its own)."""
     from hebrus.progress import ProgressBar
     from hebrus.runtime import resolve_device
-    _threads(args)
+    if threads:
+        _threads(args)
     started, bar = time.perf_counter(), []
     if say:
         device = resolve_device(args.device)                # a bad device is refused before anything is said

@@ -277,7 +277,7 @@ class Session:
         generation config (else temperature 1.0) and the seed is random unless given; options
         as `hebrus.text.TextOptions`: max_new_tokens, temperature, top_p, top_k, min_p,
         repetition_penalty, seed, stop (strings)."""
-        from hebrus.text.generate import stream_text
+        from hebrus.text.generation import stream_text
         return stream_text(self, prompt, **options)
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):

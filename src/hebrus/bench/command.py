@@ -29,7 +29,8 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--dtype", choices=list(DTYPES), default=None,
                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     bench.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="CPU threads (default: $HEBRUS_THREADS, else one per core this process may use)")
+                       help="CPU threads (default: torch's, one per core this process may use; unlike the other "
+                            "commands, the load average does not lower it, so runs compare)")
     bench.add_argument("--contexts", default=None,
                        help="comma-separated prompt lengths; those that leave no room for the decode steps "
                             "within the model's max_context are skipped (default 1024,32768; with --long "
@@ -113,6 +114,10 @@ def run(args, load_model) -> int:
         raise InvalidInput(f"--batch must be comma-separated integers, got {args.batch!r}") from None
     if not batches or min(batches) < 1 or max(batches) > MAX_BATCH:
         raise InvalidInput(f"--batch takes sizes from 1 to {MAX_BATCH}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInput(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if args.contexts is None:
         args.contexts = "1024,8192,32768,131072" if args.long else "1024,32768"
     try:

@@ -31,14 +31,16 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     return app, scheduler
 
 
-def run(model, name: str, host: str, port: int, api_key: str | None, max_sessions: int,
-        prefill_tokens: int = 512) -> None:
-    """Serve until SIGTERM or Ctrl-C; in-flight requests are finished first (up to 60 s), then
-    this returns (the command exits 0)."""
+def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512) -> None:
+    """Serve on the socket `listening` (bound and listening) until SIGTERM or Ctrl-C; in-flight
+    requests are finished first (up to 60 s), then this returns (the command exits 0)."""
     import contextlib
     import signal
+    import sys
 
     import uvicorn
+
+    host, port = listening.getsockname()[:2]
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -51,13 +53,18 @@ def run(model, name: str, host: str, port: int, api_key: str | None, max_session
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"hebrus serve: ready, {name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+
     if model.device.type == "cuda":
-        import sys
         print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",
               file=sys.stderr, flush=True)
     app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens)
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=60))
+    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=60))
     try:
-        server.run()                    # returns once open requests have finished
+        server.run(sockets=[listening])         # returns once open requests have finished
     finally:
         scheduler.stop()
+        listening.close()

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling
-from hebrus.text.generate import MAX_NEW_TOKENS, TextOptions
+from hebrus.text.generation import MAX_NEW_TOKENS, TextOptions
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.reply import Reply
 from hebrus.serve.scheduler import Overloaded, Request, Scheduler
@@ -167,7 +167,7 @@ def create_app(model, name: str, scheduler: Scheduler, api_key: str | list[str] 
                metrics: Metrics | None = None):
     """The app serving `model` as `name`, its text through `model.tokenizer`. `api_key`: one key
     or several; each key's kept conversations are its own. What a request leaves out takes the
-    text-level defaults (`hebrus.text.generate`): sampling from the checkpoint's generation
+    text-level defaults (`hebrus.text.generation`): sampling from the checkpoint's generation
     config, else temperature 1.0; a random seed."""
     text = model.tokenizer
     app = FastAPI(title="hebrus", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)

@@ -12,7 +12,7 @@ from fastapi import Request as HTTPRequest
 from hebrus.errors import ChunkAborted
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.scheduler import Request
-from hebrus.text.generate import StopText
+from hebrus.text.generation import StopText
 
 
 class Reply:

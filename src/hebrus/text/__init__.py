@@ -1,7 +1,7 @@
 """Text at the edge: a model's tokenizer and chat template (`tokenizers`, `templates`), and
 generation from text with the defaults every text-level entry point shares (`generate`). The
 engine below speaks token ids only."""
-from hebrus.text.generate import (DEVICE, DTYPE, MAX_NEW_TOKENS, MODE, MODEL, SAMPLING, Conversation, TextOptions,
+from hebrus.text.generation import (DEVICE, DTYPE, MAX_NEW_TOKENS, MODE, MODEL, SAMPLING, Conversation, TextOptions,
                                   TextStream, generate, stream_generate, stream_text, summary)
 from hebrus.text.tokenizers import ByteTokenizer, CheckpointTokenizer, tokenizer_for
 
