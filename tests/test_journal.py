@@ -253,18 +253,23 @@ def test_recovery_checksums_bytes_linear_in_the_file(tmp_path, fast, monkeypatch
                  "random": os.urandom(1 << 20)}[tail]
         path.write_bytes(path.read_bytes() + extra)
     size = path.stat().st_size
-    counted = []
-    real = journals._crc
+    checksummed = _checksummed_reading(path, fast, monkeypatch)
+    assert checksummed <= 2 * size + 8 * fast.spec.max_context, (checksummed, size)
+
+
+def _checksummed_reading(path, model, monkeypatch) -> int:
+    """How many bytes reading the journal at `path` checksums (a refusal must name damage)."""
+    counted, real = [], journals._crc
 
     def counting(view, value=0):
         counted.append(len(view))
         return real(view, value)
     monkeypatch.setattr(journals, "_crc", counting)
     try:
-        journals.read(path, fast.fingerprint, fast.spec.max_context)
+        journals.read(path, model.fingerprint, model.spec.max_context)
     except InvalidInput as exc:
         assert "damaged" in str(exc)
-    assert sum(counted) <= 2 * size + 8 * fast.spec.max_context, (sum(counted), size)
+    return sum(counted)
 
 
 def test_a_format_2_journal_is_read_and_journals_on_as_format_3(tmp_path, fast):
@@ -373,14 +378,5 @@ def test_a_hostile_tail_within_one_record_is_searched_in_linear_time(tmp_path, f
     tail = (b"\x00" if form == "2" else b"") + word * ((layout.largest(fast.spec.max_context) - 8) // 4)
     path = tmp_path / "j"
     path.write_bytes(head + tail)
-    counted, real = [], journals._crc
-
-    def counting(view, value=0):
-        counted.append(len(view))
-        return real(view, value)
-    monkeypatch.setattr(journals, "_crc", counting)
-    try:
-        journals.read(path, fast.fingerprint, fast.spec.max_context)
-    except InvalidInput as exc:
-        assert "damaged" in str(exc)
-    assert sum(counted) <= 4 * path.stat().st_size + 2 * layout.largest(fast.spec.max_context)
+    checksummed = _checksummed_reading(path, fast, monkeypatch)
+    assert checksummed <= 4 * path.stat().st_size + 2 * layout.largest(fast.spec.max_context)
