@@ -267,3 +267,110 @@ def test_hebrus_chat_at_a_terminal(tmp_path):
     finally:
         code = term.close()
     assert code == 0 and (tmp_path / "talk.hs").is_file()
+
+
+# ---- found by reading the change ------------------------------------------------------------
+
+def test_the_server_applies_the_checkpoints_repetition_penalty(tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from hebrus import serve
+    folder = hebrus.load("tiny").save(tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 3.0}))
+    model = hebrus.load(folder, mode="fast")
+    app, scheduler = serve.build(model, "m")
+    try:
+        with TestClient(app) as client:
+            served = client.post("/v1/completions", json={"model": "m", "prompt": "Hail", "max_tokens": 12}).json()
+    finally:
+        scheduler.stop(drain_seconds=1)
+    penalised = model.session().generate(list(b"Hail"), max_new_tokens=12, repetition_penalty=3.0)
+    assert served["choices"][0]["text"] == model.tokenizer.decode(penalised)
+    assert served["choices"][0]["text"] == hebrus.generate(model, "Hail", max_new_tokens=12)
+
+
+def test_a_stop_near_the_context_limit_is_a_stop_not_the_limit():
+    model = hebrus.load("tiny", mode="fast")
+    s = model.session()
+    s.prefill(list(range(60, 120)) * 17)
+    stream = s.generate_text("ab", max_new_tokens=50, temperature=0, stop=[chr(c) for c in range(1, 256)] + ["\ufffd"])
+    list(stream)
+    assert stream.finish == "stop" and not stream.context_ended
+
+
+def test_a_prompt_past_the_context_is_refused_before_anything_is_fed():
+    model = hebrus.load("tiny", mode="fast")
+    s = model.session()
+    s.feed([1, 2, 3])
+    with pytest.raises(hebrus.InvalidInput, match="context limit of 1024 tokens \\(1021 left\\)"):
+        list(s.generate_text("x" * 1100))
+    assert s.frontier == 3
+
+
+def test_none_means_the_default_for_every_option(exact):
+    stream = hebrus.stream_generate(exact, "x", max_new_tokens=None, temperature=None, stop=None, seed=None)
+    assert stream.options.max_new_tokens == text.MAX_NEW_TOKENS and stream.options.stop == ()
+
+
+def test_a_seed_given_to_a_conversation_draws_anew_each_turn(exact):
+    talk = Conversation(exact, max_new_tokens=4, seed=3)
+    first, second = talk.say("Hail"), talk.say("Hail")
+    assert (first.seed, second.seed) == (3, 4)
+    assert talk.say("Hail", seed=9).seed == 9                 # a seed for one turn is that turn's
+
+
+def test_a_note_is_limited_as_the_file_holds_it(tmp_path, exact):
+    s = exact.session()
+    from hebrus.snapshot import NOTE_BYTES, read_note
+    with pytest.raises(hebrus.InvalidInput, match="as JSON"):
+        s.save(tmp_path / "a", note="\x01" * (NOTE_BYTES // 5))     # six bytes each as JSON
+    with pytest.raises(hebrus.InvalidInput, match="lone surrogate"):
+        s.save(tmp_path / "b", note="\udce9")
+    s.save(tmp_path / "c", note="fine ☃")
+    assert read_note(tmp_path / "c") == "fine ☃"
+
+
+def test_the_server_socket_listens_only_once_serving(tmp_path):
+    import socket
+    from hebrus.cli import _listening
+    held = _listening("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(held.getsockname(), timeout=30).close()
+    finally:
+        held.close()
+    with socket.create_server(("127.0.0.1", 0)) as other:          # another server, serving
+        with pytest.raises(hebrus.InvalidInput, match="in use"):
+            _listening("127.0.0.1", other.getsockname()[1])
+
+
+@pytest.mark.parametrize("value, message", [("²", "whole number"), ("0", "HEBRUS_THREADS must lie"),
+                                            ("99999999", "whole number")])
+def test_hebrus_threads_is_checked(value, message, monkeypatch, capsys):
+    from hebrus.cli import main
+    monkeypatch.setenv("HEBRUS_THREADS", value)
+    assert main(["info", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_line_the_tokenizer_refuses_does_not_end_the_chat(tmp_path):
+    """A line that is not text (a byte that is not UTF-8) is said to be refused; the next is
+    answered."""
+    import io
+    from hebrus import repl
+    from foreign import build
+    from test_text import write_tokenizer
+    folder, _ = build("qwen3_5", tmp_path, vocab_size=320)
+    write_tokenizer(folder)
+    lines = iter(["caf\udce9", "hi"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    out, err = io.StringIO(), io.StringIO()
+    assert repl.run(hebrus.load(folder, mode="fast"), "m", read=read, out=out, err=err, max_new_tokens=3,
+                    temperature=0) == 0
+    assert "not UTF-8" in err.getvalue() and "generation: 3 tokens" in err.getvalue()

@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     except ChunkAborted as exc:
         _error(f"hebrus: {exc}")
         return 1
+    except UnicodeDecodeError as exc:       # standard input that is not text in the locale's encoding
+        _error(f"hebrus: error: the input is not text in {exc.encoding}: byte 0x{exc.object[exc.start]:02X} at "
+               f"{exc.start}")
+        return 2
     except BrokenPipeError:                 # the reader went away (`hebrus generate ... | head`)
         _detach_stdout()
         return 141
@@ -164,7 +168,9 @@ def _serve(args) -> int:
 
 
 def _listening(host: str, port: int):
-    """A socket bound to (host, port), listening; InvalidInput when that address cannot be had."""
+    """A socket bound to (host, port), not listening yet (the server listens once the model is
+    loaded, so nothing connects before it can be answered); InvalidInput when that address
+    cannot be had."""
     import socket
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -174,7 +180,6 @@ def _listening(host: str, port: int):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(2048)
     except OSError as exc:
         sock.close()
         why = "the port is in use (another server?); choose another with --port" if exc.errno == 98 else \
@@ -202,7 +207,8 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str = text.MODE) -> No
     p.add_argument("--model", default=text.MODEL, help=f"{MODEL_HELP} (default: {text.MODEL})")
     p.add_argument("--mode", choices=MODES, default=default_mode, help=f"execution mode (default {default_mode})")
     p.add_argument("--device", default=text.DEVICE,
-                   help="torch device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N (default auto)")
+                   help="torch device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N "
+                        "(default auto)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default=text.DTYPE,
                    help="compute dtype: auto is bfloat16 on a GPU and float32 on the CPU (default auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -227,7 +233,8 @@ def _text_args(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (default: the checkpoint's generation_config.json, else 1)")
     p.add_argument("--top-k", type=int, default=None,
                    help="sample among the k likeliest tokens; 0 = all (default: the checkpoint's, else 0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: the checkpoint's, else 1)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus mass in (0, 1] (default: the checkpoint's, else 1)")
     p.add_argument("--min-p", type=float, default=None,
                    help="drop tokens below min-p times the likeliest one's probability (default: the checkpoint's, "
                         "else 0)")
@@ -248,18 +255,19 @@ def _threads(args, auto: bool = True) -> None:
     """--threads, else HEBRUS_THREADS, else (`auto`) one per core this process may use that the
     last minute's load average leaves free, at least one: on a core another process keeps
     busy, a thread makes every small operation wait for it (one core busy: 20 times slower)."""
-    value = getattr(args, "threads", None)
-    if value is None and os.environ.get("HEBRUS_THREADS"):
-        text_value = os.environ["HEBRUS_THREADS"]
-        if not text_value.isdigit():
-            raise InvalidInput(f"HEBRUS_THREADS must be a positive integer, got {text_value!r}")
-        value = int(text_value)
-    if value is not None and value < 1:
-        raise InvalidInput(f"--threads must be at least 1, got {value}")
     import torch
-    if value is None and auto:
-        free = len(os.sched_getaffinity(0)) - os.getloadavg()[0]
-        value = max(1, min(torch.get_num_threads(), int(free + 0.5)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    value = getattr(args, "threads", None)
+    where = "--threads"
+    if value is None and os.environ.get("HEBRUS_THREADS"):
+        text_value, where = os.environ["HEBRUS_THREADS"], "HEBRUS_THREADS"
+        if not (text_value.isascii() and text_value.isdigit()) or len(text_value) > 6:
+            raise InvalidInput(f"HEBRUS_THREADS must be a whole number of threads, got {text_value!r}")
+        value = int(text_value)
+    if value is not None and not 1 <= value <= 8 * cores:
+        raise InvalidInput(f"{where} must lie in [1, {8 * cores}] (8 per core this process may use), got {value}")
+    if value is None and auto and hasattr(os, "getloadavg"):
+        value = max(1, min(torch.get_num_threads(), int(cores - os.getloadavg()[0] + 0.5)))
     if value is not None:
         torch.set_num_threads(value)
 
@@ -289,7 +297,9 @@ def _load(args, say: bool = True, threads: bool = True):
     if say:
         import torch
         from hebrus.weights.layout import parameter_count
-        where = f"{model.device}" + (f", {torch.get_num_threads()} threads" if model.device.type == "cpu" else "")
+        threads = torch.get_num_threads()
+        where = f"{model.device}" + (f", {threads} thread{'s' if threads != 1 else ''}"
+                                     if model.device.type == "cpu" else "")
         _error(f"hebrus: {args.model}: {model.family}, {parameter_count(model.spec) / 1e6:.2f}M parameters, "
                f"{str(model.dtype).removeprefix('torch.')}, {model.mode} mode, on {where}; loaded in "
                f"{time.perf_counter() - started:.1f} s")
@@ -298,6 +308,7 @@ def _load(args, say: bool = True, threads: bool = True):
 
 def _quantize(args) -> int:
     checkpoint.writable_target(args.out, args.force)          # refused before the work of loading
+    _error(f"hebrus: loading {args.model} to quantize it ({args.format})")
     model = load(args.model)
     if not isinstance(model.config, HebrusConfig):          # refused before the work of quantizing
         raise InvalidInput(f"quantize writes Hebrus checkpoints; {args.model} is a {model.spec.family} model: "
@@ -323,7 +334,8 @@ def _generate(args) -> int:
         _error(f"(preset {args.model!r} has random weights: expect noise, not language)")
     asked = [{"role": "user", "content": prompt}] if args.chat else prompt
     if args.echo:
-        sys.stdout.write(printable(model.tokenizer.apply_chat_template(asked, tokenize=False) if args.chat else prompt))
+        shown = model.tokenizer.apply_chat_template(asked, tokenize=False) if args.chat else prompt
+        sys.stdout.write(printable(shown))
     stream = text.stream_text(model.session(), asked, progress=_prefill_bar(), **_fields(options))
     for piece in stream:
         sys.stdout.write(printable(piece))
@@ -363,7 +375,8 @@ def _verify(args) -> int:
     started = time.perf_counter()
     results = verify.run(model, ProgressBar(f"verify {args.model} {args.mode}", unit="check"))
     seconds = time.perf_counter() - started
-    print(f"hebrus verify: model {args.model}, mode {args.mode}, device {model.device}, dtype {args.dtype}\n")
+    print(f"hebrus verify: model {args.model}, mode {args.mode}, device {model.device}, "
+          f"dtype {str(model.dtype).removeprefix('torch.')}\n")
     _fault_table(model, [r for r in results if r.group == "fault"])
     print("\nequivalence")
     for r in (r for r in results if r.group == "equivalence"):

@@ -35,6 +35,9 @@ def run(model, name: str, system: str | None = None, progress=None, read=input, 
         except KeyboardInterrupt:
             print("^C", file=out)
             continue
+        except UnicodeDecodeError:
+            print("hebrus: that line is not UTF-8 text; type it again", file=err, flush=True)
+            continue
         if line.startswith("/"):
             if _command(conversation, line, out, err) == "quit":
                 return 0
@@ -43,9 +46,10 @@ def run(model, name: str, system: str | None = None, progress=None, read=input, 
 
 
 def _turn(conversation: Conversation, line: str, progress, out, err) -> None:
-    """One reply, streamed; Ctrl-C stops it where it is (what was said so far is kept)."""
-    stream = conversation.say(line, progress=progress)
+    """One reply, streamed; Ctrl-C stops it where it is (what was said so far is kept). A line
+    the tokenizer refuses, or a failed chunk, is said and the conversation goes on."""
     try:
+        stream = conversation.say(line, progress=progress)
         for piece in stream:
             out.write(printable(piece))
             out.flush()
@@ -54,6 +58,9 @@ def _turn(conversation: Conversation, line: str, progress, out, err) -> None:
     except (ChunkAborted, InvalidInput) as exc:
         out.write("\n")
         print(escaped(f"hebrus: {exc}"), file=err, flush=True)
+        if "context limit" in str(exc):
+            print("(the conversation is as long as this model can hold: /reset starts a new one)", file=err,
+                  flush=True)
         return
     out.write("\n")
     out.flush()
@@ -75,18 +82,22 @@ def _command(conversation: Conversation, line: str, out, err) -> str | None:
             print(f"{word} needs a file: {word} FILE", file=err)
         elif word == "/save":
             conversation.save(rest)
-            print(f"(saved {len(conversation.messages)} messages, {conversation.session.frontier} tokens, "
-                  f"to {rest})", file=err)
+            print(f"(saved {_count(len(conversation.messages), 'message')}, "
+                  f"{_count(conversation.session.frontier, 'token')}, to {rest})", file=err)
         elif word == "/load":
             conversation.load(rest)
-            print(f"(loaded {len(conversation.messages)} messages, {conversation.session.frontier} tokens, "
-                  f"from {rest})", file=err)
+            print(f"(loaded {_count(len(conversation.messages), 'message')}, "
+                  f"{_count(conversation.session.frontier, 'token')}, from {rest})", file=err)
         else:
             print(f"unknown command {word}; /help lists them", file=err)
     except (InvalidInput, OSError) as exc:
         print(escaped(f"hebrus: {exc}"), file=err)
     err.flush()
     return None
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _readline() -> None:

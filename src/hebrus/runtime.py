@@ -217,8 +217,8 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name"), taken from
-    the local cache or downloaded into it (`hebrus.hub.fetch`). Every argument is checked before anything is read or allocated; bad ones
-    raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load.
+    the local cache or downloaded into it (`hebrus.hub.fetch`). Every argument is checked
+    before anything is read or allocated; bad ones raise InvalidInput. `progress(done, total)` follows a checkpoint's tensors as they load.
     `quantize`: quantize the large projections as the model loads (`Model.quantized`); a
     checkpoint stored quantized (its config's `quantization_config`) loads as it is stored.
     `kv_cache`: "int8" or "fp8" to keep attention's rows as codes with a scale per row
@@ -289,7 +289,14 @@ def _repo(name) -> Path:
     except InvalidInput:
         raise InvalidInput(f"{shown(name)} is neither a preset ({', '.join(names())}), a checkpoint directory, "
                            f"nor a Hugging Face repo id (Org/Name)") from None
-    return hub.cached(repo) or hub.fetch(repo)
+    try:
+        return hub.cached(repo) or hub.fetch(repo)
+    except InvalidInput as exc:
+        parent = Path(repo).parent
+        if not _is_dir(parent):
+            raise
+        raise InvalidInput(f"{repo} is not a checkpoint directory (the folder {parent} here has no "
+                           f"{Path(repo).name}), nor a repo the hub gave: {exc}") from None
 
 
 def _mode(mode) -> str:
@@ -352,7 +359,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
-    raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)} (or auto, where a model loads)")
+    raise InvalidInput(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)} "
+                       f"(or auto, where a model loads)")
 
 
 PAGED = ("ple.unigram.weight", "ple.ngram.")      # the tables `ple_cache_bytes` streams

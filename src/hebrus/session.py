@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import torch

@@ -47,9 +47,13 @@ def write(image: Image, path: Path, fingerprint: str, note: str | None = None) -
     metadata = {"format": FORMAT, "frontier": str(record.frontier), "digest": image.digest(),
                 "fingerprint": fingerprint}
     if note is not None:
-        if not isinstance(note, str) or len(note.encode()) > NOTE_BYTES:
-            raise InvalidInput(f"a session's note is a str of at most {NOTE_BYTES} bytes")
-        metadata |= {"note": note, "note_sha256": hashlib.sha256(note.encode()).hexdigest()}
+        if not isinstance(note, str) or len(json.dumps(note)) > NOTE_BYTES:     # as the header will hold it
+            raise InvalidInput(f"a session's note is a str of at most {NOTE_BYTES} bytes as JSON")
+        try:
+            digest = hashlib.sha256(note.encode()).hexdigest()
+        except UnicodeEncodeError:
+            raise InvalidInput("a session's note must be text UTF-8 can hold (it has a lone surrogate)") from None
+        metadata |= {"note": note, "note_sha256": digest}
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
         save_file(_stored(tensors), str(temporary), metadata=metadata)

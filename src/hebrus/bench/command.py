@@ -235,7 +235,8 @@ def _pages(args) -> int:
         raise InvalidInput("--ple-gib must lie in (0, 256] and --ple-cache-mib in [0, 1048576]")
     config = pages.paged_config(args.ple_gib * 2**30)
     folder = pages.sparse_checkpoint(Path(args.cache) / f"ple-pages-{args.ple_gib:g}gib", config)
-    report = pages.run(folder, resolve_device(args.device), resolve_dtype(args.dtype), int(args.ple_cache_mib * 2**20),
+    report = pages.run(folder, resolve_device(args.device), resolve_dtype(args.dtype),
+                       int(args.ple_cache_mib * 2**20),
                        prompt=1024, steps=args.decode_steps, rounds=args.rounds)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     return _written(args, report, pages.table(report))

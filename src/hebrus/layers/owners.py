@@ -38,5 +38,6 @@ def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
         else:
             raise ValueError(f"unknown mixer {kind!r}")
     if c.moe_layers:
-        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED, limit=c.moe_experts))
+        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED,
+                               limit=c.moe_experts))
     return specs

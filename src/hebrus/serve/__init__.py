@@ -32,7 +32,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
 
 
 def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512) -> None:
-    """Serve on the socket `listening` (bound and listening) until SIGTERM or Ctrl-C; in-flight
+    """Serve on the socket `listening` (bound; it listens from here on) until SIGTERM or Ctrl-C; in-flight
     requests are finished first (up to 60 s), then this returns (the command exits 0)."""
     import contextlib
     import signal
@@ -41,6 +41,7 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     import uvicorn
 
     host, port = listening.getsockname()[:2]
+    address = f"[{host}]" if ":" in host else host
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -56,7 +57,7 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                print(f"hebrus serve: ready, {name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+                print(f"hebrus serve: ready, {name} at http://{address}:{port}/v1", file=sys.stderr, flush=True)
 
     if model.device.type == "cuda":
         print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",

@@ -32,7 +32,7 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import ChunkAborted
-from hebrus.sampling import Sampling, sample_many
+from hebrus.sampling import Sampling, penalise, sample_many
 from hebrus.serve.kept import Kept
 from hebrus.serve.together import Together
 from hebrus.session import _decode as decode_route
@@ -60,6 +60,7 @@ class Request:
     logits: torch.Tensor | None = None
     produced: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    seen: torch.Tensor | None = None    # the ids a repetition penalty counts (prompt and output), as a mask
     admitted_at: float = 0.0
     ended: bool = False                 # finished, failed or dropped
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
@@ -234,6 +235,9 @@ class Scheduler:
         request.admitted_at = time.monotonic()
         self._spares_refused = False
         request.generator = torch.Generator().manual_seed(request.seed)
+        if request.sampling.repetition_penalty != 1.0:
+            request.seen = torch.zeros(self.model.spec.vocab_size, dtype=torch.bool, device=self.model.device)
+            request.seen[torch.tensor(request.prompt, device=self.model.device)] = True
         kept, length = self.kept.find(request.key, request.prompt)
         if kept is not None:
             request.session = kept.fork()
@@ -265,14 +269,16 @@ class Scheduler:
         holding = holding if holding is not None else []
         clock = time.perf_counter()
         choosing = [(group, r) for group in (requests, holding) for r in group if r.pending is None]
-        chosen = sample_many([r.logits for _, r in choosing], [r.sampling for _, r in choosing],
-                             [r.generator for _, r in choosing])
+        logits = [penalise(r.logits, r.seen, r.sampling.repetition_penalty) for _, r in choosing]
+        chosen = sample_many(logits, [r.sampling for _, r in choosing], [r.generator for _, r in choosing])
         for (group, request), token in zip(choosing, chosen):
             if isinstance(token, BaseException):    # nothing left to sample from: it alone fails
                 group.remove(request)
                 self._fail(request, token)
                 continue
             request.pending = token
+            if request.seen is not None:
+                request.seen[token] = True
             request.emit("token", token)
         for request in holding:
             request.held += 1

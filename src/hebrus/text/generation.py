@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Iterator
 
 from hebrus import arguments
@@ -23,7 +23,7 @@ from hebrus.text import templates
 MODEL = "shakespeare"
 MODE = "fast"
 DEVICE = "auto"                 # CUDA when there is one, else the CPU
-DTYPE = "auto"                  # on a GPU the checkpoint's 16-bit dtype, else bfloat16; float32 on the CPU
+DTYPE = "auto"                  # bfloat16 on a GPU, float32 on the CPU
 MAX_NEW_TOKENS = 256
 SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
 
@@ -48,14 +48,12 @@ class TextOptions:
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidInput(f"unknown option {unknown[0]!r}; text generation takes: {', '.join(sorted(known))}")
+        options = {name: value for name, value in options.items() if value is not None}     # None: the default
         stop = options.pop("stop", ())
         stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else stop
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidInput("stop must be a non-empty string or a list of them")
-        for name, value in options.items():
-            if value is not None:
-                options[name] = _checked(name, value)
-        return cls(stop=stop, **options)
+        return cls(stop=stop, **{name: _checked(name, value) for name, value in options.items()})
 
     def sampling(self, tokenizer) -> Sampling:
         """The sampling these options ask for: each field given here, else the checkpoint's
@@ -146,12 +144,13 @@ class TextStream:
 
     def _pieces_of_run(self) -> Iterator[str]:
         started = time.perf_counter()
-        self._prefill()
-        self.prompt_seconds = time.perf_counter() - started
+        try:
+            self._prefill()
+        finally:
+            self.prompt_seconds = time.perf_counter() - started
         if self.after_prompt is not None:
             self.after_prompt()
         room = self.session.spec.max_context - self.session.frontier      # the context's end stops it too
-        self.context_ended = room < self.options.max_new_tokens
         tokens = self.session.generate([], max_new_tokens=min(self.options.max_new_tokens, room),
                                        temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                        seed=self.seed, top_k=self.sampling.top_k, min_p=self.sampling.min_p,
@@ -175,17 +174,25 @@ class TextStream:
                     self.finish = "stop"
                     break
             if not stop.stopped:
-                piece = stop.add(decoder.flush()) + stop.finish()
+                piece = stop.add(decoder.flush())
+                piece += stop.finish() if not stop.stopped else ""
+                self.finish = "stop" if stop.stopped else self.finish
                 self.text_so_far += piece
                 yield piece
         finally:
             tokens.close()
             self.seconds = time.perf_counter() - started
             self.finish = self.finish or "length"
+            self.context_ended = self.finish == "length" and room < self.options.max_new_tokens
 
     def _prefill(self, chunk: int = 256) -> None:
-        """The prompt, a transaction per 64 tokens, `progress(done, total)` after every `chunk`."""
+        """The prompt, a transaction per 64 tokens, `progress(done, total)` after every `chunk`;
+        a prompt that cannot fit the context is refused before any of it is fed."""
         ids, start = self.prompt, self.session.frontier
+        limit = self.session.spec.max_context
+        if start + len(ids) > limit:
+            raise InvalidInput(f"the prompt's {len(ids)} tokens would take the session past the model's context "
+                               f"limit of {limit} tokens ({limit - start} left)")
         try:
             for begin in range(0, len(ids), chunk):
                 self.session.prefill(ids[begin:begin + chunk], chunk_size=64)
@@ -224,6 +231,7 @@ class Conversation:
         self.messages = [{"role": "system", "content": system}] if system else []
         self.session, self.held = model.session(), []
         self.mark = None                        # (a fork at the last prompt's end, the ids it holds)
+        self.turns = 0
 
     def say(self, text: str, progress=None, **options) -> TextStream:
         """The assistant's reply to `text`, as it comes."""
@@ -232,6 +240,9 @@ class Conversation:
         self._resume(ids)
         settings = TextOptions.of(**{**{f.name: getattr(self.options, f.name) for f in fields(TextOptions)},
                                      **options})
+        if settings.seed is not None and "seed" not in options:   # a seed given once: a new draw each turn
+            settings = replace(settings, seed=(settings.seed + self.turns) % 2**63)
+        self.turns += 1
         start = len(self.held)
 
         def marked() -> None:

@@ -73,13 +73,53 @@ def render(template: str, messages: list[dict[str, str]], special: dict[str, str
     return _render(template, context, folder)
 
 
-def render_marked(template: str, messages: list[dict[str, str]], special: dict[str, str],
-                  folder: Path | None) -> list[str]:
-    """The rendered conversation split around each message's text: [template text, message
-    index, template text, ...], so that the template's text and the messages' can be encoded
-    differently (the messages' literally). An index past the messages is no message's."""
+def pieces(template: str, messages: list[dict[str, str]], special: dict[str, str],
+           folder: Path | None) -> list[tuple[bool, str]]:
+    """The rendered conversation as (is the template's own text, text) pieces, so that the
+    template's text and the messages' can be encoded differently (the messages' literally: a
+    special token typed in a message stays its characters). Rendered twice, with a marker in
+    place of each message's text and with the text itself: where the template changes a
+    message's text (trims it, drops an earlier reply's reasoning), each message's piece is what
+    the template made of it, found between the template's own pieces; InvalidInput where that
+    cannot be told for certain."""
     marked = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
-    return re.split("\ue000(\\d+)\ue001", render(template, marked, special, folder))
+    parts = re.split("\ue000(\\d+)\ue001", render(template, marked, special, folder))
+    own, said = parts[0::2], [messages[int(i)]["content"] if int(i) < len(messages) else None for i in parts[1::2]]
+    if None in said:
+        raise InvalidInput(f"the chat template of {folder} writes a message that is not in the conversation")
+    text = render(template, messages, special, folder)
+    if "".join(o + m for o, m in zip(own, said + [""])) == text:
+        return [(True, own[0])] + [piece for m, o in zip(said, own[1:]) for piece in ((False, m), (True, o))]
+    return _aligned(own, said, text, folder)
+
+
+def _aligned(own: list[str], said: list[str], text: str, folder: Path | None) -> list[tuple[bool, str]]:
+    """`text` split into the template's pieces `own` and, between them, what it made of each
+    message of `said` (some part of it): each split the only one possible."""
+    if not text.startswith(own[0]):
+        raise InvalidInput(f"the chat template of {folder} writes different text around different messages; "
+                           f"hebrus cannot tell its text from theirs")
+    out, at = [(True, own[0])], len(own[0])
+    for k, message in enumerate(said):
+        after = own[k + 1]
+        last = k == len(said) - 1
+        ends = [len(text) - len(after)] if last else [j for j in _starts(text, after, at)]
+        fits = [j for j in ends if j >= at and text.startswith(after, j) and text[at:j] in message]
+        if len(fits) != 1:
+            raise InvalidInput(f"the chat template of {folder} changes a message's text in a way hebrus cannot "
+                               f"tell apart from its own text; the message cannot be encoded safely")
+        out += [(False, text[at:fits[0]]), (True, after)]
+        at = fits[0] + len(after)
+    return out
+
+
+def _starts(text: str, part: str, at: int) -> list[int]:
+    """Where `part` occurs in `text` from `at` on (every position, for an empty part)."""
+    found, j = [], text.find(part, at)
+    while j != -1:
+        found.append(j)
+        j = text.find(part, j + 1) if j < len(text) else -1
+    return found
 
 
 def _render(template: str, context: dict[str, Any], folder: Path | None) -> str:

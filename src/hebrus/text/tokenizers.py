@@ -5,6 +5,7 @@ checkpoint's."""
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,9 @@ class _Tokenizer:
             return self.literal(text) if tokenize else text
         if not tokenize:
             return templates.render(self.template, messages, self.special, self.folder)
-        parts, ids = templates.render_marked(self.template, messages, self.special, self.folder), []
-        for i, part in enumerate(parts):
-            if i % 2 == 0:
-                ids += self.encode(part)
-            elif int(part) < len(messages):
-                ids += self.literal(messages[int(part)]["content"])
+        ids = []
+        for own, piece in templates.pieces(self.template, messages, self.special, self.folder):
+            ids += self.encode(piece) if own else self.literal(piece)
         return ids
 
     @property
@@ -57,10 +55,10 @@ class _Tokenizer:
         blank line before the next speaker."""
         return templates.PLAIN_STOPS if self.template is None else ()
 
-    @property
+    @functools.cached_property
     def generation_config(self) -> dict[str, Any]:
-        """The checkpoint's sampling defaults (`generation_config.json`), checked: any of
-        temperature, top_p, top_k, min_p, repetition_penalty; {} when it has none."""
+        """The checkpoint's sampling defaults (`generation_config.json`), checked, read once:
+        any of temperature, top_p, top_k, min_p, repetition_penalty; {} when it has none."""
         return sampling_defaults(self.folder)
 
 
@@ -85,7 +83,8 @@ class ByteTokenizer(_Tokenizer):
     literal = encode
 
     def decode(self, ids) -> str:
-        """The text of `ids` (bytes that are not UTF-8, and ids past a byte, as U+FFFD)."""
+        """The text of `ids` (bytes that are not UTF-8, and ids past a byte, as U+FFFD; control
+        characters are the model's, kept)."""
         stream = self.stream()
         return "".join(stream.push(int(i)) for i in ids) + stream.flush()
 
@@ -94,17 +93,18 @@ class ByteTokenizer(_Tokenizer):
 
 
 class ByteStream:
-    """Turns ids into text as they arrive, holding back incomplete UTF-8 sequences; control
-    characters that would drive a terminal are shown as U+FFFD."""
+    """Turns ids into text as they arrive, holding back incomplete UTF-8 sequences (bytes that
+    are not UTF-8, and ids past a byte, come out as U+FFFD). The text is the model's as it is;
+    what prints it to a terminal hides control characters (`printable`)."""
 
     def __init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: int) -> str:
-        return printable(self._decoder.decode(bytes([token]) if 0 <= token < 256 else b"\xef\xbf\xbd"))
+        return self._decoder.decode(bytes([token]) if 0 <= token < 256 else b"\xef\xbf\xbd")
 
     def flush(self) -> str:
-        return printable(self._decoder.decode(b"", final=True))
+        return self._decoder.decode(b"", final=True)
 
 
 class CheckpointTokenizer(_Tokenizer):
@@ -167,16 +167,20 @@ class CheckpointTokenizer(_Tokenizer):
 
 
 class TokenStream:
-    """Text as ids arrive, holding back bytes of a character split across tokens."""
+    """Text as ids arrive, holding back bytes of a character split across tokens (an id the
+    tokenizer does not know comes out as U+FFFD; what is still held back when the ids end is
+    dropped, as the tokenizer's own streaming decoder does)."""
 
     def __init__(self, tokenizer):
         from tokenizers.decoders import DecodeStream
         self.tokenizer, self.decoder = tokenizer, DecodeStream(skip_special_tokens=False)
 
     def push(self, token: int) -> str:
+        if self.tokenizer.id_to_token(token) is None:   # an id the tokenizer does not know
+            return "\ufffd"
         try:
             return self.decoder.step(self.tokenizer, token) or ""
-        except Exception:                               # an id the tokenizer does not know
+        except Exception:
             return "\ufffd"
 
     def flush(self) -> str:
