@@ -457,3 +457,22 @@ def test_the_server_decodes_from_graphs_on_cuda_and_a_failure_stays_alone():
         assert server.scheduler.together.widest > 1 and server.scheduler.together.replays > 0, server.scheduler.together.replays
     finally:
         server.close()
+
+
+@cuda
+def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
+    """The durable session and the text layer on the GPU: a snapshot restores onto the device
+    with the same digest and the same next step; a journal recovers it; the text-level defaults
+    (device and dtype auto) pick CUDA and bfloat16 and generate."""
+    model = hebrus.load("tiny", device="cuda", dtype=torch.bfloat16, mode="fast")
+    s = model.session(journal=tmp_path / "j")
+    s.feed(list(b"So foul and fair"))
+    s.save(tmp_path / "s")
+    back = model.restore(tmp_path / "s")
+    assert back.digest() == s.digest() and back.image.read("residual").device.type == "cuda"
+    assert torch.equal(back.feed([1, 2]), s.feed([1, 2])) and back.digest() == s.digest()
+    s.journal.close()
+    assert model.recover(tmp_path / "j").digest() == s.digest()
+    auto = hebrus.text.generation.load("tiny")
+    assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
+    assert isinstance(hebrus.generate(auto, "Hail", max_new_tokens=8, seed=1), str)
