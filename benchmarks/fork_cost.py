@@ -13,8 +13,7 @@ import torch
 
 import hebrus
 from hebrus.bench.limits import sync
-from hebrus.config import preset
-from hebrus.weights.init import init_parameters
+from hebrus.models.hebrus import preset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--contexts", default="1024,32768")
@@ -24,7 +23,7 @@ args = parser.parse_args()
 contexts = [int(c) for c in args.contexts.split(",")]
 device = torch.device(args.device)
 config = preset("tiny").replace(max_context=max(contexts) + 64)
-model = hebrus.Model(config, init_parameters(config), device=device, mode="fast")
+model = hebrus.Model(config, config.init_parameters(), device=device, mode="fast")
 rows = []
 for context in contexts:
     s = model.session()

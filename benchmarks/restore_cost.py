@@ -19,11 +19,10 @@ from pathlib import Path
 TIMER = """
 import json, sys, time
 import hebrus
-from hebrus.config import preset
-from hebrus.weights.init import init_parameters
+from hebrus.models.hebrus import preset
 context, path = int(sys.argv[1]), sys.argv[2]
 config = preset("small").replace(max_context=context + 64)
-model = hebrus.Model(config, init_parameters(config), mode="fast")
+model = hebrus.Model(config, config.init_parameters(), mode="fast")
 model.restore(path)                                 # warm: the file in the page cache, the code loaded
 started = time.perf_counter()
 back = model.restore(path)
@@ -62,10 +61,9 @@ def main() -> None:
 def _save(context: int, path: Path) -> float:
     import torch
     import hebrus
-    from hebrus.config import preset
-    from hebrus.weights.init import init_parameters
+    from hebrus.models.hebrus import preset
     config = preset("small").replace(max_context=context + 64)
-    model = hebrus.Model(config, init_parameters(config), mode="fast")
+    model = hebrus.Model(config, config.init_parameters(), mode="fast")
     s = model.session()
     ids = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     started = time.perf_counter()

@@ -67,12 +67,12 @@ def test_the_in_place_variant_computes_what_a_session_computes(tiny, mode):
 
 
 def test_the_floor_counts_what_a_decode_step_reads(tiny):
-    s = tiny.spec
+    c = tiny.config
     params = dict(tiny.named_parameters())
     everything = sum(p.numel() * p.element_size() for p in params.values())
     experts = sum(p.numel() * p.element_size() for n, p in params.items() if ".moe.experts." in n)
     floor = bench.decode_bytes(tiny, 0)
-    assert floor < everything - experts * (1 - s.moe_top_k / s.moe_experts) + 1     # unused experts not read
+    assert floor < everything - experts * (1 - c.moe_top_k / c.moe_experts) + 1     # unused experts not read
     assert bench.decode_bytes(tiny, 100) > floor                                     # K/V and index rows
 
 

@@ -71,13 +71,13 @@ def test_a_real_cpu_out_of_memory_is_an_allocation_failure(warmed, tiny, monkeyp
     """Finding: torch's CPU allocator raises a plain RuntimeError, which was reported as a
     structural failure."""
     ffn = next(st for st in tiny.stages if st.name == "layers.1.ffn")
-    real = ffn.moe.route
+    real = ffn.feed.moe.route
 
     def route_then_ask_too_much(*args, **kwargs):
         torch.empty(1 << 62, dtype=torch.uint8)          # the allocator refuses this for real
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ffn.moe, "route", route_then_ask_too_much)
+    monkeypatch.setattr(ffn.feed.moe, "route", route_then_ask_too_much)
     before = warmed.digest()
     with pytest.raises(hebrus.AllocationError, match="can't allocate memory") as info:
         warmed.feed([1, 2, 3])

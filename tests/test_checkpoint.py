@@ -53,7 +53,7 @@ def test_saved_names_config_and_shapes_follow_the_contract(tiny, tmp_path):
     assert set(tensors) == _contract_names(c.layer_types)
     D, n = c.hidden_size, c.hc_streams
     assert tensors["layers.0.mixer_hc.fn"].shape == ((2 + n) * n, n * D)
-    assert tensors["layers.0.gdn.in_proj_qkv.weight"].shape == (c.spec().gdn_conv_dim, D)
+    assert tensors["layers.0.gdn.in_proj_qkv.weight"].shape == (2 * c.gdn_key_heads * c.gdn_key_dim + c.gdn_value_heads * c.gdn_value_dim, D)
     assert tensors["layers.1.qsa.index_k.weight"].shape == (c.qsa_index_dim, D)
     assert tensors["layers.0.moe.experts.gate_up"].shape == (c.moe_experts, 2 * c.moe_intermediate, D)
     assert tensors["ple.hash_constants"].dtype == torch.int64
@@ -72,8 +72,7 @@ def test_round_trip_gives_the_same_state(tiny, tmp_path):
 
 def test_tied_checkpoint_has_no_lm_head(tmp_path):
     config = hebrus.load("tiny").config.replace(tie_embeddings=True)
-    from hebrus.weights.init import init_parameters
-    hebrus.Model(config, init_parameters(config)).save(tmp_path)
+    hebrus.Model(config, config.init_parameters()).save(tmp_path)
     assert set(load_file(str(tmp_path / "model.safetensors"))) == _contract_names(config.layer_types, tied=True)
     hebrus.load(tmp_path).session().feed([1, 2])
 
@@ -121,10 +120,10 @@ def test_config_validation_names_the_problem():
 
 
 def test_presets_sizes():
-    from hebrus.weights.layout import parameter_count
-    tiny, small = hebrus.load("tiny").config, hebrus.config.preset("small")
-    assert parameter_count(tiny) <= 1_000_000 and tiny.num_layers >= 4
-    assert 50e6 <= parameter_count(small) <= 100e6
+    from hebrus.layers.layout import parameter_count
+    tiny, small = hebrus.load("tiny").config, hebrus.models.hebrus.preset("small")
+    assert parameter_count(tiny.spec()) <= 1_000_000 and tiny.num_layers >= 4
+    assert 50e6 <= parameter_count(small.spec()) <= 100e6
     assert set(small.layer_types) == {"gdn", "qsa"}
 
 
@@ -156,22 +155,22 @@ def test_from_dict_refuses_what_is_not_a_hebrus_config():
 def test_the_documented_limits_are_the_code_limits():
     from dataclasses import fields
     from pathlib import Path
-    from hebrus.config import MAX_LOAD_BYTES
+    from hebrus.weights.checkpoint import MAX_LOAD_BYTES
     doc = (Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md").read_text()
     allowed = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", doc, re.M))
     for f in fields(hebrus.HebrusConfig):
         if f.type in ("int", "float", "tuple[int, ...]"):
             assert str(f.metadata["range"]) in allowed[f.name], f.name
-    assert f"`hebrus.config.MAX_LOAD_BYTES` = {MAX_LOAD_BYTES // 2**30} GiB" in doc
+    assert f"`hebrus.weights.checkpoint.MAX_LOAD_BYTES` = {MAX_LOAD_BYTES // 2**30} GiB" in doc
 
 
 def test_presets_are_within_every_limit():
-    from hebrus.config import MAX_LOAD_BYTES
-    from hebrus.weights.layout import load_bytes
-    for name in hebrus.config.PRESETS:
-        config = hebrus.config.preset(name)
+    from hebrus.weights.checkpoint import MAX_LOAD_BYTES
+    from hebrus.models.layout import load_bytes
+    for name in hebrus.models.hebrus.PRESETS:
+        config = hebrus.models.hebrus.preset(name)
         assert hebrus.HebrusConfig.from_dict(config.to_dict()) == config
-        assert load_bytes(config) <= MAX_LOAD_BYTES
+        assert load_bytes(config.spec()) <= MAX_LOAD_BYTES
 
 
 SMALLEST = dict(vocab_size=1, hidden_size=1, num_layers=2, layer_types=["gdn", "qsa"], hc_streams=1,
@@ -185,9 +184,8 @@ SMALLEST = dict(vocab_size=1, hidden_size=1, num_layers=2, layer_types=["gdn", "
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_the_smallest_allowed_config_runs(mode):
-    from hebrus.weights.init import init_parameters
     config = hebrus.HebrusConfig(**SMALLEST)
-    session = hebrus.Model(config, init_parameters(config), mode=mode).session()
+    session = hebrus.Model(config, config.init_parameters(), mode=mode).session()
     session.feed([0])
     session.feed([0])
     assert session.frontier == 2
@@ -196,8 +194,7 @@ def test_the_smallest_allowed_config_runs(mode):
 # ---- saving -------------------------------------------------------------------------------
 
 def _other(tiny):
-    from hebrus.weights.init import init_parameters
-    return hebrus.Model(tiny.config, init_parameters(tiny.config, seed=1))
+    return hebrus.Model(tiny.config, tiny.config.init_parameters(1))
 
 
 def _write_sharded(model, folder):

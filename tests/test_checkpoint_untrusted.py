@@ -156,28 +156,28 @@ def test_a_config_may_not_ask_to_allocate_more_than_the_bound(folder, changes, m
 
 
 def test_the_limit_is_the_constant_or_the_machine(monkeypatch):
-    from hebrus.config import MAX_LOAD_BYTES
+    from hebrus.weights.checkpoint import MAX_LOAD_BYTES
     from hebrus.weights.checkpoint import memory_limit
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert memory_limit(torch.device("cpu")) == min(MAX_LOAD_BYTES, physical)
 
 
 def test_the_estimate_counts_parameters_and_the_rotary_build(tiny):
-    from hebrus.weights.layout import load_bytes, parameter_shapes, storage_dtype
+    from hebrus.models.layout import load_bytes, parameter_shapes, storage_dtype
     c = tiny.config
 
     def stored(config, dtype):
-        shapes = parameter_shapes(config)
+        shapes = parameter_shapes(config.spec())
         params = sum(math.prod(s) * storage_dtype(n, dtype).itemsize for n, s in shapes.items())
         return params + 16 * max(math.prod(s) for s in shapes.values())
 
-    assert load_bytes(c) == stored(c, torch.float32) + 32 * c.max_context * c.qsa_head_dim    # dh == di
-    assert load_bytes(c, torch.bfloat16) == stored(c, torch.bfloat16) + 32 * c.max_context * c.qsa_head_dim
-    assert load_bytes(c, torch.bfloat16) < load_bytes(c)
+    assert load_bytes(c.spec()) == stored(c, torch.float32) + 32 * c.max_context * c.qsa_head_dim    # dh == di
+    assert load_bytes(c.spec(), torch.bfloat16) == stored(c, torch.bfloat16) + 32 * c.max_context * c.qsa_head_dim
+    assert load_bytes(c.spec(), torch.bfloat16) < load_bytes(c.spec())
     wider = c.replace(qsa_index_dim=32)
-    assert load_bytes(wider) == stored(wider, torch.float32) + 32 * c.max_context * (16 + 32)
+    assert load_bytes(wider.spec()) == stored(wider, torch.float32) + 32 * c.max_context * (16 + 32)
     gdn_only = c.replace(layer_types=("gdn",) * 4)
-    assert load_bytes(gdn_only) == stored(gdn_only, torch.float32)
+    assert load_bytes(gdn_only.spec()) == stored(gdn_only, torch.float32)
 
 
 class _HeadersOnly:

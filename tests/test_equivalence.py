@@ -95,11 +95,10 @@ def test_exact_long_context_chunks_equal_single_tokens():
     """A few thousand tokens, far past the indexer's top-k: prefill in large chunks and token
     by token give bit-identical state (a two-layer Hebrus model keeps this quick)."""
     import hebrus
-    from hebrus.config import preset
-    from hebrus.weights.init import init_parameters
+    from hebrus.models.hebrus import preset
     c = preset("tiny").replace(max_context=4096, num_layers=2, layer_types=("gdn", "qsa"), hc_streams=2,
                                hc_sinkhorn_iters=2, qsa_top_k=16)
-    model = hebrus.Model(c, init_parameters(c), mode="exact")
+    model = hebrus.Model(c, c.init_parameters(), mode="exact")
     ids = torch.randint(0, 256, (2200,), generator=torch.Generator().manual_seed(0)).tolist()
     chunked, single = model.session(reserve=2200), model.session()
     chunked.prefill(ids, chunk_size=733)
@@ -111,11 +110,10 @@ def test_a_long_fast_chunk_is_scored_a_block_of_queries_at_a_time(monkeypatch):
     """Fast mode scores a long chunk's queries in blocks (memory O(block × context)): the same
     state and logits as scoring the chunk at once, within float rounding."""
     import hebrus
-    from hebrus.config import preset
-    from hebrus.layers import qsa
-    from hebrus.weights.init import init_parameters
+    from hebrus.models.hebrus import preset
+    from hebrus.layers import attention as qsa
     c = preset("tiny").replace(max_context=2048, qsa_top_k=16)
-    model = hebrus.Model(c, init_parameters(c), mode="fast", dtype=torch.float64)
+    model = hebrus.Model(c, c.init_parameters(), mode="fast", dtype=torch.float64)
     ids = torch.randint(0, 256, (900,), generator=torch.Generator().manual_seed(1)).tolist()
     whole = model.session()
     whole.feed(ids[:100])

@@ -98,6 +98,7 @@ def _config(tmp_path, family, **changes):
 
 
 def test_layer_types_from_the_interval_and_rope_settings_from_either_place(tmp_path):
+    from hebrus.layers.attention import AttentionSection
     from hebrus.models import family_of
     data = _config(tmp_path, "qwen3_5")
     del data["layer_types"]
@@ -111,7 +112,8 @@ def test_layer_types_from_the_interval_and_rope_settings_from_either_place(tmp_p
     top = dict(data, rope_theta=500.0, partial_rotary_factor=0.5)
     top.pop("rope_parameters")
     flat = family.spec(family.config(top))
-    assert nested == flat and nested.rope_theta == 500.0 and nested.rotary_dim == 8
+    attention = nested.section(AttentionSection)
+    assert nested == flat and attention.rope_theta == 500.0 and attention.rotary_dim == 8
 
 
 def test_a_real_size_config_passes_the_allocation_check(tmp_path):

@@ -155,10 +155,10 @@ def test_each_tensor_builds_the_same_with_and_without_preallocated_buffers(tmp_p
     """On the CPU the loader reads file tensors straight into their slices of the final buffer
     (`Source.part`); elsewhere it builds each tensor from whole file tensors (`Source.build`).
     Both must give the same bits."""
-    from hebrus.models import family_of
+    from hebrus.models import family_of, layout
     from hebrus.weights import checkpoint
     folder, _ = build(name, tmp_path / "m")
-    built = checkpoint.load(folder, family_of).params
+    built = checkpoint.load(folder, family_of, layout=layout).params
     placed = dict(hebrus.load(folder).named_parameters())
     assert built.keys() == placed.keys()
     for key, tensor in built.items():

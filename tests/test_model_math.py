@@ -42,8 +42,7 @@ def test_selection_really_drops_tokens(tiny64):
 
 def test_tied_embeddings_use_the_embedding_as_output(tiny64):
     config = tiny64.config.replace(tie_embeddings=True)
-    from hebrus.weights.init import init_parameters
-    model = hebrus.Model(config, init_parameters(config), dtype=torch.float64)
+    model = hebrus.Model(config, config.init_parameters(), dtype=torch.float64)
     spec = SpecModel(config, dict(model.named_parameters()))
     ids = tokens(6, seed=5)
     logits = model.session().feed(ids)

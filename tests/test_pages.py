@@ -179,7 +179,7 @@ def test_tables_paged_from_a_file_keep_memory_bounded(tmp_path):
     import subprocess
     import sys
     from hebrus.bench.pages import sparse_checkpoint
-    from hebrus.config import preset
+    from hebrus.models.hebrus import preset
     config = preset("tiny").replace(ple_buckets=(8_000_000, 8_000_000))
     size = (sparse_checkpoint(tmp_path / "big", config, stored="F32") / "model.safetensors").stat().st_size
     assert size > 2 * 10**9

@@ -361,10 +361,9 @@ def test_a_malformed_quantization_config_is_refused(tmp_path, config, why):
 
 
 def test_a_kv_cache_needs_attention_layers():
-    from hebrus.config import preset
-    from hebrus.weights.init import init_parameters
+    from hebrus.models.hebrus import preset
     config = preset("tiny").replace(layer_types=("gdn",) * 4)
-    model = hebrus.Model(config, init_parameters(config))
+    model = hebrus.Model(config, config.init_parameters())
     with pytest.raises(InvalidInput, match="no attention"):
         model.with_kv_cache("int8")
 

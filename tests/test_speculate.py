@@ -10,12 +10,11 @@ import torch
 
 import hebrus
 from hebrus import speculate
-from hebrus.config import preset
+from hebrus.models.hebrus import preset
 from hebrus.errors import InvalidInput
 from hebrus.runtime import Model
 from hebrus.sampling import Sampling, distribution
 from hebrus.session import Session
-from hebrus.weights.init import init_parameters
 
 PROMPT = list(b"abcabcabca")
 
@@ -28,7 +27,7 @@ def draft_of_tiny():
     g = torch.Generator().manual_seed(5)
     params = {name: value + 0.05 * value.std() * torch.randn(value.shape, generator=g)
               if value.is_floating_point() and value.numel() > 1 and "A_log" not in name else value
-              for name, value in init_parameters(config).items()}
+              for name, value in config.init_parameters().items()}
     return Model(config, params, mode="fast")
 
 
@@ -168,10 +167,10 @@ def test_speculation_arguments_are_checked(tiny):
         s.generate([1, 2], speculate="draft")
     other = dataclasses.replace(preset("tiny"), vocab_size=128)
     with pytest.raises(InvalidInput, match="vocabulary has 128 ids"):
-        s.generate([1, 2], speculate=Model(other, init_parameters(other)))
+        s.generate([1, 2], speculate=Model(other, other.init_parameters()))
     short = dataclasses.replace(preset("tiny"), max_context=16)
     with pytest.raises(InvalidInput, match="context limit of 16"):
-        s.generate(list(range(10)), max_new_tokens=8, speculate=Model(short, init_parameters(short)))
+        s.generate(list(range(10)), max_new_tokens=8, speculate=Model(short, short.init_parameters()))
     with pytest.raises(InvalidInput, match="draft_tokens"):
         s.generate([1, 2], speculate="lookup", draft_tokens=-1)
     assert s.frontier == 0

@@ -14,7 +14,7 @@ import torch
 
 import hebrus
 from hebrus import training
-from hebrus.config import preset
+from hebrus.models.hebrus import preset
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "shakespeare"
 TEXT = (b"ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"

@@ -116,7 +116,7 @@ def test_real_memory_error_inside_a_stage_is_an_allocation_failure(tiny, monkeyp
     s = _warm_session(tiny)
     before = s.digest()
     ffn = next(st for st in tiny.stages if st.name == "layers.0.ffn")
-    monkeypatch.setattr(ffn.moe, "route", lambda h, start: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr(ffn.feed.moe, "route", lambda h, start: (_ for _ in ()).throw(MemoryError("no room")))
     with pytest.raises(hebrus.AllocationError) as info:
         s.feed(CHUNK)
     assert info.value.stage == "layers.0.ffn" and s.digest() == before
@@ -170,8 +170,8 @@ def test_device_status_bit_from_an_out_of_range_route(tiny, monkeypatch):
     s = _warm_session(tiny)
     before = s.digest()
     ffn = next(st for st in tiny.stages if st.name == "layers.1.ffn")
-    real = ffn.moe.route
-    monkeypatch.setattr(ffn.moe, "route", lambda h, start: (real(h, start)[0], real(h, start)[1] + 100))
+    real = ffn.feed.moe.route
+    monkeypatch.setattr(ffn.feed.moe, "route", lambda h, start: (real(h, start)[0], real(h, start)[1] + 100))
     with pytest.raises(hebrus.DeviceStatusError, match="route_range") as info:
         s.feed(CHUNK)
     assert info.value.stage == "layers.1.ffn" and s.digest() == before

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from hebrus import training
-from hebrus.config import HebrusConfig
+from hebrus.layers.attention import AttentionSection
+from hebrus.layers.mlp import MLPSection
 from hebrus.layers.spec import ModelSpec
+from hebrus.models.hebrus import HebrusConfig
 from hebrus.weights import checkpoint
 
 HERE = Path(__file__).parent
@@ -47,8 +49,8 @@ def dense_spec() -> ModelSpec:
     width, depth and parameter count (9.39M, within 0.02%)."""
     return ModelSpec(family="dense", vocab_size=256, hidden_size=256, mixers=("attention",) * 6,
                      ffns=("mlp",) * 6, max_context=8192, rms_norm_eps=1e-6, tie_embeddings=True,
-                     residual="plain", hc_streams=1, attn_heads=4, attn_kv_heads=2, attn_head_dim=64,
-                     rotary_dim=64, mlp_intermediate=1682)
+                     residual="plain", hc_streams=1,
+                     sections=(AttentionSection(heads=4, kv_heads=2, head_dim=64, rotary_dim=64), MLPSection(1682)))
 
 
 def parameter_count(params) -> int:

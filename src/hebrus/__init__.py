@@ -3,7 +3,7 @@
 A chunk of tokens is one transaction: every persistent value it touches is published together
 by one bank flip, or not at all.
 """
-from hebrus.config import HebrusConfig
+from hebrus.models.hebrus import HebrusConfig
 from hebrus.errors import (FAULT_KINDS, AllocationError, CheckpointError, ChunkAborted, CommandError,
                            DeviceStatusError, InvalidInput, NonFiniteError, StructuralError)
 from hebrus.faults import inject

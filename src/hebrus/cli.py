@@ -8,7 +8,7 @@ import time
 
 from hebrus import text
 from hebrus.bench import command as bench_command
-from hebrus.config import PRESETS, HebrusConfig
+from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
@@ -296,7 +296,7 @@ def _load(args, say: bool = True, threads: bool = True):
                  kv_cache=getattr(args, "kv_cache", None))
     if say:
         import torch
-        from hebrus.weights.layout import parameter_count
+        from hebrus.layers.layout import parameter_count
         threads = torch.get_num_threads()
         where = f"{model.device}" + (f", {threads} thread{'s' if threads != 1 else ''}"
                                      if model.device.type == "cpu" else "")
@@ -417,7 +417,7 @@ def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()
 
 def _info(args) -> int:
     from hebrus.state.owners import BANKED
-    from hebrus.weights.layout import parameter_count
+    from hebrus.layers.layout import parameter_count
 
     model = _load(args)
     c = model.spec

@@ -9,24 +9,22 @@ from typing import Iterator
 import torch
 
 from hebrus.arguments import count
-from hebrus.config import PRESETS, HebrusConfig, preset
 from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
-from hebrus.models import family_of
+from hebrus.models import family_of, layout
+from hebrus.models.hebrus import PRESETS, HebrusConfig, preset
 from hebrus.ops.norm import accum_dtype
 from hebrus.presets import TRAINED, names
 from hebrus.show import shown
 from hebrus.state.owners import OwnerSpec
 from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
-from hebrus.weights.init import init_parameters
-from hebrus.weights.layout import storage_dtype
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
 from hebrus.ops.quant import all_finite, check_cache_format
-from hebrus.weights.quant import Quantization, check_parts, quantize_params
+from hebrus.weights.quant import Quantization, check_parts, folded, quantize_params
 
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -38,7 +36,7 @@ class Model:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, mode: str = "exact",
                  chooser: Chooser | None = None, ple_cache_bytes: int | None = None):
         device, mode = resolve_device(device), _mode(mode)
-        placed = {name: _place(name, t, _home(name, device, ple_cache_bytes), storage_dtype(name, dtype))
+        placed = {name: _place(name, t, _home(name, device, ple_cache_bytes), layout.storage_dtype(name, dtype))
                   for name, t in params.items()}
         self._build(config, config.spec(), placed, device, dtype, mode, chooser, paging=ple_cache_bytes)
 
@@ -66,7 +64,9 @@ class Model:
                         if not (name in self.paged and isinstance(self.paged[name].source, FileRows))}
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in self._params.values())
         self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
-        self.stages = build_stages(spec, {**self._params, **self.paged}, self.kernels)
+        weights = folded({**self._params, **self.paged}, spec.quantization, layout.float_shapes(spec),
+                         layout.quantized(spec), self.kernels.quantized_linear)
+        self.stages = build_stages(spec, weights, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
 
     @property
@@ -98,7 +98,7 @@ class Model:
         or "fp8" codes with a float32 scale per row (per head of a K/V row), or None: in the
         model's dtype."""
         check_cache_format(kv_cache)
-        if kv_cache is not None and not self.spec.has_attention:
+        if kv_cache is not None and not self.spec.keeps_rows:
             raise InvalidInput(f"kv_cache quantizes attention's rows; this {self.spec.family} model has no attention "
                                f"layers")
         return Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
@@ -112,7 +112,7 @@ class Model:
         if self.spec.quantization is not None:
             raise InvalidInput(f"this model is already quantized ({self.spec.quantization.name}); load its "
                                f"float checkpoint to quantize it otherwise")
-        params = quantize_params(self._params, q)
+        params = quantize_params(self._params, q, layout.quantized(self.spec))
         check_parts(params, q)                  # what a save would write must load again
         return Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
                              self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
@@ -148,7 +148,7 @@ class Model:
         """A copy of the weights in `dtype` (each converted from this model's), same mode and
         device. For comparisons: a float32 model against its float64 twin."""
         dtype = resolve_dtype(dtype)
-        params = {name: _place(name, p, _home(name, self.device, self.paging), storage_dtype(name, dtype))
+        params = {name: _place(name, p, _home(name, self.device, self.paging), layout.storage_dtype(name, dtype))
                   for name, p in self._params.items()}
         params.update({name: rows.with_dtype(dtype) for name, rows in self._in_files().items()})
         return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
@@ -239,7 +239,7 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
                                 "the tables resident)", ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
-        return Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode,
+        return Model(config, config.init_parameters(), device=device, dtype=dtype, mode=mode,
                      ple_cache_bytes=ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in TRAINED:
         path = TRAINED[name_or_path]
@@ -251,16 +251,16 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
         path = _repo(name_or_path)
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _place(name, tensor, device, storage_dtype(name, dtype), fresh=True)
+        return _place(name, tensor, device, layout.storage_dtype(name, dtype), fresh=True)
 
     def dtype_of(name: str) -> torch.dtype:                  # on the CPU, convert while reading
-        return storage_dtype(name, dtype)
+        return layout.storage_dtype(name, dtype)
 
     def stream(name: str) -> torch.dtype | None:            # PLE tables stay in their file when paged
-        return storage_dtype(name, dtype) if ple_cache_bytes is not None and name.startswith(PAGED) else None
+        return layout.storage_dtype(name, dtype) if ple_cache_bytes is not None and name.startswith(PAGED) else None
 
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
-                             dtype=dtype, device=device, stream=stream)
+                             dtype=dtype, device=device, stream=stream, layout=layout)
     if quantize is not None and loaded.spec.quantization is not None:
         raise InvalidInput(f"{path} is stored quantized ({loaded.spec.quantization.name}); load it without "
                            f"quantize")

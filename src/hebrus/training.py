@@ -35,8 +35,10 @@ from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import dense_attention_fast, sparse_attention
 from hebrus.state.status import Status
-from hebrus.weights.init import init_parameters
-from hebrus.weights.layout import spec_of
+from hebrus.layers.layout import init_parameters
+from hebrus.models import layout
+from hebrus.models.hebrus import HebrusConfig
+from hebrus.weights.quant import folded
 
 KL_ROWS = 256           # query rows per sparse-attention layer that the indexer's KL term samples
 
@@ -46,7 +48,7 @@ class SequenceContext:
     each owner's initial value, writes and row logs are plain tensors (autograd sees them), and
     device-side checks are not kept (training data is trusted and in range)."""
 
-    batched = False
+    row_per_session = False
     each = False            # never a prefix transaction
 
     def __init__(self, spec: ModelSpec, ids: torch.Tensor, dtype: torch.dtype):
@@ -141,7 +143,10 @@ def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,
     The stages are built afresh on `params` each call, so values derived from parameters at
     build time (the delta rule's decay constants) carry their gradients."""
     record = Record()
-    stages = build_stages(spec, params, training_kernels(record, gdn_chunk))
+    kernels = training_kernels(record, gdn_chunk)
+    params = folded(params, spec.quantization, layout.float_shapes(spec), layout.quantized(spec),
+                    kernels.quantized_linear)
+    stages = build_stages(spec, params, kernels)
     ctx = SequenceContext(spec, ids, params["embed.weight"].dtype)
     for stage in stages[:-1]:
         stage.run(ctx)
@@ -177,13 +182,15 @@ def losses(spec: ModelSpec, params, ids: torch.Tensor, kl_weight: float = 0.1, b
 
 
 def initial_parameters(c, seed: int | None = None) -> dict[str, torch.Tensor]:
-    """Parameters to start training from: the presets' initialisation (`weights.init`, which
+    """Parameters to start training from: the presets' initialisation (`layers.layout`, which
     makes every component active for tests) with the scales a network learns from: embeddings
     at 1/√D (tied logits start near unit scale, the loss near log V), and each sublayer's output
     projection, and the per-layer embeddings' output norm, scaled by 1/√(2·layers) so the
     residual stream starts from small updates."""
-    params = init_parameters(c, seed)
-    spec = spec_of(c)
+    if isinstance(c, HebrusConfig):                 # seeded by its init_seed
+        params, spec = c.init_parameters(seed), c.spec()
+    else:
+        params, spec = init_parameters(c, 0 if seed is None else seed), c
     residual_scale = (2 * spec.num_layers) ** -0.5
     for name, t in params.items():
         if name in ("embed.weight", "lm_head.weight"):

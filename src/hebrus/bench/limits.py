@@ -7,7 +7,11 @@ import time
 
 import torch
 
+from hebrus.layers.kind import KINDS
+from hebrus.layers.layout import layout
+from hebrus.layers.owners import owner_table
 from hebrus.state.owners import BANKED
+from hebrus.weights.quant import is_part
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -44,23 +48,45 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n ** 3 / min(times)
 
 
+def _costs(s, position: float) -> dict[str, tuple[object, str, object]]:
+    """Each weight's name -> (its kind or None, its name within the kind, the kind's `Cost` at
+    `position`)."""
+    costs, out = {}, {}
+    for w in layout(s):
+        if w.kind is not None and w.kind.name not in costs:
+            costs[w.kind.name] = w.kind.cost(s, position)
+        out[w.name] = (w.kind, w.leaf, costs.get(w.kind.name) if w.kind is not None else None)
+    return out
+
+
+def _weight(name: str, weights: dict) -> tuple[object, str, object]:
+    """The layout entry of a stored tensor: a quantized weight's part counts as the weight."""
+    if is_part(name):
+        stem = name.rsplit(".", 1)[0]
+        name = stem + ".weight" if stem + ".weight" in weights else stem
+    return weights.get(name, (None, name, None))
+
+
 def _active_weights(model, batch: int = 1) -> tuple[int, int, int]:
     """(bytes a step of `batch` tokens reads of the weights, elements a token multiplies in the
-    body, elements of the output head): routed experts count top_k of E per token (at most all
-    E for a batch), the input embedding one row a token, the head once."""
+    body, elements of the output head): each kind's `Cost` says what share of a weight a token
+    uses (routed experts: top_k of E, at most all of them for a batch) and which weights it
+    reads a row of (tables); the input embedding is one row a token, the head read once."""
     s = model.spec
+    weights = _costs(s, 0)
     read = body = 0
     head = s.vocab_size * s.hidden_size
     for name, p in model.named_parameters():
-        share = s.moe_top_k / s.moe_experts if ".moe.experts." in name else 1.0
+        kind, leaf, cost = _weight(name, weights)
         if name == "embed.weight":
             read += batch * s.hidden_size * p.element_size() if not s.tie_embeddings else 0   # the head reads it
             continue
-        if name.startswith(("ple.unigram.", "ple.ngram.")):                                  # one row looked up
+        if cost is not None and leaf in cost.lookups:                                         # one row looked up
             read += batch * p.shape[-1] * p.element_size()
             continue
         if name == "lm_head.weight":                                                          # counted as the head
             continue
+        share = cost.shares.get(leaf, 1.0) if cost is not None else 1.0
         read += int(p.numel() * p.element_size() * min(1.0, share * batch))
         body += int(p.numel() * share)
     itemsize = model.dtype.itemsize
@@ -70,34 +96,29 @@ def _active_weights(model, batch: int = 1) -> tuple[int, int, int]:
 def decode_bytes(model, context: int, batch: int = 1) -> int:
     """Bytes a decode step must read at `context`: the weights a token uses (top_k of the routed
     experts, one row of an untied input embedding, the output head), the banked state, and of the
-    appended rows those attention reads: every K/V row of dense attention, every index key and
-    top_k K/V rows of sparse attention; routes are written, not read. A batch of sessions reads
-    the weights once (the experts any of its tokens chose) and each session's state."""
+    appended rows the rows each kind's `Cost` says a token reads (dense attention every K/V row,
+    sparse attention every index key and top_k K/V rows; routes are written, not read). A batch
+    of sessions reads the weights once (the experts any of its tokens chose) and each session's
+    state."""
     s = model.spec
     weights = _active_weights(model, batch)[0]
     state = 0
-    for o in model.owners:
-        if o.kind == BANKED:
-            state += o.nbytes
-        elif o.name.endswith((".qsa.k", ".qsa.v")):
-            state += o.nbytes * min(s.top_k, context)
-        elif o.name != "routes":
-            state += o.nbytes * context
+    for owner, kind, leaf in owner_table(s, model.dtype, model.state_dtype):
+        if owner.kind == BANKED:
+            state += owner.nbytes
+        else:
+            rows = kind.cost(s, context).rows if kind is not None else {}
+            state += owner.nbytes * rows.get(leaf, context)
     return weights + batch * state
 
 
 def prefill_flops_per_token(model, context: int, chunk: int) -> float:
     """Matrix flops a prefill token costs: 2 per body weight it uses, the output head once per
-    chunk (only the chunk's last position is published), and attention over the positions before
-    it (on average half the context): q·k and the weighted sum of v, the indexer's scores."""
+    chunk (only the chunk's last position is published), and what each layer's kind adds at the
+    mean position (half the context): attention's scores and sums, the indexer's scores."""
     s = model.spec
     _, body, head = _active_weights(model)
     flops = 2 * body + 2 * head / min(chunk, context)
-    mean_position = context / 2
-    for kind in s.mixers:
-        if kind == "attention":
-            flops += 4 * s.attn_heads * s.attn_head_dim * mean_position
-        elif kind == "qsa":
-            flops += 2 * s.index_heads * s.index_dim * mean_position
-            flops += 4 * s.attn_heads * s.attn_head_dim * min(s.top_k, mean_position)
+    for mixer, ffn in zip(s.mixers, s.ffns):
+        flops += KINDS[mixer].cost(s, context / 2).flops + KINDS[ffn].cost(s, context / 2).flops
     return flops

@@ -16,11 +16,11 @@ import time
 import torch
 
 from hebrus.bench.limits import sync
-from hebrus.config import preset
-from hebrus.layers.graph import AttentionMixer
+from hebrus.layers.attention import AttentionMixer
+from hebrus.layers.layout import init_parameters
+from hebrus.models.hebrus import preset
+from hebrus.models.layout import storage_dtype
 from hebrus.runtime import Model, _place
-from hebrus.weights.init import init_parameters
-from hebrus.weights.layout import storage_dtype
 
 LONG_CONTEXT = 131072 + 4096       # a 128K prompt leaves room for the decode steps
 CONTEXTS = (1024, 8192, 32768, 131072)
@@ -29,11 +29,11 @@ CONTEXTS = (1024, 8192, 32768, 131072)
 def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast") -> dict[str, Model]:
     """{"qsa": the small shape at LONG_CONTEXT, "dense": the same with full attention}."""
     config = preset("small").replace(max_context=LONG_CONTEXT)
-    sparse = Model(config, init_parameters(config), device=device, dtype=dtype, mode=mode)
+    sparse = Model(config, config.init_parameters(), device=device, dtype=dtype, mode=mode)
     spec = config.spec()
     spec = spec.replace(mixers=tuple("attention" if kind == "qsa" else kind for kind in spec.mixers))
     params = {name: _place(name, t, device, storage_dtype(name, dtype))
-              for name, t in init_parameters(spec, seed=config.init_seed).items()}
+              for name, t in init_parameters(spec, config.init_seed).items()}
     dense = Model._placed(config, spec, params, device, dtype, mode)
     return {"qsa": sparse, "dense": dense}
 

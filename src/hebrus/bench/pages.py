@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 from hebrus.bench.limits import sync
-from hebrus.config import HebrusConfig, preset
-from hebrus.weights.init import init_parameters
-from hebrus.weights.layout import parameter_shapes
+from hebrus.models.hebrus import HebrusConfig, preset
+from hebrus.models.layout import parameter_shapes
 
 TEXT = (b"Good morning. Could you tell me how the weather will be this afternoon? I would like to walk to "
         b"the market and back before it rains, and buy some bread, some cheese and a few apples. If it rains "
@@ -47,9 +46,9 @@ def sparse_checkpoint(folder: Path, config: HebrusConfig, stored: str = "BF16") 
     if (folder / "config.json").exists() and weights.exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    real = {"ple.hash_constants": init_parameters(config)["ple.hash_constants"]}
+    real = {"ple.hash_constants": config.init_parameters()["ple.hash_constants"]}
     header, at, placed = {}, 0, {}
-    for name, shape in sorted(parameter_shapes(config).items()):
+    for name, shape in sorted(parameter_shapes(config.spec()).items()):
         dtype, size = ("I64", 8) if name in real else (stored, 4 if stored == "F32" else 2)
         nbytes = math.prod(shape) * size
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}

@@ -1,5 +1,12 @@
-"""The Hebrus reference model: parameterised layers and the graph that orders them into stages.
+"""The layers: the frame (embedding, residual, norms, head: `graph`, `sublayer`, `hyper`), one
+module per layer kind, each declaring everything about itself (`kind`), and the tables built
+from them (`owners`, `layout`). Layers know nothing about banks: a stage reads public state and
+writes private state through the transaction it is given.
 
-Layers know nothing about banks: a stage reads public state and writes private state through
-the transaction it is given.
+The registry: importing a kind's module registers it; one line a kind.
 """
+from hebrus.layers import gdn  # noqa: F401                  Gated DeltaNet
+from hebrus.layers import attention  # noqa: F401            attention, qsa
+from hebrus.layers import moe  # noqa: F401                  routed experts
+from hebrus.layers import mlp  # noqa: F401                  the dense MLP
+from hebrus.layers import ple  # noqa: F401                  per-layer embeddings

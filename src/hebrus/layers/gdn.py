@@ -1,16 +1,44 @@
-"""Gated DeltaNet mixer (Qwen3.5 layout): projections, causal conv, gated delta rule, gated norm."""
+"""Gated DeltaNet, a mixer kind (Qwen3.5 layout): projections, causal conv, gated delta rule,
+gated norm. Its state per layer: the conv's last Kc-1 inputs and the recurrent matrix S."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from hebrus.layers.spec import ModelSpec
+from hebrus.layers.kind import Cost, Kind, uniform
+from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.gdn import gdn_inputs
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import linear
+from hebrus.state.context import StepContext
+from hebrus.state.owners import OwnerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaNetSection:
+    key: ClassVar[str] = "gdn"
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def problems(self, s):
+        if self.value_heads % self.key_heads:
+            yield (f"delta-rule value heads ({self.value_heads}) must be a multiple of its key heads "
+                   f"({self.key_heads})")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 class GatedDeltaNet:
-    def __init__(self, c: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str):
+        g = s.section(DeltaNetSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w_qkv, self.w_z = w["in_proj_qkv.weight"], w["in_proj_z.weight"]
         self.w_b, self.w_a, self.w_out = w["in_proj_b.weight"], w["in_proj_a.weight"], w["out_proj.weight"]
@@ -18,8 +46,8 @@ class GatedDeltaNet:
         state = accum_dtype(self.conv_w.dtype)       # the recurrent state's dtype (the model's, widened)
         self.neg_a = (-w["A_log"].exp()).to(state)    # widening is exact: the same values as before
         self.dt_bias = w["dt_bias"].to(state)
-        self.hk, self.hv, self.dk, self.dv = c.gdn_key_heads, c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim
-        self.eps = c.rms_norm_eps
+        self.hk, self.hv, self.dk, self.dv = g.key_heads, g.value_heads, g.key_dim, g.value_dim
+        self.eps = s.rms_norm_eps
 
     def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels,
                  sessions: bool = False, each: bool = False):
@@ -38,3 +66,67 @@ class GatedDeltaNet:
         z = linear(h, self.w_z).view(T, self.hv, self.dv)
         o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return linear(o.flatten(1), self.w_out), conv_state, S
+
+
+class GDNMixer(Sublayer):
+    def __init__(self, s, params, layer: int, kernels):
+        super().__init__(s, params, layer, "mixer", kernels)
+        self.name = f"layers.{layer}.gdn"
+        self.gdn = GatedDeltaNet(s, params, self.name + ".")
+
+    def run(self, txn: StepContext) -> None:
+        conv, rec = self.name + ".conv", self.name + ".recurrent"
+
+        def step(pos, X, state, each=False):
+            h, post, comb = self.mix_in(X)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=txn.row_per_session, each=each)
+            return self.mix_out(X, y, post, comb), (conv_state, S)
+
+        X, (conv_state, S) = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],),
+                                  (txn.read(conv).transpose(-1, -2), txn.read(rec)), txn.each)
+        write = txn.write_each if txn.each else txn.write
+        write(conv, conv_state.transpose(-1, -2))
+        write(rec, S)
+        txn.emit("streams", X)
+
+
+class GDN(Kind):
+    name = "gdn"
+    role = "mixer"
+    section = DeltaNetSection
+    quantized = ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
+    wide = ("A_log", "dt_bias")
+
+    def weights(self, s, prefix):
+        g, D = s.section(DeltaNetSection), s.hidden_size
+        Hv, dv = g.value_heads, g.value_dim
+        return {
+            f"{prefix}in_proj_qkv.weight": (g.conv_dim, D),
+            f"{prefix}in_proj_z.weight": (Hv * dv, D),
+            f"{prefix}in_proj_b.weight": (Hv, D),
+            f"{prefix}in_proj_a.weight": (Hv, D),
+            f"{prefix}conv.weight": (g.conv_dim, g.conv_kernel),
+            f"{prefix}A_log": (Hv,),
+            f"{prefix}dt_bias": (Hv,),
+            f"{prefix}norm.weight": (dv,),
+            f"{prefix}out_proj.weight": (D, Hv * dv),
+        }
+
+    def owners(self, s, prefix, dtype, state_dtype):
+        g = s.section(DeltaNetSection)
+        return [OwnerSpec(prefix + "conv", (g.conv_dim, g.conv_kernel - 1), dtype),
+                OwnerSpec(prefix + "recurrent", (g.value_heads, g.key_dim, g.value_dim), state_dtype)]
+
+    def init(self, leaf, shape, gen):
+        """Decays in their unsaturated range: A = e^A_log in [1, 8], softplus(dt_bias) in [0.01, 0.1]."""
+        if leaf == "A_log":
+            return uniform(shape, 1.0, 8.0, gen).log()
+        if leaf == "dt_bias":
+            return uniform(shape, 0.01, 0.1, gen).expm1().log()                 # softplus⁻¹
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        return GDNMixer(s, params, layer, kernels)
+
+    def cost(self, s, position):
+        return Cost()

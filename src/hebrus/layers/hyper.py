@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 from hebrus.layers.kernels import unfused
-from hebrus.layers.spec import ModelSpec
+from hebrus.layers.kind import normal, uniform
 from hebrus.ops.hyper import hc_head, hc_post, hc_pre
 
 
 class HyperConnection:
     """n streams mixed by learned gates and a Sinkhorn-projected stream mix (mHC)."""
 
-    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
         self.fn, self.base, self.scale = (params[f"{prefix}.{k}"] for k in ("fn", "base", "scale"))
         self.iters, self.hc_eps, self.rms_eps = s.hc_sinkhorn_iters, s.hc_eps, s.rms_norm_eps
         self.fused = fused
@@ -48,7 +48,7 @@ class PlainResidual:
         return X[:, 0]
 
 
-def residual(s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
+def residual(s, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
     """The residual the spec names, reading its parameters under `prefix` (hyper only); `fused`
     is the op table's (`layers.kernels`)."""
     if s.residual == "hyper":
@@ -56,3 +56,33 @@ def residual(s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, fused=u
     if s.residual == "plain":
         return PlainResidual()
     raise ValueError(f"unknown residual {s.residual!r}")
+
+
+def mix_dim(s) -> int:
+    """Width of a sublayer's hyper-connection map: pre and post gates and the n × n stream mix."""
+    return (2 + s.hc_streams) * s.hc_streams
+
+
+def sublayer_weights(s, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A sublayer's residual parameters under `prefix` ("layers.3.mixer_hc"): none when plain."""
+    if s.residual == "plain":
+        return {}
+    n, D = s.hc_streams, s.hidden_size
+    return {f"{prefix}.fn": (mix_dim(s), n * D), f"{prefix}.base": (mix_dim(s),), f"{prefix}.scale": (3,)}
+
+
+def head_weights(s) -> dict[str, tuple[int, ...]]:
+    """The head's single mix-down: none when plain."""
+    if s.residual == "plain":
+        return {}
+    n, D = s.hc_streams, s.hidden_size
+    return {"head_hc.fn": (n, n * D), "head_hc.base": (n,), "head_hc.scale": (1,)}
+
+
+def init(leaf: str, shape: tuple[int, ...], gen):
+    """Gates' scales in [0.5, 1.5], their biases N(0, 0.5²); the maps are projections (None)."""
+    if leaf == "scale":
+        return uniform(shape, 0.5, 1.5, gen)
+    if leaf == "base":
+        return normal(shape, 0.5, gen)
+    return None

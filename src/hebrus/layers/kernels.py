@@ -32,7 +32,7 @@ def top_k_chooser(site: str, start: int, scores: torch.Tensor, k: int, ordered: 
     return top_k(scores, k)
 
 
-def delta_rule_batched(q, k, v, g, beta, state):
+def delta_rule_fast(q, k, v, g, beta, state):
     """The chunked (WY) form over a chunk; the recurrence for a single token (also for several
     sessions' single tokens: q [B, 1, H, dk])."""
     rule = gdn_chunked if q.shape[-3] > 1 else gdn_recurrent
@@ -46,7 +46,7 @@ def unfused(op: Callable) -> Callable:
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    batched: bool              # True: each stage runs the whole chunk at once; False: token by token
+    whole_chunk: bool          # True: each stage runs the whole chunk at once; False: token by token
     delta_rule: Callable       # (q, k, v, g, beta, state) -> (o, state)
     experts: Callable          # (h, weights, experts, gate_up, down) -> y
     choose: Chooser
@@ -70,7 +70,7 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     twins."""
     choose = top_k_chooser if chooser is None else chooser
     if mode == "fast":
-        rule = delta_rule_batched
+        rule = delta_rule_fast
         if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():

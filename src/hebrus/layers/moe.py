@@ -1,33 +1,52 @@
-"""Feed-forward layers: routed experts with an optional gated shared expert, the dense MLP, and
-the per-layer-embedding branch of the Hebrus ffn."""
+"""Routed experts with an optional gated shared expert, an ffn kind. A routed layer records its
+chosen experts, a column a layer, in the model's `routes` rows."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from hebrus.layers.kernels import Kernels, unfused
-from hebrus.layers.spec import ModelSpec
-from hebrus.ops.moe import route, silu_mul
-from hebrus.ops.norm import rms_norm
+from hebrus.layers.checks import Check
+from hebrus.layers.kernels import Kernels
+from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
+from hebrus.layers.span import Span
+from hebrus.ops.moe import route
 from hebrus.ops.quant import linear
+from hebrus.state.owners import APPENDED, OwnerSpec
 
 
-def _swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fused=unfused) -> torch.Tensor:
-    return linear(fused(silu_mul)(linear(h, gate), linear(h, up)), down)
+@dataclass(frozen=True, slots=True)
+class ExpertsSection:
+    key: ClassVar[str] = "moe"
+    experts: int
+    top_k: int
+    intermediate: int
+    shared_intermediate: int = 0        # 0: no shared expert
+    normalize: bool = True              # renormalise the chosen experts' probabilities
+
+    def problems(self, s):
+        if self.top_k > self.experts:
+            yield f"experts per token ({self.top_k}) exceeds the experts ({self.experts})"
+
+
+def routed_layers(s) -> tuple[int, ...]:
+    """The layers whose feed-forward is routed, in order (their routes are state)."""
+    return tuple(i for i, kind in enumerate(s.ffns) if kind == MoE.name)
 
 
 class MixtureOfExperts:
-    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels,
-                 site: str):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels, site: str):
+        e = s.section(ExpertsSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.router, self.gate_up, self.down = w["router.weight"], w["experts.gate_up"], w["experts.down"]
         self.shared = None
-        if s.moe_shared_intermediate:
-            self.shared = (w["shared.gate_proj.weight"], w["shared.up_proj.weight"], w["shared.down_proj.weight"])
+        if e.shared_intermediate:
+            self.shared = tuple(w["shared." + name] for name in PROJECTIONS)
             self.shared_gate = w["shared_gate.weight"]
-        self.top_k, self.normalize, self.kernels, self.site = s.moe_top_k, s.moe_normalize, kernels, site
+        self.top_k, self.normalize, self.kernels, self.site = e.top_k, e.normalize, kernels, site
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
@@ -38,28 +57,61 @@ class MixtureOfExperts:
         routed = self.kernels.experts(h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
-        return routed + torch.sigmoid(linear(h, self.shared_gate)) * _swiglu(h, *self.shared, self.kernels.fused)
+        return routed + torch.sigmoid(linear(h, self.shared_gate)) * swiglu(h, *self.shared, self.kernels.fused)
 
 
-class MLP:
-    """down(silu(gate(h)) ⊙ up(h))."""
+class RoutedFeed:
+    """The ffn function of one routed layer: route, check and record the experts, run them."""
 
-    def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels):
-        self.weights = tuple(params[f"{prefix}{k}.weight"] for k in ("gate_proj", "up_proj", "down_proj"))
-        self.fused = kernels.fused
+    def __init__(self, s, params, layer: int, kernels: Kernels):
+        self.moe = MixtureOfExperts(s, params, f"layers.{layer}.moe.", kernels, f"layers.{layer}.ffn")
+        self.column, self.experts = routed_layers(s).index(layer), s.section(ExpertsSection).experts
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return _swiglu(h, *self.weights, self.fused)
+    def bind(self, txn):
+        routes = txn.rows("routes")
+
+        def feed(h, pos):
+            weights, experts = self.moe.route(h, pos)
+            txn.check_range(experts, self.experts, Check.ROUTE_RANGE)
+            experts = experts.clamp(0, self.experts - 1)
+            column = [r[:, self.column] for r in routes] if txn.row_per_session else routes[:, self.column]
+            Span(pos, len(h), h.device).put(column, experts)
+            return self.moe(h, weights, experts)
+        return feed
 
 
-class LayerEmbedding:
-    """PLE_l(h) = RMSNorm(W_down (gelu_tanh(W_gate h) ⊙ ple_t[l]))."""
+class MoE(Kind):
+    name = "moe"
+    role = "ffn"
+    section = ExpertsSection
+    quantized = ("experts.gate_up", "experts.down") + tuple("shared." + name for name in PROJECTIONS)
 
-    def __init__(self, s: ModelSpec, params: dict[str, torch.Tensor], prefix: str):
-        self.gate, self.down = params[prefix + "gate.weight"], params[prefix + "down.weight"]
-        self.norm = params[prefix + "norm.weight"]
-        self.eps = s.rms_norm_eps
+    def weights(self, s, prefix):
+        e, D = s.section(ExpertsSection), s.hidden_size
+        E, I = e.experts, e.intermediate
+        shapes = {f"{prefix}router.weight": (E, D), f"{prefix}experts.gate_up": (E, 2 * I, D),
+                  f"{prefix}experts.down": (E, D, I)}
+        if e.shared_intermediate:
+            shapes |= swiglu_shapes(D, e.shared_intermediate, prefix + "shared.")
+            shapes[f"{prefix}shared_gate.weight"] = (1, D)
+        return shapes
 
-    def __call__(self, h: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
-        mixed = F.gelu(linear(h, self.gate), approximate="tanh") * ple
-        return rms_norm(linear(mixed, self.down), self.norm, self.eps)
+    def owners(self, s, prefix, dtype, state_dtype):
+        return []
+
+    def model_owners(self, s, dtype, state_dtype):
+        """`routes`: a row a position, a column per routed layer, its experts best first."""
+        e = s.section(ExpertsSection)
+        return [OwnerSpec("routes", (len(routed_layers(s)), e.top_k), torch.int32, APPENDED, limit=e.experts)]
+
+    def init(self, leaf, shape, gen):
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        return RoutedFeed(s, params, layer, kernels)
+
+    def cost(self, s, position):
+        """A token uses top_k of the experts; routes are written, never read."""
+        e = s.section(ExpertsSection)
+        share = e.top_k / e.experts
+        return Cost(shares={"experts.gate_up": share, "experts.down": share}, rows={"routes": 0})

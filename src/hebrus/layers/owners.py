@@ -1,43 +1,37 @@
-"""The owner table of a session, generated from the model's spec (one source of truth)."""
+"""The owner table of a session, generated from the model's spec (one source of truth): the
+frame's owners, then what each kind keeps (`layers.kind`), in a fixed order."""
 from __future__ import annotations
 
 import torch
 
+from hebrus.layers.kind import KINDS
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.quant import CACHE_DTYPES
-from hebrus.state.owners import APPENDED, OwnerSpec
+from hebrus.state.owners import OwnerSpec
 
 
-def owner_specs(c: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:
-    n, D, V = c.hc_streams, c.hidden_size, c.vocab_size
-    specs = [
-        OwnerSpec("frontier", (), torch.int64),
-        OwnerSpec("residual", (n, D), dtype),
-        OwnerSpec("logits", (V,), dtype),
-    ]
-    if c.ple_dim:
-        specs += [
-            OwnerSpec("ple.history", (c.ple_ngram - 1,), torch.int64, fill=V, limit=V + 1),   # PAD = V
-            OwnerSpec("ple.conv", (c.ple_conv_kernel - 1, c.ple_width), dtype),
-        ]
-    for layer, kind in enumerate(c.mixers):
-        p = f"layers.{layer}."
-        if kind == "gdn":
-            specs += [
-                OwnerSpec(p + "gdn.conv", (c.gdn_conv_dim, c.gdn_conv_kernel - 1), dtype),
-                OwnerSpec(p + "gdn.recurrent", (c.gdn_value_heads, c.gdn_key_dim, c.gdn_value_dim), state_dtype),
-            ]
-        elif kind in ("qsa", "attention"):
-            kv, rows = (c.attn_kv_heads, c.attn_head_dim), dtype if c.kv_cache is None else CACHE_DTYPES[c.kv_cache]
-            specs += [OwnerSpec(f"{p}{kind}.k", kv, rows, APPENDED), OwnerSpec(f"{p}{kind}.v", kv, rows, APPENDED)]
-            if kind == "qsa":
-                specs.append(OwnerSpec(p + "qsa.index", (c.index_dim,), rows, APPENDED))
-            if c.kv_cache is not None:          # a float32 scale per row (per head of a K/V row)
-                specs += [OwnerSpec(f"{p}{kind}.{part}_scale", shape, torch.float32, APPENDED) for part, shape in
-                          (("k", kv[:1]), ("v", kv[:1])) + ((("index", (1,)),) if kind == "qsa" else ())]
-        else:
-            raise ValueError(f"unknown mixer {kind!r}")
-    if c.moe_layers:
-        specs.append(OwnerSpec("routes", (len(c.moe_layers), c.moe_top_k), torch.int32, APPENDED,
-                               limit=c.moe_experts))
-    return specs
+def owner_table(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[tuple[OwnerSpec, object, str]]:
+    """(owner, the kind that keeps it or None for the frame, its name within the kind): the
+    frontier, the residual and the logits; each branch's; each layer's mixer's and ffn's; then
+    what mixers and ffns keep once per model (the routes)."""
+    n, D, V = s.hc_streams, s.hidden_size, s.vocab_size
+    table = [(OwnerSpec("frontier", (), torch.int64), None, "frontier"),
+             (OwnerSpec("residual", (n, D), dtype), None, "residual"),
+             (OwnerSpec("logits", (V,), dtype), None, "logits")]
+
+    def model_wide(kind):
+        return [(o, kind, o.name.removeprefix(kind.name + ".")) for o in kind.model_owners(s, dtype, state_dtype)]
+
+    for name in s.branches:
+        table += model_wide(KINDS[name])
+    for layer, kinds in enumerate(zip(s.mixers, s.ffns, *([name] * s.num_layers for name in s.branches))):
+        for kind in map(KINDS.get, kinds):
+            prefix = f"layers.{layer}.{kind.name}."
+            table += [(o, kind, o.name.removeprefix(prefix)) for o in kind.owners(s, prefix, dtype, state_dtype)]
+    for kind in s.kinds():
+        if kind.role != "branch":
+            table += model_wide(kind)
+    return table
+
+
+def owner_specs(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:
+    return [owner for owner, _, _ in owner_table(s, dtype, state_dtype)]

@@ -13,12 +13,15 @@ from typing import Any, Iterator
 
 import torch
 
-from hebrus.config import MAX_HEADS, MAX_ROWS, MAX_WIDTH
 from hebrus.errors import InvalidInput
+from hebrus.layers.attention import AttentionSection
+from hebrus.layers.gdn import DeltaNetSection
+from hebrus.layers.mlp import MLPSection
+from hebrus.layers.moe import ExpertsSection
 from hebrus.layers.spec import ModelSpec
-from hebrus.models.table import NamesTable
 from hebrus.show import shown
-from hebrus.weights.limits import bounded, field_problems, from_json, json_kind
+from hebrus.weights.limits import MAX_HEADS, MAX_ROWS, MAX_WIDTH, bounded, field_problems, from_json, json_kind
+from hebrus.weights.table import NamesTable
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -125,19 +128,25 @@ def require_experts(c: QwenConfig) -> None:
 
 
 def spec(c: QwenConfig, family: str, ffns: tuple[str, ...], moe_normalize: bool = True) -> ModelSpec:
+    """The layers' spec: each section only where a layer of its kind is."""
+    mixers = tuple(MIXERS[kind] for kind in c.layer_types)
+    sections = []
+    if "gdn" in mixers:
+        sections.append(DeltaNetSection(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                                        c.linear_value_head_dim, c.linear_conv_kernel_dim))
+    if "attention" in mixers:
+        sections.append(AttentionSection(c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                         rotary_dim=int(c.head_dim * c.partial_rotary_factor),
+                                         rope_theta=c.rope_theta))
+    if "moe" in ffns:
+        sections.append(ExpertsSection(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                                       c.shared_expert_intermediate_size, moe_normalize))
+    if "mlp" in ffns:
+        sections.append(MLPSection(c.intermediate_size))
     return ModelSpec(
-        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        mixers=tuple(MIXERS[kind] for kind in c.layer_types), ffns=ffns,
+        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size, mixers=mixers, ffns=ffns,
         max_context=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        tie_embeddings=c.tie_word_embeddings, residual="plain", hc_streams=1,
-        gdn_key_heads=c.linear_num_key_heads, gdn_value_heads=c.linear_num_value_heads,
-        gdn_key_dim=c.linear_key_head_dim, gdn_value_dim=c.linear_value_head_dim,
-        gdn_conv_kernel=c.linear_conv_kernel_dim, attn_heads=c.num_attention_heads,
-        attn_kv_heads=c.num_key_value_heads, attn_head_dim=c.head_dim,
-        rotary_dim=int(c.head_dim * c.partial_rotary_factor), rope_theta=c.rope_theta,
-        moe_experts=max(c.num_experts, 1), moe_top_k=c.num_experts_per_tok,
-        moe_intermediate=c.moe_intermediate_size, moe_shared_intermediate=c.shared_expert_intermediate_size,
-        moe_normalize=moe_normalize, mlp_intermediate=c.intermediate_size,
+        tie_embeddings=c.tie_word_embeddings, residual="plain", hc_streams=1, sections=tuple(sections),
     )
 
 
@@ -182,14 +191,15 @@ def names(s: ModelSpec, on_disk: set[str], gdn_names) -> NamesTable:
         if s.ffns[layer] == "moe":
             add_moe(t, s, on_disk, f + "mlp.", m + "moe.")
         elif s.ffns[layer] == "mlp":
-            add_mlp(t, D, s.mlp_intermediate, f + "mlp.", m + "mlp.")
+            add_mlp(t, D, s.section(MLPSection).intermediate, f + "mlp.", m + "mlp.")
         else:
             raise ValueError(f"unknown feed-forward kind {s.ffns[layer]!r}")
     return t
 
 
 def _gdn(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
-    D, Hv, dv, C, K = s.hidden_size, s.gdn_value_heads, s.gdn_value_dim, s.gdn_conv_dim, s.gdn_conv_kernel
+    g, D = s.section(DeltaNetSection), s.hidden_size
+    Hv, dv, C, K = g.value_heads, g.value_dim, g.conv_dim, g.conv_kernel
     t.add(m + "conv.weight", f + "conv1d.weight", (C, 1, K), lambda w: w[:, 0])
     t.add(m + "A_log", f + "A_log", (Hv,))
     t.add(m + "dt_bias", f + "dt_bias", (Hv,))
@@ -199,7 +209,8 @@ def _gdn(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
 
 def _attention(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     """q_proj holds, per head, the query's head_dim rows and then the output gate's."""
-    D, H, Hkv, dh = s.hidden_size, s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+    a, D = s.section(AttentionSection), s.hidden_size
+    H, Hkv, dh = a.heads, a.kv_heads, a.head_dim
     def half(part: int):
         return lambda w: w.view(H, 2, dh, D)[:, part].reshape(H * dh, D)
 
@@ -221,7 +232,8 @@ def add_mlp(t: NamesTable, D: int, inner: int, f: str, m: str) -> None:
 def add_moe(t: NamesTable, s: ModelSpec, on_disk: set[str], f: str, m: str) -> None:
     """Router, experts (one tensor per expert and projection, or fused [E, 2I, D] / [E, D, I]
     tensors), and the shared expert with its sigmoid gate."""
-    D, E, I = s.hidden_size, s.moe_experts, s.moe_intermediate
+    e, D = s.section(ExpertsSection), s.hidden_size
+    E, I = e.experts, e.intermediate
     t.add(m + "router.weight", f + "gate.weight", (E, D))
     if f + "experts.gate_up_proj" in on_disk:
         t.add(m + "experts.gate_up", f + "experts.gate_up_proj", (E, 2 * I, D))
@@ -236,6 +248,6 @@ def add_moe(t: NamesTable, s: ModelSpec, on_disk: set[str], f: str, m: str) -> N
                      part=lambda out, i: out[i % E, (i // E) * I:(i // E + 1) * I])
         t.add_source(m + "experts.down", {f"{f}experts.{e}.down_proj.weight": (D, I) for e in range(E)},
                      lambda *w: torch.stack(w), part=lambda out, i: out[i])
-    if s.moe_shared_intermediate:
-        add_mlp(t, D, s.moe_shared_intermediate, f + "shared_expert.", m + "shared.")
+    if e.shared_intermediate:
+        add_mlp(t, D, e.shared_intermediate, f + "shared_expert.", m + "shared.")
         t.add(m + "shared_gate.weight", f + "shared_expert_gate.weight", (1, D))

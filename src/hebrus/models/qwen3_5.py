@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hebrus.layers.gdn import DeltaNetSection
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import qwen
-from hebrus.models.table import NamesTable
+from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -26,8 +27,9 @@ def spec(c: qwen.QwenConfig) -> ModelSpec:
 
 def gdn_names(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     """Separate projections: in_proj_qkv (all query heads, all key heads, all value heads), z, b, a."""
-    D, Hv, dv = s.hidden_size, s.gdn_value_heads, s.gdn_value_dim
-    t.add(m + "in_proj_qkv.weight", f + "in_proj_qkv.weight", (s.gdn_conv_dim, D))
+    g, D = s.section(DeltaNetSection), s.hidden_size
+    Hv, dv = g.value_heads, g.value_dim
+    t.add(m + "in_proj_qkv.weight", f + "in_proj_qkv.weight", (g.conv_dim, D))
     t.add(m + "in_proj_z.weight", f + "in_proj_z.weight", (Hv * dv, D))
     t.add(m + "in_proj_b.weight", f + "in_proj_b.weight", (Hv, D))
     t.add(m + "in_proj_a.weight", f + "in_proj_a.weight", (Hv, D))

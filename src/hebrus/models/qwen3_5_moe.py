@@ -7,7 +7,7 @@ from typing import Any
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import qwen
 from hebrus.models.qwen3_5 import gdn_names
-from hebrus.models.table import NamesTable
+from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_5_moe"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")

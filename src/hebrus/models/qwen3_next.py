@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from hebrus.layers.gdn import DeltaNetSection
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import qwen
-from hebrus.models.table import NamesTable
+from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_next"
 MODEL_TYPES = ("qwen3_next",)
@@ -34,7 +35,8 @@ def gdn_names(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     """in_proj_qkvz holds, per key head: its query (dk rows), key (dk), its g value heads (g·dv)
     and their z (g·dv); in_proj_ba per key head: g rows of b, then g of a. The model's layout is
     every query head, every key head, every value head (the conv's channel order), then z."""
-    D, Hk, dk, Hv, dv = s.hidden_size, s.gdn_key_heads, s.gdn_key_dim, s.gdn_value_heads, s.gdn_value_dim
+    d, D = s.section(DeltaNetSection), s.hidden_size
+    Hk, dk, Hv, dv = d.key_heads, d.key_dim, d.value_heads, d.value_dim
     g = Hv // Hk
     per_head = 2 * dk + 2 * g * dv
 

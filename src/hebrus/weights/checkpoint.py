@@ -22,13 +22,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hebrus.config import MAX_LOAD_BYTES, HebrusConfig
 from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.show import escaped, shown
 from hebrus.weights.atomic import check_replaceable, fsync, replace_folder
 from hebrus.weights.files import folder_path, is_shard_name, read_json, regular_file
-from hebrus.layers.spec import ModelSpec
-from hebrus.weights.layout import load_bytes, parameter_shapes
 from hebrus.ops.quant import all_finite
 from hebrus.weights.pages import FileRows
 
@@ -45,12 +42,19 @@ class Header(NamedTuple):
     shape: tuple[int, ...]
 
 
+# What loading a checkpoint may allocate, from its config alone (`models.layout.load_bytes`), at
+# most: this constant, and the memory of the machine it loads onto. 1 TiB is above any checkpoint
+# one machine holds; raise it on purpose for more.
+MAX_LOAD_BYTES = 2**40
+
+
 # ---- save ---------------------------------------------------------------------------------
 
-def save(path: str | Path, config: HebrusConfig, params: dict[str, torch.Tensor], quantization=None, *,
+def save(path: str | Path, config: Any, params: dict[str, torch.Tensor], quantization=None, *,
          overwrite: bool = False, companions: Path | None = None) -> Path:
     """Write a checkpoint into the folder `path`, in one step. A folder that holds anything is
     refused unless `overwrite`, and is then replaced whole: it holds exactly this checkpoint.
+    `config`: the family's config, written as its `to_dict()` says.
     InvalidInput (nothing changed) if `path` cannot be such a folder. `quantization` (a
     `weights.quant.Quantization`): the params hold quantized weights' parts, and config.json says
     how (`quantization_config`). `companions`: the folder the model came from, whose tokenizer,
@@ -152,18 +156,8 @@ def _write_text(file: Path, text: str) -> None:
 class Loaded(NamedTuple):
     family: Any                     # the module in hebrus.models that read it
     config: Any                     # the family's checked config
-    spec: ModelSpec
+    spec: Any                       # the family's `layers.spec.ModelSpec`
     params: dict[str, torch.Tensor]
-
-
-def read_config(path: str | Path) -> HebrusConfig:
-    """The checked config of the Hebrus checkpoint folder `path`."""
-    return _read_family_config(Path(path), lambda data: _HebrusFamily)[1]
-
-
-class _HebrusFamily:
-    """Just enough of a family for `read_config` (the families live in hebrus.models)."""
-    config = staticmethod(HebrusConfig.from_dict)
 
 
 def _read_family_config(folder: Path, family_of):
@@ -191,7 +185,7 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
          progress: Callable[[int, int], None] | None = None,
          dtype_of: Callable[[str], torch.dtype] | None = None, *, dtype: torch.dtype = torch.float32,
          device: torch.device = torch.device("cpu"),
-         stream: Callable[[str], torch.dtype | None] | None = None) -> Loaded:
+         stream: Callable[[str], torch.dtype | None] | None = None, layout: Any) -> Loaded:
     """Read and check a checkpoint of the family `family_of(parsed config.json)` gives (a module
     of hebrus.models: config, spec, names table). Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
@@ -200,7 +194,9 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
     as it is used is read in slices straight into a buffer of that dtype. The config is refused
     first if a model of it in `dtype` would not fit the memory of `device` (`memory_limit`).
     `stream(name)`: for a two-dimensional tensor stored as the model uses it, a dtype means "leave
-    it in its file": it comes back as a `weights.pages.FileRows` reading rows in that dtype."""
+    it in its file": it comes back as a `weights.pages.FileRows` reading rows in that dtype.
+    `layout` says what a spec stores (`hebrus.models.layout`: parameter_shapes, float_shapes,
+    quantized, load_bytes): this module knows no family and no layer."""
     folder = Path(path)
     identity = _identity(folder)
     family, config, quantization = _read_family_config(folder, family_of)
@@ -208,15 +204,15 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
         spec = family.spec(config).replace(quantization=quantization)
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
-    _check_allocation(spec, dtype, device, folder / CONFIG, stream)
-    params = _read_weights(family, spec, folder, place or (lambda name, t: t), progress, dtype_of, stream)
+    _check_allocation(layout.load_bytes, spec, dtype, device, folder / CONFIG, stream)
+    params = _read_weights(family, layout, spec, folder, place or (lambda name, t: t), progress, dtype_of, stream)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
                               f"load it again")
     return Loaded(family, config, spec, params)
 
 
-def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_of, stream=None) -> dict:
+def _read_weights(family, layout, spec, folder: Path, place, progress, dtype_of, stream=None) -> dict:
     """Every file checked to be regular before any is opened; every header checked before any
     tensor data is read."""
     source, weight_map = _listing(folder)
@@ -231,7 +227,8 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
             from hebrus.weights.quant import quantized_table, restrict_dtypes
             if not any(n.endswith(".qscale") for n in table.sources):       # a foreign family's files
                 try:
-                    table = quantized_table(table, spec, set(headers))
+                    table = quantized_table(table, spec.quantization, layout.float_shapes(spec),
+                                            layout.quantized(spec), set(headers))
                 except InvalidInput as exc:
                     raise CheckpointError(f"{source}: {exc}") from None
             restrict_dtypes(table, spec.quantization)
@@ -245,7 +242,7 @@ def _read_weights(family, spec: ModelSpec, folder: Path, place, progress, dtype_
 
         # Every final buffer first, then the reads: transient buffers then come after them and are
         # reused, instead of freed memory staying trapped between long-lived tensors.
-        shapes = parameter_shapes(spec)
+        shapes = layout.parameter_shapes(spec)
 
         def in_file(name: str, recipe) -> torch.dtype | None:
             into = stream(name) if stream is not None else None
@@ -301,14 +298,14 @@ def memory_limit(device: torch.device) -> int:
     return min(MAX_LOAD_BYTES, memory)
 
 
-def _check_allocation(spec: ModelSpec, dtype: torch.dtype, device: torch.device, file: Path, stream=None) -> None:
+def _check_allocation(load_bytes, spec, dtype: torch.dtype, device: torch.device, file: Path, stream=None) -> None:
     need, limit = load_bytes(spec, dtype, skip=stream and (lambda n: stream(n) is not None)), memory_limit(device)
     if need > limit:
         raise CheckpointError(f"{file}: loading this config in {str(dtype).removeprefix('torch.')} would allocate "
                               f"up to {need / 2**30:.1f} GiB (the parameters, the largest tensor twice at 8 "
                               f"bytes, the rotary tables for max_context={spec.max_context}); the limit is "
                               f"{limit / 2**30:.1f} GiB: MAX_LOAD_BYTES = {MAX_LOAD_BYTES / 2**30:.0f} GiB "
-                              f"(hebrus.config) or the memory of {device}, whichever is less")
+                              f"(hebrus.weights.checkpoint) or the memory of {device}, whichever is less")
 
 
 def _listing(folder: Path) -> tuple[Path, dict[str, str] | None]:

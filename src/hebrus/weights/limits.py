@@ -14,6 +14,13 @@ from typing import Any, Callable, Iterator
 
 from hebrus.show import shown
 
+# Bounds every family's config fields share (docs/checkpoint.md has the table): far above real
+# models, far below overflow.
+MAX_HEADS = 1024        # attention and delta-rule heads, and their head dims
+MAX_WIDTH = 2**16       # model and per-layer-embedding widths
+MAX_ROWS = 2**24        # table rows: vocabulary, n-gram buckets
+MAX_KERNEL = 64         # causal conv taps (a session keeps kernel - 1 rows)
+
 
 @dataclass(frozen=True)
 class Range:

@@ -150,6 +150,10 @@ class PagedTable:
         """The table's bytes outside the device (in host memory, or in its file)."""
         return self.source.nbytes
 
+    def claim(self) -> "PageClaim":
+        """A chunk's use of the table (`layers.ple.RowTable`), for its transaction to hold."""
+        return PageClaim(self)
+
     def gather(self, index: torch.Tensor, claim: "PageClaim") -> torch.Tensor:
         """Rows `index` (any shape, ids in range) -> [*index.shape, width] on the device."""
         ids = index.reshape(-1).tolist()            # which pages: a host decision
@@ -264,9 +268,3 @@ class PageClaim:
             self.finished = True
             self.table.release(self)
 
-
-def take(table, index: torch.Tensor, claims: dict | None) -> torch.Tensor:
-    """Rows of a table: a tensor indexed directly, or a paged table through this chunk's claim."""
-    if isinstance(table, PagedTable):
-        return table.gather(index, claims[id(table)])
-    return table[index]

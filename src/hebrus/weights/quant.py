@@ -1,13 +1,13 @@
-"""Which weights a quantized model stores quantized, under which names, and the model-level
-steps: quantizing a model's parameters, and folding stored parts back into `ops.quant.Quantized`
-weights for the layers.
+"""How a quantized model stores its quantized weights, and the model-level steps: quantizing a
+model's parameters, and folding stored parts back into `ops.quant.Quantized` weights for the
+layers.
 
-The layers' large projections are quantized (attention q/k/v/o and its output gate, the delta
-rule's qkv, z and out projections, MLP and shared-expert projections, and the routed experts'
-stacks). Embeddings, the output head, norms, routers, the indexer, the hyper-connection maps,
-PLE tables and convolutions stay in the model's dtype: they are small, or read a row at a time,
-or steer discrete choices. A quantized weight `X.weight` (or an expert stack `X`) is stored as
-`X.qweight` (the codes), `X.qscale` (float32 scales) and, for int4 with zero points, `X.qzero`.
+Which weights are quantized is the layer kinds' declaration (`quantized`), handed to every
+function here as a set of names: the large projections. Embeddings, the output head, norms,
+routers, the indexer, the hyper-connection maps, PLE tables and convolutions stay in the model's
+dtype: they are small, or read a row at a time, or steer discrete choices. A quantized weight
+`X.weight` (or an expert stack `X`) is stored as `X.qweight` (the codes), `X.qscale` (float32
+scales) and, for int4 with zero points, `X.qzero`.
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from typing import Any
 import torch
 
 from hebrus.errors import InvalidInput
-from hebrus.ops.quant import BLOCK, FORMATS, FP8, GROUP, Quantized, check_scales, quantize
+from hebrus.ops.quant import BLOCK, FORMATS, FP8, GROUP, Quantized, check_scales, dense, quantize
+from hebrus.weights.table import NamesTable, Source
 
-QUANTIZED_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                     "up_proj.weight", "down_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-                     "out_proj.weight", "experts.gate_up", "experts.down")
 PARTS = (".qweight", ".qscale", ".qzero")
+QUANTIZED_DTYPES = {".qweight": ("I8", "U8", "F8_E4M3"), ".qscale": ("F32",), ".qzero": ("U8",)}   # safetensors
 QUANT_FORMATS = ("int8", "int4", "int4-zp", "fp8")       # what `quantize=` takes
 
 
@@ -100,10 +99,6 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def quantizable(name: str) -> bool:
-    return name.startswith("layers.") and name.endswith(QUANTIZED_WEIGHTS)
-
-
 def base(name: str) -> str:
     """`X.weight` -> `X`, an expert stack's name as it is."""
     return name.removesuffix(".weight")
@@ -127,6 +122,18 @@ def part_shapes(name: str, shape: tuple[int, ...], q: Quantization) -> dict[str,
     return {b + ".qweight": shape, b + ".qscale": (*lead, -(-out // q.group), groups)}
 
 
+def stored_shapes(shapes: dict[str, tuple[int, ...]], quantized: set[str], q: Quantization | None
+                  ) -> dict[str, tuple[int, ...]]:
+    """The stored tensors and their shapes, from the float layout: each of the `quantized`
+    weights as its parts."""
+    if q is None:
+        return dict(shapes)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        out.update(part_shapes(name, shape, q) if name in quantized else {name: shape})
+    return out
+
+
 def part_dtype(name: str, q: Quantization) -> torch.dtype:
     if name.endswith(".qscale"):
         return torch.float32
@@ -135,11 +142,12 @@ def part_dtype(name: str, q: Quantization) -> torch.dtype:
     return {"int8": torch.int8, "int4": torch.uint8, "fp8": FP8}[q.format]
 
 
-def quantize_params(params: dict[str, torch.Tensor], q: Quantization) -> dict[str, torch.Tensor]:
-    """The parameters with every quantizable weight replaced by its stored parts."""
+def quantize_params(params: dict[str, torch.Tensor], q: Quantization, quantized: set[str]
+                    ) -> dict[str, torch.Tensor]:
+    """The parameters with each of the `quantized` weights replaced by its stored parts."""
     out = {}
     for name, t in params.items():
-        if not quantizable(name):
+        if name not in quantized:
             out[name] = t
             continue
         got = quantize(t, q.format, q.group, q.zero_point)
@@ -151,15 +159,15 @@ def quantize_params(params: dict[str, torch.Tensor], q: Quantization) -> dict[st
 
 
 def folded(params: dict[str, Any], q: Quantization | None, shapes: dict[str, tuple[int, ...]],
-           matmul=None) -> dict[str, Any]:
-    """The parameters as the layers read them: each quantized weight's parts folded into one
-    `Quantized` under the weight's own name (`shapes`: the float layout's shapes), multiplied by
-    `matmul` (the op table's choice; None: `ops.quant.rebuilt_linear`)."""
+           quantized: set[str], matmul=None) -> dict[str, Any]:
+    """The parameters as the layers read them: each of the `quantized` weights' parts folded into
+    one `Quantized` under the weight's own name (`shapes`: the float layout's shapes), multiplied
+    by `matmul` (the op table's choice; None: `ops.quant.rebuilt_linear`)."""
     if q is None:
         return params
     out = {name: t for name, t in params.items() if not is_part(name)}
     for name, shape in shapes.items():
-        if quantizable(name):
+        if name in quantized:
             b = base(name)
             out[name] = Quantized(q.format, params[b + ".qweight"], params[b + ".qscale"], params.get(b + ".qzero"),
                                   shape[-1], q.group, matmul)
@@ -200,17 +208,14 @@ def restrict_dtypes(table, q: Quantization) -> None:
 SCALE_SUFFIX = "_scale_inv"        # an fp8 file tensor's block scales, beside it (`X.weight_scale_inv`)
 
 
-def quantized_table(table, spec, on_disk: set[str]):
+def quantized_table(table, q: Quantization, shapes: dict[str, tuple[int, ...]], quantized: set[str],
+                    on_disk: set[str]):
     """A foreign family's names table for a quantized spec, from its float table: where a file
     holds a weight in fp8 with block scales beside it, a weight the model keeps quantized takes
     the codes and scales as they are (a weight built from several file tensors, or split from
     one, is rebuilt and quantized again; with blocks that align, to the same codes); a weight the
     model keeps in float is rebuilt from them; a quantized weight stored in float is quantized as
-    it loads."""
-    from hebrus.models.table import NamesTable, Source
-    from hebrus.ops.quant import dense
-    from hebrus.weights.layout import float_shapes
-    q, shapes = spec.quantization, float_shapes(spec)
+    it loads (`shapes`: the float layout's)."""
     out = NamesTable(dict(table.shapes), {}, table.ignored)
 
     def stored(file: str) -> bool:
@@ -243,7 +248,7 @@ def quantized_table(table, spec, on_disk: set[str]):
         return Source(files, build)
 
     for name, src in table.sources.items():
-        if not quantizable(name):
+        if name not in quantized:
             out.sources[name] = rebuilt(src) if any(stored(f) for f in src.names) else src
             continue
         b = base(name)

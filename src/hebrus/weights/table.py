@@ -1,7 +1,7 @@
 """How a family's files become the model's tensors: a names table.
 
 `shapes` lists every tensor the checkpoint must hold (and its shape on disk); `sources` says, for
-every tensor the model needs (`weights.layout.parameter_shapes`), which file tensors it is built
+every tensor the model needs (`models.layout.parameter_shapes`), which file tensors it is built
 from and how. Tensors a family knows but the model does not use (a vision tower, a multi-token
 prediction head) are `ignored`; anything else unexpected is an error.
 """

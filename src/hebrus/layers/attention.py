@@ -1,0 +1,271 @@
+"""Gated attention over append-only K/V rows, two mixer kinds sharing one section: `qsa` over
+the rows an indexer selects (its index keys are rows too), `attention` over every row. Both
+rotate the first `rotary_dim` features of each head (partial rotary), with tables built over
+those features only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import torch
+
+from hebrus.layers.checks import Check
+from hebrus.layers.kernels import Kernels
+from hebrus.layers.kind import Cost, Kind, normal
+from hebrus.layers.span import Span
+from hebrus.layers.sublayer import Sublayer, scan
+from hebrus.ops.norm import layer_norm
+from hebrus.ops.qsa import index_scores, select, sigmoid_gated
+from hebrus.ops.quant import CACHE_DTYPES, QuantizedRows, dense, linear, quantize_rows
+from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
+from hebrus.state.context import StepContext
+from hebrus.state.owners import APPENDED, OwnerSpec
+
+
+QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSection:
+    """Heads and rotary width; the indexer's heads, width and top_k (qsa only)."""
+    key: ClassVar[str] = "attention"
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float = 10000.0
+    index_heads: int = 1
+    index_dim: int = 2
+    top_k: int = 1
+
+    def problems(self, s):
+        if self.heads % self.kv_heads:
+            yield f"attention heads ({self.heads}) must be a multiple of its K/V heads ({self.kv_heads})"
+        if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
+            yield f"the rotary width ({self.rotary_dim}) must be even and at most the head dim ({self.head_dim})"
+        if "qsa" in s.mixers:
+            if self.index_dim % 2:
+                yield f"the index dim ({self.index_dim}) must be even (rotary embedding)"
+            if self.top_k > s.max_context:
+                yield f"top_k={self.top_k} exceeds max_context={s.max_context}"
+
+
+class RotaryTables:
+    """cos/sin tables for every position up to `max_context`, built once per model and per
+    rotary width, and shared by every layer that rotates that width. A table of width r rotates
+    the first r features of a head (partial rotary) with frequencies over those r features."""
+
+    def __init__(self, s, like: torch.Tensor):
+        self.theta, self.positions = s.section(AttentionSection).rope_theta, s.max_context
+        self.dtype, self.device = like.dtype, like.device
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if dim not in self._tables:
+            self._tables[dim] = rope_tables(dim, self.theta, self.positions, self.dtype, self.device)
+        return self._tables[dim]
+
+
+class Attention:
+    """Gated attention; with `indexed`, over the top_k rows the indexer scores highest."""
+
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, rotary: RotaryTables,
+                 kernels: Kernels, indexed: bool):
+        a = s.section(AttentionSection)
+        w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
+        self.attend, self.sparse_attend, self.fused = kernels.attend, kernels.sparse_attend, kernels.fused
+        self.index_input = kernels.index_input
+        self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
+        self.hi, self.di, self.top_k = a.index_heads, a.index_dim, a.top_k
+        self.cache, self.parts = s.kv_cache, 3 if indexed else 2      # quantized rows: scales after codes
+        self.eps = s.rms_norm_eps
+        self.rope = rotary(a.rotary_dim)
+        self.index_rope = rotary(self.di) if indexed else None
+
+    def __call__(self, h: torch.Tensor, start, rows, check_range) -> torch.Tensor:
+        """h [T, D] at positions start..start+T-1 (`start` an int, or a device tensor in a
+        planned step: see `layers.span`). Writes rows [start, start+T) of the row logs (k, v
+        and, indexed, index), then attends over rows [0, position]. `check_range` takes the
+        device-side check that no query picked a row past its own position. For several
+        sessions' tokens (`start` a list of positions), row i of h is session i's, `rows` hold
+        one storage per session and `check_range` one check per session."""
+        T, w = h.shape[0], self.w
+        span = Span(start, T, h.device)
+        cos, sin = (span.take(t) for t in self.rope)
+        rotate = self.fused(normed_rotated)
+        q = rotate(linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
+        k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
+        self._put(span, rows, 0, k)
+        self._put(span, rows, 1, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
+        if span.sessions:               # each session over its own rows; check_range is per session
+            o = torch.cat([self._attend(h[i:i + 1], span.one(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
+                           for i in range(T)])
+        else:
+            o = self._attend(h, span, q, rows, check_range)
+        gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+        return linear(gated.flatten(1), w["o_proj.weight"])
+
+    def _put(self, span, rows, part: int, value: torch.Tensor) -> None:
+        """Write the chunk's rows of row log `part` (0 k, 1 v, 2 index): as they are, or, with a
+        quantized cache, their codes and beside them (log `part` + `parts`) their scales."""
+        if self.cache is None:
+            span.put(rows[part], value)
+            return
+        codes, scale = quantize_rows(value, self.cache)
+        span.put(rows[part], codes)
+        span.put(rows[part + self.parts], scale if scale.dim() > 1 else scale[:, None])
+
+    def _view(self, rows, part: int, cut, dtype: torch.dtype):
+        """Rows `cut` of row log `part`: a tensor, or with a quantized cache `QuantizedRows`."""
+        if self.cache is None:
+            return cut(rows[part])
+        return QuantizedRows.of(cut(rows[part]), cut(rows[part + self.parts]), dtype)
+
+    def _attend(self, h, span, q, rows, check_range):
+        if self.indexed:
+            return self._sparse(h, span, q, rows, check_range)
+        k, v = (dense(self._view(rows, part, span.visible, q.dtype)) for part in (0, 1))
+        return self.attend(q, k, v, span.positions)
+
+    def _sparse(self, h, span, q, rows, check_range):
+        T, w, positions, hi = h.shape[0], self.w, span.positions, self.index_input(h)
+        qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
+        ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+        icos, isin = (span.take(t) for t in self.index_rope)
+        rotate = self.fused(apply_rope)
+        qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
+        self._put(span, rows, 2, ki)
+        iw = linear(hi, w["index_w.weight"])
+        if isinstance(span.start, int) and T > QUERY_BLOCK:
+            # a long chunk, a block of queries at a time over the rows it sees: the scores and
+            # their sort take O(block × context) memory, never O(chunk × context)
+            blocks = []
+            for a in range(0, T, QUERY_BLOCK):
+                b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
+                seen = [self._view(rows, part, lambda r, end=end: r[:end], q.dtype) for part in (2, 0, 1)]
+                blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a,
+                                                    positions[a:b], check_range))
+            return torch.cat(blocks)
+        seen = [self._view(rows, part, span.visible, q.dtype) for part in (2, 0, 1)]
+        return self._pick_and_attend(qi, iw, q, seen, span.start, positions, check_range)
+
+    def _pick_and_attend(self, qi, iw, q, rows, start, positions, check_range):
+        """Queries at `positions` (the first at `start`) over the visible (index, k, v) rows
+        (k and v: tensors, or `QuantizedRows` whose picked rows alone are rebuilt)."""
+        index_rows, k_rows, v_rows = rows
+        picked, valid = self.select(index_scores(qi, iw, dense(index_rows)), start, positions)
+        check_range(picked - positions[:, None], 1, Check.INDEX_RANGE, lower=None)
+        return self.sparse_attend(q, k_rows, v_rows, picked, valid)
+
+    def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
+        """The rows each query attends to: the top_k of its visible scores, the model's chooser
+        making the choice (a set: rank order does not matter)."""
+        return select(scores, positions, self.top_k, partial(self.choose, self.site, start, ordered=False))
+
+
+class AttentionMixer(Sublayer):
+    """Gated attention over the layer's K/V rows: `qsa` (indexer-selected rows, its index keys
+    are rows too) or `attention` (every row)."""
+
+    def __init__(self, s, params, layer: int, kernels: Kernels, rotary: RotaryTables, kind: str):
+        super().__init__(s, params, layer, "mixer", kernels)
+        self.name = f"layers.{layer}.{kind}"
+        self.parts = ("k", "v", "index") if kind == "qsa" else ("k", "v")
+        if s.kv_cache is not None:               # a quantized cache: each log's scales after the codes
+            self.parts += tuple(part + "_scale" for part in self.parts)
+        self.attn = Attention(s, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
+
+    def run(self, txn: StepContext) -> None:
+        rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
+        checks = [part.check_range for part in txn.parts] if txn.row_per_session else txn.check_range
+
+        def step(pos, X, state):
+            h, post, comb = self.mix_in(X)
+            return self.mix_out(X, self.attn(h, pos, rows, checks), post, comb), state
+
+        X, _ = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],), None)
+        txn.emit("streams", X)
+
+
+class DenseAttention(Kind):
+    """Gated attention over every row."""
+    name = "attention"
+    role = "mixer"
+    section = AttentionSection
+    quantized = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight")
+    keeps_rows = True
+    logs = ("k", "v")                     # its row logs
+
+    def weights(self, s, prefix):
+        a, D = s.section(AttentionSection), s.hidden_size
+        Hq, Hkv, dh = a.heads, a.kv_heads, a.head_dim
+        return {
+            f"{prefix}q_proj.weight": (Hq * dh, D),
+            f"{prefix}gate_proj.weight": (Hq * dh, D),
+            f"{prefix}k_proj.weight": (Hkv * dh, D),
+            f"{prefix}v_proj.weight": (Hkv * dh, D),
+            f"{prefix}q_norm.weight": (dh,),
+            f"{prefix}k_norm.weight": (dh,),
+            f"{prefix}o_proj.weight": (D, Hq * dh),
+        }
+
+    def owners(self, s, prefix, dtype, state_dtype):
+        """A row a position in each log: K and V [kv_heads, head_dim] (qsa: and the index key
+        [index_dim]); with a quantized cache, codes and beside them a float32 scale per row (per
+        head of a K/V row)."""
+        a = s.section(AttentionSection)
+        rows = dtype if s.kv_cache is None else CACHE_DTYPES[s.kv_cache]
+        shapes = {"k": (a.kv_heads, a.head_dim), "v": (a.kv_heads, a.head_dim), "index": (a.index_dim,)}
+        specs = [OwnerSpec(prefix + log, shapes[log], rows, APPENDED) for log in self.logs]
+        if s.kv_cache is not None:
+            specs += [OwnerSpec(f"{prefix}{log}_scale", shapes[log][:1] if log != "index" else (1,), torch.float32,
+                                APPENDED) for log in self.logs]
+        return specs
+
+    def init(self, leaf, shape, gen):
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        if "rotary" not in shared:
+            shared["rotary"] = RotaryTables(s, params["embed.weight"])
+        return AttentionMixer(s, params, layer, kernels, shared["rotary"], self.name)
+
+    def cost(self, s, position):
+        """Scores and the weighted sum of V over every row before the token."""
+        a = s.section(AttentionSection)
+        return Cost(flops=4 * a.heads * a.head_dim * position)
+
+    def rotary_widths(self, s) -> set[int]:
+        return {s.section(AttentionSection).rotary_dim}
+
+
+class SparseAttention(DenseAttention):
+    """Gated attention over the top_k rows an indexer scores highest."""
+    name = "qsa"
+    logs = ("k", "v", "index")
+
+    def weights(self, s, prefix):
+        a, D = s.section(AttentionSection), s.hidden_size
+        return super().weights(s, prefix) | {
+            f"{prefix}index_q.weight": (a.index_heads * a.index_dim, D),
+            f"{prefix}index_k.weight": (a.index_dim, D),
+            f"{prefix}index_k_norm.weight": (a.index_dim,),
+            f"{prefix}index_k_norm.bias": (a.index_dim,),
+            f"{prefix}index_w.weight": (a.index_heads, D),
+        }
+
+    def init(self, leaf, shape, gen):
+        return normal(shape, 0.1, gen) if leaf == "index_k_norm.bias" else None
+
+    def cost(self, s, position):
+        """The indexer scores every row before the token; attention reads top_k of them."""
+        a = s.section(AttentionSection)
+        picked = min(a.top_k, position)
+        return Cost(rows={"k": picked, "v": picked},
+                    flops=2 * a.index_heads * a.index_dim * position + 4 * a.heads * a.head_dim * picked)
+
+    def rotary_widths(self, s) -> set[int]:
+        a = s.section(AttentionSection)
+        return {a.rotary_dim, a.index_dim}

@@ -1,0 +1,120 @@
+"""What a layer kind declares, and the registry that holds every kind.
+
+A kind is one module of `layers/` holding a subclass of `Kind`: its section of the spec, its
+stage, its weights, its owners, which of its weights may be stored quantized, how its random
+weights are drawn, and what a token costs it. Defining the class checks that every declaration
+is there (a kind that forgets one fails at import, naming it) and registers it under its name;
+`layers/__init__.py` imports each kind's module, one line a kind. The owner table, the tensor
+layout, quantization, initialisation, the stage list and the bench's limits are loops over
+this registry; an unknown kind fails in one place, the spec's check.
+
+Roles: a "mixer" and an "ffn" fill one layer's two sublayers (the spec's `mixers` and `ffns`);
+a "branch" runs beside the layers (the spec's `branches`): a stage of its own after the
+embedding, and a term added to every feed-forward sublayer's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+ROLES = ("mixer", "ffn", "branch")
+KINDS: dict[str, "Kind"] = {}
+
+# What every kind declares, and what a branch adds.
+DECLARATIONS = ("name", "role", "section", "quantized", "weights", "owners", "init", "stage", "cost")
+BRANCH_DECLARATIONS = ("layer_term",)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one token at `position` costs one layer of a kind, besides one multiply-add per
+    element of each weight it uses (for the bench's floor and roofline)."""
+    shares: dict[str, float] = field(default_factory=dict)  # weight -> fraction a token uses (absent: 1)
+    lookups: tuple[str, ...] = ()       # weights a token reads one row of, multiplying nothing
+    rows: dict[str, int] = field(default_factory=dict)      # appended owner -> rows read (absent: every row)
+    flops: float = 0.0                  # beyond the weights': attention's scores and sums
+
+
+class Kind:
+    """The declarations, each documented here; a kind defines every one of them.
+
+    name: str                   how the spec names it ("gdn")
+    role: str                   one of ROLES
+    section: type | None        its dimensions, a frozen dataclass found in the spec by its type
+                                (`spec.section(Section)`); kinds may share one; None: no dimensions
+    quantized: tuple[str, ...]  its weights (relative names) stored quantized in a quantized model
+    weights(s, prefix)          {name: shape} of its weights in one layer, names starting with
+                                `prefix` ("layers.3.gdn.")
+    owners(s, prefix, dtype, state_dtype)
+                                [OwnerSpec] it keeps per layer (banked or appended, with dtypes)
+    init(leaf, shape, gen)      a random tensor for its weight `leaf` (the name after the prefix),
+                                or None for the default draw (`layers.layout.default_draw`)
+    stage(s, params, layer, kernels, shared)
+                                mixers: the layer's mixer stage; ffns: the feed-forward function
+                                the ffn stage calls (`layers.sublayer.FeedForward`); branches:
+                                the stage run after the embedding. `shared` is a dict the model's
+                                kinds may keep what several layers share in (rotary tables).
+    cost(s, position)           a `Cost`
+    layer_term(s, params, layer)   branches only: the term its ffn sublayers add, called as
+                                `term(h, its local input for the layer)`
+
+    Optional, with defaults: `model_weights(s)` and `model_owners(s, dtype, state_dtype)` for
+    what a kind keeps once per model (full names, under the kind's name: "ple.conv"; the routes
+    are "routes"); `wide` and `integer`, leaves stored in at least float32 and in int64;
+    `keeps_rows`, whether its owners are K/V rows a kv-cache format applies to; `rotary_widths(s)`.
+    """
+
+    name: ClassVar[str]
+    role: ClassVar[str]
+    section: ClassVar[type | None]
+    quantized: ClassVar[tuple[str, ...]]
+    wide: ClassVar[tuple[str, ...]] = ()
+    integer: ClassVar[tuple[str, ...]] = ()
+    keeps_rows: ClassVar[bool] = False
+
+    def __init_subclass__(cls, register: bool = True, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if register:
+            _register(cls)
+
+    def model_weights(self, s) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def model_owners(self, s, dtype: torch.dtype, state_dtype: torch.dtype) -> list:
+        return []
+
+    def rotary_widths(self, s) -> set[int]:
+        """The widths it builds rotary tables for (each a [max_context, width] cos/sin pair)."""
+        return set()
+
+
+def _register(cls: type) -> None:
+    wanted = DECLARATIONS + (BRANCH_DECLARATIONS if getattr(cls, "role", None) == "branch" else ())
+    missing = [name for name in wanted if not hasattr(cls, name)]
+    if missing:
+        raise TypeError(f"layer kind {cls.__module__}.{cls.__name__} does not declare: {', '.join(missing)} "
+                        f"(every kind declares {', '.join(DECLARATIONS)}; see hebrus.layers.kind)")
+    if cls.role not in ROLES:
+        raise TypeError(f"layer kind {cls.name!r} has role {cls.role!r}; roles are {', '.join(ROLES)}")
+    if cls.name in KINDS and type(KINDS[cls.name]) is not cls:
+        raise TypeError(f"two layer kinds are named {cls.name!r}: {type(KINDS[cls.name]).__module__} "
+                        f"and {cls.__module__}")
+    KINDS[cls.name] = cls()
+
+
+# Random draws for `init`: float32 on the CPU, whatever torch's defaults are set to.
+CPU32 = {"dtype": torch.float32, "device": "cpu"}
+
+
+def normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, **CPU32) * std
+
+
+def uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(shape, generator=gen, **CPU32)
+
+
+def kinds_of(role: str) -> tuple[str, ...]:
+    return tuple(name for name, kind in KINDS.items() if kind.role == role)

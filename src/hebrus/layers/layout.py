@@ -1,0 +1,122 @@
+"""The model's own tensors (docs/checkpoint.md): names, shapes, the kind each belongs to, and
+their random initialisation, generated from the spec and the kinds' declarations. This is the
+single source of truth: a Hebrus checkpoint stores exactly these names, every family's names
+table builds them, and a quantized model stores the kinds' `quantized` weights as their parts
+(`weights.quant`, composed with this in `models.layout`).
+
+Initialisation is deterministic and seeded and makes every component do something: projections
+N(0, 1/fan_in), norm weights 1, the embedding N(0, 1), and what each kind's `init` draws (gates
+and decays in their unsaturated range, hash constants)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hebrus.layers import hyper
+from hebrus.layers.kind import CPU32, KINDS, Kind, normal
+from hebrus.layers.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    shape: tuple[int, ...]
+    kind: Kind | None               # None: the frame's (embedding, residual, norms, head)
+    leaf: str                       # its name within the kind (what the kind declares)
+
+
+def layout(s: ModelSpec) -> list[Weight]:
+    """Every weight in order: the embedding, each branch's own, then layer by layer the
+    residual's maps, the two norms, the mixer's, the ffn's and each branch's term; what mixers
+    and ffns keep once per model; the head's residual, norm and output projection."""
+    V, D = s.vocab_size, s.hidden_size
+    out = [Weight("embed.weight", (V, D), None, "embed.weight")]
+    for name in s.branches:
+        out += _model_wide(s, KINDS[name])
+    for layer in range(s.num_layers):
+        p = f"layers.{layer}."
+        frame = hyper.sublayer_weights(s, p + "mixer_hc") | hyper.sublayer_weights(s, p + "ffn_hc")
+        frame |= {p + "mixer_norm.weight": (D,), p + "ffn_norm.weight": (D,)}
+        out += [Weight(name, shape, None, name) for name, shape in frame.items()]
+        for kind in map(KINDS.get, (s.mixers[layer], s.ffns[layer], *s.branches)):
+            prefix = f"{p}{kind.name}."
+            out += [Weight(name, shape, kind, name.removeprefix(prefix))
+                    for name, shape in kind.weights(s, prefix).items()]
+    for kind in s.kinds():
+        if kind.role != "branch":
+            out += _model_wide(s, kind)
+    head = hyper.head_weights(s) | {"norm.weight": (D,)} | ({} if s.tie_embeddings else {"lm_head.weight": (V, D)})
+    return out + [Weight(name, shape, None, name) for name, shape in head.items()]
+
+
+def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
+    return [Weight(name, shape, kind, name.removeprefix(kind.name + "."))
+            for name, shape in kind.model_weights(s).items()]
+
+
+def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every weight unquantized, as the layers use it."""
+    return {w.name: w.shape for w in layout(s)}
+
+
+def quantized(s: ModelSpec) -> set[str]:
+    """The weights a quantized model stores quantized: those its kinds declare."""
+    return {w.name for w in layout(s) if w.kind is not None and w.leaf in w.kind.quantized}
+
+
+def _leaves(attribute: str) -> set[str]:
+    return {leaf for kind in KINDS.values() for leaf in getattr(kind, attribute)}
+
+
+def integer(name: str) -> bool:
+    """Whether a weight is integer (int64): the kinds' `integer` leaves (hash constants)."""
+    return name.rsplit(".", 1)[-1] in _leaves("integer")
+
+
+def float_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """A float weight's dtype in a model of `dtype`: hyper-connection parameters, norm weights
+    (a scale near 1, which a 16-bit type rounds coarsely) and the kinds' `wide` leaves (decays)
+    in at least float32; integer weights int64; everything else `dtype`."""
+    if integer(name):
+        return torch.int64
+    wide = "_hc." in name or name.startswith("head_hc.") or name.endswith("norm.weight")
+    if wide or name.rsplit(".", 1)[-1] in _leaves("wide"):
+        return torch.float64 if dtype == torch.float64 else torch.float32
+    return dtype
+
+
+def parameter_count(s: ModelSpec) -> int:
+    return sum(math.prod(w.shape) for w in layout(s) if not integer(w.name))
+
+
+def rotary_widths(s: ModelSpec) -> set[int]:
+    """The widths the model builds rotary tables for (one [max_context, width] cos/sin pair each)."""
+    return set().union(*(kind.rotary_widths(s) for kind in s.kinds()))
+
+
+# ---- initialisation ------------------------------------------------------------------------
+
+def init_parameters(s: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """float32 (int64 for integer weights) tensors on the CPU, keyed by the model's own names,
+    drawn in layout order from one generator seeded with `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return {w.name: _draw(w, gen) for w in layout(s)}
+
+
+def _draw(w: Weight, gen: torch.Generator) -> torch.Tensor:
+    if w.kind is None:                                  # the frame's: only the residual's draw its own
+        drawn = hyper.init(w.name.rsplit(".", 1)[-1], w.shape, gen) if "_hc." in w.name else None
+    else:
+        drawn = w.kind.init(w.leaf, w.shape, gen)
+    return default_draw(w.name, w.shape, gen) if drawn is None else drawn
+
+
+def default_draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Norm weights 1, the embedding N(0, 1), projections N(0, 1/fan_in) (fan_in: the last dim)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, **CPU32)
+    if name == "embed.weight":
+        return normal(shape, 1.0, gen)
+    return normal(shape, 1.0 / math.sqrt(shape[-1]), gen)

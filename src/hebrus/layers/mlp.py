@@ -1,0 +1,63 @@
+"""The dense MLP, an ffn kind: down(silu(gate(h)) ⊙ up(h))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hebrus.layers.kernels import unfused
+from hebrus.layers.kind import Cost, Kind
+from hebrus.ops.moe import silu_mul
+from hebrus.ops.quant import linear
+
+PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class MLPSection:
+    key: ClassVar[str] = "mlp"
+    intermediate: int
+
+    def problems(self, s):
+        return ()
+
+
+def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fused=unfused) -> torch.Tensor:
+    return linear(fused(silu_mul)(linear(h, gate), linear(h, up)), down)
+
+
+def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    gate, up, down = (prefix + name for name in PROJECTIONS)
+    return {gate: (inner, D), up: (inner, D), down: (D, inner)}
+
+
+class MLPFeed:
+    def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels):
+        self.weights = tuple(params[prefix + name] for name in PROJECTIONS)
+        self.fused = kernels.fused
+
+    def bind(self, txn):
+        return lambda h, pos: swiglu(h, *self.weights, self.fused)
+
+
+class MLP(Kind):
+    name = "mlp"
+    role = "ffn"
+    section = MLPSection
+    quantized = PROJECTIONS
+
+    def weights(self, s, prefix):
+        return swiglu_shapes(s.hidden_size, s.section(MLPSection).intermediate, prefix)
+
+    def owners(self, s, prefix, dtype, state_dtype):
+        return []
+
+    def init(self, leaf, shape, gen):
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        return MLPFeed(params, f"layers.{layer}.mlp.", kernels)
+
+    def cost(self, s, position):
+        return Cost()
