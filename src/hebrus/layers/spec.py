@@ -56,9 +56,9 @@ class ModelSpec:
         if len(self.mixers) != len(self.ffns):
             yield f"{len(self.mixers)} mixers for {len(self.ffns)} feed-forward layers"
         for role, names in (("mixer", self.mixers), ("ffn", self.ffns), ("branch", self.branches)):
-            for name in names:
+            for name in dict.fromkeys(names):
                 if name not in KINDS or KINDS[name].role != role:
-                    yield f"unknown {role} {name!r}; {role}s are {', '.join(kinds_of(role))}"
+                    yield f"unknown {role} {name!r}; {role}s are {', '.join(sorted(kinds_of(role)))}"
         if self.residual not in RESIDUALS:
             yield f"unknown residual {self.residual!r}; residuals are {', '.join(RESIDUALS)}"
         if self.residual == "plain" and self.hc_streams != 1:

@@ -1,0 +1,68 @@
+"""A layer kind written for the tests, in one file as every kind is: a leaky running sum of the
+normed input, s' = decay·s + h, read out through a projection, y = W s'. Its state is one banked
+vector a layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.sublayer import Sublayer, scan
+from hebrus.ops.quant import linear
+from hebrus.state.owners import OwnerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LeakySection:
+    key: ClassVar[str] = "leaky"
+    decay: float
+
+    def problems(self, s):
+        if not 0 <= self.decay < 1:
+            yield f"the leaky decay ({self.decay}) must lie in [0, 1)"
+
+
+class LeakyMixer(Sublayer):
+    def __init__(self, s, params, layer, kernels):
+        super().__init__(s, params, layer, "mixer", kernels)
+        self.name = f"layers.{layer}.leaky"
+        self.w, self.decay = params[self.name + ".out.weight"], s.section(LeakySection).decay
+
+    def run(self, txn) -> None:
+        def step(pos, X, state, each=False):
+            h, post, comb = self.mix_in(X)
+            states = []
+            for t in range(len(h)):
+                state = self.decay * state + h[t]
+                states.append(state)
+            y = linear(torch.stack(states), self.w)
+            return self.mix_out(X, y, post, comb), (torch.stack(states) if each else state)
+
+        X, state = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],),
+                        txn.read(self.name + ".sum"), txn.each)
+        (txn.write_each if txn.each else txn.write)(self.name + ".sum", state)
+        txn.emit("streams", X)
+
+
+class Leaky(Kind):
+    name = "leaky"
+    role = "mixer"
+    section = LeakySection
+    quantized = ("out.weight",)
+
+    def weights(self, s, prefix):
+        return {prefix + "out.weight": (s.hidden_size, s.hidden_size)}
+
+    def owners(self, s, prefix, dtype, state_dtype):
+        return [OwnerSpec(prefix + "sum", (s.hidden_size,), state_dtype)]
+
+    def init(self, leaf, shape, gen):
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        return LeakyMixer(s, params, layer, kernels)
+
+    def cost(self, s, position):
+        return Cost()

@@ -1,0 +1,154 @@
+"""A layer kind is one file: what a kind must declare, that the registry refuses a kind that
+forgets a declaration (at import, naming it), that an unknown kind fails in the spec's check,
+and that a kind written in one file of its own (`tests/kinds/leaky.py`) runs through the whole
+engine: layout, init, owners, stages, quantization, transactions."""
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hebrus
+from hebrus.layers.kind import DECLARATIONS, KINDS
+from hebrus.layers.spec import ModelSpec
+
+
+def _import(tmp_path, name: str, source: str):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+
+
+def test_a_kind_missing_a_declaration_fails_at_import_naming_it(tmp_path):
+    with pytest.raises(TypeError, match=r"hebrus_forgetful\.Forgetful does not declare: owners, cost"):
+        _import(tmp_path, "hebrus_forgetful", """
+            from hebrus.layers.kind import Kind
+
+            class Forgetful(Kind):
+                name = "forgetful"
+                role = "mixer"
+                section = None
+                quantized = ()
+
+                def weights(self, s, prefix):
+                    return {}
+
+                def init(self, leaf, shape, gen):
+                    return None
+
+                def stage(self, s, params, layer, kernels, shared):
+                    raise NotImplementedError
+            """)
+    assert "forgetful" not in KINDS
+
+
+def test_a_branch_declares_its_layer_term_and_roles_are_checked(tmp_path):
+    body = """
+        from hebrus.layers.kind import Kind
+
+        class Odd(Kind):
+            name = "odd"
+            role = "{role}"
+            section = None
+            quantized = ()
+            weights = owners = init = stage = cost = lambda self, *args: None
+        """
+    with pytest.raises(TypeError, match="does not declare: layer_term"):
+        _import(tmp_path, "hebrus_branch", body.format(role="branch"))
+    with pytest.raises(TypeError, match="role 'sidecar'; roles are mixer, ffn, branch"):
+        _import(tmp_path, "hebrus_role", body.format(role="sidecar"))
+    with pytest.raises(TypeError, match="two layer kinds are named 'gdn'"):
+        _import(tmp_path, "hebrus_twin", body.format(role="mixer").replace('"odd"', '"gdn"'))
+    assert {"odd", "sidecar"}.isdisjoint(KINDS) and type(KINDS["gdn"]).__module__ == "hebrus.layers.gdn"
+
+
+def test_every_registered_kind_declares_everything():
+    assert {"gdn", "attention", "qsa", "moe", "mlp", "ple"} <= set(KINDS)
+    for kind in KINDS.values():
+        assert all(hasattr(kind, name) for name in DECLARATIONS), kind.name
+
+
+def test_quantized_declarations_name_weights_the_kind_has():
+    """A kind's `quantized` leaves must be among its weights: a misspelt one would quantize
+    nothing, silently."""
+    from hebrus.layers.layout import layout
+    spec = hebrus.load("tiny").spec
+    qwen_like = ModelSpec(family="t", vocab_size=16, hidden_size=8, mixers=("attention",), ffns=("mlp",),
+                          max_context=32, rms_norm_eps=1e-6, residual="plain",
+                          sections=spec.sections + (_mlp(4),))
+    leaves: dict[str, set[str]] = {}
+    for s in (spec, qwen_like):
+        for w in layout(s):
+            if w.kind is not None:
+                leaves.setdefault(w.kind.name, set()).add(w.leaf)
+    for name, kind in KINDS.items():
+        if name in leaves:
+            assert set(kind.quantized) <= leaves[name], name
+
+
+def _mlp(inner):
+    from hebrus.layers.mlp import MLPSection
+    return MLPSection(inner)
+
+
+def test_an_unknown_kind_or_a_missing_section_fails_in_the_spec():
+    spec = hebrus.load("tiny").spec
+    with pytest.raises(hebrus.InvalidInput, match=r"unknown mixer 'kda'; mixers are attention, gdn, qsa"):
+        spec.replace(mixers=("kda",) * 4)
+    with pytest.raises(hebrus.InvalidInput, match=r"unknown ffn 'gdn'; ffns are mlp, moe"):
+        spec.replace(ffns=("gdn",) * 4)
+    with pytest.raises(hebrus.InvalidInput, match=r"mlp layers need a MLPSection"):
+        spec.replace(ffns=("mlp",) * 4)
+
+
+@pytest.fixture()
+def leaky():
+    """The test kind registered for one test, and taken out again."""
+    module = importlib.import_module("tests.kinds.leaky")
+    if "leaky" not in KINDS:                # taken out by an earlier test: define it again
+        module = importlib.reload(module)
+    yield module
+    KINDS.pop("leaky", None)
+
+
+def _leaky_model(module, mode: str) -> hebrus.Model:
+    from hebrus.layers.layout import init_parameters
+    from hebrus.runtime import Model
+    tiny = hebrus.load("tiny")
+    spec = tiny.spec.replace(mixers=("leaky", "qsa", "gdn", "leaky"),
+                             sections=tiny.spec.sections + (module.LeakySection(decay=0.5),))
+    params = {name: t.double() if t.is_floating_point() else t for name, t in init_parameters(spec, 3).items()}
+    return Model._placed(tiny.config, spec, params, tiny.device, torch.float64, mode)
+
+
+def test_a_kind_in_one_file_runs_through_the_engine(leaky):
+    exact = _leaky_model(leaky, "exact")
+    assert "layers.0.leaky.sum" in [o.name for o in exact.owners]
+    assert exact.stage_names[2] == "layers.0.leaky"
+    ids = list(range(1, 30))
+    whole, chunked = exact.session(), exact.session()
+    logits = whole.feed(ids)
+    for a in range(0, len(ids), 7):
+        last = chunked.feed(ids[a:a + 7])
+    assert whole.digest() == chunked.digest() and torch.equal(logits, last)      # chunking changes no bit
+    fast = _leaky_model(leaky, "fast").session()
+    torch.testing.assert_close(fast.feed(ids), logits, rtol=1e-9, atol=1e-9)
+    quantized = exact.quantized("int8")
+    assert "layers.0.leaky.out.qweight" in dict(quantized.named_parameters())
+    assert torch.isfinite(quantized.session().feed(ids)).all()
+
+
+def test_a_failing_chunk_leaves_the_new_kinds_state_as_it_was(leaky):
+    s = _leaky_model(leaky, "exact").session()
+    s.feed([1, 2, 3])
+    before = s.digest()
+    with pytest.raises(hebrus.InvalidInput):
+        s.feed([4, 5, 10**6])                              # a token outside the vocabulary
+    assert s.digest() == before
