@@ -50,6 +50,10 @@ class AttentionSection:
             if self.top_k > s.max_context:
                 yield f"top_k={self.top_k} exceeds max_context={s.max_context}"
 
+    def unused(self, s) -> tuple[str, ...]:
+        """The indexer's fields, without qsa layers."""
+        return () if "qsa" in s.mixers else ("index_heads", "index_dim", "top_k")
+
 
 class RotaryTables:
     """cos/sin tables for every position up to `max_context`, built once per model and per

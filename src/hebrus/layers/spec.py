@@ -105,8 +105,9 @@ class ModelSpec:
         used = {kind.section for kind in self.kinds()}
         for section in self.sections:
             if type(section) in used:
-                key = getattr(section, "key", type(section).__name__)
-                fields += [(f"{key}.{f.name}", getattr(section, f.name)) for f in dataclasses.fields(section)]
+                key, unused = section.key, getattr(section, "unused", lambda s: ())(self)
+                fields += [(f"{key}.{f.name}", getattr(section, f.name)) for f in dataclasses.fields(section)
+                           if f.name not in unused]
         return fields
 
     def replace(self, **changes) -> "ModelSpec":
