@@ -473,6 +473,6 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
     assert torch.equal(back.feed([1, 2]), s.feed([1, 2])) and back.digest() == s.digest()
     s.journal.close()
     assert model.recover(tmp_path / "j").digest() == s.digest()
-    auto = hebrus.text.generation.load("tiny")
+    auto = hebrus.text.entry.load("tiny")
     assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
     assert isinstance(hebrus.generate(auto, "Hail", max_new_tokens=8, seed=1), str)

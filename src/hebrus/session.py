@@ -31,6 +31,7 @@ from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
 from hebrus.show import shown
+from hebrus.text.generation import stream_text
 
 
 DECODE = ("auto", "eager", "planned", "graph")
@@ -276,7 +277,6 @@ class Session:
         generation config (else temperature 1.0) and the seed is random unless given; options
         as `hebrus.text.TextOptions`: max_new_tokens, temperature, top_p, top_k, min_p,
         repetition_penalty, seed, stop (strings)."""
-        from hebrus.text.generation import stream_text
         return stream_text(self, prompt, **options)
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
