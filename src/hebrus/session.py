@@ -93,7 +93,7 @@ class Session:
     def logits(self) -> torch.Tensor:
         """A copy of the last committed token's logits."""
         with self._exclusive():
-            return self.image.read("logits").clone()
+            return self.image.read(eager.OUTPUT).clone()
 
     # ---- transactions ----------------------------------------------------------------------
     def fork(self, copy_rows: bool = False) -> "Session":
@@ -316,7 +316,7 @@ class Session:
         the published logits."""
         with torch.inference_mode():            # state written here needs no autograd history
             self._run_stages(ids, out)
-        return out if out is not None else self.image.read("logits").clone()
+        return out if out is not None else self.image.read(eager.OUTPUT).clone()
 
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
         """One transaction (or, with `keep`, a prefix transaction) with the journal's record

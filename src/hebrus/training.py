@@ -34,7 +34,6 @@ from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import dense_attention_fast, sparse_attention
-from hebrus.state.status import Status
 from hebrus.weights.init import init_parameters
 from hebrus.weights.layout import spec_of
 
@@ -73,10 +72,10 @@ class SequenceContext:
     def emit(self, key: str, value: torch.Tensor) -> None:
         self.local[key] = value
 
-    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, bad: torch.Tensor, bit: int) -> None:
         pass
 
-    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         pass
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import finish, run_stages
+from hebrus.engine.eager import finish, run_stages, transaction
 from hebrus.errors import ChunkAborted
 from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.txn import Transaction
@@ -156,5 +156,4 @@ class DecodeSteps:
         return held
 
     def _transaction(self) -> Transaction:
-        return Transaction(self.image, self.length, self.model.stage_names, self.budget,
-                           max_rows=self.model.spec.max_context, planned=True, each=self.each)
+        return transaction(self.model, self.image, self.budget, self.length, planned=True, each=self.each)

@@ -11,8 +11,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from hebrus.state.status import Status
-
 
 @runtime_checkable
 class StepContext(Protocol):
@@ -35,10 +33,10 @@ class StepContext(Protocol):
     def emit(self, key: str, value: torch.Tensor) -> None:
         """A chunk-local result for later stages."""
 
-    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, bad: torch.Tensor, bit: int) -> None:
         """A device-side check: set `bit` if any of `bad` is true."""
 
-    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """A device-side check: set `bit` unless every value lies in [lower, upper)."""
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:

@@ -8,16 +8,16 @@ import torch
 
 
 class Status(enum.IntFlag):
-    TOKEN_RANGE = 1 << 0      # a token id outside the vocabulary reached the device
-    HASH_RANGE = 1 << 1       # an n-gram bucket index outside its table
-    INDEX_RANGE = 1 << 2      # attention selected a row the query may not see
-    ROUTE_RANGE = 1 << 3      # a route names an expert that does not exist
+    """The bit of a status word the seam sets itself. The other bits are the checks of the
+    stages it runs (the layers' `Check`), named by whoever builds the transaction."""
     INJECTED = 1 << 30        # set by fault injection, through the same `flag` op
 
-    @classmethod
-    def describe(cls, word: int) -> str:
-        names = [flag.name.lower() for flag in cls if word & flag]
-        return ", ".join(names) or f"0x{word:x}"
+
+def describe(word: int, checks: type[enum.Flag]) -> str:
+    """The bits set in a status word by name, lowest first: the seam's own and those of `checks`
+    (the flag class of the stages' bits); the word in hex when none of them is set."""
+    bits = sorted((*checks, *Status), key=lambda flag: flag.value)
+    return ", ".join(flag.name.lower() for flag in bits if word & flag) or f"0x{word:x}"
 
 
 class DeviceChecks:
@@ -46,11 +46,11 @@ class DeviceChecks:
         self._pending_slots: list[int] = []
         self._folded: torch.Tensor | None = None
 
-    def flag(self, slot: int, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, slot: int, bad: torch.Tensor, bit: int) -> None:
         self._status.append(bad.any())
         self._tests.append((slot, int(bit), None))
 
-    def check_range(self, slot: int, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, slot: int, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """Set `bit` unless every value lies in [lower, upper) (lower=None: no lower bound).
         Values are indices: a floating-point NaN would compare as in range."""
         if values.is_floating_point():
