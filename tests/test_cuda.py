@@ -189,8 +189,8 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
               torch.full((5,), 1e38, device="cuda")]
     values[0][77777] = float("nan")
     values[1][5] = float("inf")
-    for slot, t in enumerate(values):
-        checks.finite(slot, [t])
+    for cell, t in enumerate(values):
+        checks.finite(cell, [t])
     assert checks.read()[1] == {0, 1}
 
 

@@ -78,7 +78,7 @@ def _alloc(txn) -> None:
 
 
 def _command(txn) -> None:
-    txn.completion.mark_incomplete(txn.slot)
+    txn.completion.mark_incomplete(txn.stage_index)
 
 
 def _status(txn) -> None:

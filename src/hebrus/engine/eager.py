@@ -54,8 +54,8 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
 
 
 def run_stages(model, txn: Transaction) -> None:
-    for slot, stage in enumerate(model.stages):
-        txn.enter(slot)
+    for index, stage in enumerate(model.stages):
+        txn.enter(index)
         stage.run(txn)
         faults.after(stage.name, txn)
         txn.seal()

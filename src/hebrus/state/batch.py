@@ -48,7 +48,7 @@ class BatchTransaction:
                 out.append(p.rows(name))
             except Exception as exc:
                 self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else abort_error(p.stage, exc))
-                row = p.image.appended[p.image.slot[name]]
+                row = p.image.appended[p.image.storage_index[name]]
                 out.append(torch.zeros((p.frontier + 1,) + row.shape, dtype=row.dtype, device=self.device))
         return out
 
@@ -80,9 +80,9 @@ class BatchTransaction:
             p.hold(shared)
 
     # ---- what the runner uses --------------------------------------------------------------
-    def enter(self, slot: int) -> None:
+    def enter(self, index: int) -> None:
         for p in self.parts:
-            p.enter(slot)
+            p.enter(index)
         self.stage = self.parts[0].stage
 
     def seal(self) -> None:

@@ -72,7 +72,7 @@ class Transaction:
         # only_growing) any storage below it
         self.reserve, self._reserve_always = min(reserve, max_rows), not reserve_only_growing
         self.completion = Completion(image.device)
-        self.slot, self.stage = -1, "begin"
+        self.stage_index, self.stage = -1, "begin"
         self.written: set[str] = set()
         self._writes: list[torch.Tensor] = []       # what the current stage wrote
         self._value_bytes = 0
@@ -143,7 +143,7 @@ class Transaction:
     def rows(self, name: str) -> torch.Tensor:
         """Storage of an appended owner holding at least start+length rows; rows below `start`
         are the public ones, rows [start, start+length) are this chunk's to write."""
-        i = self.image.slot[name]
+        i = self.image.storage_index[name]
         storage = self.storages[i]
         need = self.frontier + self.length
         shared = storage is self.record.storages[i] and id(storage) in self.image.shared
@@ -175,15 +175,16 @@ class Transaction:
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
         """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
-        self.checks.flag(self.slot, bad, bit)
+        self.checks.flag(self.stage_index, bad, bit)
 
     def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """Device-side check: set `bit` unless every value lies in [lower, upper)."""
-        self.checks.check_range(self.slot, values, upper, bit, lower)
+        self.checks.check_range(self.stage_index, values, upper, bit, lower)
 
     # ---- what the runner uses --------------------------------------------------------------
-    def enter(self, slot: int) -> None:
-        self.slot, self.stage = slot, self.stages[slot]
+    def enter(self, index: int) -> None:
+        """Begin the stage `stages[index]`: its index is the cell of its checks and completion."""
+        self.stage_index, self.stage = index, self.stages[index]
         self._writes, self._value_bytes = [], 0
 
     def seal(self) -> None:
@@ -191,12 +192,12 @@ class Transaction:
         wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
         and record its completion."""
         self._writes = [t() if callable(t) else t for t in self._writes]
-        self.checks.finite(self.slot, self._writes)
+        self.checks.finite(self.stage_index, self._writes)
         working = sum(self._local_bytes.values())
         growth = max(working - self.budget.working + self._value_bytes, 0)
         self._accounts.append((growth, working, self.stage))
         self._account(growth, working, self.stage)
-        self.completion.record(self.slot)
+        self.completion.record(self.stage_index)
 
     def restart(self) -> None:
         """Re-arm a planned transaction for a replay of its captured work at the public record
@@ -244,14 +245,14 @@ class Transaction:
         incomplete = self.completion.first_incomplete()
         if incomplete is not None:
             failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
-        for slot, word in words.items():
-            failures.append((slot, 1, DeviceStatusError,
+        for index, word in words.items():
+            failures.append((index, 1, DeviceStatusError,
                              f"status word 0x{word:x} ({describe(word, self.check_bits)})"))
-        for slot in nonfinite:
-            failures.append((slot, 2, NonFiniteError, "a write of this stage is not finite"))
+        for index in nonfinite:
+            failures.append((index, 2, NonFiniteError, "a write of this stage is not finite"))
         if failures:
-            slot, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
-            raise cls(self.stages[slot], detail)
+            index, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
+            raise cls(self.stages[index], detail)
 
     def publish(self, out: torch.Tensor | None = None) -> None:
         """Copy the output to the caller, then make the private image public in one assignment.
