@@ -51,7 +51,7 @@ def _batch_sessions(sessions) -> tuple[list, object]:
     model = sessions[0].model
     if any(s.model is not model for s in sessions):
         raise InvalidInput("the sessions of a batch must share one model object")
-    if not model.kernels.batched:
+    if not model.kernels.whole_chunk:
         raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
     if any(s.journal is not None for s in sessions):
         raise InvalidInput("journaled sessions feed one at a time (a batch does not write journals yet)")

@@ -415,12 +415,13 @@ def _decode(model, decode) -> str:
     for a fast-mode model on CUDA, eager otherwise)."""
     if not isinstance(decode, str) or decode not in DECODE:
         raise InvalidInput(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
-    plannable = model.kernels.batched and model.kernels.choose is top_k_chooser and not model.paged
+    plannable = model.kernels.whole_chunk and model.kernels.choose is top_k_chooser and not model.paged
     if decode == "auto":
         return "graph" if plannable and model.device.type == "cuda" else "eager"
     if decode in ("planned", "graph") and not plannable:
-        why = (f"runs {model.mode} mode" if not model.kernels.batched else "makes its choices with another chooser"
-               if model.kernels.choose is not top_k_chooser else "streams its PLE tables in pages")
+        why = (f"runs {model.mode} mode" if not model.kernels.whole_chunk
+               else "makes its choices with another chooser" if model.kernels.choose is not top_k_chooser
+               else "streams its PLE tables in pages")
         raise InvalidInput(f"decode={decode!r} runs fast mode with the spec's top-k; this model {why} "
                            f"(use decode='eager')")
     if decode == "graph" and model.device.type != "cuda":

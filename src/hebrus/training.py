@@ -45,7 +45,7 @@ class SequenceContext:
     each owner's initial value, writes and row logs are plain tensors (autograd sees them), and
     device-side checks are not kept (training data is trusted and in range)."""
 
-    batched = False
+    row_per_session = False
     each = False            # never a prefix transaction
 
     def __init__(self, spec: ModelSpec, ids: torch.Tensor, dtype: torch.dtype):

@@ -126,7 +126,7 @@ class _Unchecked:
 
 
 class _InPlaceBatchContext(_Unchecked):
-    batched = True
+    row_per_session = True
 
     def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts=None):
         starts = [s.frontier for s in sessions] if starts is None else starts
@@ -149,7 +149,7 @@ class _InPlaceBatchContext(_Unchecked):
 
 
 class _InPlaceContext(_Unchecked):
-    batched = False
+    row_per_session = False
 
     def __init__(self, owner: InPlaceSession, ids: torch.Tensor, start):
         self.owner, self.start, self.length = owner, start, len(ids)

@@ -63,7 +63,7 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     logits = [s.logits for s in sessions]
     sync(model.device)
     decoding = time.perf_counter()
-    together = Batch(sessions) if model.kernels.batched else None
+    together = Batch(sessions) if model.kernels.whole_chunk else None
     greedy, generators = [Sampling()] * batch, [None] * batch
     for _ in range(tokens):
         chosen = sample_many(logits, greedy, generators)         # as the server chooses: one argmax

@@ -85,8 +85,8 @@ class Scheduler:
         self.spare_sessions, self.spares = spare_sessions, []
         self._spares_refused = False    # making one failed: none is made until a request is admitted
         self.chunk_size, self.prefill_tokens, self.join_turns = chunk_size, prefill_tokens, join_turns
-        graphs = model.kernels.batched and decode_route(model, "auto") == "graph"
-        self.together = Together(model, graphs) if model.kernels.batched else None
+        graphs = model.kernels.whole_chunk and decode_route(model, "auto") == "graph"
+        self.together = Together(model, graphs) if model.kernels.whole_chunk else None
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
         # where the engine thread's time goes (bench): seconds idle (making spare sessions
         # included), admitting, feeding prompts, sampling and sending tokens, stepping together

@@ -24,7 +24,7 @@ class BatchTransaction:
         self.stage = "begin"
         self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
-    batched = True
+    row_per_session = True
     each = False            # one token per session: never a prefix transaction
 
     # ---- what stages use -------------------------------------------------------------------

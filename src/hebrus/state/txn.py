@@ -92,7 +92,7 @@ class Transaction:
             self.written.add(frontier_owner)
 
     # ---- what stages use -------------------------------------------------------------------
-    batched = False             # one session's chunk (`state.batch` holds several sessions' tokens)
+    row_per_session = False     # one session's chunk (`state.batch` holds several sessions' tokens)
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         """The chunk's last position, the one whose values are published: X[-1:]."""
