@@ -155,7 +155,7 @@ class Losses:
     lm: torch.Tensor               # next-byte cross-entropy, nats
     kl: torch.Tensor               # mean indexer KL
     balance: torch.Tensor          # mean router balance term (1 is perfectly balanced)
-    load: dict[str, torch.Tensor]  # per routed layer: each expert's share of the routed slots [E]
+    load: dict[str, torch.Tensor]  # per routed layer: each expert's share of the routed choices [E]
 
 
 def losses(spec: ModelSpec, params, ids: torch.Tensor, kl_weight: float = 0.1, balance_weight: float = 0.01,
