@@ -189,8 +189,8 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
               torch.full((5,), 1e38, device="cuda")]
     values[0][77777] = float("nan")
     values[1][5] = float("inf")
-    for slot, t in enumerate(values):
-        checks.finite(slot, [t])
+    for cell, t in enumerate(values):
+        checks.finite(cell, [t])
     assert checks.read()[1] == {0, 1}
 
 
@@ -473,6 +473,6 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
     assert torch.equal(back.feed([1, 2]), s.feed([1, 2])) and back.digest() == s.digest()
     s.journal.close()
     assert model.recover(tmp_path / "j").digest() == s.digest()
-    auto = hebrus.text.generation.load("tiny")
+    auto = hebrus.text.entry.load("tiny")
     assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
     assert isinstance(hebrus.generate(auto, "Hail", max_new_tokens=8, seed=1), str)

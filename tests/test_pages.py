@@ -23,7 +23,7 @@ def _run(model, steps=(3, 5, 7, 11)):
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("pages", [0, 3, 40, 400])
 def test_paged_tables_give_the_resident_results(mode, pages):
-    """From no slot at all (every row straight from the host) through fewer slots than one
+    """From no frame at all (every row straight from the host) through fewer frames than one
     chunk touches to a cache holding every page: bit-identical logits and state."""
     resident, want = _run(hebrus.load("shakespeare", mode=mode))
     model = hebrus.load("shakespeare", mode=mode, ple_cache_bytes=pages * PAGE_BYTES)
@@ -37,7 +37,7 @@ def test_paged_tables_give_the_resident_results(mode, pages):
         assert sum(t.hits for t in tables) > 0 and sum(t.direct for t in tables) == 0
     for t in tables:
         assert not t.pins and len(t.mapping) <= t.capacity
-        assert len(t.free) + len(t.mapping) == t.pool.shape[0]          # no slot lost
+        assert len(t.free) + len(t.mapping) == t.pool.shape[0]          # no frame lost
 
 
 def test_a_small_table_is_held_whole_and_read_once():
@@ -45,7 +45,7 @@ def test_a_small_table_is_held_whole_and_read_once():
     an eighth: read from the host once, never row by row; the n-gram tables share the rest."""
     model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=40 * PAGE_BYTES)
     unigram, ngrams = model.paged["ple.unigram.weight"], [model.paged[f"ple.ngram.{n}.weight"] for n in (2, 3)]
-    assert unigram.capacity >= 1 and unigram.pool.shape[0] == PagedTable.slots_to_hold(1)
+    assert unigram.capacity >= 1 and unigram.pool.shape[0] == PagedTable.frames_to_hold(1)
     assert sum(t.pool.shape[0] for t in ngrams) == 40 - unigram.pool.shape[0]
     _run(model)
     assert unigram.misses == 1 and unigram.direct == 0 and unigram.hits > 0
@@ -53,10 +53,10 @@ def test_a_small_table_is_held_whole_and_read_once():
 
 
 @pytest.mark.parametrize("pages", range(1, 12))
-def test_slots_to_hold_is_the_fewest_that_keep_the_pages(pages):
-    def keeps(slots):
-        return PagedTable(torch.zeros(4, 2), slots, torch.device("cpu"), page_rows=1).capacity >= pages
-    assert keeps(PagedTable.slots_to_hold(pages)) and not keeps(PagedTable.slots_to_hold(pages) - 1)
+def test_frames_to_hold_is_the_fewest_that_keep_the_pages(pages):
+    def keeps(frames):
+        return PagedTable(torch.zeros(4, 2), frames, torch.device("cpu"), page_rows=1).capacity >= pages
+    assert keeps(PagedTable.frames_to_hold(pages)) and not keeps(PagedTable.frames_to_hold(pages) - 1)
 
 
 def test_an_aborted_chunk_leaves_the_cache_as_it_was():
@@ -77,7 +77,7 @@ def test_an_aborted_chunk_leaves_the_cache_as_it_was():
 
 def test_publication_evicts_the_least_recently_used_pages():
     host = torch.arange(64 * 3, dtype=torch.float32).view(64, 3)
-    table = PagedTable(host, slots=4, device=torch.device("cpu"), page_rows=8)
+    table = PagedTable(host, frames=4, device=torch.device("cpu"), page_rows=8)
     assert table.capacity == 3
 
     def chunk(rows):
@@ -93,7 +93,7 @@ def test_publication_evicts_the_least_recently_used_pages():
     chunk([25])                     # page 3: page 1, the least recently used, goes
     assert list(table.mapping) == [2, 0, 3]
     claim = PageClaim(table)
-    table.gather(torch.tensor([33, 41, 49, 57]), claim)   # 4 new pages, 1 free slot: 3 from the host
+    table.gather(torch.tensor([33, 41, 49, 57]), claim)   # 4 new pages, 1 free frame: 3 from the host
     assert len(claim.admitted) == 1 and len(claim.direct) == 3
     claim.release()
     assert list(table.mapping) == [2, 0, 3] and len(table.free) == 1 and not table.pins
@@ -221,7 +221,7 @@ def test_with_paging_moves_between_resident_and_paged():
 
 def test_a_fault_at_any_stage_leaves_the_cache_as_it_was():
     """Every stage × every fault kind on a paged model: the chunk aborts, its page admissions
-    are dropped, no slot stays pinned, and the mapping is the one before the chunk."""
+    are dropped, no frame stays pinned, and the mapping is the one before the chunk."""
     from hebrus.errors import FAULT_KINDS
     model = hebrus.load("shakespeare", mode="fast", ple_cache_bytes=12 * PAGE_BYTES)
     s = model.session()
@@ -307,23 +307,23 @@ class _Flaky:
 
 
 def _invariants(table, live, rows) -> None:
-    """Every slot has one home (free, mapped, or a live claim's; evicted but pinned ones are
-    retired), pins are exactly the live claims' slots, and every mapped or claimed slot holds
+    """Every frame has one home (free, mapped, or a live claim's; evicted but pinned ones are
+    retired), pins are exactly the live claims' frames, and every mapped or claimed frame holds
     its page's rows."""
-    P, slots = table.page_rows, table.pool.shape[0]
+    P, frames = table.page_rows, table.pool.shape[0]
     claimed = {s for c in live for s in c.admitted.values()}
     mapped = set(table.mapping.values())
     assert len(mapped) == len(table.mapping) and len(set(table.free)) == len(table.free)
-    for s in range(slots):
+    for s in range(frames):
         homes = (s in table.free) + (s in mapped) + (s in table.retired) + (s in claimed - mapped - table.retired)
         assert homes == 1, s
     pins = {}
     for c in live:
-        for s in c.slots.values():
+        for s in c.frames.values():
             pins[s] = pins.get(s, 0) + 1
     assert dict(table.pins) == pins and not set(table.free) & set(pins)
     assert all(pins.get(s, 0) for s in table.retired)
-    held = list(table.mapping.items()) + [item for c in live for item in c.slots.items()]
+    held = list(table.mapping.items()) + [item for c in live for item in c.frames.items()]
     for page, s in held:
         n = min(table.rows, (page + 1) * P) - page * P
         assert torch.equal(table.pool[s, :n], rows[page * P:page * P + n]), (page, s)

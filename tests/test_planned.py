@@ -106,15 +106,14 @@ def test_decode_is_checked(tiny, models):
 def test_a_replay_asks_the_budget_what_the_stages_asked(models):
     """`restart` (before each graph replay) hears the stages' requests as one: it refuses under
     exactly the budgets under which running the stages refuses."""
-    from hebrus.engine.eager import run_stages
+    from hebrus.engine.eager import run_stages, transaction
     from hebrus.errors import AllocationError
-    from hebrus.state.txn import Transaction
     model = models["tiny"]
     s = model.session(decode="planned")
     s.feed(tokens(5))
 
     def planned():
-        txn = Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context, planned=True)
+        txn = transaction(model, s.image, s.budget, 1, planned=True)
         txn.local["ids"] = torch.tensor([3])
         return txn
 

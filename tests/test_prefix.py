@@ -50,7 +50,7 @@ def test_one_pass_equals_its_readable_twin(tiny, tiny_fast, mode):
                 torch.testing.assert_close(one.image.read(name), two.image.read(name), rtol=1e-4, atol=1e-4)
             for name in ("frontier", "ple.history"):
                 assert torch.equal(one.image.read(name), two.image.read(name))
-            for name in one.image.slot:
+            for name in one.image.storage_index:
                 torch.testing.assert_close(one.image.rows(name), two.image.rows(name), rtol=1e-4, atol=1e-4)
         one.feed(TEXT[14:17])                     # and they go on alike
         two.feed(TEXT[14:17])

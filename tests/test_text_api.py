@@ -57,7 +57,7 @@ def test_every_command_has_one_default_model(command):
 
 
 def test_a_model_named_to_the_text_api_loads_with_the_table():
-    model = text.generation.load("tiny")
+    model = text.entry.load("tiny")
     assert (model.mode, model.device.type, str(model.dtype)) == ("fast", "cpu", "torch.float32")
 
 

@@ -265,11 +265,11 @@ def test_float64_faults_hold_too(tiny64):
 def test_every_step_context_offers_what_stages_use(tiny_fast):
     """Transaction, BatchTransaction and the bench's in-place contexts all satisfy StepContext."""
     from hebrus.bench import InPlaceSession, _InPlaceBatchContext, _InPlaceContext
+    from hebrus.engine.eager import transaction
     from hebrus.state.batch import BatchTransaction
     from hebrus.state.context import StepContext
-    from hebrus.state.txn import Transaction
     s = tiny_fast.session()
-    txn = Transaction(s.image, 1, tiny_fast.stage_names, s.budget, max_rows=tiny_fast.spec.max_context)
+    txn = transaction(tiny_fast, s.image, s.budget, 1)
     inplace = InPlaceSession(tiny_fast)
     ids = torch.tensor([1])
     from hebrus.training import SequenceContext

@@ -10,7 +10,7 @@ from hebrus.faults import inject
 from hebrus.batching import Batch, feed_many
 from hebrus.runtime import Model, load
 from hebrus.session import Session
-from hebrus.text import generate, stream_generate
+from hebrus.text.entry import generate, stream_generate
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,8 @@ import torch
 from hebrus import arguments, faults
 from hebrus.engine import batch
 from hebrus.errors import ChunkAborted, InvalidInput
-from hebrus.session import Session, _decode
+from hebrus.engine.graphs import decode_route
+from hebrus.session import Session
 
 
 def feed_many(sessions, tokens, outs=None) -> list:
@@ -34,7 +35,7 @@ class Batch:
 
     def __init__(self, sessions, decode: str = "auto"):
         self.sessions, self.model = _batch_sessions(sessions)
-        self.decode = _decode(self.model, decode)
+        self.decode = decode_route(self.model, decode)
         self._steps = (batch.BatchSteps(self.model, self.sessions, capture=self.decode == "graph")
                        if self.decode in ("planned", "graph") else None)
 

@@ -78,7 +78,7 @@ def _alloc(txn) -> None:
 
 
 def _command(txn) -> None:
-    txn.completion.mark_incomplete(txn.slot)
+    txn.completion.mark_incomplete(txn.stage_index)
 
 
 def _status(txn) -> None:
@@ -115,7 +115,7 @@ class _FailingRows:
 def page_read_failure(model) -> Iterator[None]:
     """The next page read of any of `model`'s paged tables fails (the `command` kind's cause for
     tables read in pages: `hebrus.weights.pages`). Reads happen on cache misses: a model with
-    no page slots (`model.with_paging(0)`) reads at every lookup."""
+    no page frames (`model.with_paging(0)`) reads at every lookup."""
     if not model.paged:
         raise InvalidInput("this model keeps its PLE tables resident: load it with ple_cache_bytes to page them")
     tables = list(model.paged.values())

@@ -383,17 +383,17 @@ def paged_tables(params: dict[str, torch.Tensor], cache_bytes: int, device: torc
     def page_bytes(source) -> int:
         return page_rows * source.shape[1] * source.dtype.itemsize
 
-    slots = {}
+    frames = {}
     for name, source in sources.items():
-        whole = PagedTable.slots_to_hold(-(-source.shape[0] // page_rows))
+        whole = PagedTable.frames_to_hold(-(-source.shape[0] // page_rows))
         if whole * page_bytes(source) <= cache_bytes // SMALL_SHARE:
-            slots[name] = whole
-    left = cache_bytes - sum(slots[n] * page_bytes(sources[n]) for n in slots)
-    total = sum(s.nbytes for n, s in sources.items() if n not in slots)
+            frames[name] = whole
+    left = cache_bytes - sum(frames[n] * page_bytes(sources[n]) for n in frames)
+    total = sum(s.nbytes for n, s in sources.items() if n not in frames)
     for name, source in sources.items():
-        if name not in slots:
-            slots[name] = left * source.nbytes // max(total, 1) // page_bytes(source)
-    return {name: PagedTable(source, slots[name], device, page_rows) for name, source in sources.items()}
+        if name not in frames:
+            frames[name] = left * source.nbytes // max(total, 1) // page_bytes(source)
+    return {name: PagedTable(source, frames[name], device, page_rows) for name, source in sources.items()}
 
 
 SMALL_SHARE = 8

@@ -22,18 +22,15 @@ import torch
 
 from hebrus import arguments, faults
 from hebrus.engine import eager
-from hebrus.engine.graphs import DecodeSteps
+from hebrus.engine.graphs import DecodeSteps, decode_route
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
-from hebrus.layers.kernels import top_k_chooser
 from hebrus.sampling import Sampling, penalise, sample
 from hebrus import speculate as speculation
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.owners import bank_bytes
 from hebrus.show import shown
-
-
-DECODE = ("auto", "eager", "planned", "graph")
+from hebrus.text.generation import stream_text
 
 
 class Session:
@@ -42,7 +39,7 @@ class Session:
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
         reserve = arguments.reserve(reserve, model.spec.max_context)
-        decode = _decode(model, decode)
+        decode = decode_route(model, decode)
         self.model = model
         self.config, self.spec = model.config, model.spec
         self.budget = MemoryBudget(memory_budget)
@@ -92,7 +89,7 @@ class Session:
     def logits(self) -> torch.Tensor:
         """A copy of the last committed token's logits."""
         with self._exclusive():
-            return self.image.read("logits").clone()
+            return self.image.read(eager.OUTPUT).clone()
 
     # ---- transactions ----------------------------------------------------------------------
     def fork(self, copy_rows: bool = False) -> "Session":
@@ -276,7 +273,6 @@ class Session:
         generation config (else temperature 1.0) and the seed is random unless given; options
         as `hebrus.text.TextOptions`: max_new_tokens, temperature, top_p, top_k, min_p,
         repetition_penalty, seed, stop (strings)."""
-        from hebrus.text.generation import stream_text
         return stream_text(self, prompt, **options)
 
     def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
@@ -316,7 +312,7 @@ class Session:
         the published logits."""
         with torch.inference_mode():            # state written here needs no autograd history
             self._run_stages(ids, out)
-        return out if out is not None else self.image.read("logits").clone()
+        return out if out is not None else self.image.read(eager.OUTPUT).clone()
 
     def _run_stages(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
         """One transaction (or, with `keep`, a prefix transaction) with the journal's record
@@ -407,26 +403,6 @@ class _Seen(ChunkAborted):
     def __init__(self, logits: torch.Tensor):
         super().__init__("head", "stopped before the flip")
         self.logits = logits
-
-
-def _decode(model, decode) -> str:
-    """How one-token steps run: "eager" (stage by stage, like any chunk), "planned" (from the
-    static step plan, uncaptured), "graph" (the plan captured as CUDA graphs), or "auto" (graph
-    for a fast-mode model on CUDA, eager otherwise)."""
-    if not isinstance(decode, str) or decode not in DECODE:
-        raise InvalidInput(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
-    plannable = model.kernels.whole_chunk and model.kernels.choose is top_k_chooser and not model.paged
-    if decode == "auto":
-        return "graph" if plannable and model.device.type == "cuda" else "eager"
-    if decode in ("planned", "graph") and not plannable:
-        why = (f"runs {model.mode} mode" if not model.kernels.whole_chunk else "makes its choices with another chooser"
-               if model.kernels.choose is not top_k_chooser else "streams its PLE tables in pages")
-        raise InvalidInput(f"decode={decode!r} runs fast mode with the spec's top-k; this model {why} "
-                           f"(use decode='eager')")
-    if decode == "graph" and model.device.type != "cuda":
-        raise InvalidInput(f"decode='graph' captures CUDA graphs; this model is on {model.device} "
-                           f"(use 'planned' or 'eager')")
-    return decode
 
 
 def _allocate_image(model) -> Image:

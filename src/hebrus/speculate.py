@@ -82,12 +82,11 @@ class DraftModel:
 
 
 def drafter(speculate, model, history: list[int], room: int, chunk_size: int):
-    """The drafter `Session.generate(speculate=...)` names ("lookup", or a hebrus model with the
-    target's vocabulary and room for the text), checked."""
+    """The drafter `Session.generate(speculate=...)` names ("lookup", or a hebrus model, one of
+    the target `model`'s own kind, with its vocabulary and room for the text), checked."""
     if isinstance(speculate, str) and speculate == "lookup":
         return lambda: Lookup(history)
-    from hebrus.runtime import Model
-    if not isinstance(speculate, Model):
+    if not isinstance(speculate, type(model)):
         raise InvalidInput(f"speculate must be None, 'lookup' or a hebrus model to draft with, got {speculate!r}")
     if speculate.spec.vocab_size != model.spec.vocab_size:
         raise InvalidInput(f"the draft model's vocabulary has {speculate.spec.vocab_size} ids, the model's "

@@ -34,7 +34,6 @@ from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import dense_attention_fast, sparse_attention
-from hebrus.state.status import Status
 from hebrus.layers.layout import init_parameters
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
@@ -75,10 +74,10 @@ class SequenceContext:
     def emit(self, key: str, value: torch.Tensor) -> None:
         self.local[key] = value
 
-    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, bad: torch.Tensor, bit: int) -> None:
         pass
 
-    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         pass
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
@@ -161,7 +160,7 @@ class Losses:
     lm: torch.Tensor               # next-byte cross-entropy, nats
     kl: torch.Tensor               # mean indexer KL
     balance: torch.Tensor          # mean router balance term (1 is perfectly balanced)
-    load: dict[str, torch.Tensor]  # per routed layer: each expert's share of the routed slots [E]
+    load: dict[str, torch.Tensor]  # per routed layer: each expert's share of the routed choices [E]
 
 
 def losses(spec: ModelSpec, params, ids: torch.Tensor, kl_weight: float = 0.1, balance_weight: float = 0.01,

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from hebrus.bench import SHAPES
+from hebrus.engine.graphs import DECODE
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.session import DECODE
 from hebrus.text import MODEL
 
 

@@ -162,7 +162,7 @@ class _InPlaceContext(_Unchecked):
         self.owner.bank[name].copy_(value)
 
     def rows(self, name):
-        i = self.owner.image.slot[name]
+        i = self.owner.image.storage_index[name]
         storage, need = self.owner.storages[i], self.owner.frontier + self.length
         if storage.shape[0] < need:                 # as a transaction grows it (never in a graph)
             capacity = min(self.owner.model.spec.max_context, max(need, 2 * storage.shape[0], 16))

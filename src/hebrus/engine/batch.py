@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import run_stages
+from hebrus.engine.eager import run_stages, transaction
 from hebrus.engine.graphs import capture
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.state.batch import BatchTransaction
@@ -39,8 +39,7 @@ def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: list[int] | No
     aborted it. `reserve[i]`: rows session i's storage is extended to after the pass, if granted
     (see `Transaction.extend_reserved`)."""
     reserve = reserve or [s.reserve for s in sessions]
-    parts = [Transaction(s.image, 1, model.stage_names, s.budget, max_rows=model.spec.max_context,
-                         reserve=r) for s, r in zip(sessions, reserve)]
+    parts = [transaction(model, s.image, s.budget, 1, reserve=r) for s, r in zip(sessions, reserve)]
     batch = BatchTransaction(parts, model.device)
 
     def work() -> None:
@@ -175,8 +174,7 @@ class BatchSteps:
         self.ids.copy_(self.staged, non_blocking=True)
 
     def _batch(self) -> BatchTransaction:
-        parts = [Transaction(s.image, 1, self.model.stage_names, s.budget, max_rows=self.model.spec.max_context,
-                             planned=True) for s in self.sessions]
+        parts = [transaction(self.model, s.image, s.budget, 1, planned=True) for s in self.sessions]
         return BatchTransaction(parts, self.model.device)
 
     def _capture(self, key):
@@ -211,7 +209,7 @@ def _publish(part: Transaction, session, values: list[float], out):
         part.publish(out)
     except ChunkAborted as exc:
         return exc
-    return out if out is not None else session.image.read("logits").clone()
+    return out if out is not None else session.image.read(part.output).clone()
 
 
 def _attach(exc: BaseException, results: list) -> None:

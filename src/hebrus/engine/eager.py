@@ -12,10 +12,21 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import ChunkAborted
+from hebrus.layers.checks import Check
+from hebrus.layers.owners import FRONTIER, OUTPUT
 from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction, abort_error
+
+__all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_stages", "transaction"]   # the owner names re-exported for session
+
+
+def transaction(model, image: Image, budget: MemoryBudget, length: int, **options) -> Transaction:
+    """A transaction of `length` tokens over `image`, told what `model` calls what the seam
+    handles: its stages, its frontier and output owners, the bits its checks set (`Check`)."""
+    return Transaction(image, length, model.stage_names, budget, max_rows=model.spec.max_context,
+                       frontier_owner=FRONTIER, output=OUTPUT, check_bits=Check, **options)
 
 
 def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None,
@@ -25,8 +36,8 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = Transaction(image, len(ids), model.stage_names, budget, max_rows=model.spec.max_context,
-                      reserve=reserve, reserve_only_growing=True, each=keep is not None)
+    txn = transaction(model, image, budget, len(ids), reserve=reserve, reserve_only_growing=True,
+                      each=keep is not None)
 
     def work(txn: Transaction) -> None:
         txn.local["ids"] = ids.to(model.device)
@@ -39,12 +50,12 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
 def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transaction], int] | None:
     """A prefix transaction's choice made from a copy of its logits at every position (a
     replayed graph writes the next replay's into the same memory)."""
-    return None if keep is None else lambda txn: keep(txn.after_each["logits"].clone())
+    return None if keep is None else lambda txn: keep(txn.after_each[txn.output].clone())
 
 
 def run_stages(model, txn: Transaction) -> None:
-    for slot, stage in enumerate(model.stages):
-        txn.enter(slot)
+    for index, stage in enumerate(model.stages):
+        txn.enter(index)
         stage.run(txn)
         faults.after(stage.name, txn)
         txn.seal()

@@ -33,12 +33,36 @@ from dataclasses import dataclass
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import finish, run_stages
-from hebrus.errors import ChunkAborted
+from hebrus.engine.eager import finish, run_stages, transaction
+from hebrus.errors import ChunkAborted, InvalidInput
+from hebrus.layers.kernels import top_k_chooser
 from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.txn import Transaction
 
 _CAPTURING = threading.Lock()             # one capture at a time in the process
+DECODE = ("auto", "eager", "planned", "graph")
+
+
+def decode_route(model, decode: str) -> str:
+    """The route `model`'s one-token steps take, as `decode` asks: "eager" (stage by stage, like
+    any chunk), "planned" (from the static step plan, uncaptured), "graph" (the plan captured as
+    CUDA graphs), or "auto" (graph for a fast-mode model on CUDA, eager otherwise). A route the
+    model cannot take is InvalidInput."""
+    if not isinstance(decode, str) or decode not in DECODE:
+        raise InvalidInput(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
+    plannable = model.kernels.whole_chunk and model.kernels.choose is top_k_chooser and not model.paged
+    if decode == "auto":
+        return "graph" if plannable and model.device.type == "cuda" else "eager"
+    if decode in ("planned", "graph") and not plannable:
+        why = (f"runs {model.mode} mode" if not model.kernels.whole_chunk
+               else "makes its choices with another chooser" if model.kernels.choose is not top_k_chooser
+               else "streams its PLE tables in pages")
+        raise InvalidInput(f"decode={decode!r} runs fast mode with the spec's top-k; this model {why} "
+                           f"(use decode='eager')")
+    if decode == "graph" and model.device.type != "cuda":
+        raise InvalidInput(f"decode='graph' captures CUDA graphs; this model is on {model.device} "
+                           f"(use 'planned' or 'eager')")
+    return decode
 
 
 def capture(plan):
@@ -156,5 +180,4 @@ class DecodeSteps:
         return held
 
     def _transaction(self) -> Transaction:
-        return Transaction(self.image, self.length, self.model.stage_names, self.budget,
-                           max_rows=self.model.spec.max_context, planned=True, each=self.each)
+        return transaction(self.model, self.image, self.budget, self.length, planned=True, each=self.each)

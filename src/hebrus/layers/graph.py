@@ -16,6 +16,7 @@ from hebrus.layers.checks import Check
 from hebrus.layers.hyper import residual
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import KINDS
+from hebrus.layers.owners import OUTPUT
 from hebrus.layers.spec import ModelSpec
 from hebrus.layers.sublayer import FeedForward, Params
 from hebrus.ops.norm import rms_norm
@@ -59,16 +60,16 @@ class Head:
             X = txn.local["streams"]
             logits = self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
             txn.write_each("residual", X)
-            txn.write_each("logits", logits)
+            txn.write_each(OUTPUT, logits)
             return
         X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
         logits = self.logits(X)
         if txn.row_per_session:                                       # one row per session
             txn.write("residual", X)
-            txn.write("logits", logits)
+            txn.write(OUTPUT, logits)
         else:
             txn.write("residual", X[0])
-            txn.write("logits", logits[0])
+            txn.write(OUTPUT, logits[0])
 
 
 def build_stages(s: ModelSpec, params: Params, kernels: Kernels) -> list:

@@ -8,15 +8,18 @@ from hebrus.layers.kind import KINDS
 from hebrus.layers.spec import ModelSpec
 from hebrus.state.owners import OwnerSpec
 
+FRONTIER = "frontier"       # the banked owner holding a session's frontier (the transaction writes it)
+OUTPUT = "logits"           # the banked owner a transaction copies out to its caller (the head writes it)
+
 
 def owner_table(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[tuple[OwnerSpec, object, str]]:
     """(owner, the kind that keeps it or None for the frame, its name within the kind): the
     frontier, the residual and the logits; each branch's; each layer's mixer's and ffn's; then
     what mixers and ffns keep once per model (the routes)."""
     n, D, V = s.hc_streams, s.hidden_size, s.vocab_size
-    table = [(OwnerSpec("frontier", (), torch.int64), None, "frontier"),
+    table = [(OwnerSpec(FRONTIER, (), torch.int64), None, FRONTIER),
              (OwnerSpec("residual", (n, D), dtype), None, "residual"),
-             (OwnerSpec("logits", (V,), dtype), None, "logits")]
+             (OwnerSpec(OUTPUT, (V,), dtype), None, OUTPUT)]
 
     def model_wide(kind):
         return [(o, kind, o.name.removeprefix(kind.name + ".")) for o in kind.model_owners(s, dtype, state_dtype)]

@@ -29,7 +29,7 @@ def visible(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def picked_rows(chosen: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """chosen [T, K] (a top-K of `visible` scores) -> (rows [T, K] ascending, valid [T, K]).
 
-    A query at position p has min(K, p+1) real choices; the other slots point at row 0 and
+    A query at position p has min(K, p+1) real choices; the other entries point at row 0 and
     must be masked."""
     K = chosen.shape[1]
     valid = torch.arange(K, device=chosen.device)[None, :] <= positions[:, None]
@@ -44,7 +44,7 @@ def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int,
 
     If positions[t] + 1 <= top_k every row s <= positions[t] is picked; otherwise the top_k
     highest scores among them, ties going to the smaller s (`choose(scores, k)` makes the choice).
-    Returns (rows [T, K] ascending, valid [T, K]) with K = min(top_k, S); invalid slots point at
+    Returns (rows [T, K] ascending, valid [T, K]) with K = min(top_k, S); invalid entries point at
     row 0 and must be masked.
     """
     K = min(top_k, scores.shape[1])

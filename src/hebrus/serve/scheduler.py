@@ -35,7 +35,7 @@ from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling, penalise, sample_many
 from hebrus.serve.kept import Kept
 from hebrus.serve.together import Together
-from hebrus.session import _decode as decode_route
+from hebrus.engine.graphs import decode_route
 
 
 @dataclass
@@ -209,7 +209,7 @@ class Scheduler:
         clock = self._spend("prefill", clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
-            self._decode(*self._joining(decoding))
+            self._decode_step(*self._joining(decoding))
         elif self.together is not None:
             self.together.let_go()      # their graphs and the sessions they hold go with them
 
@@ -261,7 +261,7 @@ class Scheduler:
             self.prefills.append(request.prefill_s)
         return len(chunk)
 
-    def _decode(self, requests: list[Request], holding: list[Request] | None = None) -> None:
+    def _decode_step(self, requests: list[Request], holding: list[Request] | None = None) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
         commits it only makes the state catch up), then commit those of `requests`; a request
         whose step aborts ends with an error after the token it was committing. A request of

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from hebrus.errors import ChunkAborted
-from hebrus.state.status import Status
 from hebrus.state.txn import Transaction, abort_error
 
 
@@ -49,7 +48,7 @@ class BatchTransaction:
                 out.append(p.rows(name))
             except Exception as exc:
                 self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else abort_error(p.stage, exc))
-                row = p.image.appended[p.image.slot[name]]
+                row = p.image.appended[p.image.storage_index[name]]
                 out.append(torch.zeros((p.frontier + 1,) + row.shape, dtype=row.dtype, device=self.device))
         return out
 
@@ -59,12 +58,12 @@ class BatchTransaction:
         for i, p in enumerate(self.parts):
             p.emit(key, value[i:i + 1])
 
-    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, bad: torch.Tensor, bit: int) -> None:
         """bad [B, ...] (row i: session i), or one value that concerns every session."""
         for i, p in enumerate(self.parts):
             p.flag(bad[i] if bad.dim() and bad.shape[0] == len(self.parts) else bad, bit)
 
-    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """values [B, ...]: row i is checked against session i."""
         for i, p in enumerate(self.parts):
             p.check_range(values[i:i + 1], upper, bit, lower)
@@ -81,9 +80,9 @@ class BatchTransaction:
             p.hold(shared)
 
     # ---- what the runner uses --------------------------------------------------------------
-    def enter(self, slot: int) -> None:
+    def enter(self, index: int) -> None:
         for p in self.parts:
-            p.enter(slot)
+            p.enter(index)
         self.stage = self.parts[0].stage
 
     def seal(self) -> None:

@@ -26,7 +26,8 @@ class Image:
         self.device = device
         self.banked = [s for s in specs if s.kind == BANKED]
         self.appended = [s for s in specs if s.kind == APPENDED]
-        self.slot = {s.name: i for i, s in enumerate(self.appended)}
+        # an appended owner's place in `appended` and in a record's `storages`
+        self.storage_index = {s.name: i for i, s in enumerate(self.appended)}
         self.banks = tuple(
             {s.name: torch.full(s.shape, s.fill, dtype=s.dtype, device=device) for s in self.banked}
             for _ in range(2)
@@ -68,14 +69,14 @@ class Image:
 
     def rows(self, name: str) -> torch.Tensor:
         """The public rows [0, frontier) of an appended owner."""
-        return self.public.storages[self.slot[name]][: self.public.frontier]
+        return self.public.storages[self.storage_index[name]][: self.public.frontier]
 
     def value(self, name: str, record: Published | None = None) -> torch.Tensor:
         """The value of any owner in `record` (default: the public one): a banked owner's tensor,
         or an appended owner's rows below the frontier."""
         record = self.public if record is None else record
-        if name in self.slot:
-            return record.storages[self.slot[name]][: record.frontier]
+        if name in self.storage_index:
+            return record.storages[self.storage_index[name]][: record.frontier]
         return self.banks[record.bank][name]
 
     def publish(self, record: Published) -> None:

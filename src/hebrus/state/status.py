@@ -1,4 +1,5 @@
-"""Device-side checks, read back once per chunk, and per-stage completion records."""
+"""Device-side checks, read back once per chunk, and completion records. Both are kept per cell:
+a number the caller chooses (a transaction's cells are its stages' indices)."""
 from __future__ import annotations
 
 import enum
@@ -8,16 +9,16 @@ import torch
 
 
 class Status(enum.IntFlag):
-    TOKEN_RANGE = 1 << 0      # a token id outside the vocabulary reached the device
-    HASH_RANGE = 1 << 1       # an n-gram bucket index outside its table
-    INDEX_RANGE = 1 << 2      # attention selected a row the query may not see
-    ROUTE_RANGE = 1 << 3      # a route names an expert that does not exist
+    """The bit of a status word the seam sets itself. The other bits are the checks of the
+    stages it runs (the layers' `Check`), named by whoever builds the transaction."""
     INJECTED = 1 << 30        # set by fault injection, through the same `flag` op
 
-    @classmethod
-    def describe(cls, word: int) -> str:
-        names = [flag.name.lower() for flag in cls if word & flag]
-        return ", ".join(names) or f"0x{word:x}"
+
+def describe(word: int, checks: type[enum.Flag]) -> str:
+    """The bits set in a status word by name, lowest first: the seam's own and those of `checks`
+    (the flag class of the stages' bits); the word in hex when none of them is set."""
+    bits = sorted((*checks, *Status), key=lambda flag: flag.value)
+    return ", ".join(flag.name.lower() for flag in bits if word & flag) or f"0x{word:x}"
 
 
 class DeviceChecks:
@@ -30,7 +31,7 @@ class DeviceChecks:
     it non-finite, and no finite value can. With `defer` (a planned step, whose writes are small
     and stay alive), finite checks wait for `fold`, which reduces every write of the chunk in
     one go. `read` brings everything back in one transfer and folds it into a status word per
-    stage and the set of stages with a non-finite write.
+    cell and the set of cells with a non-finite write.
     """
 
     def __init__(self, defer: bool = False):
@@ -39,18 +40,18 @@ class DeviceChecks:
 
     def reset(self) -> None:
         self._status: list[torch.Tensor] = []
-        self._tests: list[tuple[int, int, object]] = []      # (slot, bit, bound test)
+        self._tests: list[tuple[int, int, object]] = []      # (cell, bit, bound test)
         self._finite: list[torch.Tensor] = []
-        self._finite_slots: list[int] = []
+        self._finite_cells: list[int] = []
         self._pending: list[torch.Tensor] = []
-        self._pending_slots: list[int] = []
+        self._pending_cells: list[int] = []
         self._folded: torch.Tensor | None = None
 
-    def flag(self, slot: int, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, cell: int, bad: torch.Tensor, bit: int) -> None:
         self._status.append(bad.any())
-        self._tests.append((slot, int(bit), None))
+        self._tests.append((cell, int(bit), None))
 
-    def check_range(self, slot: int, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, cell: int, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """Set `bit` unless every value lies in [lower, upper) (lower=None: no lower bound).
         Values are indices: a floating-point NaN would compare as in range."""
         if values.is_floating_point():
@@ -62,21 +63,21 @@ class DeviceChecks:
         else:
             low, high = torch.aminmax(values)
             self._status.append(low)
-            self._tests.append((slot, int(bit), ("below", lower)))
+            self._tests.append((cell, int(bit), ("below", lower)))
             self._status.append(high)
-        self._tests.append((slot, int(bit), ("at_least", upper)))
+        self._tests.append((cell, int(bit), ("at_least", upper)))
 
-    def finite(self, slot: int, tensors: list[torch.Tensor]) -> None:
+    def finite(self, cell: int, tensors: list[torch.Tensor]) -> None:
         """Check that every floating-point tensor of `tensors` is finite (fp8 codes, which have no
         infinity and no reduction of their own, through the scales written beside them)."""
         tensors = [t for t in tensors if t.is_floating_point() and t.numel() and t.element_size() > 1]
         if self.defer:
             self._pending += tensors
-            self._pending_slots += [slot] * len(tensors)
+            self._pending_cells += [cell] * len(tensors)
         elif tensors:
-            self._magnitudes(tensors, [slot] * len(tensors))
+            self._magnitudes(tensors, [cell] * len(tensors))
 
-    def _magnitudes(self, tensors: list[torch.Tensor], slots: list[int]) -> None:
+    def _magnitudes(self, tensors: list[torch.Tensor], cells: list[int]) -> None:
         """Largest magnitudes, one multi-tensor launch per dtype: the fused route takes dense
         tensors of one dtype (any other mix falls back to a launch per tensor)."""
         groups: dict[object, list[int]] = {}
@@ -86,31 +87,31 @@ class DeviceChecks:
             group = [tensors[i] for i in members]
             self._finite += (torch._foreach_norm(group, math.inf) if _norm_keeps_nan(group[0].device)
                              else [t.sum() for t in group])
-            self._finite_slots += [slots[i] for i in members]
+            self._finite_cells += [cells[i] for i in members]
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
         inside its graph, and each replay refills the same tensor)."""
         if self._folded is None:
             if self._pending:
-                self._magnitudes(self._pending, self._pending_slots)
-                self._pending, self._pending_slots = [], []
+                self._magnitudes(self._pending, self._pending_cells)
+                self._pending, self._pending_cells = [], []
             parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._finite) if group]
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
     def read(self, values: list[float] | None = None) -> tuple[dict[int, int], set[int]]:
-        """One device-to-host transfer -> ({slot: status word}, {slots with a non-finite write}).
+        """One device-to-host transfer -> ({cell: status word}, {cells with a non-finite write}).
         `values`: the folded tensor already brought back (several transactions read together)."""
         if values is None:
             folded = self.fold()
             values = folded.tolist() if folded is not None else []
         words: dict[int, int] = {}
-        for (slot, bit, test), value in zip(self._tests, values):
+        for (cell, bit, test), value in zip(self._tests, values):
             if _fails(test, value):
-                words[slot] = words.get(slot, 0) | bit
+                words[cell] = words.get(cell, 0) | bit
         finite = values[len(self._status):]
-        return words, {slot for slot, v in zip(self._finite_slots, finite) if not math.isfinite(v)}
+        return words, {cell for cell, v in zip(self._finite_cells, finite) if not math.isfinite(v)}
 
 
 _KEEPS_NAN: dict[str, bool] = {}
@@ -135,8 +136,8 @@ def _fails(test, value: float) -> bool:
 
 
 class Completion:
-    """Per-stage completion records. On CUDA each is an event; on the CPU work is synchronous,
-    so a record is complete unless something marked it otherwise. A captured step (a CUDA
+    """Completion records, one per cell (a stage). On CUDA each is an event; on the CPU work is
+    synchronous, so a record is complete unless something marked it otherwise. A captured step (a CUDA
     graph) records no event per stage: one event after each replay stands for all of them, and
     when it has not completed the step's first stage is reported, since a graph cannot say which
     of its stages did not finish."""
@@ -147,12 +148,12 @@ class Completion:
         self.failed: set[int] = set()
         self.replay: object = None
 
-    def record(self, slot: int) -> None:
+    def record(self, cell: int) -> None:
         event = None
         if self.cuda and not torch.cuda.is_current_stream_capturing():
             event = torch.cuda.Event()
             event.record()
-        self.records.append((slot, event))
+        self.records.append((cell, event))
 
     def record_replay(self) -> None:
         """After a replay of a captured step: the one event that covers its stages."""
@@ -164,20 +165,20 @@ class Completion:
         self.failed.clear()
         self.replay = None
 
-    def mark_incomplete(self, slot: int) -> None:
-        self.failed.add(slot)
+    def mark_incomplete(self, cell: int) -> None:
+        self.failed.add(cell)
 
     def first_incomplete(self) -> int | None:
-        """Slot of the first record whose work did not complete; call after the device sync.
+        """Cell of the first record whose work did not complete; call after the device sync.
         Work on one stream completes in order, so when nothing was marked and the last record
         completed, so did every earlier one: one query, not one per stage."""
         if self.replay is not None and not _complete(self.replay):
             return self.records[0][0] if self.records else 0
         if not self.failed and self.records and _complete(self.records[-1][1]):
             return None
-        for slot, event in self.records:
-            if slot in self.failed or not _complete(event):
-                return slot
+        for cell, event in self.records:
+            if cell in self.failed or not _complete(event):
+                return cell
         return None
 
 

@@ -14,12 +14,13 @@ copied to undo them.
 
 A planned transaction (`planned=True`) is the static plan of a one-token step that a CUDA graph
 captures once and replays at every position (`hebrus.engine.graphs`): stages see the chunk's
-start as a device tensor (the public bank's `frontier`), appended storage must already hold the
+start as a device tensor (the public bank's frontier owner), appended storage must already hold the
 row (it cannot grow inside a graph), and `restart` re-arms the host-side bookkeeping for each
 replay.
 """
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -29,7 +30,7 @@ from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceSt
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.status import Completion, DeviceChecks, Status
+from hebrus.state.status import Completion, DeviceChecks, describe
 
 
 def abort_error(stage: str, exc: Exception) -> ChunkAborted:
@@ -43,9 +44,15 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 
 
 class Transaction:
+    """A chunk of `length` tokens over `image`. Whoever builds it names what the seam does not
+    know (`engine.eager.transaction`): the `stages` in order, the banked owner that holds the
+    frontier (`frontier_owner`, kept up to date by the transaction itself), the banked owner
+    `publish` copies out (`output`), and the flag class of the bits the stages' checks set
+    (`check_bits`), by which a failed status word is described."""
+
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 max_rows: int, output: str = "logits", planned: bool = False, reserve: int = 0,
-                 reserve_only_growing: bool = False, each: bool = False):
+                 max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
+                 planned: bool = False, reserve: int = 0, reserve_only_growing: bool = False, each: bool = False):
         record = image.public
         self.image, self.record, self.planned, self.each = image, record, planned, each
         self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
@@ -53,18 +60,19 @@ class Transaction:
         self.chunk_length = length                  # `length` is what is published: `keep` may cut it
         self.public = image.banks[record.bank]
         # what stages see as the chunk's first position: an int, or (planned) a device tensor
-        self.start = self.public["frontier"].view(1) if planned else record.frontier
+        self.start = self.public[frontier_owner].view(1) if planned else record.frontier
         self.private = image.banks[1 - record.bank]
         self.storages = list(record.storages)
         self.local: dict[str, torch.Tensor] = {}
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
-        self.max_rows, self.output = max_rows, output
+        self.max_rows = max_rows
+        self.frontier_owner, self.output, self.check_bits = frontier_owner, output, check_bits
         # rows to extend storage to after the stages (`extend_reserved`): what grew, or (unless
         # only_growing) any storage below it
         self.reserve, self._reserve_always = min(reserve, max_rows), not reserve_only_growing
         self.completion = Completion(image.device)
-        self.slot, self.stage = -1, "begin"
+        self.stage_index, self.stage = -1, "begin"
         self.written: set[str] = set()
         self._writes: list[torch.Tensor] = []       # what the current stage wrote
         self._value_bytes = 0
@@ -76,15 +84,15 @@ class Transaction:
         self._done = False
         self._cut = False                           # `keep` left rows past the new frontier
         budget.begin()
-        if "frontier" in self.private:
+        if frontier_owner in self.private:
             if planned:
-                torch.add(self.public["frontier"], length, out=self.private["frontier"])
+                torch.add(self.public[frontier_owner], length, out=self.private[frontier_owner])
             else:
-                self.private["frontier"].fill_(self.frontier + length)
-            self.written.add("frontier")
+                self.private[frontier_owner].fill_(self.frontier + length)
+            self.written.add(frontier_owner)
 
     # ---- what stages use -------------------------------------------------------------------
-    row_per_session = False            # one session's chunk (`state.batch` holds several sessions' tokens)
+    row_per_session = False     # one session's chunk (`state.batch` holds several sessions' tokens)
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         """The chunk's last position, the one whose values are published: X[-1:]."""
@@ -114,13 +122,13 @@ class Transaction:
         if not self.each:
             raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
         if 0 < k < self.length:
-            missing = sorted(n for n in self.written if n != "frontier" and n not in self.after_each)
+            missing = sorted(n for n in self.written if n != self.frontier_owner and n not in self.after_each)
             if missing:
                 raise StructuralError("keep", f"no value after every token for {', '.join(missing)}")
             for name, values in self.after_each.items():
                 self.private[name].copy_(values[k - 1])
-            if "frontier" in self.private:
-                self.private["frontier"].fill_(self.frontier + k)
+            if self.frontier_owner in self.private:
+                self.private[self.frontier_owner].fill_(self.frontier + k)
             self.length, self._cut = k, True
         return k
 
@@ -135,7 +143,7 @@ class Transaction:
     def rows(self, name: str) -> torch.Tensor:
         """Storage of an appended owner holding at least start+length rows; rows below `start`
         are the public ones, rows [start, start+length) are this chunk's to write."""
-        i = self.image.slot[name]
+        i = self.image.storage_index[name]
         storage = self.storages[i]
         need = self.frontier + self.length
         shared = storage is self.record.storages[i] and id(storage) in self.image.shared
@@ -165,17 +173,18 @@ class Transaction:
         self._local_bytes[key] = value.numel() * value.element_size()
         self._writes.append(value)
 
-    def flag(self, bad: torch.Tensor, bit: Status) -> None:
+    def flag(self, bad: torch.Tensor, bit: int) -> None:
         """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
-        self.checks.flag(self.slot, bad, bit)
+        self.checks.flag(self.stage_index, bad, bit)
 
-    def check_range(self, values: torch.Tensor, upper: int, bit: Status, lower: int | None = 0) -> None:
+    def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         """Device-side check: set `bit` unless every value lies in [lower, upper)."""
-        self.checks.check_range(self.slot, values, upper, bit, lower)
+        self.checks.check_range(self.stage_index, values, upper, bit, lower)
 
     # ---- what the runner uses --------------------------------------------------------------
-    def enter(self, slot: int) -> None:
-        self.slot, self.stage = slot, self.stages[slot]
+    def enter(self, index: int) -> None:
+        """Begin the stage `stages[index]`: its index is the cell of its checks and completion."""
+        self.stage_index, self.stage = index, self.stages[index]
         self._writes, self._value_bytes = [], 0
 
     def seal(self) -> None:
@@ -183,12 +192,12 @@ class Transaction:
         wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
         and record its completion."""
         self._writes = [t() if callable(t) else t for t in self._writes]
-        self.checks.finite(self.slot, self._writes)
+        self.checks.finite(self.stage_index, self._writes)
         working = sum(self._local_bytes.values())
         growth = max(working - self.budget.working + self._value_bytes, 0)
         self._accounts.append((growth, working, self.stage))
         self._account(growth, working, self.stage)
-        self.completion.record(self.slot)
+        self.completion.record(self.stage_index)
 
     def restart(self) -> None:
         """Re-arm a planned transaction for a replay of its captured work at the public record
@@ -236,13 +245,14 @@ class Transaction:
         incomplete = self.completion.first_incomplete()
         if incomplete is not None:
             failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
-        for slot, word in words.items():
-            failures.append((slot, 1, DeviceStatusError, f"status word 0x{word:x} ({Status.describe(word)})"))
-        for slot in nonfinite:
-            failures.append((slot, 2, NonFiniteError, "a write of this stage is not finite"))
+        for index, word in words.items():
+            failures.append((index, 1, DeviceStatusError,
+                             f"status word 0x{word:x} ({describe(word, self.check_bits)})"))
+        for index in nonfinite:
+            failures.append((index, 2, NonFiniteError, "a write of this stage is not finite"))
         if failures:
-            slot, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
-            raise cls(self.stages[slot], detail)
+            index, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
+            raise cls(self.stages[index], detail)
 
     def publish(self, out: torch.Tensor | None = None) -> None:
         """Copy the output to the caller, then make the private image public in one assignment.

@@ -308,29 +308,3 @@ def stream_text(session, prompt, tokenizer=None, progress=None, **options) -> Te
     if not ids and session.frontier == 0:
         raise InvalidInput("the prompt is empty: a new session needs at least one token of text")
     return TextStream(session, tokenizer, ids, settings, stops, progress)
-
-
-def load(model, **options):
-    """`model` if it is a loaded one, else the model it names loaded with the text-level
-    defaults (fast mode, device and dtype "auto")."""
-    from hebrus.runtime import Model, load as load_model
-    if isinstance(model, Model):
-        if options:
-            raise InvalidInput(f"{', '.join(sorted(options))}: options for loading; this model is loaded already")
-        return model
-    return load_model(model, **{"mode": MODE, "device": DEVICE, "dtype": DTYPE, **options})
-
-
-def stream_generate(model, prompt, **options) -> TextStream:
-    """A new session of `model` (a loaded model, or a name loaded with the text-level defaults)
-    continuing `prompt` (text, or a conversation as a list of {"role", "content"} dicts): the
-    text as it comes. Options: max_new_tokens, temperature, top_p, top_k, min_p,
-    repetition_penalty, seed, stop (see `TextOptions`)."""
-    model = load(model)
-    return stream_text(model.session(), prompt, **options)
-
-
-def generate(model, prompt, **options) -> str:
-    """`stream_generate`'s whole text."""
-    return stream_generate(model, prompt, **options).text()
-

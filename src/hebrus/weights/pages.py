@@ -1,21 +1,21 @@
 """Tables served in pages: rows kept in host memory and brought to the device a page at a time,
-through a bounded pool of page slots (per-layer-embedding tables larger than the device).
+through a bounded pool of page frames (per-layer-embedding tables larger than the device).
 
-A `PagedTable` holds a [rows, width] table on the host and a pool of page slots on the device.
-Its public cache is a mapping page -> slot that only a publication changes:
+A `PagedTable` holds a [rows, width] table on the host and a pool of page frames on the device.
+Its public cache is a mapping page -> frame that only a publication changes:
 
 - a chunk's lookups (`gather`) read the pages the mapping holds (hits) and copy each missing
-  page into a free slot, one that no mapping and no chunk in flight refers to; rows of pages
-  that find no free slot are copied straight from the host for that chunk alone, so a cache
+  page into a free frame, one that no mapping and no chunk in flight refers to; rows of pages
+  that find no free frame are copied straight from the host for that chunk alone, so a cache
   smaller than one chunk's need still serves it;
 - the chunk's transaction holds its `PageClaim`: publication merges the pages it brought in
   into the mapping and evicts the least recently used beyond the mapping's capacity; an abort
-  gives its slots back. The mapping never points at a half-written slot, and an aborted chunk
+  gives its frames back. The mapping never points at a half-written frame, and an aborted chunk
   leaves it as it was;
-- the slots a chunk reads stay pinned until it finishes, so a publication of another session
+- the frames a chunk reads stay pinned until it finishes, so a publication of another session
   that evicts one never hands it out while it is still being read.
 
-The mapping keeps a quarter of the pool (at least one slot, when there are two or more) free for
+The mapping keeps a quarter of the pool (at least one frame, when there are two or more) free for
 the pages a chunk brings in.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ class FileRows:
 
 
 class PagedTable:
-    def __init__(self, source, slots: int, device: torch.device, page_rows: int = DEFAULT_PAGE_ROWS):
+    def __init__(self, source, frames: int, device: torch.device, page_rows: int = DEFAULT_PAGE_ROWS):
         if isinstance(source, torch.Tensor):
             source = HostRows(source, pin=device.type == "cuda")
         if len(source.shape) != 2:
@@ -120,22 +120,22 @@ class PagedTable:
         self.source = source
         self.rows, self.width = source.shape
         self.page_rows, self.device, self.dtype = page_rows, device, source.dtype
-        self.pool = torch.zeros((slots, page_rows, self.width), dtype=self.dtype, device=device)
-        self.capacity = slots - max(1, slots // 4) if slots >= 2 else 0      # pages the mapping keeps
-        self.mapping: dict[int, int] = {}           # public: page -> slot, least recently used first
-        self.free = list(range(slots))[::-1]
+        self.pool = torch.zeros((frames, page_rows, self.width), dtype=self.dtype, device=device)
+        self.capacity = frames - max(1, frames // 4) if frames >= 2 else 0      # pages the mapping keeps
+        self.mapping: dict[int, int] = {}           # public: page -> frame, least recently used first
+        self.free = list(range(frames))[::-1]
         self.pins: Counter[int] = Counter()
         self.retired: set[int] = set()              # evicted while pinned: freed when unpinned
         self.lock = threading.Lock()
         self.hits = self.misses = self.direct = 0    # pages, over the table's life
 
     @staticmethod
-    def slots_to_hold(pages: int) -> int:
-        """The fewest pool slots whose mapping keeps `pages` pages (see `capacity`)."""
-        slots = max(2, pages + 1)
-        while slots - max(1, slots // 4) < pages:
-            slots += 1
-        return slots
+    def frames_to_hold(pages: int) -> int:
+        """The fewest pool frames whose mapping keeps `pages` pages (see `capacity`)."""
+        frames = max(2, pages + 1)
+        while frames - max(1, frames // 4) < pages:
+            frames += 1
+        return frames
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -161,35 +161,35 @@ class PagedTable:
         loads = []
         with self.lock:                             # the bookkeeping; the reads come after, unlocked
             for page in sorted({i // P for i in ids}):
-                if page in claim.slots or page in claim.direct:
+                if page in claim.frames or page in claim.direct:
                     continue
-                slot = self.mapping.get(page)
-                if slot is not None:
+                frame = self.mapping.get(page)
+                if frame is not None:
                     self.hits += 1
-                    claim.read[page] = slot
+                    claim.read[page] = frame
                 elif self.free:
-                    slot = self.free.pop()          # this claim's alone until it finishes
+                    frame = self.free.pop()          # this claim's alone until it finishes
                     self.misses += 1
-                    claim.admitted[page] = slot
-                    loads.append((page, slot))
+                    claim.admitted[page] = frame
+                    loads.append((page, frame))
                 else:
                     self.direct += 1
                     claim.direct.add(page)
                     continue
-                claim.slots[page] = slot
-                self.pins[slot] += 1
-        for k, (page, slot) in enumerate(loads):
+                claim.frames[page] = frame
+                self.pins[frame] += 1
+        for k, (page, frame) in enumerate(loads):
             try:
                 rows = self.source.read(page * P, min(self.rows, (page + 1) * P))
             except BaseException:                   # the pages not read leave the claim: it holds only whole pages
                 with self.lock:
-                    for page, slot in loads[k:]:
-                        del claim.admitted[page], claim.slots[page]
-                        self.retired.add(slot)
-                        self._unpin(slot)
+                    for page, frame in loads[k:]:
+                        del claim.admitted[page], claim.frames[page]
+                        self.retired.add(frame)
+                        self._unpin(frame)
                 raise
-            self.pool[slot, :len(rows)].copy_(rows, non_blocking=True)
-        where = torch.tensor([claim.slots[i // P] * P + i % P if i // P in claim.slots else -1 for i in ids],
+            self.pool[frame, :len(rows)].copy_(rows, non_blocking=True)
+        where = torch.tensor([claim.frames[i // P] * P + i % P if i // P in claim.frames else -1 for i in ids],
                              dtype=torch.int64)
         cached = where >= 0
         if bool(cached.all()):
@@ -203,55 +203,55 @@ class PagedTable:
                     0, where[cached].to(self.device))
         return out.view(*index.shape, self.width)
 
-    def _unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        if self.pins[slot] <= 0:
-            del self.pins[slot]
-            if slot in self.retired:
-                self.retired.discard(slot)
-                self.free.append(slot)
+    def _unpin(self, frame: int) -> None:
+        self.pins[frame] -= 1
+        if self.pins[frame] <= 0:
+            del self.pins[frame]
+            if frame in self.retired:
+                self.retired.discard(frame)
+                self.free.append(frame)
 
     def commit(self, claim: "PageClaim") -> None:
         """Publication: the claim's pages join the mapping (most recent last), the least recently
         used beyond capacity are evicted, its pins are released."""
         with self.lock:
             mapping = dict(self.mapping)
-            for page, slot in claim.read.items():
-                if mapping.get(page) == slot:       # still mapped: now the most recent
+            for page, frame in claim.read.items():
+                if mapping.get(page) == frame:       # still mapped: now the most recent
                     mapping[page] = mapping.pop(page)
-            for page, slot in claim.admitted.items():
+            for page, frame in claim.admitted.items():
                 if page in mapping or self.capacity == 0:     # another chunk published it first
-                    self.retired.add(slot)
+                    self.retired.add(frame)
                 else:
-                    mapping[page] = slot
+                    mapping[page] = frame
             while len(mapping) > self.capacity:
                 page = next(iter(mapping))
-                slot = mapping.pop(page)
-                if self.pins[slot] > 0:
-                    self.retired.add(slot)
+                frame = mapping.pop(page)
+                if self.pins[frame] > 0:
+                    self.retired.add(frame)
                 else:
-                    self.free.append(slot)
+                    self.free.append(frame)
             self.mapping = mapping                  # the cache's publication point
-            for slot in claim.slots.values():
-                self._unpin(slot)
-            claim.slots.clear()
+            for frame in claim.frames.values():
+                self._unpin(frame)
+            claim.frames.clear()
 
     def release(self, claim: "PageClaim") -> None:
-        """Abort: the pages the claim brought in are dropped (their slots free again), its pins
+        """Abort: the pages the claim brought in are dropped (their frames free again), its pins
         released; the mapping is as it was."""
         with self.lock:
-            for slot in claim.admitted.values():
-                self.retired.add(slot)
-            for slot in claim.slots.values():
-                self._unpin(slot)
-            claim.slots.clear()
+            for frame in claim.admitted.values():
+                self.retired.add(frame)
+            for frame in claim.frames.values():
+                self._unpin(frame)
+            claim.frames.clear()
 
 
 @dataclass
 class PageClaim:
     """One chunk's use of a paged table, held by its transaction until it finishes."""
     table: PagedTable
-    slots: dict[int, int] = field(default_factory=dict)      # page -> slot this chunk reads
+    frames: dict[int, int] = field(default_factory=dict)     # page -> frame this chunk reads
     read: dict[int, int] = field(default_factory=dict)       # of those, the mapped ones (hits)
     admitted: dict[int, int] = field(default_factory=dict)   # and the ones it brought in
     direct: set[int] = field(default_factory=set)            # pages it read straight from the host
