@@ -2,7 +2,6 @@
 gated norm. Its state per layer: the conv's last Kc-1 inputs and the recurrent matrix S."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
