@@ -75,9 +75,9 @@ def test_every_registered_kind_declares_everything():
         assert all(hasattr(kind, name) for name in DECLARATIONS), kind.name
 
 
-def test_quantized_declarations_name_weights_the_kind_has():
-    """A kind's `quantized` leaves must be among its weights: a misspelt one would quantize
-    nothing, silently."""
+def test_declared_weights_are_weights_the_kind_has():
+    """A kind's `quantized`, `wide`, `integer` and `outputs` must be among its weights: a
+    misspelt one would change nothing, silently."""
     from hebrus.layers.layout import layout
     spec = hebrus.load("tiny").spec
     qwen_like = ModelSpec(family="t", vocab_size=16, hidden_size=8, mixers=("attention",), ffns=("mlp",),
@@ -90,7 +90,8 @@ def test_quantized_declarations_name_weights_the_kind_has():
                 leaves.setdefault(w.kind.name, set()).add(w.leaf)
     for name, kind in KINDS.items():
         if name in leaves:
-            assert set(kind.quantized) <= leaves[name], name
+            for declared in (kind.quantized, kind.wide, kind.integer, kind.outputs):
+                assert set(declared) <= leaves[name], name
 
 
 def _mlp(inner):
@@ -152,3 +153,71 @@ def test_a_failing_chunk_leaves_the_new_kinds_state_as_it_was(leaky):
     with pytest.raises(hebrus.InvalidInput):
         s.feed([4, 5, 10**6])                              # a token outside the vocabulary
     assert s.digest() == before
+
+
+def test_a_new_kind_meets_every_shape_of_step(leaky, tmp_path):
+    """The four shapes a stage must meet (`Kind.stage`): sessions stepped together (row i is
+    session i's token), a prefix transaction, a planned step, and a snapshot of what it keeps."""
+    from hebrus.batching import Batch, feed_many
+    fast = _leaky_model(leaky, "fast")
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    alone = [fast.session() for _ in prompts]
+    together = [fast.session() for _ in prompts]
+    for a, b, ids in zip(alone, together, prompts):
+        a.feed(ids)
+        b.feed(ids)
+    expected = [a.feed([9]) for a in alone]
+    got = feed_many(together, [9, 9])
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    planned = Batch(together, decode="planned").feed([11, 12])
+    for a, g, token in zip(alone, planned, [11, 12]):
+        torch.testing.assert_close(g, a.feed([token]), rtol=1e-9, atol=1e-9)
+
+    exact = _leaky_model(leaky, "exact")
+    s, twin = exact.session(), exact.session()
+    k, _ = s.feed_prefix(list(range(1, 9)), lambda logits: 5)
+    twin.feed(list(range(1, 6)))
+    assert k == 5 and s.digest() == twin.digest()            # the state after token 5, bit for bit
+
+    s.save(tmp_path / "s.hs")
+    restored = exact.restore(tmp_path / "s.hs")
+    assert restored.digest() == s.digest() and torch.equal(restored.feed([3]), s.feed([3]))
+
+
+def test_storage_dtypes_follow_each_weights_own_kind():
+    from hebrus.layers.layout import float_dtype
+    bf16 = torch.bfloat16
+    assert float_dtype("layers.0.gdn.A_log", bf16) == torch.float32                 # gdn's `wide`
+    assert float_dtype("layers.1.qsa.index_k_norm.bias", bf16) == bf16               # not another kind's
+    assert float_dtype("layers.1.qsa.k_norm.weight", bf16) == torch.float32          # every norm weight
+    assert float_dtype("ple.hash_constants", bf16) == torch.int64                    # ple's `integer`
+    assert float_dtype("layers.0.mixer_hc.fn", bf16) == torch.float32                # the residual's
+
+
+def test_two_kinds_keeping_one_owner_are_refused(tmp_path):
+    module = _import(tmp_path, "hebrus_collide", """
+        import torch
+        from hebrus.layers.kind import Cost, Kind
+        from hebrus.state.owners import APPENDED, OwnerSpec
+
+        class Collide(Kind):
+            name = "collide"
+            role = "ffn"
+            section = None
+            quantized = ()
+            weights = owners = lambda self, *args: {} if len(args) == 2 else []
+            init = stage = lambda self, *args: None
+            cost = lambda self, s, position: Cost()
+
+            def model_owners(self, s, dtype, state_dtype):
+                return [OwnerSpec("routes", (1,), torch.int32, APPENDED)]
+        """)
+    try:
+        from hebrus.layers.owners import owner_specs
+        spec = hebrus.load("tiny").spec
+        mixed = spec.replace(ffns=("moe", "collide", "moe", "moe"))
+        with pytest.raises(TypeError, match="owner 'routes' is kept by both moe and collide"):
+            owner_specs(mixed, torch.float32, torch.float32)
+    finally:
+        KINDS.pop(module.Collide.name, None)

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from hebrus.errors import InvalidInput
+from hebrus.layers.owners import FRONTIER
 from hebrus.ops.quant import all_finite
 from hebrus.state.image import Image, Published, digest, tensor_bytes
 from hebrus.state.owners import APPENDED
@@ -176,8 +177,8 @@ def _value(f, path: Path, spec, entry, frontier: int, base: int, size: int) -> t
 def _check_values(path: Path, image: Image, values: dict[str, torch.Tensor], frontier: int) -> None:
     """What a session can publish, nothing else: the frontier owner at the frontier, every float
     finite, every id or route within its owner's limit."""
-    if int(values["frontier"]) != frontier:
-        raise InvalidInput(f"{path}: its frontier owner says {int(values['frontier'])}, its rows {frontier}")
+    if int(values[FRONTIER]) != frontier:
+        raise InvalidInput(f"{path}: its frontier owner says {int(values[FRONTIER])}, its rows {frontier}")
     for spec in image.specs:
         value = values[spec.name]
         if not all_finite(value):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hebrus.layers.graph import Head, build_stages
 from hebrus.layers.kernels import Kernels
+from hebrus.layers.kind import kind_ops
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.choose import top_k
@@ -34,7 +35,7 @@ from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import dense_attention_fast, sparse_attention
-from hebrus.layers.layout import init_parameters
+from hebrus.layers.layout import init_parameters, layout as layer_weights
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
 from hebrus.weights.quant import folded
@@ -133,7 +134,8 @@ def training_kernels(record: Record, gdn_chunk: int = 128) -> Kernels:
         return gdn_recurrent(q, k, v, g, beta, state)
 
     return Kernels(True, delta_rule, experts_grouped, record.choose, dense_attention_fast,
-                   sparse_attend=record.sparse_attend, index_input=torch.Tensor.detach)
+                   sparse_attend=record.sparse_attend, index_input=torch.Tensor.detach,
+                   ops=kind_ops("fast", None, None))
 
 
 def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,
@@ -183,25 +185,22 @@ def losses(spec: ModelSpec, params, ids: torch.Tensor, kl_weight: float = 0.1, b
 def initial_parameters(c, seed: int | None = None) -> dict[str, torch.Tensor]:
     """Parameters to start training from: the presets' initialisation (`layers.layout`, which
     makes every component active for tests) with the scales a network learns from: embeddings
-    at 1/√D (tied logits start near unit scale, the loss near log V), and each sublayer's output
-    projection, and the per-layer embeddings' output norm, scaled by 1/√(2·layers) so the
-    residual stream starts from small updates."""
+    at 1/√D (tied logits start near unit scale, the loss near log V), and what each sublayer
+    writes into the residual stream (its kind's `outputs`: output projections, the per-layer
+    embeddings' output norm) scaled by 1/√(2·layers) so the residual stream starts from small
+    updates."""
     if isinstance(c, HebrusConfig):                 # seeded by its init_seed
         params, spec = c.init_parameters(seed), c.spec()
     else:
         params, spec = init_parameters(c, 0 if seed is None else seed), c
     residual_scale = (2 * spec.num_layers) ** -0.5
+    outputs = {w.name for w in layer_weights(spec) if w.kind is not None and w.leaf in w.kind.outputs}
     for name, t in params.items():
         if name in ("embed.weight", "lm_head.weight"):
             t.mul_(spec.hidden_size ** -0.5 / float(t.std()))
-        elif name.endswith(OUTPUT_PROJECTIONS):
+        elif name in outputs:                   # the kinds' `outputs` (a PLE norm weight: 1 × scale)
             t.mul_(residual_scale)
-        elif name.endswith("ple.norm.weight"):
-            t.fill_(residual_scale)
     return params
-
-
-OUTPUT_PROJECTIONS = ("gdn.out_proj.weight", "o_proj.weight", "experts.down", "down_proj.weight")
 
 
 def trainable(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

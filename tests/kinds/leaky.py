@@ -1,6 +1,6 @@
 """A layer kind written for the tests, in one file as every kind is: a leaky running sum of the
 normed input, s' = decay·s + h, read out through a projection, y = W s'. Its state is one banked
-vector a layer."""
+vector a layer; its op (`leaky.sums`) is its own, declared with the kind."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,21 +24,32 @@ class LeakySection:
             yield f"the leaky decay ({self.decay}) must lie in [0, 1)"
 
 
+def leaky_sums(h: torch.Tensor, state: torch.Tensor, decay: float) -> torch.Tensor:
+    """h [T, D], state [D] -> the state after every token [T, D]."""
+    states = []
+    for t in range(len(h)):
+        state = decay * state + h[t]
+        states.append(state)
+    return torch.stack(states)
+
+
 class LeakyMixer(Sublayer):
     def __init__(self, s, params, layer, kernels):
         super().__init__(s, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.leaky"
         self.w, self.decay = params[self.name + ".out.weight"], s.section(LeakySection).decay
+        self.sums = kernels.ops["leaky.sums"]
 
     def run(self, txn) -> None:
         def step(pos, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            states = []
-            for t in range(len(h)):
-                state = self.decay * state + h[t]
-                states.append(state)
-            y = linear(torch.stack(states), self.w)
-            return self.mix_out(X, y, post, comb), (torch.stack(states) if each else state)
+            if txn.row_per_session:                 # row i: session i's token and state
+                states = self.decay * state + h
+                last = states
+            else:
+                states = self.sums(h, state, self.decay)
+                last = states if each else states[-1]
+            return self.mix_out(X, linear(states, self.w), post, comb), last
 
         X, state = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],),
                         txn.read(self.name + ".sum"), txn.each)
@@ -51,6 +62,7 @@ class Leaky(Kind):
     role = "mixer"
     section = LeakySection
     quantized = ("out.weight",)
+    outputs = ("out.weight",)
 
     def weights(self, s, prefix):
         return {prefix + "out.weight": (s.hidden_size, s.hidden_size)}
@@ -66,3 +78,6 @@ class Leaky(Kind):
 
     def cost(self, s, position):
         return Cost()
+
+    def ops(self, mode, device, dtype):
+        return {"leaky.sums": leaky_sums}

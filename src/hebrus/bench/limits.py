@@ -119,6 +119,6 @@ def prefill_flops_per_token(model, context: int, chunk: int) -> float:
     s = model.spec
     _, body, head = _active_weights(model)
     flops = 2 * body + 2 * head / min(chunk, context)
-    for mixer, ffn in zip(s.mixers, s.ffns):
-        flops += KINDS[mixer].cost(s, context / 2).flops + KINDS[ffn].cost(s, context / 2).flops
+    for kinds in zip(s.mixers, s.ffns, *([name] * s.num_layers for name in s.branches)):
+        flops += sum(KINDS[name].cost(s, context / 2).flops for name in kinds)
     return flops

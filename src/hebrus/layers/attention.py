@@ -199,6 +199,7 @@ class DenseAttention(Kind):
     role = "mixer"
     section = AttentionSection
     quantized = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight")
+    outputs = ("o_proj.weight",)
     keeps_rows = True
     logs = ("k", "v")                     # its row logs
 

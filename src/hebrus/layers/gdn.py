@@ -95,6 +95,7 @@ class GDN(Kind):
     section = DeltaNetSection
     quantized = ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
     wide = ("A_log", "dt_bias")
+    outputs = ("out_proj.weight",)
 
     def weights(self, s, prefix):
         g, D = s.section(DeltaNetSection), s.hidden_size

@@ -8,11 +8,12 @@ choice matters downstream (experts: yes, their order is stored; attended rows: n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
+from hebrus.layers.kind import kind_ops
 from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent, gdn_recurrent_states, gdn_states
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
@@ -57,6 +58,7 @@ class Kernels:
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
     # (q, k, v, g, beta, state) -> (o, the state after every token): a prefix transaction's chunk
     delta_rule_each: Callable = gdn_recurrent_states
+    ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`layers.kind.Kind.ops`)
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
@@ -90,5 +92,5 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             except ImportError:
                 pass
         return Kernels(True, rule, experts, choose, attend=dense_attention_fast, fused=fuse,
-                       quantized_linear=quantized, delta_rule_each=gdn_states)
-    return Kernels(False, gdn_recurrent, experts_per_token, choose)
+                       quantized_linear=quantized, delta_rule_each=gdn_states, ops=kind_ops(mode, device, dtype))
+    return Kernels(False, gdn_recurrent, experts_per_token, choose, ops=kind_ops(mode, device, dtype))

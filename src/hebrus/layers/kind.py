@@ -14,6 +14,7 @@ embedding, and a term added to every feed-forward sublayer's output.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -56,14 +57,31 @@ class Kind:
                                 the ffn stage calls (`layers.sublayer.FeedForward`); branches:
                                 the stage run after the embedding. `shared` is a dict the model's
                                 kinds may keep what several layers share in (rotary tables).
+                                Weights arrive as the layers read them: a quantized one as an
+                                `ops.quant.Quantized`, multiplied through `ops.quant.linear`.
+                                A stage meets four shapes of step (`state.context.StepContext`):
+                                a chunk of one session (exact mode: token by token through
+                                `sublayer.scan`); `txn.row_per_session`, row i one token of
+                                session i, banked state stacked per session; `txn.each`, a prefix
+                                transaction, the state after every token written with
+                                `write_each`; a planned step, `txn.start` a device tensor (rows
+                                written through `layers.span.Span`). It makes no host sync.
     cost(s, position)           a `Cost`
     layer_term(s, params, layer)   branches only: the term its ffn sublayers add, called as
                                 `term(h, its local input for the layer)`
 
     Optional, with defaults: `model_weights(s)` and `model_owners(s, dtype, state_dtype)` for
-    what a kind keeps once per model (full names, under the kind's name: "ple.conv"; the routes
-    are "routes"); `wide` and `integer`, leaves stored in at least float32 and in int64;
-    `keeps_rows`, whether its owners are K/V rows a kv-cache format applies to; `rotary_widths(s)`.
+    what a kind keeps once per model (weights named under the kind's name, "ple.conv.weight";
+    owners too, but for the routes, "routes"); `wide` and `integer`, its weights stored in at
+    least float32 and in int64; `outputs`, its weights that write into the residual stream
+    (training starts them small); `keeps_rows`, whether its owners are K/V rows a kv-cache format
+    applies to; `rotary_widths(s)`; `ops(mode, device, dtype)`, ops of its own, a fast one or its
+    twin chosen once with the model and reaching its stage as `kernels.ops[name]`. A range check
+    of its own is a bit of `layers.checks.Check`.
+
+    The section is a frozen dataclass with `key` (its name in `hebrus info`) and
+    `problems(spec)` (what is wrong, as text), optionally `unused(spec)` (fields not in use).
+    A base class that is not itself a kind is defined with `register=False`.
     """
 
     name: ClassVar[str]
@@ -72,6 +90,7 @@ class Kind:
     quantized: ClassVar[tuple[str, ...]]
     wide: ClassVar[tuple[str, ...]] = ()
     integer: ClassVar[tuple[str, ...]] = ()
+    outputs: ClassVar[tuple[str, ...]] = ()
     keeps_rows: ClassVar[bool] = False
 
     def __init_subclass__(cls, register: bool = True, **kwargs) -> None:
@@ -89,6 +108,10 @@ class Kind:
         """The widths it builds rotary tables for (each a [max_context, width] cos/sin pair)."""
         return set()
 
+    def ops(self, mode: str, device, dtype) -> dict:
+        """Ops of its own for a model of `mode` on `device` in `dtype`, by name."""
+        return {}
+
 
 def _register(cls: type) -> None:
     wanted = DECLARATIONS + (BRANCH_DECLARATIONS if getattr(cls, "role", None) == "branch" else ())
@@ -98,10 +121,31 @@ def _register(cls: type) -> None:
                         f"(every kind declares {', '.join(DECLARATIONS)}; see hebrus.layers.kind)")
     if cls.role not in ROLES:
         raise TypeError(f"layer kind {cls.name!r} has role {cls.role!r}; roles are {', '.join(ROLES)}")
-    if cls.name in KINDS and type(KINDS[cls.name]) is not cls:
+    section = cls.section
+    if section is not None and not (dataclasses.is_dataclass(section) and hasattr(section, "key")
+                                    and callable(getattr(section, "problems", None))):
+        raise TypeError(f"layer kind {cls.name!r}: its section {getattr(section, '__name__', section)!r} must be "
+                        f"a dataclass with a `key` and `problems(spec)`")
+    if cls.name in KINDS and _origin(type(KINDS[cls.name])) != _origin(cls):
         raise TypeError(f"two layer kinds are named {cls.name!r}: {type(KINDS[cls.name]).__module__} "
                         f"and {cls.__module__}")
     KINDS[cls.name] = cls()
+
+
+def _origin(cls: type) -> tuple[str, str]:
+    """Where a class is defined: a module run again (a reload) defines the same kind again."""
+    return cls.__module__, cls.__qualname__
+
+
+def kind_ops(mode: str, device, dtype) -> dict:
+    """Every kind's own ops for a model of `mode` on `device` in `dtype` (`Kind.ops`)."""
+    ops: dict = {}
+    for kind in KINDS.values():
+        for name, op in kind.ops(mode, device, dtype).items():
+            if name in ops:
+                raise TypeError(f"two layer kinds declare an op named {name!r}")
+            ops[name] = op
+    return ops
 
 
 # Random draws for `init`: float32 on the CPU, whatever torch's defaults are set to.

@@ -48,12 +48,27 @@ def layout(s: ModelSpec) -> list[Weight]:
         if kind.role != "branch":
             out += _model_wide(s, kind)
     head = hyper.head_weights(s) | {"norm.weight": (D,)} | ({} if s.tie_embeddings else {"lm_head.weight": (V, D)})
-    return out + [Weight(name, shape, None, name) for name, shape in head.items()]
+    out += [Weight(name, shape, None, name) for name, shape in head.items()]
+    _check(s, out)
+    return out
 
 
 def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
-    return [Weight(name, shape, kind, name.removeprefix(kind.name + "."))
-            for name, shape in kind.model_weights(s).items()]
+    weights = kind.model_weights(s)
+    outside = [name for name in weights if not name.startswith(kind.name + ".")]
+    if outside:
+        raise TypeError(f"layer kind {kind.name!r} names model-wide weights outside {kind.name}.*: {outside[:3]}")
+    return [Weight(name, shape, kind, name.removeprefix(kind.name + ".")) for name, shape in weights.items()]
+
+
+def _check(s: ModelSpec, weights: list[Weight]) -> None:
+    """Each name once: two kinds (or a kind and the frame) naming one weight fail here."""
+    seen: dict[str, str] = {}
+    for w in weights:
+        owner = w.kind.name if w.kind is not None else "the frame"
+        if w.name in seen:
+            raise TypeError(f"weight {w.name!r} is named by both {seen[w.name]} and {owner}")
+        seen[w.name] = owner
 
 
 def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -66,23 +81,33 @@ def quantized(s: ModelSpec) -> set[str]:
     return {w.name for w in layout(s) if w.kind is not None and w.leaf in w.kind.quantized}
 
 
-def _leaves(attribute: str) -> set[str]:
-    return {leaf for kind in KINDS.values() for leaf in getattr(kind, attribute)}
+def kind_of(name: str) -> tuple[Kind | None, str]:
+    """The kind a weight's name belongs to and its name within the kind, read from the name as
+    the layout writes it (`layers.{l}.{kind}.{leaf}`, or `{kind}.{leaf}` for a kind's
+    model-wide weights); (None, name) for the frame's."""
+    parts = name.split(".", 3)
+    if parts[0] == "layers" and len(parts) == 4 and parts[2] in KINDS:
+        return KINDS[parts[2]], parts[3]
+    if len(parts) > 1 and parts[0] in KINDS:
+        return KINDS[parts[0]], name.split(".", 1)[1]
+    return None, name
 
 
 def integer(name: str) -> bool:
-    """Whether a weight is integer (int64): the kinds' `integer` leaves (hash constants)."""
-    return name.rsplit(".", 1)[-1] in _leaves("integer")
+    """Whether a weight is integer (int64): its kind's `integer` (hash constants)."""
+    kind, leaf = kind_of(name)
+    return kind is not None and leaf in kind.integer
 
 
 def float_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """A float weight's dtype in a model of `dtype`: hyper-connection parameters, norm weights
-    (a scale near 1, which a 16-bit type rounds coarsely) and the kinds' `wide` leaves (decays)
+    (a scale near 1, which a 16-bit type rounds coarsely) and its kind's `wide` weights (decays)
     in at least float32; integer weights int64; everything else `dtype`."""
-    if integer(name):
+    kind, leaf = kind_of(name)
+    if kind is not None and leaf in kind.integer:
         return torch.int64
     wide = "_hc." in name or name.startswith("head_hc.") or name.endswith("norm.weight")
-    if wide or name.rsplit(".", 1)[-1] in _leaves("wide"):
+    if wide or (kind is not None and leaf in kind.wide):
         return torch.float64 if dtype == torch.float64 else torch.float32
     return dtype
 

@@ -46,6 +46,7 @@ class MLP(Kind):
     role = "ffn"
     section = MLPSection
     quantized = PROJECTIONS
+    outputs = ("down_proj.weight",)
 
     def weights(self, s, prefix):
         return swiglu_shapes(s.hidden_size, s.section(MLPSection).intermediate, prefix)

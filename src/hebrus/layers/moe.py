@@ -85,6 +85,7 @@ class MoE(Kind):
     role = "ffn"
     section = ExpertsSection
     quantized = ("experts.gate_up", "experts.down") + tuple("shared." + name for name in PROJECTIONS)
+    outputs = ("experts.down", "shared.down_proj.weight")
 
     def weights(self, s, prefix):
         e, D = s.section(ExpertsSection), s.hidden_size

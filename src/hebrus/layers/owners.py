@@ -33,7 +33,17 @@ def owner_table(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
     for kind in s.kinds():
         if kind.role != "branch":
             table += model_wide(kind)
+    _check_unique(table)
     return table
+
+
+def _check_unique(table) -> None:
+    seen: dict[str, str] = {}
+    for owner, kind, _ in table:
+        by = kind.name if kind is not None else "the frame"
+        if owner.name in seen:
+            raise TypeError(f"owner {owner.name!r} is kept by both {seen[owner.name]} and {by}")
+        seen[owner.name] = by
 
 
 def owner_specs(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:

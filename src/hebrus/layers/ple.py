@@ -153,6 +153,7 @@ class PLE(Kind):
     section = PLESection
     quantized = ()
     integer = ("hash_constants",)
+    outputs = ("norm.weight",)
 
     def model_weights(self, s):
         p, V = s.section(PLESection), s.vocab_size

@@ -98,16 +98,16 @@ class ModelSpec:
     def fields_in_use(self) -> list[tuple[str, object]]:
         """(name, value) of what the model's layers read: the common fields (no hyper-connection
         fields for a plain residual), then each section in use, its fields named `section.field`."""
-        unused = {"family", "sections"}
+        hidden = {"family", "sections"}
         if self.residual == "plain":
-            unused |= {"hc_streams", "hc_sinkhorn_iters", "hc_eps"}
-        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in unused]
+            hidden |= {"hc_streams", "hc_sinkhorn_iters", "hc_eps"}
+        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in hidden]
         used = {kind.section for kind in self.kinds()}
         for section in self.sections:
             if type(section) in used:
-                key, unused = section.key, getattr(section, "unused", lambda s: ())(self)
-                fields += [(f"{key}.{f.name}", getattr(section, f.name)) for f in dataclasses.fields(section)
-                           if f.name not in unused]
+                idle = getattr(section, "unused", lambda s: ())(self)
+                fields += [(f"{section.key}.{f.name}", getattr(section, f.name)) for f in dataclasses.fields(section)
+                           if f.name not in idle]
         return fields
 
     def replace(self, **changes) -> "ModelSpec":

@@ -16,7 +16,7 @@ import torch
 class StepContext(Protocol):
     row_per_session: bool   # True: row i of every chunk-local tensor is session i's one token
     start: object           # the first position: an int, a [1] device tensor (a planned step), or one per session
-    local: dict[str, torch.Tensor]      # chunk-local values by name ("ids", "streams", "ple")
+    local: dict[str, torch.Tensor]      # chunk-local values by name (the layers': "ids", "streams", ...)
     # True: a prefix transaction (`state.txn.Transaction(each=True)`), whose stages write banked
     # owners with `write_each(name, values after every token [T, ...])`; only it has that call
     each: bool

@@ -21,7 +21,7 @@ class OwnerSpec:
     dtype: torch.dtype
     kind: str = BANKED
     fill: float = 0.0          # value of a fresh session's bank
-    limit: int | None = None   # an integer owner's values lie in [0, limit) (ids, expert routes)
+    limit: int | None = None   # an integer owner's values lie in [0, limit)
 
     @property
     def nbytes(self) -> int:
