@@ -1,0 +1,143 @@
+"""The state pool's allocator (`state/pool.py`): slots and reference-counted blocks.
+
+A stateful hypothesis run drives sessions that open, step (publishing or aborting), fork and
+close over one small pool, against a reference that keeps each session's rows and bank as plain
+lists. After every operation: each session reads back exactly its own rows and bank (forks
+share blocks and copy on write, so neither side sees the other's later steps), and the pool
+never leaks: free blocks + held blocks = all blocks, the references held = the blocks the
+sessions' tables name, free slots + live sessions = all slots. HEBRUS_HYPOTHESIS=long runs far
+more examples.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hebrus.state.owners import APPENDED, OwnerSpec
+from hebrus.state.pool import Pool, PoolFull
+
+LONG = os.environ.get("HEBRUS_HYPOTHESIS") == "long"
+SPECS = [OwnerSpec("state", (3,), torch.float64, fill=-1.0), OwnerSpec("rows", (2,), torch.float64, APPENDED)]
+
+
+class Session:
+    def __init__(self, slot: int):
+        self.slot, self.parity, self.frontier, self.table = slot, 0, 0, ()
+        self.rows: list[float] = []         # the reference: row r holds [v, -v]
+        self.state = -1.0                   # the reference bank: every entry this value
+
+
+class Sessions(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = Pool(SPECS, torch.device("cpu"), slots=4, blocks=10, block_rows=3)
+        self.live: list[Session] = []
+        self.counter = 0.0
+
+    @rule()
+    def open(self):
+        try:
+            slot = self.pool.take_slot()
+        except PoolFull:
+            assert len(self.live) == self.pool.slots
+            return
+        self.live.append(Session(slot))
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 7), rows=st.integers(0, 7), publish=st.booleans())
+    def step(self, which, rows, publish):
+        s = self.live[which % len(self.live)]
+        free = self.pool.free_blocks
+        try:
+            plan = self.pool.writable(s.table, s.frontier, rows)
+        except PoolFull:
+            assert self.pool.free_blocks == free                    # nothing taken
+            return
+        self.pool.copy_blocks(plan.copies)
+        values = [self.counter + i for i in range(rows)]
+        self.counter += rows
+        if rows:
+            self.pool.write_rows("rows", plan.table, s.frontier, torch.tensor([[v, -v] for v in values],
+                                                                               dtype=torch.float64))
+        self.pool.banks["state"][1 - s.parity, s.slot] = self.counter       # the private bank
+        if not publish:
+            self.pool.release(plan.taken)                           # an abort: the step's blocks go back
+            return
+        self.pool.release(plan.dropped)                             # the flip: the copies replace them
+        s.table, s.frontier, s.parity = plan.table, s.frontier + rows, 1 - s.parity
+        s.rows += values
+        s.state = self.counter
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 7))
+    def fork(self, which):
+        parent = self.live[which % len(self.live)]
+        try:
+            slot = self.pool.take_slot()
+        except PoolFull:
+            return
+        child = Session(slot)
+        self.pool.copy_slot(parent.slot, parent.parity, slot)
+        child.parity, child.frontier, child.table = parent.parity, parent.frontier, self.pool.share(parent.table)
+        child.rows, child.state = list(parent.rows), parent.state
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 7))
+    def close(self, which):
+        s = self.live.pop(which % len(self.live))
+        self.pool.release(s.table)
+        self.pool.free_slot(s.slot)
+
+    @invariant()
+    def each_session_reads_its_own_state(self):
+        for s in self.live:
+            got = self.pool.read_rows("rows", s.table, s.frontier)
+            assert got.tolist() == [[v, -v] for v in s.rows]
+            assert self.pool.banks["state"][s.parity, s.slot].tolist() == [s.state] * 3
+
+    @invariant()
+    def nothing_leaks(self):
+        held = self.pool.held()
+        assert self.pool.free_blocks + len(held) == self.pool.blocks
+        tables: dict[int, int] = {}
+        for s in self.live:
+            assert len(s.table) == self.pool.blocks_for(s.frontier)
+            for block in s.table:
+                tables[block] = tables.get(block, 0) + 1
+        assert held == tables
+        assert self.pool.free_slots + len(self.live) == self.pool.slots
+
+
+Sessions.TestCase.settings = settings(
+    max_examples=1000 if LONG else 300, stateful_step_count=60 if LONG else 40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_pool_sessions = Sessions.TestCase
+
+
+def test_a_fork_costs_no_rows_and_its_first_step_copies_one_block():
+    pool = Pool(SPECS, torch.device("cpu"), slots=2, blocks=8, block_rows=4)
+    parent = pool.writable((), 0, 6)                        # rows 0..5: two blocks, the second half full
+    assert len(parent.taken) == 2 and not parent.copies
+    table = pool.share(parent.table)                         # the fork: no block taken
+    assert pool.free_blocks == 6
+    step = pool.writable(table, 6, 1)                        # row 6 lands in the shared second block
+    assert step.copies == ((parent.table[1], step.table[1]),) and step.dropped == (parent.table[1],)
+    assert step.table[0] == parent.table[0]                  # the full block stays shared
+
+
+def test_carving_a_pool_from_bytes():
+    per_slot, per_block = Pool.slot_bytes(SPECS), Pool.block_bytes(SPECS, 16)
+    assert (per_slot, per_block) == (2 * 3 * 8, 16 * 2 * 8)
+    pool = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 5 * per_block, slots=10)
+    assert (pool.slots, pool.blocks) == (10, 5) and pool.nbytes() == 10 * per_slot + 5 * per_block
+    half = Pool.carve(SPECS, torch.device("cpu"), 4096)
+    assert half.slots == 4096 // 2 // per_slot and half.nbytes() <= 4096
+    with pytest.raises(PoolFull, match="do not fit"):
+        Pool.carve(SPECS, torch.device("cpu"), per_slot, slots=2)
