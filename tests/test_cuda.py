@@ -62,7 +62,7 @@ def test_verify_passes_on_cuda(dtype, mode):
     from hebrus.ops.cuda import gdn
     model = hebrus.load("tiny", device="cuda", dtype=dtype, mode=mode)
     if mode == "fast" and dtype == "bfloat16" and gdn.available():
-        assert model.kernels.delta_rule is gdn.gdn_fla
+        assert model.kernels.ops["gdn.delta_rule"] is gdn.gdn_fla
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, [(r.name, r.detail) for r in failed]
 

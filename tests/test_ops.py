@@ -307,10 +307,11 @@ def test_the_op_table_picks_kernels_by_device_and_dtype():
     from hebrus.layers.kernels import kernels
     from hebrus.ops.moe import experts_grouped, experts_grouped_mm
     cpu = torch.device("cpu")
-    assert kernels("fast", None, cpu, torch.float32).experts.many is experts_grouped_mm
-    assert kernels("fast", None, cpu, torch.bfloat16).experts.many is experts_grouped_mm
-    assert kernels("fast", None, cpu, torch.float64).experts.many is experts_grouped   # grouped_mm: no float64
-    assert kernels("exact", None, cpu, torch.float32).experts is experts_per_token
+    experts = "moe.experts"
+    assert kernels("fast", None, cpu, torch.float32).ops[experts].many is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.bfloat16).ops[experts].many is experts_grouped_mm
+    assert kernels("fast", None, cpu, torch.float64).ops[experts].many is experts_grouped   # grouped_mm: no float64
+    assert kernels("exact", None, cpu, torch.float32).ops[experts] is experts_per_token
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float64, 1e-12)])

@@ -37,12 +37,12 @@ def test_the_floor_does_not_excuse_a_fast_path_that_is_worse_than_exact(amplifyi
         table = original(mode, chooser, *rest)
         if mode != "fast":
             return table
-        rule = table.delta_rule
+        rule = table.ops["gdn.delta_rule"]
 
         def delta_rule(*args):
             out, state = rule(*args)
             return out * (1 + 1e-3), state
-        return dataclasses.replace(table, delta_rule=delta_rule)
+        return dataclasses.replace(table, ops=table.ops | {"gdn.delta_rule": delta_rule})
 
     monkeypatch.setattr("hebrus.runtime.kernels", noisy)
     verdicts = [check.run() for check in _fast_checks(fast.with_mode("fast"))]

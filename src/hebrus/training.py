@@ -26,15 +26,18 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.layers.graph import Head, build_stages
+from hebrus.layers.attention import INDEX_INPUT, SPARSE
+from hebrus.layers.gdn import DELTA_RULE
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import kind_ops
+from hebrus.layers.moe import EXPERTS
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.ops.choose import top_k
 from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
-from hebrus.ops.qsa import dense_attention_fast, sparse_attention
+from hebrus.ops.qsa import sparse_attention
 from hebrus.layers.layout import init_parameters, layout as layer_weights
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
@@ -133,9 +136,9 @@ def training_kernels(record: Record, gdn_chunk: int = 128) -> Kernels:
             return gdn_chunked(q, k, v, g, beta, state, chunk=gdn_chunk)
         return gdn_recurrent(q, k, v, g, beta, state)
 
-    return Kernels(True, delta_rule, experts_grouped, record.choose, dense_attention_fast,
-                   sparse_attend=record.sparse_attend, index_input=torch.Tensor.detach,
-                   ops=kind_ops("fast", None, None))
+    ops = kind_ops("fast", None, None) | {DELTA_RULE: delta_rule, EXPERTS: experts_grouped,
+                                          SPARSE: record.sparse_attend, INDEX_INPUT: torch.Tensor.detach}
+    return Kernels(True, record.choose, ops=ops)
 
 
 def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,

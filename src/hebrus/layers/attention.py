@@ -11,12 +11,12 @@ from typing import ClassVar
 import torch
 
 from hebrus.layers.checks import Check
-from hebrus.layers.kernels import Kernels
+from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.span import Span
 from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.norm import layer_norm
-from hebrus.ops.qsa import index_scores, select, sigmoid_gated
+from hebrus.ops.qsa import dense_attention, dense_attention_fast, index_scores, select, sigmoid_gated, sparse_attention
 from hebrus.ops.quant import CACHE_DTYPES, QuantizedRows, dense, linear, quantize_rows
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.context import StepContext
@@ -24,6 +24,9 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
+DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
+SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
+INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +82,8 @@ class Attention:
         a = s.section(AttentionSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
-        self.attend, self.sparse_attend, self.fused = kernels.attend, kernels.sparse_attend, kernels.fused
-        self.index_input = kernels.index_input
+        self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
+        self.index_input = kernels.ops[INDEX_INPUT]
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
         self.hi, self.di, self.top_k = a.index_heads, a.index_dim, a.top_k
         self.cache, self.parts = s.kv_cache, 3 if indexed else 2      # quantized rows: scales after codes
@@ -244,6 +247,13 @@ class DenseAttention(Kind):
 
     def rotary_widths(self, s) -> set[int]:
         return {s.section(AttentionSection).rotary_dim}
+
+    def ops(self, mode, device, dtype):
+        """Dense attention as written, or in fast mode through torch's fused scaled-dot-product
+        attention for a chunk and two matrix products for a few queries; sparse attention over
+        the picked rows; the indexer reads the layer's input as it is."""
+        dense = dense_attention_fast if mode == "fast" else dense_attention
+        return {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
 
 
 class SparseAttention(DenseAttention):

@@ -9,11 +9,22 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, uniform
 from hebrus.layers.sublayer import Sublayer, scan
-from hebrus.ops.gdn import gdn_inputs
+from hebrus.ops.gdn import gdn_chunked, gdn_inputs, gdn_recurrent, gdn_recurrent_states, gdn_states
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
 from hebrus.state.owners import OwnerSpec
+
+
+DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
+DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
+
+
+def delta_rule_fast(q, k, v, g, beta, state):
+    """The chunked (WY) form over a chunk; the recurrence for a single token (also for several
+    sessions' single tokens: q [B, 1, H, dk])."""
+    rule = gdn_chunked if q.shape[-3] > 1 else gdn_recurrent
+    return rule(q, k, v, g, beta, state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +70,7 @@ class GatedDeltaNet:
             projected, b, a = projected[:, None], b[:, None], a[:, None]
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
             projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
-        o, S = (kernels.delta_rule_each if each else kernels.delta_rule)(q, k, v, g, beta, S)          # sessions: B sequences of one token
+        o, S = kernels.ops[DELTA_RULE_EACH if each else DELTA_RULE](q, k, v, g, beta, S)   # sessions: B sequences of one token
         if sessions:
             o = o[:, 0]
         z = linear(h, self.w_z).view(T, self.hv, self.dv)
@@ -130,3 +141,16 @@ class GDN(Kind):
 
     def cost(self, s, position):
         return Cost()
+
+    def ops(self, mode, device, dtype):
+        """Exact: the recurrence, token by token. Fast: the chunked form; for a 16-bit model on
+        CUDA, fla's kernels when fla is installed (`hebrus.ops.cuda.gdn`; their TF32 dots would
+        not meet float32's fast bound). Their readable twins are `ops.gdn`."""
+        if mode != "fast":
+            return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states}
+        rule = delta_rule_fast
+        if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            from hebrus.ops.cuda import gdn as cuda_gdn
+            if cuda_gdn.available():
+                rule = cuda_gdn.gdn_fla
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states}

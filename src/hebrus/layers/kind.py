@@ -142,9 +142,8 @@ def kind_ops(mode: str, device, dtype) -> dict:
     ops: dict = {}
     for kind in KINDS.values():
         for name, op in kind.ops(mode, device, dtype).items():
-            if name in ops:
-                raise TypeError(f"two layer kinds declare an op named {name!r}")
-            ops[name] = op
+            if ops.setdefault(name, op) is not op:          # kinds that share a module may share ops
+                raise TypeError(f"two layer kinds declare different ops named {name!r}")
     return ops
 
 

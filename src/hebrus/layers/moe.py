@@ -13,9 +13,13 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.layers.span import Span
-from hebrus.ops.moe import route
+from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
+                            grouped_mm_supports, route)
 from hebrus.ops.quant import linear
 from hebrus.state.owners import APPENDED, OwnerSpec
+
+
+EXPERTS = "moe.experts"         # (h, weights, experts, gate_up, down) -> y
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +58,7 @@ class MixtureOfExperts:
                      normalize=self.normalize)
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        routed = self.kernels.experts(h, weights, experts, self.gate_up, self.down)
+        routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
         return routed + torch.sigmoid(linear(h, self.shared_gate)) * swiglu(h, *self.shared, self.kernels.fused)
@@ -116,3 +120,13 @@ class MoE(Kind):
         e = s.section(ExpertsSection)
         share = e.top_k / e.experts
         return Cost(shares={"experts.gate_up": share, "experts.down": share}, rows={"routes": 0})
+
+    def ops(self, mode, device, dtype):
+        """Exact: each token through its experts. Fast: grouped per expert (torch's grouped_mm
+        where it runs: no host synchronisation), a decode step's few tokens gathered."""
+        if mode != "fast":
+            return {EXPERTS: experts_per_token}
+        many = experts_grouped
+        if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
+            many = experts_grouped_mm
+        return {EXPERTS: experts_few_first(many)}
