@@ -146,6 +146,12 @@ def test_a_kind_in_one_file_runs_through_the_engine(leaky):
     assert torch.isfinite(quantized.session().feed(ids)).all()
 
 
+def test_a_model_whose_layers_are_not_its_configs_is_not_saved(leaky, tmp_path):
+    with pytest.raises(hebrus.InvalidInput, match="not the ones its config describes"):
+        _leaky_model(leaky, "exact").save(tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_failing_chunk_leaves_the_new_kinds_state_as_it_was(leaky):
     s = _leaky_model(leaky, "exact").session()
     s.feed([1, 2, 3])

@@ -90,6 +90,9 @@ class Model:
         if self._in_files():
             raise InvalidInput("save needs every weight in memory; this model reads its PLE tables from its "
                                "checkpoint file (load it without ple_cache_bytes to save it)")
+        if self.spec.replace(quantization=None, kv_cache=None) != self.config.spec():
+            raise InvalidInput("save writes the model's config.json; this model's layers are not the ones its "
+                               "config describes (built on another spec), so the folder would not load back")
         return checkpoint.save(path, self.config, self._params, self.spec.quantization, overwrite=overwrite,
                                companions=self.source)
 
