@@ -24,7 +24,7 @@ from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
 from hebrus.ops.quant import all_finite, check_cache_format
-from hebrus.weights.quant import Quantization, check_parts, folded, quantize_params
+from hebrus.weights.quant import Quantization, check_parts, quantize_params
 
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -64,8 +64,7 @@ class Model:
                         if not (name in self.paged and isinstance(self.paged[name].source, FileRows))}
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in self._params.values())
         self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
-        weights = folded({**self._params, **self.paged}, spec.quantization, layout.float_shapes(spec),
-                         layout.quantized(spec), self.kernels.quantized_linear)
+        weights = layout.as_layers_read(spec, {**self._params, **self.paged}, self.kernels.quantized_linear)
         self.stages = build_stages(spec, weights, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
 

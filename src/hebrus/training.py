@@ -41,7 +41,6 @@ from hebrus.ops.qsa import sparse_attention
 from hebrus.layers.layout import init_parameters, layout as layer_weights
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
-from hebrus.weights.quant import folded
 
 KL_ROWS = 256           # query rows per sparse-attention layer that the indexer's KL term samples
 
@@ -148,8 +147,7 @@ def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,
     build time (the delta rule's decay constants) carry their gradients."""
     record = Record()
     kernels = training_kernels(record, gdn_chunk)
-    params = folded(params, spec.quantization, layout.float_shapes(spec), layout.quantized(spec),
-                    kernels.quantized_linear)
+    params = layout.as_layers_read(spec, params, kernels.quantized_linear)
     stages = build_stages(spec, params, kernels)
     ctx = SequenceContext(spec, ids, params["embed.weight"].dtype)
     for stage in stages[:-1]:

@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from hebrus.layers.kind import KINDS
 from hebrus.layers.layout import layout
 from hebrus.layers.owners import owner_table
 from hebrus.state.owners import BANKED
@@ -103,12 +102,12 @@ def decode_bytes(model, context: int, batch: int = 1) -> int:
     s = model.spec
     weights = _active_weights(model, batch)[0]
     state = 0
+    rows = {kind.name: kind.cost(s, context).rows for kind in s.kinds()}
     for owner, kind, leaf in owner_table(s, model.dtype, model.state_dtype):
         if owner.kind == BANKED:
             state += owner.nbytes
         else:
-            rows = kind.cost(s, context).rows if kind is not None else {}
-            state += owner.nbytes * rows.get(leaf, context)
+            state += owner.nbytes * (rows[kind.name].get(leaf, context) if kind is not None else context)
     return weights + batch * state
 
 
@@ -119,6 +118,7 @@ def prefill_flops_per_token(model, context: int, chunk: int) -> float:
     s = model.spec
     _, body, head = _active_weights(model)
     flops = 2 * body + 2 * head / min(chunk, context)
-    for kinds in zip(s.mixers, s.ffns, *([name] * s.num_layers for name in s.branches)):
-        flops += sum(KINDS[name].cost(s, context / 2).flops for name in kinds)
+    mean = {kind.name: kind.cost(s, context / 2).flops for kind in s.kinds()}
+    for _, kinds in s.layer_kinds():
+        flops += sum(mean[kind.name] for kind in kinds)
     return flops

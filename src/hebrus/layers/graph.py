@@ -74,14 +74,13 @@ class Head:
 
 def build_stages(s: ModelSpec, params: Params, kernels: Kernels) -> list:
     """The stages, in order, running on the op table `kernels` (see `layers.kernels`). A
-    quantized model's weights reach here folded (`weights.quant.folded`)."""
+    quantized model's weights reach here folded (`models.layout.as_layers_read`)."""
     shared: dict = {}
     stages: list = [Embed(s, params)]
     stages += [KINDS[name].stage(s, params, None, kernels, shared) for name in s.branches]
-    for layer, (mixer, ffn) in enumerate(zip(s.mixers, s.ffns)):
-        stages.append(KINDS[mixer].stage(s, params, layer, kernels, shared))
-        terms = {name: KINDS[name].layer_term(s, params, layer) for name in s.branches}
-        stages.append(FeedForward(s, params, layer, kernels, KINDS[ffn].stage(s, params, layer, kernels, shared),
-                                  terms))
+    for layer, (mixer, ffn, *branches) in s.layer_kinds():
+        stages.append(mixer.stage(s, params, layer, kernels, shared))
+        terms = {branch.name: branch.layer_term(s, params, layer) for branch in branches}
+        stages.append(FeedForward(s, params, layer, kernels, ffn.stage(s, params, layer, kernels, shared), terms))
     stages.append(Head(s, params, kernels))
     return stages

@@ -159,5 +159,16 @@ def uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) 
     return lo + (hi - lo) * torch.rand(shape, generator=gen, **CPU32)
 
 
+def check_unique(entries, what: str, verb: str) -> None:
+    """Refuse a name two of (name, kind or None for the frame) `entries` give: two kinds (or a
+    kind and the frame) naming one owner or weight would be merged silently."""
+    seen: dict[str, str] = {}
+    for name, kind in entries:
+        by = kind.name if kind is not None else "the frame"
+        if name in seen:
+            raise TypeError(f"{what} {name!r} is {verb} by both {seen[name]} and {by}")
+        seen[name] = by
+
+
 def kinds_of(role: str) -> tuple[str, ...]:
     return tuple(name for name, kind in KINDS.items() if kind.role == role)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hebrus.layers import hyper
-from hebrus.layers.kind import CPU32, KINDS, Kind, normal
+from hebrus.layers.kind import CPU32, KINDS, Kind, check_unique, normal
 from hebrus.layers.spec import ModelSpec
 
 
@@ -35,12 +35,12 @@ def layout(s: ModelSpec) -> list[Weight]:
     out = [Weight("embed.weight", (V, D), None, "embed.weight")]
     for name in s.branches:
         out += _model_wide(s, KINDS[name])
-    for layer in range(s.num_layers):
+    for layer, kinds in s.layer_kinds():
         p = f"layers.{layer}."
         frame = hyper.sublayer_weights(s, p + "mixer_hc") | hyper.sublayer_weights(s, p + "ffn_hc")
         frame |= {p + "mixer_norm.weight": (D,), p + "ffn_norm.weight": (D,)}
         out += [Weight(name, shape, None, name) for name, shape in frame.items()]
-        for kind in map(KINDS.get, (s.mixers[layer], s.ffns[layer], *s.branches)):
+        for kind in kinds:
             prefix = f"{p}{kind.name}."
             out += [Weight(name, shape, kind, name.removeprefix(prefix))
                     for name, shape in kind.weights(s, prefix).items()]
@@ -49,7 +49,7 @@ def layout(s: ModelSpec) -> list[Weight]:
             out += _model_wide(s, kind)
     head = hyper.head_weights(s) | {"norm.weight": (D,)} | ({} if s.tie_embeddings else {"lm_head.weight": (V, D)})
     out += [Weight(name, shape, None, name) for name, shape in head.items()]
-    _check(s, out)
+    check_unique(((w.name, w.kind) for w in out), "weight", "named")
     return out
 
 
@@ -59,16 +59,6 @@ def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
     if outside:
         raise TypeError(f"layer kind {kind.name!r} names model-wide weights outside {kind.name}.*: {outside[:3]}")
     return [Weight(name, shape, kind, name.removeprefix(kind.name + ".")) for name, shape in weights.items()]
-
-
-def _check(s: ModelSpec, weights: list[Weight]) -> None:
-    """Each name once: two kinds (or a kind and the frame) naming one weight fail here."""
-    seen: dict[str, str] = {}
-    for w in weights:
-        owner = w.kind.name if w.kind is not None else "the frame"
-        if w.name in seen:
-            raise TypeError(f"weight {w.name!r} is named by both {seen[w.name]} and {owner}")
-        seen[w.name] = owner
 
 
 def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:

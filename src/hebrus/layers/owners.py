@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.layers.kind import KINDS
+from hebrus.layers.kind import KINDS, check_unique
 from hebrus.layers.spec import ModelSpec
 from hebrus.state.owners import OwnerSpec
 
@@ -26,24 +26,15 @@ def owner_table(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> l
 
     for name in s.branches:
         table += model_wide(KINDS[name])
-    for layer, kinds in enumerate(zip(s.mixers, s.ffns, *([name] * s.num_layers for name in s.branches))):
-        for kind in map(KINDS.get, kinds):
+    for layer, kinds in s.layer_kinds():
+        for kind in kinds:
             prefix = f"layers.{layer}.{kind.name}."
             table += [(o, kind, o.name.removeprefix(prefix)) for o in kind.owners(s, prefix, dtype, state_dtype)]
     for kind in s.kinds():
         if kind.role != "branch":
             table += model_wide(kind)
-    _check_unique(table)
+    check_unique(((owner.name, kind) for owner, kind, _ in table), "owner", "kept")
     return table
-
-
-def _check_unique(table) -> None:
-    seen: dict[str, str] = {}
-    for owner, kind, _ in table:
-        by = kind.name if kind is not None else "the frame"
-        if owner.name in seen:
-            raise TypeError(f"owner {owner.name!r} is kept by both {seen[owner.name]} and {by}")
-        seen[owner.name] = by
 
 
 def owner_specs(s: ModelSpec, dtype: torch.dtype, state_dtype: torch.dtype) -> list[OwnerSpec]:

@@ -83,6 +83,11 @@ class ModelSpec:
         names = dict.fromkeys((*self.branches, *(k for pair in zip(self.mixers, self.ffns) for k in pair)))
         return [KINDS[name] for name in names if name in KINDS]
 
+    def layer_kinds(self) -> Iterator[tuple[int, tuple]]:
+        """(layer, its kinds in order: the mixer, the ffn, then each branch's term)."""
+        for layer, (mixer, ffn) in enumerate(zip(self.mixers, self.ffns)):
+            yield layer, (KINDS[mixer], KINDS[ffn], *(KINDS[name] for name in self.branches))
+
     def section(self, of: type[Section]) -> Section:
         """This model's section of type `of` (a kind's dimensions)."""
         for section in self.sections:

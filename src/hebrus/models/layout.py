@@ -8,8 +8,9 @@ import math
 import torch
 
 from hebrus.layers import layout as layers
+from hebrus.layers.layout import float_shapes, quantized   # with what follows: the layout a load is handed
 from hebrus.layers.spec import ModelSpec
-from hebrus.weights.quant import QUANTIZED_DTYPES, is_part, part_dtype, stored_shapes
+from hebrus.weights.quant import QUANTIZED_DTYPES, folded, is_part, part_dtype, stored_shapes
 from hebrus.weights.table import FLOAT_DTYPES
 
 # safetensors dtype names a file may store integer weights (the hash constants) in: those int64
@@ -19,15 +20,13 @@ INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32")
 
 def parameter_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The stored tensors and their shapes: a quantized model's quantized weights as their parts."""
-    return stored_shapes(layers.float_shapes(s), layers.quantized(s), s.quantization)
+    return stored_shapes(float_shapes(s), quantized(s), s.quantization)
 
 
-def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:
-    return layers.float_shapes(s)
-
-
-def quantized(s: ModelSpec) -> set[str]:
-    return layers.quantized(s)
+def as_layers_read(s: ModelSpec, params: dict, matmul) -> dict:
+    """`params` as the stages take them: a quantized model's parts folded into `Quantized`
+    weights multiplied by `matmul` (the op table's `quantized_linear`)."""
+    return folded(params, s.quantization, float_shapes(s), quantized(s), matmul)
 
 
 def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype | None:

@@ -52,6 +52,7 @@ class Pool:
         self._free_slots = list(range(slots - 1, -1, -1))      # popped from the end: slot 0 first
         self._free_blocks = list(range(blocks - 1, -1, -1))
         self._references = [0] * blocks
+        self._fills = {s.name: s.fill for s in specs if s.kind == BANKED}
 
     @staticmethod
     def slot_bytes(specs: list[OwnerSpec]) -> int:
@@ -83,9 +84,8 @@ class Pool:
         if not self._free_slots:
             raise PoolFull(f"all {self.slots} slots hold sessions")
         slot = self._free_slots.pop()
-        fills = {s.name: s.fill for s in self.specs if s.kind == BANKED}
         for name, bank in self.banks.items():
-            bank[:, slot].fill_(fills[name])
+            bank[:, slot].fill_(self._fills[name])
         return slot
 
     def copy_slot(self, source: int, parity: int, target: int) -> None:
