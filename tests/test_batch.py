@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hebrus
+from hebrus.state.pool import Pool
 from conftest import poisoned as with_nan_row
 from conftest import tokens
 from hebrus.engine import batch
@@ -263,16 +264,16 @@ def test_a_real_allocation_failure_while_one_session_grows_aborts_it_alone(model
     from hebrus.state.txn import Transaction
     model = models["tiny"]
     vocab = model.spec.vocab_size
-    sessions = _sessions(model, vocab)                       # session 2 holds 16 rows: it must grow
+    sessions = _sessions(model, vocab)
     before = [s.digest() for s in sessions]
-    grow = Transaction._grow
+    writable = Transaction._writable_table
 
-    def failing(self, name, storage, need):
+    def failing(self):
         if self.image is sessions[2].image:
             raise torch.OutOfMemoryError("no memory for these rows")
-        return grow(self, name, storage, need)
+        return writable(self)
 
-    monkeypatch.setattr(Transaction, "_grow", failing)
+    monkeypatch.setattr(Transaction, "_writable_table", failing)
     got = hebrus.feed_many(sessions, [1, 2, 3, 4])
     assert isinstance(got[2], AllocationError) and sessions[2].digest() == before[2]
     assert all(isinstance(got[i], torch.Tensor) and sessions[i].digest() != before[i] for i in (0, 1, 3))
@@ -287,7 +288,7 @@ def test_outs_may_be_the_rows_of_one_buffer(models):
 
 
 def _capacity(session) -> set[int]:
-    return {st.shape[0] for st in session.image.public.storages}
+    return {len(session.image.public.table) * session.model.pool.block_rows}
 
 
 def test_a_planned_batch_grows_every_session_together(models):
@@ -297,16 +298,17 @@ def test_a_planned_batch_grows_every_session_together(models):
     model = models["qwen3_5"]
     vocab = model.spec.vocab_size
     sessions, eager = _sessions(model, vocab), _sessions(model, vocab)
-    assert [_capacity(s) for s in sessions] == [{16}, {16}, {16}, {30}]     # the last one is full
+    assert [_capacity(s) for s in sessions] == [{16}, {16}, {16}, {32}]     # the third one is full
     group = hebrus.Batch(sessions, decode="planned")
     for step in range(20):
         ids = tokens(len(PROMPTS), seed=300 + step, vocab=vocab)
         for i, (a, b) in enumerate(zip(group.feed(ids), hebrus.feed_many(eager, ids))):
             _close(a, b, f"step {step}, session {i}", 2e-4)
-    # at step 0 the full one grew to 60 rows and the two of similar length with it; the 3-token
-    # one, far shorter, kept its 16 rows until step 13, when it joined them
-    assert all(_capacity(s) == {60} for s in sessions)
-    assert group._steps.uncaptured == 20 - 2
+    # at step 0 the full one took blocks for 32 rows and the 15-token one with it; at step 2 the
+    # 30-token one ran out of its 32 and the three took blocks for 64; the 3-token one, far
+    # shorter, kept its 16 rows until step 13, when it joined them
+    assert all(_capacity(s) == {64} for s in sessions)
+    assert group._steps.uncaptured == 20 - 3
     _same_state(sessions, eager, 2e-4)
 
 
@@ -320,7 +322,7 @@ def test_a_refused_reservation_does_not_abort(models):
     tight = model.session(decode="eager")
     tight.feed(tokens(3, seed=2, vocab=vocab))
     group = hebrus.Batch([roomy, tight], decode="planned")
-    row_bytes = sum(st[0].numel() * st.element_size() for st in tight.image.public.storages)
+    row_bytes = Pool.block_bytes(model.owners, model.pool.block_rows) // model.pool.block_rows
     tight.budget.limit = tight.budget.held + 8 * row_bytes       # intermediates fit; 16 more rows do not
     before = tight.digest()
     got = group.feed([4, 5])
@@ -341,7 +343,7 @@ def test_a_batch_reservation_never_makes_a_session_fail(models):
             roomy.feed(tokens(16, seed=1, vocab=vocab))
             tight.feed(tokens(3, seed=2, vocab=vocab))
             if row_bytes is None:
-                row_bytes = sum(st[0].numel() * st.element_size() for st in tight.image.public.storages)
+                row_bytes = Pool.block_bytes(model.owners, model.pool.block_rows) // model.pool.block_rows
             tight.budget.limit = tight.budget.held + rows * row_bytes
             if together == "batch":
                 got = hebrus.Batch([roomy, tight], decode="planned").feed([4, 5])

@@ -84,11 +84,11 @@ def test_a_real_cpu_out_of_memory_is_an_allocation_failure(warmed, tiny, monkeyp
     assert info.value.stage == "layers.1.ffn" and warmed.digest() == before
 
 
-def test_out_of_memory_for_a_new_sessions_banks_is_an_allocation_failure(tiny):
+def test_a_pool_that_holds_no_session_is_an_allocation_failure(tiny):
     from hebrus.state.owners import OwnerSpec
     twin = tiny.with_mode("exact")
     twin.owners = twin.owners + [OwnerSpec("huge", (1 << 40, 1 << 20), torch.float32)]
-    with pytest.raises(hebrus.AllocationError, match="session's banks"):
+    with pytest.raises(hebrus.AllocationError, match="state pool"):
         twin.session()
 
 

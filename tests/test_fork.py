@@ -2,6 +2,8 @@
 (nothing copied at the fork), after which parent and fork diverge without seeing each other."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def test_a_fork_shares_rows_and_then_diverges_in_isolation(tiny):
     parent = _fed(tiny, TEXT[:12])
     fork = parent.fork()
     assert fork.digest() == parent.digest() and fork.frontier == 12
-    assert all(a is b for a, b in zip(fork.image.public.storages, parent.image.public.storages))
+    assert fork.image.public.table == parent.image.public.table           # the same blocks
     fork_digest = fork.digest()
     a = parent.feed(TEXT[12:15])
     assert fork.digest() == fork_digest                       # the parent's new rows are not the fork's
@@ -37,16 +39,16 @@ def test_a_fork_shares_rows_and_then_diverges_in_isolation(tiny):
 
 def test_a_fork_with_its_own_rows_leaves_the_parent_stepping_in_place(tiny):
     """`fork(copy_rows=True)`: the fork holds a copy of the rows up to the frontier, the parent
-    keeps its storage unshared (it can go on stepping in place); both then go on as the same
+    keeps its blocks unshared (it can go on stepping in place); both then go on as the same
     chunks fed from scratch give."""
     parent = _fed(tiny, TEXT[:12])
     fork = parent.fork(copy_rows=True)
     assert fork.digest() == parent.digest() and fork.frontier == 12
-    assert parent.image.room() and not parent.image.shared and not fork.image.shared
-    assert all(a is not b for a, b in zip(fork.image.public.storages, parent.image.public.storages))
-    storages = list(parent.image.public.storages)
+    assert parent.image.room() and fork.image.room()
+    assert not set(fork.image.public.table) & set(parent.image.public.table)
+    table = parent.image.public.table
     a = parent.feed(TEXT[12:13])
-    assert all(x is y for x, y in zip(parent.image.public.storages, storages))   # stepped in place
+    assert parent.image.public.table == table                                 # stepped in place
     b = fork.feed(TEXT[20:22])
     want_a, want_b = _fed(tiny, TEXT[:12], TEXT[12:13]), _fed(tiny, TEXT[:12], TEXT[20:22])
     assert parent.digest() == want_a.digest() and torch.equal(a, want_a.logits)
@@ -54,10 +56,19 @@ def test_a_fork_with_its_own_rows_leaves_the_parent_stepping_in_place(tiny):
 
 
 def test_forking_copies_no_rows_whatever_the_context(tiny):
+    """A fork takes no block; its first chunk copies one (the shared block it writes into) and
+    takes what it grows into, whatever the context length."""
     for length in (4, 200):
         parent = _fed(tiny, (TEXT * 10)[:length])
+        gc.collect()
+        free = tiny.pool.free_blocks
         fork = parent.fork()
-        assert all(a is b for a, b in zip(fork.image.public.storages, parent.image.public.storages))
+        assert fork.image.public.table == parent.image.public.table and tiny.pool.free_blocks == free
+        fork.feed(TEXT[:1])
+        assert tiny.pool.free_blocks >= free - 1 - len(parent.image.public.table)
+        changed = [i for i, (a, b) in enumerate(zip(fork.image.public.table, parent.image.public.table)) if a != b]
+        assert changed == [length // tiny.pool.block_rows]
+        del parent, fork                          # their blocks go back before the next length's count
 
 
 def test_an_aborted_chunk_on_a_fork_leaves_both_as_they_were(tiny):

@@ -135,9 +135,11 @@ def test_a_fork_costs_no_rows_and_its_first_step_copies_one_block():
 def test_carving_a_pool_from_bytes():
     per_slot, per_block = Pool.slot_bytes(SPECS), Pool.block_bytes(SPECS, 16)
     assert (per_slot, per_block) == (2 * 3 * 8, 16 * 2 * 8)
-    pool = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 5 * per_block, slots=10)
+    pool = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 5 * per_block, 1024, slots=10)
     assert (pool.slots, pool.blocks) == (10, 5) and pool.nbytes() == 10 * per_slot + 5 * per_block
-    half = Pool.carve(SPECS, torch.device("cpu"), 4096)
+    half = Pool.carve(SPECS, torch.device("cpu"), 4096, 1024)
     assert half.slots == 4096 // 2 // per_slot and half.nbytes() <= 4096
+    short = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 500 * per_block, 32, slots=10)
+    assert short.blocks == 10 * 2                           # no more than every slot's table at 32 rows
     with pytest.raises(PoolFull, match="do not fit"):
-        Pool.carve(SPECS, torch.device("cpu"), per_slot, slots=2)
+        Pool.carve(SPECS, torch.device("cpu"), per_slot, 1024, slots=2)

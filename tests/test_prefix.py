@@ -50,7 +50,7 @@ def test_one_pass_equals_its_readable_twin(tiny, tiny_fast, mode):
                 torch.testing.assert_close(one.image.read(name), two.image.read(name), rtol=1e-4, atol=1e-4)
             for name in ("frontier", "ple.history"):
                 assert torch.equal(one.image.read(name), two.image.read(name))
-            for name in one.image.storage_index:
+            for name in one.model.pool.rows:
                 torch.testing.assert_close(one.image.rows(name), two.image.rows(name), rtol=1e-4, atol=1e-4)
         one.feed(TEXT[14:17])                     # and they go on alike
         two.feed(TEXT[14:17])
@@ -72,20 +72,21 @@ def test_every_kind_of_failure_at_every_stage_publishes_nothing(tiny):
 
 
 def test_the_rejected_tail_never_reaches_a_planned_step(tiny_fast):
-    """Rows of the tokens after k stay past the frontier; a planned step reads whole storages
-    (masked), so they are zeroed before it runs, as an aborted chunk's are, and its steps then
+    """Rows of the tokens after k stay past the frontier; a planned step reads every row its
+    table holds (masked), so they are zeroed before it runs, as an aborted chunk's are, and its steps then
     match the eager runner's."""
     chunk = TEXT[5:12]
     planned, eager = tiny_fast.session(decode="planned", reserve=64), tiny_fast.session(decode="eager")
     for s in (planned, eager):
         s.feed(TEXT[:5])
         s.feed_prefix(chunk, lambda logits: 3)
-    assert planned.image.tail_dirty and planned.image.public.storages[0][8:].abs().sum() > 0
+    first = planned.image.appended[0].name
+    assert planned.image.tail_dirty and planned.image.held_rows(first)[8:].abs().sum() > 0
     for token in TEXT[8:14]:
         torch.testing.assert_close(planned.feed([token]), eager.feed([token]), rtol=2e-5, atol=2e-5)
     assert planned._steps.uncaptured >= 5
-    for storage in planned.image.public.storages:
-        assert not storage[planned.frontier:].any()
+    for spec in planned.image.appended:
+        assert not planned.image.held_rows(spec.name)[planned.frontier:].any()
 
 
 def test_the_logits_decide(tiny):

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import hebrus
+
 from hebrus.serve.kept import Kept, _session_bytes
 
 
@@ -117,13 +119,16 @@ def test_budgets_below_zero_are_refused():
         Kept(10, per_key=-1)
 
 
-def test_a_sessions_bytes_are_its_banked_and_public_storages():
-    image = SimpleNamespace(banks=[{"x": torch.zeros(3, 4)}, {"x": torch.zeros(2, dtype=torch.float64)}],
-                            public=SimpleNamespace(storages=[torch.zeros(5, dtype=torch.int8)]))
-    assert _session_bytes(SimpleNamespace(image=image)) == 3 * 4 * 4 + 2 * 8 + 5
-    k = Kept(1000)
-    k.put("a", [1], SimpleNamespace(image=image))
-    assert k.used == 69
+def test_a_sessions_bytes_are_its_slot_and_the_blocks_its_table_holds():
+    from hebrus.state.pool import Pool
+    model = hebrus.load("tiny")
+    session = model.session()
+    session.feed(list(range(20)))                       # 20 rows: two blocks of 16
+    slot, block = Pool.slot_bytes(model.owners), Pool.block_bytes(model.owners, model.pool.block_rows)
+    assert _session_bytes(session) == slot + 2 * block
+    k = Kept(10 ** 9)
+    k.put("a", [1], session)
+    assert k.used == slot + 2 * block
 
 
 # ---- /metrics behind the API key -----------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hebrus
+from hebrus.state.pool import Pool
 from conftest import tokens
 
 
@@ -180,24 +181,24 @@ def test_threads_feeding_one_session_serialise(tiny):
 
 
 def test_a_reservation_grows_row_logs_once_to_its_size():
-    """`reserve=N`: the first chunk's growth goes straight to N rows; later chunks up to N never
-    grow (never copy) them; the state equals an unreserved session's; a budget that cannot hold
-    the reservation grows as needed instead."""
+    """`reserve=N`: the first chunk takes blocks for N rows at once; later chunks up to N take
+    none; the state equals an unreserved session's; a budget that cannot hold the reservation
+    takes blocks as needed instead."""
     model = hebrus.load("tiny")
     reserved, plain = model.session(reserve=300), model.session()
+    blocks = model.pool.blocks_for(300)
     for chunk in ([1, 2, 3], list(range(40)), [7] * 100):
         reserved.feed(chunk)
         plain.feed(chunk)
-        assert {st.shape[0] for st in reserved.image.public.storages} == {300}
+        assert len(reserved.image.public.table) == blocks
     assert reserved.digest() == plain.digest()
-    first = reserved.image.public.storages[0]
+    table = reserved.image.public.table
     reserved.feed(list(range(150)))
-    assert reserved.image.public.storages[0] is first                        # 293 rows: no copy
-    row_bytes = sum(st[0].numel() * st.element_size() for st in plain.image.public.storages)
-    tight = model.session(reserve=300, memory_budget=model.session().budget.held + 100 * row_bytes)
-    tight.feed([1, 2, 3])                       # each row log asks for its reservation alone
-    capacities = [st.shape[0] for st in tight.image.public.storages]
-    assert set(capacities) <= {16, 300} and 16 in capacities and tight.frontier == 3
+    assert reserved.image.public.table == table                              # 293 rows: no block taken
+    block = Pool.block_bytes(model.owners, model.pool.block_rows)
+    tight = model.session(reserve=300, memory_budget=model.session().budget.held + 5 * block)
+    tight.feed([1, 2, 3])                       # the reservation is refused whole: one block, as needed
+    assert len(tight.image.public.table) == 1 and tight.frontier == 3
     with pytest.raises(hebrus.InvalidInput, match=r"reserve must lie in \[0, 1024\]"):
         model.session(reserve=2000)
     with pytest.raises(hebrus.InvalidInput, match="reserve"):
@@ -210,7 +211,7 @@ def test_a_reservation_never_makes_a_chunk_fail():
     model = hebrus.load("tiny")
     probe = model.session()
     probe.feed([1, 2, 3])
-    row_bytes = sum(st[0].numel() * st.element_size() for st in probe.image.public.storages)
+    row_bytes = Pool.block_bytes(model.owners, model.pool.block_rows) // model.pool.block_rows
     held = model.session().budget.held
     published = 0
     for rows in range(0, 400, 13):

@@ -135,7 +135,7 @@ def _crafted(model, path, frontier: int, change=lambda values: None) -> None:
     """A snapshot that is self-consistent (owners, fingerprint, digest all agree; none of them is
     secret) at `frontier`, its rows repeated from a real session's, then `change`d."""
     from safetensors.torch import save_file
-    from hebrus.state.image import Image, Published
+    from hebrus.state.image import digest
     real = model.session()
     real.feed(TEXT)
     values = {}
@@ -146,12 +146,9 @@ def _crafted(model, path, frontier: int, change=lambda values: None) -> None:
         values[spec.name] = value
     values["frontier"] = torch.tensor(frontier)
     change(values)
-    image = Image(model.owners, torch.device("cpu"))
-    for name, bank in image.banks[0].items():
-        bank.copy_(values[name])
-    image.publish(Published(0, frontier, tuple(values[s.name] for s in image.appended)))
+    ordered = digest({spec.name: values[spec.name] for spec in model.owners})     # in the owner table's order
     save_file(values, str(path), metadata={"format": "hebrus-session/1", "frontier": str(frontier),
-                                            "digest": image.digest(), "fingerprint": model.fingerprint})
+                                            "digest": ordered, "fingerprint": model.fingerprint})
 
 
 def _set(name, index, value):

@@ -1,8 +1,11 @@
 """A failed chunk publishes nothing: for every stage × fault kind, and for real failures."""
+import gc
+
 import pytest
 import torch
 
 import hebrus
+from hebrus.state.pool import Pool
 from conftest import tokens
 from hebrus.state.image import Image
 
@@ -123,19 +126,20 @@ def test_real_memory_error_inside_a_stage_is_an_allocation_failure(tiny, monkeyp
 
 
 def test_memory_budget_refuses_growth_and_leaves_storage_alone(tiny):
-    probe = tiny.session()
-    probe.feed(WARM)
-    s = tiny.session(memory_budget=probe.budget.held + 20_000)   # room for 16 rows, not 32
-    s.feed(WARM)
-    storages, before = s.image.public.storages, s.digest()
-    with pytest.raises(hebrus.AllocationError, match=r"\(32 rows\)") as info:
-        s.feed(tokens(10, seed=3))
-    assert info.value.stage.endswith(".qsa")
-    assert s.image.public.storages is storages and s.digest() == before
-    unlimited = _warm_session(tiny)
-    for t in CHUNK:                                      # what still fits runs, with identical results
+    """A budget with room for one block of rows and a token's intermediates: one token at a time
+    fills the block, then the chunk that needs a second block is refused, taking nothing."""
+    block = Pool.block_bytes(tiny.owners, tiny.pool.block_rows)
+    s = tiny.session(memory_budget=Pool.slot_bytes(tiny.owners) + 2 * block - 1)
+    unlimited = tiny.session()
+    for t in tokens(16, seed=3):
         assert torch.equal(s.feed([t]), unlimited.feed([t]))
-    assert s.digest() == unlimited.digest()
+    gc.collect()                                          # no other session's blocks come back meanwhile
+    table, free, before = s.image.public.table, tiny.pool.free_blocks, s.digest()
+    assert len(table) == 1 and before == unlimited.digest()
+    with pytest.raises(hebrus.AllocationError, match=r"1 block of 16 rows") as info:
+        s.feed([1])
+    assert info.value.stage == "layers.0.ffn"             # the first stage to write rows (the routes)
+    assert s.image.public.table == table and s.digest() == before and tiny.pool.free_blocks == free
 
 
 def test_session_budget_smaller_than_its_banks_is_refused_up_front(tiny):
@@ -230,25 +234,26 @@ def test_banks_ping_pong_without_copies(tiny):
 def test_failed_growth_keeps_old_storage_public(tiny):
     s = tiny.session()
     s.feed(tokens(10))
-    storages = s.image.public.storages
+    gc.collect()                                          # no other session's blocks come back meanwhile
+    table, free = s.image.public.table, tiny.pool.free_blocks
     with pytest.raises(hebrus.NonFiniteError):
         with hebrus.inject(stage="layers.3.ffn", kind="nonfinite"):
-            s.feed(tokens(40, seed=9))                    # needs more rows than the storage has
-    assert s.image.public.storages is storages
-    assert all(st.shape[0] < 50 for st in storages)
+            s.feed(tokens(40, seed=9))                    # needs more blocks than the table has
+    assert s.image.public.table == table and len(table) * tiny.pool.block_rows < 50
+    assert tiny.pool.free_blocks == free                  # the blocks it took went back
 
 
 def test_public_tensors_are_not_written_by_a_failing_chunk(tiny):
     s = _warm_session(tiny)
     public = {k: v.clone() for k, v in s.image.banks[s.image.public.bank].items()}
-    rows = [st.clone() for st in s.image.public.storages]
+    rows = {spec.name: s.image.rows(spec.name) for spec in s.image.appended}
     with pytest.raises(hebrus.ChunkAborted):
         with hebrus.inject(stage="head", kind="command"):
             s.feed(CHUNK)
     for k, v in s.image.banks[s.image.public.bank].items():
         assert torch.equal(v, public[k]), k
-    for st, old in zip(s.image.public.storages, rows):
-        assert torch.equal(st[: s.frontier], old[: s.frontier])
+    for name, old in rows.items():
+        assert torch.equal(s.image.rows(name), old), name
 
 
 def test_float64_faults_hold_too(tiny64):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from hebrus.ops.norm import accum_dtype
 from hebrus.presets import TRAINED, names
 from hebrus.show import shown
 from hebrus.state.owners import OwnerSpec
+from hebrus.state.pool import Pool, PoolSize
 from hebrus.weights import checkpoint
 from hebrus.weights.files import folder_path
 from hebrus.weights.pages import DEFAULT_PAGE_ROWS, FileRows, HostRows, PagedTable
@@ -29,6 +31,9 @@ from hebrus.weights.quant import Quantization, check_parts, quantize_params
 MODES = ("exact", "fast")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+_POOLS = threading.Lock()          # a model's pool is carved once
 
 
 class Model:
@@ -67,6 +72,21 @@ class Model:
         weights = layout.as_layers_read(spec, {**self._params, **self.paged}, self.kernels.quantized_linear)
         self.stages = build_stages(spec, weights, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
+        self.pool_size, self._pool = PoolSize(), None
+
+    @property
+    def pool(self) -> Pool:
+        """The state pool every session of this model lives in (`state.pool`), carved the first
+        time a session needs it, at `pool_size` (`hebrus.load(pool_bytes=, memory_fraction=)`)."""
+        with _POOLS:
+            if self._pool is None:
+                self._pool = self.pool_size.carve(self.owners, self.device, self.spec.max_context)
+            return self._pool
+
+    def _sized(self, model: "Model") -> "Model":
+        """`model` (made from this one) with this one's pool size, and a pool of its own."""
+        model.pool_size = self.pool_size
+        return model
 
     @property
     def family(self) -> str:
@@ -103,8 +123,8 @@ class Model:
         if kv_cache is not None and not self.spec.keeps_rows:
             raise InvalidInput(f"kv_cache quantizes attention's rows; this {self.spec.family} model has no attention "
                                f"layers")
-        return Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
-                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
+        return self._sized(Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
+                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging))
 
     def quantized(self, quantize) -> "Model":
         """The same model with its large projections quantized (`weights.quant`): "int8",
@@ -116,8 +136,8 @@ class Model:
                                f"float checkpoint to quantize it otherwise")
         params = quantize_params(self._params, q, layout.quantized(self.spec))
         check_parts(params, q)                  # what a save would write must load again
-        return Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
-                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging)
+        return self._sized(Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
+                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging))
 
     def _in_files(self) -> dict[str, FileRows]:
         """The paged tables read from their checkpoint file (no parameter in memory)."""
@@ -126,8 +146,8 @@ class Model:
     def with_mode(self, mode: str, chooser: Chooser | None = None) -> "Model":
         """The same weights (shared, not copied) run in `mode`, making discrete choices with
         `chooser` (default: the spec's top-k; see `hebrus.layers.kernels`)."""
-        return Model._placed(self.config, self.spec, {**self._params, **self._in_files()}, self.device, self.dtype,
-                             mode, chooser, self.source, self.paging)
+        return self._sized(Model._placed(self.config, self.spec, {**self._params, **self._in_files()}, self.device, self.dtype,
+                             mode, chooser, self.source, self.paging))
 
     def with_paging(self, ple_cache_bytes: int | None) -> "Model":
         """The same weights with the PLE tables served through a cache of `ple_cache_bytes` of
@@ -140,8 +160,8 @@ class Model:
             params = {name: (_place(name, rows.read(0, rows.shape[0]) if isinstance(rows, FileRows) else rows,
                                     self.device, self.paged[name].dtype) if name in self.paged else rows)
                       for name, rows in params.items()}
-        return Model._placed(self.config, self.spec, params, self.device, self.dtype, self.mode,
-                             self._chooser(), source=self.source, paging=ple_cache_bytes)
+        return self._sized(Model._placed(self.config, self.spec, params, self.device, self.dtype, self.mode,
+                             self._chooser(), source=self.source, paging=ple_cache_bytes))
 
     def _chooser(self) -> Chooser | None:
         return None if self.kernels.choose is top_k_chooser else self.kernels.choose
@@ -153,8 +173,8 @@ class Model:
         params = {name: _place(name, p, _home(name, self.device, self.paging), layout.storage_dtype(name, dtype))
                   for name, p in self._params.items()}
         params.update({name: rows.with_dtype(dtype) for name, rows in self._in_files().items()})
-        return Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
-                             paging=self.paging)
+        return self._sized(Model._placed(self.config, self.spec, params, self.device, dtype, self.mode, source=self.source,
+                             paging=self.paging))
 
     def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0, journal=None):
         """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a
@@ -215,7 +235,8 @@ class Model:
 
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None,
-         ple_cache_bytes: int | None = None, quantize: str | None = None, kv_cache: str | None = None) -> Model:
+         ple_cache_bytes: int | None = None, quantize: str | None = None, kv_cache: str | None = None,
+         pool_bytes: int | None = None, memory_fraction: float | None = None) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name"), taken from
@@ -225,12 +246,18 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     checkpoint stored quantized (its config's `quantization_config`) loads as it is stored.
     `kv_cache`: "int8" or "fp8" to keep attention's rows as codes with a scale per row
     (`Model.with_kv_cache`). `device="auto"`: CUDA when there is one, else the CPU;
-    `dtype="auto"`: bfloat16 on a GPU, float32 on the CPU."""
+    `dtype="auto"`: bfloat16 on a GPU, float32 on the CPU. The sessions' state lives in one
+    pool (`state.pool`) of `pool_bytes`, or `memory_fraction` of the device's free memory when
+    the pool is carved (at the first session); by default a quarter of the host's memory on the
+    CPU (touched only as sessions use it) and 30% of the free memory on a GPU."""
     check_cache_format(kv_cache)                            # before anything is read
+    size = PoolSize(pool_bytes, memory_fraction).checked()
     model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
                   if quantize is not None else None)
     model = model.quantized(quantize) if quantize is not None else model
-    return model.with_kv_cache(kv_cache) if kv_cache is not None else model
+    model = model.with_kv_cache(kv_cache) if kv_cache is not None else model
+    model.pool_size = size
+    return model
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:

@@ -14,6 +14,7 @@ the published record and needs no lock.
 """
 from __future__ import annotations
 
+import gc
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -26,16 +27,17 @@ from hebrus.engine.graphs import DecodeSteps, decode_route
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
 from hebrus.sampling import Sampling, penalise, sample
 from hebrus import speculate as speculation
-from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
-from hebrus.state.image import Image, Published
-from hebrus.state.owners import bank_bytes
+from hebrus.state.budget import MemoryBudget, Refused
+from hebrus.state.image import Image
+from hebrus.state.pool import Pool, PoolFull
 from hebrus.show import shown
 from hebrus.text.generation import stream_text
 
 
 class Session:
     def __init__(self, model, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0,
-                 journal=None):
+                 journal=None, image=None):
+        # `image`: what makes the session's image (a fork's), instead of a fresh slot
         if memory_budget is not None:
             memory_budget = arguments.positive_int("memory_budget (bytes, or None for no limit)", memory_budget)
         reserve = arguments.reserve(reserve, model.spec.max_context)
@@ -44,10 +46,10 @@ class Session:
         self.config, self.spec = model.config, model.spec
         self.budget = MemoryBudget(memory_budget)
         try:
-            self.budget.hold(bank_bytes(model.owners), "the session's two banks")
+            self.budget.hold(Pool.slot_bytes(model.owners), "the session's two banks")
         except Refused as exc:
             raise InvalidInput(f"memory_budget too small for a session of this model: {exc}") from None
-        self.image = _allocate_image(model)
+        self.image = _allocate(image or (lambda: Image(model.pool)), "the session's slot in the state pool")
         self._stage_names = model.stage_names
         self.decode = decode
         self.reserve = reserve                  # rows every row log grows to at once, when granted
@@ -93,22 +95,19 @@ class Session:
 
     # ---- transactions ----------------------------------------------------------------------
     def fork(self, copy_rows: bool = False) -> "Session":
-        """A new session at this one's frontier with the same state: banked values copied, row
-        logs shared (no row is copied, whatever the context length). The two then diverge
-        independently: the first chunk either one feeds writes its rows into a copy of its own,
-        so neither ever sees the other's later rows. `copy_rows`: the fork gets a copy of the
-        rows up to the frontier instead, and this session's storage stays its own (it goes on
-        stepping in place, from the graphs it has). The fork has this session's memory budget
-        limit, decode route and reservation, and no journal."""
+        """A new session at this one's frontier with the same state: banked values copied into
+        a slot of its own, row blocks shared (no row is copied, whatever the context length).
+        The two then diverge independently: a chunk that writes into a shared block writes a
+        copy of it (one block, `block_rows` rows), so neither ever sees the other's later rows.
+        `copy_rows`: the fork gets blocks of its own holding a copy of the rows instead, and
+        this session's blocks stay its own alone (it goes on stepping in place, from the graphs
+        it has). The fork's budget counts the blocks its table holds. The fork has this
+        session's memory budget limit, decode route and reservation, and no journal.
+        AllocationError when the pool has no slot (or, copying, no blocks) for it."""
         with self._exclusive():
-            fork = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve)
-            record = self.image.public
-            for name, value in self.image.banks[record.bank].items():
-                fork.image.banks[0][name].copy_(value)
-            storages = [st[:record.frontier].clone() for st in record.storages] if copy_rows else record.storages
-            fork.image.publish(Published(bank=0, frontier=record.frontier, storages=storages))
-            if not copy_rows:
-                fork.image.share(self.image)
+            fork = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve,
+                           image=lambda: self.image.fork(copy_rows))
+            fork.budget.held = fork.image.held_bytes()
             return fork
 
     def save(self, path, note: str | None = None) -> None:
@@ -127,15 +126,16 @@ class Session:
         what no session of this model publishes. The session owns what it read: the file can
         change or go afterwards."""
         from hebrus import snapshot
-        record, banked = snapshot.read(path, self.image, self.model.fingerprint, self.spec.max_context)
-        rows = sum(t.numel() * t.element_size() for t in record.storages)
+        frontier, banked, rows = snapshot.read(path, self.image, self.model.fingerprint, self.spec.max_context)
+        pool = self.model.pool
         try:
-            self.budget.hold(rows, "the saved session's rows")
+            self.budget.hold(pool.blocks_for(frontier) * Pool.block_bytes(self.image.appended, pool.block_rows),
+                             "the saved session's rows")
         except Refused as exc:
             raise InvalidInput(f"memory_budget too small for the saved session: {exc}") from None
         for name, value in banked.items():
             self.image.banks[0][name].copy_(value)
-        self.image.publish(record)
+        _allocate(lambda: self.image.install(rows, frontier), "the saved session's rows in the state pool")
 
     def feed(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one chunk as one transaction; return the last position's logits (a new tensor,
@@ -405,10 +405,14 @@ class _Seen(ChunkAborted):
         self.logits = logits
 
 
-def _allocate_image(model) -> Image:
+def _allocate(make, what: str):
+    """`make()`, which takes from the model's state pool: AllocationError when the pool is full
+    (after collecting sessions no one holds, whose slots and blocks then go back)."""
     try:
-        return Image(model.owners, model.device)
-    except Exception as exc:
-        if out_of_memory(exc):
-            raise AllocationError("session", f"the session's banks: {type(exc).__name__}: {exc}") from exc
-        raise
+        return make()
+    except PoolFull:
+        gc.collect()                    # sessions in reference cycles give their slots back
+    try:
+        return make()
+    except PoolFull as exc:
+        raise AllocationError("session", f"{what}: {exc} (a larger pool_bytes holds more)") from None

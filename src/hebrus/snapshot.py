@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from hebrus.errors import InvalidInput
 from hebrus.layers.owners import FRONTIER
 from hebrus.ops.quant import all_finite
-from hebrus.state.image import Image, Published, digest, tensor_bytes
+from hebrus.state.image import Image, digest, tensor_bytes
 from hebrus.state.owners import APPENDED
 from hebrus.show import shown
 from hebrus.weights.atomic import fsync
@@ -66,9 +66,10 @@ def write(image: Image, path: Path, fingerprint: str, note: str | None = None) -
     fsync(path.parent)
 
 
-def read(path: Path, image: Image, fingerprint: str, max_context: int) -> tuple[Published, dict[str, torch.Tensor]]:
-    """(the record to publish, the banked values) from `path`, every check passed; InvalidInput
-    naming the problem otherwise. Nothing is installed here. Every value is read into memory of
+def read(path: Path, image: Image, fingerprint: str,
+         max_context: int) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the frontier, the banked values, the appended owners' rows) from `path`, every check
+    passed; InvalidInput naming the problem otherwise. Nothing is installed here. Every value is read into memory of
     its own (never a mapping of the file), so nothing done to the file afterwards can reach a
     session restored from it."""
     path = _file_path(path)
@@ -85,9 +86,8 @@ def read(path: Path, image: Image, fingerprint: str, max_context: int) -> tuple[
     if digest(values) != header["__metadata__"].get("digest"):
         raise InvalidInput(f"{path}: its contents do not match the digest recorded with them (damaged)")
     _check_values(path, image, values, frontier)
-    storages = tuple(values[spec.name].to(image.device) for spec in image.appended)
     banked = {spec.name: values[spec.name].to(image.device) for spec in image.banked}
-    return Published(bank=0, frontier=frontier, storages=storages), banked
+    return frontier, banked, {spec.name: values[spec.name] for spec in image.appended}
 
 
 NOTE_BYTES = 16 << 20           # the most text a snapshot keeps beside the session

@@ -38,6 +38,7 @@ from hebrus.ops.gdn import gdn_chunked, gdn_recurrent
 from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import sparse_attention
+from hebrus.state.pool import Log
 from hebrus.layers.layout import init_parameters, layout as layer_weights
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
@@ -58,7 +59,7 @@ class SequenceContext:
         self.local: dict[str, torch.Tensor] = {"ids": ids}
         self.written: dict[str, torch.Tensor] = {}
         self._owners = {o.name: o for o in owner_specs(spec, dtype, accum_dtype(dtype))}
-        self._rows: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, Log] = {}
         self._device, self._length = ids.device, len(ids)
 
     def read(self, name: str) -> torch.Tensor:
@@ -68,10 +69,11 @@ class SequenceContext:
     def write(self, name: str, value: torch.Tensor) -> None:
         self.written[name] = value
 
-    def rows(self, name: str) -> torch.Tensor:
+    def rows(self, name: str) -> Log:
         if name not in self._rows:
             o = self._owners[name]
-            self._rows[name] = torch.zeros((self._length,) + o.shape, dtype=o.dtype, device=self._device)
+            rows = torch.zeros((self._length,) + o.shape, dtype=o.dtype, device=self._device)
+            self._rows[name] = Log.whole(rows, self._length)
         return self._rows[name]
 
     def emit(self, key: str, value: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.state.image import Image, Published
+from hebrus.state.image import Image
+from hebrus.state.pool import Log
 
 
 def _run(model, ctx) -> None:
@@ -50,9 +51,11 @@ class InPlaceSession:
 
     def __init__(self, model, graphs: bool = False):
         self.model, self.graphs = model, graphs
-        self.image = Image(model.owners, model.device)
+        self.image = Image(model.pool)                 # for its slot's bank 0; its rows are its own
         self.bank = self.image.banks[0]
-        self.storages = list(self.image.public.storages)
+        self.names = [spec.name for spec in self.image.appended]
+        self.storages = [torch.zeros((0, *spec.shape), dtype=spec.dtype, device=model.device)
+                         for spec in self.image.appended]
         self.frontier = 0
         self.token = torch.zeros(1, dtype=torch.int64, device=model.device)
         self.captured = _Captured()
@@ -162,34 +165,32 @@ class _InPlaceContext(_Unchecked):
         self.owner.bank[name].copy_(value)
 
     def rows(self, name):
-        i = self.owner.image.storage_index[name]
+        i = self.owner.names.index(name)
         storage, need = self.owner.storages[i], self.owner.frontier + self.length
         if storage.shape[0] < need:                 # as a transaction grows it (never in a graph)
             capacity = min(self.owner.model.spec.max_context, max(need, 2 * storage.shape[0], 16))
             grown = torch.zeros((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
             grown[: self.start].copy_(storage[: self.start])
             self.owner.storages[i] = storage = grown
-        return storage
+        return Log.whole(storage, None if isinstance(self.start, torch.Tensor) else need)
 
     def last_rows(self, X):
         return X[-1:]
 
 
-def copies(first, count: int, make):
-    """`first` and count-1 sessions made by `make()` holding a copy of its published state (so
-    a batch's sessions need one prefill): a measurement shortcut, never a product path."""
+def copies(first, count: int):
+    """`first` and count-1 sessions holding a copy of its published state (so a batch's sessions
+    need one prefill): in-place sessions copied, transactional ones forked with rows of their
+    own. A measurement shortcut, never a product path."""
     out = [first]
     for _ in range(count - 1):
-        other = make()
         if isinstance(first, InPlaceSession):
+            other = InPlaceSession(first.model)
             for name, value in first.bank.items():
                 other.bank[name].copy_(value)
             other.storages = [st.clone() for st in first.storages]
             other.frontier = first.frontier
         else:
-            record = first.image.public
-            for spec in first.image.banked:
-                other.image.banks[record.bank][spec.name].copy_(first.image.banks[record.bank][spec.name])
-            other.image.publish(Published(record.bank, record.frontier, tuple(st.clone() for st in record.storages)))
+            other = first.fork(copy_rows=True)
         out.append(other)
     return out

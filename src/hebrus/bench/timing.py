@@ -88,8 +88,8 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
         for begin in range(0, len(prompt), chunk):
             logits = first.feed(prompt[begin:begin + chunk])
             inplace.feed(prompt[begin:begin + chunk])
-        together = Batch(copies(first, batch, lambda: model.session(decode="eager")), decode=how)
-        group = InPlaceBatch(copies(inplace, batch, lambda: InPlaceSession(model)), graphs=together.decode == "graph")
+        together = Batch(copies(first, batch), decode=how)
+        group = InPlaceBatch(copies(inplace, batch), graphs=together.decode == "graph")
         steppers = {"transactional": lambda tokens: torch.stack(together.feed(tokens)),
                     "in-place": group.feed}
         names = list(steppers)[::-1] if r % 2 else list(steppers)

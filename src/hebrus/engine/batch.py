@@ -102,10 +102,10 @@ class BatchSteps:
         self.warm: set[tuple[int, ...]] = set()
         self.captures = self.replays = self.uncaptured = 0
         self.refused: str | None = None
-        self._storages = self._current_storages()
+        self._held = self._held_blocks()
 
-    def _current_storages(self):
-        return [s.image.public.storages for s in self.sessions]
+    def _held_blocks(self) -> list[int]:
+        return [len(s.image.public.table) for s in self.sessions]
 
     def accepts(self) -> bool:
         return not faults.armed() and all(s.image.room() for s in self.sessions)
@@ -117,19 +117,22 @@ class BatchSteps:
         `Session(reserve=)`). Sessions of similar lengths then run out of rows together, and
         the graphs are retired once per doubling rather than once per session (each retirement
         costs a few uncaptured steps), without a short session holding a long one's rows."""
-        held = [st.shape[0] for s in self.sessions for st in s.image.public.storages]
-        needs = [max(s.image.public.frontier + 1, 2 * st.shape[0], 16) for s in self.sessions
-                 for st in s.image.public.storages if st.shape[0] <= s.image.public.frontier]
+        rows = self.model.pool.block_rows
+        held = [len(s.image.public.table) * rows for s in self.sessions]
+        needs = [max(s.image.public.frontier + 1, 2 * h, rows) for s, h in zip(self.sessions, held)
+                 if h <= s.image.public.frontier]
         target = max(held + needs, default=0)
         return [max(s.reserve, target if 2 * (s.image.public.frontier + 1) >= target // 2 else 0)
                 for s in self.sessions]
 
     def retire_stale(self) -> None:
-        now = self._current_storages()
-        if any(any(a is not b for a, b in zip(old, new)) for old, new in zip(self._storages, now)):
+        """Drop the graphs when a session's table holds another number of blocks (attention in
+        a graph reads every row the table held at capture)."""
+        now = self._held_blocks()
+        if now != self._held:
             self.graphs.clear()
             self.warm.clear()
-        self._storages = now
+        self._held = now
 
     def step(self, ids: torch.Tensor, outs) -> list:
         self.retire_stale()
@@ -170,6 +173,7 @@ class BatchSteps:
     def _stage(self, ids: torch.Tensor) -> None:
         for s in self.sessions:
             s.image.clean_tails()
+            s.image.device_table()
         self.staged.copy_(ids)
         self.ids.copy_(self.staged, non_blocking=True)
 
@@ -186,6 +190,8 @@ class BatchSteps:
                 part.checks.fold()
             return batch
 
+        for s in self.sessions:
+            s.image.device_table()              # current before the capture: no copy inside it
         graph, batch, self.refused = capture(plan)
         if graph is None:
             return None

@@ -36,8 +36,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = transaction(model, image, budget, len(ids), reserve=reserve, reserve_only_growing=True,
-                      each=keep is not None)
+    txn = transaction(model, image, budget, len(ids), reserve=reserve, each=keep is not None)
 
     def work(txn: Transaction) -> None:
         txn.local["ids"] = ids.to(model.device)

@@ -7,9 +7,10 @@ What changes from step to step is kept on the device where the graph finds it:
 - the position is the public bank's `frontier` owner, read on the device (`layers.span`);
 - the token id is copied into one device buffer before each replay;
 - the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
-- appended storage cannot grow inside a graph: a step runs from the plan only when every row
-  log already holds its row. When an eager chunk grows storage, the graphs (and the old
-  storage they hold) are dropped at once, and each parity runs uncaptured once at the new size
+- no block is taken inside a graph: a step runs from the plan only when the session's block
+  table already holds its row, in a block of its own. Attention reads every row the table holds
+  (masked past the position), so when an eager chunk takes blocks the graphs are dropped at
+  once, and each parity runs uncaptured once at the new size
   before it is captured again.
 
 A replay is still one transaction. Its checks (status words, finite checks) are folded into one
@@ -105,23 +106,24 @@ class DecodeSteps:
         self.replays = 0                         # steps run from a captured graph
         self.uncaptured = 0                      # steps run from the plan op by op
         self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
-        self._storages = image.public.storages   # the row storage that `warm` and `graphs` belong to
+        self._blocks = len(image.public.table)   # the table's size that `warm` and `graphs` belong to
 
     def accepts(self, ids: torch.Tensor) -> bool:
-        """Whether this chunk can run from the plan: `length` tokens, no fault armed, and every
-        row log already holding their rows, in storage of its own (not shared with a fork)."""
+        """Whether this chunk can run from the plan: `length` tokens, no fault armed, and the
+        session's table already holding their rows, in blocks of its own (not shared with a fork)."""
         if len(ids) != self.length or faults.armed():
             return False
         return self.image.room(self.length)
 
     def retire_stale(self) -> None:
-        """Drop graphs captured for storage the session no longer holds (after an eager chunk
-        grew it), so that storage can be freed, and warm each parity again at the new size."""
-        storages = self.image.public.storages
-        if any(a is not b for a, b in zip(self._storages, storages)):
+        """Drop graphs captured for a table of another size (after an eager chunk took blocks:
+        attention in a graph reads every row the table held at capture), and warm each parity
+        again at the new size."""
+        blocks = len(self.image.public.table)
+        if blocks != self._blocks:
             self.graphs.clear()
             self.warm.clear()
-        self._storages = storages
+        self._blocks = blocks
 
     def step(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
         """Run the chunk (a prefix transaction's `keep` as in `engine.eager.finish`); returns
@@ -149,6 +151,7 @@ class DecodeSteps:
         """The step's inputs where the plan reads them; rows past the frontier zeroed if an
         aborted chunk may have left anything there."""
         self.image.clean_tails()
+        self.image.device_table()
         self.staged.copy_(ids)
         self.ids.copy_(self.staged, non_blocking=True)
 
@@ -171,6 +174,7 @@ class DecodeSteps:
             txn.checks.fold()
             return txn
 
+        self.image.device_table()               # current before the capture: no copy inside it
         graph, txn, self.refused = capture(plan)
         if graph is None:
             return None

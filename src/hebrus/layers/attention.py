@@ -151,7 +151,7 @@ class Attention:
             blocks = []
             for a in range(0, T, QUERY_BLOCK):
                 b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
-                seen = [self._view(rows, part, lambda r, end=end: r[:end], q.dtype) for part in (2, 0, 1)]
+                seen = [self._view(rows, part, lambda r, end=end: r.upto(end), q.dtype) for part in (2, 0, 1)]
                 blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a,
                                                     positions[a:b], check_range))
             return torch.cat(blocks)

@@ -78,7 +78,7 @@ class RoutedFeed:
             weights, experts = self.moe.route(h, pos)
             txn.check_range(experts, self.experts, Check.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
-            column = [r[:, self.column] for r in routes] if txn.row_per_session else routes[:, self.column]
+            column = [r.column(self.column) for r in routes] if txn.row_per_session else routes.column(self.column)
             Span(pos, len(h), h.device).put(column, experts)
             return self.moe(h, weights, experts)
         return feed

@@ -3,10 +3,11 @@
 A stage learns the chunk's first position from the transaction (`txn.start`). The eager runner
 gives a Python int: rows are sliced, and attention looks at rows [0, end). A planned step (a
 CUDA graph replayed at every position, `hebrus.engine.graphs`) gives a one-element device
-tensor instead, so the same captured work serves every position: rows are gathered and
-scattered by index, and attention looks at the whole storage, every row past a query's own
-position masked. Storage past the frontier then must hold finite values (the runner keeps it
-zeroed), since a masked row still meets the arithmetic with weight zero.
+tensor instead, so the same captured work serves every position: attention looks at every row
+the session's block table holds, each row past a query's own position masked. Rows past the
+frontier then must hold finite values (the pool zeroes a block it hands out, and the runner
+zeroes rows an aborted chunk left), since a masked row still meets the arithmetic with weight
+zero. Either way rows are read and written through the table (`state.pool.Log`).
 """
 from __future__ import annotations
 
@@ -46,19 +47,15 @@ class Span:
         return table[self.start:self.start + self.length]
 
     def put(self, rows, value: torch.Tensor) -> None:
-        """Write the chunk's rows of a row log (or of a view of one) in place; for sessions,
-        `rows` holds one per session."""
+        """Write the chunk's rows of a row log (`state.pool.Log`); for sessions, `rows` holds
+        one log per session."""
         if self.sessions:
             for i, log in enumerate(rows):
                 self.one(i).put(log, value[i:i + 1])
-        elif self.planned:
-            value = value.to(rows.dtype)
-            if rows.dtype == torch.float8_e4m3fn:       # fp8 codes: copied as the bytes they are
-                rows, value = rows.view(torch.uint8), value.view(torch.uint8)
-            rows.index_copy_(0, self.positions, value)
         else:
-            rows[self.start:self.start + self.length] = value
+            rows.write(self.positions, value)
 
-    def visible(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows attention may look at (the caller masks per query by `positions`)."""
-        return rows if self.planned else rows[:self.start + self.length]
+    def visible(self, rows) -> torch.Tensor:
+        """The rows attention may look at (the caller masks per query by `positions`): every
+        row the log holds in a planned step, else rows [0, end)."""
+        return rows.all() if self.planned else rows.upto(self.start + self.length)

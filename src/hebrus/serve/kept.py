@@ -75,6 +75,4 @@ class Kept:
 
 
 def _session_bytes(session) -> int:
-    image = session.image
-    banked = sum(t.numel() * t.element_size() for bank in image.banks for t in bank.values())
-    return banked + sum(t.numel() * t.element_size() for t in image.public.storages)
+    return session.image.held_bytes()

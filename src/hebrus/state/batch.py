@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hebrus.errors import ChunkAborted
+from hebrus.state.pool import Log
 from hebrus.state.txn import Transaction, abort_error
 
 
@@ -38,9 +39,9 @@ class BatchTransaction:
         for p in self.parts:
             p.wrote(name)
 
-    def rows(self, name: str) -> list[torch.Tensor]:
-        """Each session's storage of an appended owner (grown privately as a transaction does).
-        A session whose growth is refused (its budget, or the allocator) fails alone: it gets
+    def rows(self, name: str) -> list[Log]:
+        """Each session's rows of an appended owner (blocks taken privately as a transaction
+        takes them). A session refused its blocks (the pool, its budget) fails alone: it gets
         scratch rows for the rest of the pass, whose results are dropped."""
         out = []
         for i, p in enumerate(self.parts):
@@ -48,8 +49,9 @@ class BatchTransaction:
                 out.append(p.rows(name))
             except Exception as exc:
                 self.failed.setdefault(i, exc if isinstance(exc, ChunkAborted) else abort_error(p.stage, exc))
-                row = p.image.appended[p.image.storage_index[name]]
-                out.append(torch.zeros((p.frontier + 1,) + row.shape, dtype=row.dtype, device=self.device))
+                row = p.pool.rows[name]
+                out.append(Log.whole(torch.zeros((p.frontier + 1,) + row.shape[2:], dtype=row.dtype,
+                                                 device=self.device), p.frontier + 1))
         return out
 
     def emit(self, key: str, value: torch.Tensor) -> None:

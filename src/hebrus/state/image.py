@@ -1,92 +1,159 @@
-"""A session's state: two banks of banked owners, appended row storage, and the public record.
+"""A session's state in the model's state pool (`state.pool`): a slot, whose two banks hold the
+banked owners, and a block table, whose blocks hold the appended owners' rows.
 
-`Published` is immutable: which bank is public, the frontier, and the storage of every appended
-owner. `Image.public` is replaced, never mutated; that one assignment is publication.
+`Published` is immutable: the slot, which bank is public, the frontier, and the block table.
+`Image.public` is replaced, never mutated; that one assignment is publication. The slot and the
+public table's blocks go back to the pool when the image is collected.
 """
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
+from hebrus.state.owners import APPENDED, BANKED
+from hebrus.state.pool import Pool
 
 
 @dataclass(frozen=True, slots=True)
 class Published:
+    slot: int
     bank: int
     frontier: int
-    storages: tuple[torch.Tensor, ...]      # one per appended owner, in spec order
+    table: tuple[int, ...]          # the blocks of every appended owner's rows, in row order
 
 
 class Image:
-    def __init__(self, specs: list[OwnerSpec], device: torch.device):
-        self.specs = specs
-        self.device = device
-        self.banked = [s for s in specs if s.kind == BANKED]
-        self.appended = [s for s in specs if s.kind == APPENDED]
-        # an appended owner's place in `appended` and in a record's `storages`
-        self.storage_index = {s.name: i for i, s in enumerate(self.appended)}
-        self.banks = tuple(
-            {s.name: torch.full(s.shape, s.fill, dtype=s.dtype, device=device) for s in self.banked}
-            for _ in range(2)
-        )
-        empty = tuple(torch.empty((0,) + s.shape, dtype=s.dtype, device=device) for s in self.appended)
-        self.public = Published(bank=0, frontier=0, storages=empty)
+    def __init__(self, pool: Pool):
+        """A fresh session's image: a slot taken from `pool` (`PoolFull` when none is free)."""
+        self.pool, self.specs, self.device = pool, pool.specs, pool.device
+        self.banked = [s for s in self.specs if s.kind == BANKED]
+        self.appended = [s for s in self.specs if s.kind == APPENDED]
+        slot = pool.take_slot()
+        self.banks = tuple({name: bank[parity, slot] for name, bank in pool.banks.items()} for parity in (0, 1))
+        self.public = Published(slot=slot, bank=0, frontier=0, table=())
+        self._holding = _Holding(pool, slot)
+        weakref.finalize(self, self._holding.release)
         # set when an aborted transaction may have written rows past the frontier; a runner that
-        # reads whole storages (a planned step masks rows rather than slicing them) zeroes them
+        # reads whole blocks (a planned step masks rows rather than slicing them) zeroes them
         self.tail_dirty = False
         # called with the transaction once a chunk has passed every check, before its flip (a
         # journal's write); what it raises aborts the chunk
         self.before_flip = None
-        # ids of row storages another session's image holds too (a fork's): their rows below the
-        # frontier are read by both, so a chunk never writes them in place but into a copy
-        self.shared: set[int] = set()
+        self._device_table: torch.Tensor | None = None     # the public table, for planned steps
+        self._uploaded: tuple[int, ...] | None = None
 
-    def share(self, other: "Image") -> None:
-        """Make `other`'s public record this image's rows (a fork), both marking them shared."""
-        ids = {id(st) for st in other.public.storages}
-        self.shared |= ids
-        other.shared |= ids
+    @property
+    def slot(self) -> int:
+        return self.public.slot
 
     def room(self, rows: int = 1) -> bool:
-        """Whether every row log can take the next `rows` rows in place: the capacity past the
-        frontier, and not shared with another session."""
+        """Whether the public table holds the next `rows` rows in blocks of this image's own
+        (not shared with a fork): a planned step writes them where they are."""
         record = self.public
-        return all(st.shape[0] >= record.frontier + rows and id(st) not in self.shared for st in record.storages)
+        return self.pool.exclusive(record.table, record.frontier, record.frontier + rows)
 
     def clean_tails(self) -> None:
-        """Zero every appended storage past the public frontier (private rows only)."""
+        """Zero every row past the public frontier that the public table holds (private rows
+        only: blocks of this image's own, as a shared block is never written)."""
         if self.tail_dirty:
-            for storage in self.public.storages:
-                storage[self.public.frontier:].zero_()
+            record = self.public
+            stop = len(record.table) * self.pool.block_rows
+            if stop > record.frontier:
+                table = self.device_table()
+                positions = torch.arange(record.frontier, stop, device=self.device)
+                for spec in self.appended:
+                    log = self.pool.log(spec.name, table)
+                    log.write(positions, torch.zeros((len(positions), *spec.shape), dtype=spec.dtype,
+                                                     device=self.device))
             self.tail_dirty = False
+
+    def device_table(self) -> torch.Tensor:
+        """The public table as a device tensor that stays where it is (a planned step reads it,
+        and a captured graph finds it there): its first len(table) entries, kept current."""
+        table = self.public.table
+        if self._device_table is None:
+            self._device_table = torch.zeros(self.pool.blocks_for(self.pool.max_rows), dtype=torch.long,
+                                             device=self.device)
+        if self._uploaded != table:
+            self._device_table[:len(table)].copy_(torch.tensor(table, dtype=torch.long))
+            self._uploaded = table
+        return self._device_table[:len(table)]
 
     def read(self, name: str) -> torch.Tensor:
         """The public value of a banked owner."""
         return self.banks[self.public.bank][name]
 
     def rows(self, name: str) -> torch.Tensor:
-        """The public rows [0, frontier) of an appended owner."""
-        return self.public.storages[self.storage_index[name]][: self.public.frontier]
+        """The public rows [0, frontier) of an appended owner (a copy)."""
+        return self.value(name)
+
+    def held_rows(self, name: str) -> torch.Tensor:
+        """Every row of an appended owner that the public table holds, past the frontier too
+        (what a planned step reads, masked): a copy."""
+        return self.pool.log(name, self.pool.table_tensor(self.public.table)).all()
 
     def value(self, name: str, record: Published | None = None) -> torch.Tensor:
         """The value of any owner in `record` (default: the public one): a banked owner's tensor,
-        or an appended owner's rows below the frontier."""
+        or a copy of an appended owner's rows below the frontier."""
         record = self.public if record is None else record
-        if name in self.storage_index:
-            return record.storages[self.storage_index[name]][: record.frontier]
+        if name in self.pool.rows:
+            return self.pool.read_rows(name, record.table, record.frontier)
         return self.banks[record.bank][name]
 
     def publish(self, record: Published) -> None:
         self.public = record                                    # the publication point
+        self._holding.table = record.table
 
     def digest(self) -> str:
         """`digest` of every owner's value, all taken from one published record. The caller
         keeps the next transaction from writing meanwhile."""
         record = self.public
         return digest({spec.name: self.value(spec.name, record) for spec in self.specs})
+
+    def held_bytes(self) -> int:
+        """The pool's bytes this image holds: its slot and its table's blocks."""
+        return Pool.slot_bytes(self.specs) + len(self.public.table) * self.pool.block_bytes(self.specs,
+                                                                                             self.pool.block_rows)
+
+    def fork(self, copy_rows: bool = False) -> "Image":
+        """A new image (another slot) with this one's public state: the public bank copied, and
+        the table's blocks shared (held once more), or with `copy_rows` copied into blocks of its
+        own. `PoolFull` (nothing taken) when the pool has no slot or blocks for it."""
+        record = self.public
+        self.clean_tails()                  # the fork reads the same blocks: rows past the frontier zeroed
+        other = Image(self.pool)
+        for name, value in self.banks[record.bank].items():
+            other.banks[0][name].copy_(value)
+        if copy_rows:
+            other.install({spec.name: self.value(spec.name, record) for spec in self.appended}, record.frontier)
+        else:
+            other.publish(Published(other.slot, 0, record.frontier, self.pool.share(record.table)))
+        return other
+
+    def install(self, rows: dict[str, torch.Tensor], frontier: int) -> None:
+        """A fresh image's rows [0, frontier) of every appended owner (a restore, a copy), into
+        blocks it takes (`PoolFull`, nothing taken, when they are not free); the banks are the
+        caller's to fill (bank 0, which stays public)."""
+        plan = self.pool.writable((), 0, frontier)
+        table = self.pool.table_tensor(plan.table)
+        positions = torch.arange(frontier, device=self.device)
+        for spec in self.appended:
+            self.pool.log(spec.name, table).write(positions, rows[spec.name].to(self.device))
+        self.publish(Published(self.slot, 0, frontier, plan.table))
+
+
+class _Holding:
+    """What an image holds in its pool, released when the image is collected."""
+
+    def __init__(self, pool: Pool, slot: int):
+        self.pool, self.slot, self.table = pool, slot, ()
+
+    def release(self) -> None:
+        self.pool.release(self.table)
+        self.pool.free_slot(self.slot)
 
 
 def digest(values: dict[str, torch.Tensor]) -> str:

@@ -14,11 +14,65 @@ record (slot, parity, frontier, block table); nothing here is public state. Runn
 from __future__ import annotations
 
 import math
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
+
+
+BLOCK_ROWS = 16         # rows a block holds, unless the pool is told otherwise
+MAX_SLOTS = 1024        # slots a pool carves unless told how many
+
+
+CPU_FRACTION = 0.25      # of the host's memory: a CPU pool's pages are touched only as they are used
+CUDA_FRACTION = 0.3      # of the free device memory when the pool is carved
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """How large a model's pool is: `nbytes`, or `fraction` of the device's free memory when
+    it is carved (None and None: the default of its device)."""
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def checked(self) -> "PoolSize":
+        from hebrus.errors import InvalidInput
+        if self.nbytes is not None and self.fraction is not None:
+            raise InvalidInput("give pool_bytes or memory_fraction, not both")
+        if self.nbytes is not None and (type(self.nbytes) is not int or self.nbytes < 1):
+            raise InvalidInput(f"pool_bytes must be a positive int (bytes); got {self.nbytes!r}")
+        if self.fraction is not None and (type(self.fraction) not in (int, float) or not 0 < self.fraction <= 1):
+            raise InvalidInput(f"memory_fraction must be a number in (0, 1]; got {self.fraction!r}")
+        return self
+
+    def resolve(self, device: torch.device) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            return int(free * (self.fraction or CUDA_FRACTION))
+        if self.fraction is not None:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            return int(free * self.fraction)
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_FRACTION)
+
+    def carve(self, specs: list[OwnerSpec], device: torch.device, max_rows: int) -> "Pool":
+        """The pool of this size (AllocationError when not even one session fits it)."""
+        from hebrus.errors import AllocationError
+        from hebrus.state.budget import out_of_memory
+        nbytes = self.resolve(device)
+        try:
+            return Pool.carve(specs, device, nbytes, max_rows)
+        except PoolFull as exc:
+            raise AllocationError("session", f"the state pool: {exc}") from None
+        except Exception as exc:
+            if out_of_memory(exc):
+                raise AllocationError("session", f"the state pool ({nbytes} bytes): {type(exc).__name__}: "
+                                      f"{exc}") from None
+            raise
 
 
 class PoolFull(Exception):
@@ -39,20 +93,28 @@ class Rows:
 
 
 class Pool:
-    def __init__(self, specs: list[OwnerSpec], device: torch.device, slots: int, blocks: int, block_rows: int):
+    """`max_rows`: the most rows one session holds (the model's context), so the most blocks a
+    table holds. Memory is allocated once, uninitialised: a slot's banks are filled when it is
+    taken and a block is zeroed when it is taken, so on the host only what sessions use is ever
+    touched. Every method may be called from any thread."""
+
+    def __init__(self, specs: list[OwnerSpec], device: torch.device, slots: int, blocks: int, block_rows: int,
+                 max_rows: int | None = None):
         if slots < 1 or blocks < 0 or block_rows < 1:
             raise ValueError(f"a pool needs a slot and a positive block size, got slots={slots}, "
                              f"blocks={blocks}, block_rows={block_rows}")
         self.specs, self.device = specs, device
         self.slots, self.blocks, self.block_rows = slots, blocks, block_rows
-        self.banks = {s.name: torch.full((2, slots, *s.shape), s.fill, dtype=s.dtype, device=device)
+        self.max_rows = max_rows if max_rows is not None else blocks * block_rows
+        self.banks = {s.name: torch.empty((2, slots, *s.shape), dtype=s.dtype, device=device)
                       for s in specs if s.kind == BANKED}
-        self.rows = {s.name: torch.zeros((blocks, block_rows, *s.shape), dtype=s.dtype, device=device)
+        self.rows = {s.name: torch.empty((blocks, block_rows, *s.shape), dtype=s.dtype, device=device)
                      for s in specs if s.kind == APPENDED}
         self._free_slots = list(range(slots - 1, -1, -1))      # popped from the end: slot 0 first
         self._free_blocks = list(range(blocks - 1, -1, -1))
         self._references = [0] * blocks
         self._fills = {s.name: s.fill for s in specs if s.kind == BANKED}
+        self._lock = threading.RLock()
 
     @staticmethod
     def slot_bytes(specs: list[OwnerSpec]) -> int:
@@ -65,25 +127,27 @@ class Pool:
         return block_rows * sum(s.nbytes for s in specs if s.kind == APPENDED)
 
     @classmethod
-    def carve(cls, specs: list[OwnerSpec], device: torch.device, pool_bytes: int, slots: int | None = None,
-              block_rows: int = 16) -> "Pool":
+    def carve(cls, specs: list[OwnerSpec], device: torch.device, pool_bytes: int, max_rows: int,
+              slots: int | None = None, block_rows: int = BLOCK_ROWS) -> "Pool":
         """A pool of at most `pool_bytes`: `slots` slots (default: as many as half the bytes
-        hold, at least one) and blocks from the rest."""
+        hold, at least one and at most `MAX_SLOTS`) and blocks from the rest, at most as many as
+        every slot's table at `max_rows` rows. `PoolFull` when not even the slots fit."""
         per_slot, per_block = cls.slot_bytes(specs), cls.block_bytes(specs, block_rows)
         if slots is None:
-            slots = max(1, pool_bytes // 2 // max(per_slot, 1))
+            slots = min(MAX_SLOTS, max(1, pool_bytes // 2 // max(per_slot, 1)))
         left = pool_bytes - slots * per_slot
         if left < 0:
             raise PoolFull(f"{slots} slots of {per_slot} bytes do not fit a pool of {pool_bytes} bytes")
-        blocks = left // per_block if per_block else 0
-        return cls(specs, device, slots, blocks, block_rows)
+        blocks = min(left // per_block, slots * -(-max_rows // block_rows)) if per_block else 0
+        return cls(specs, device, slots, blocks, block_rows, max_rows)
 
     # ---- slots ---------------------------------------------------------------------------------
     def take_slot(self) -> int:
         """A free slot, its banks reset to every owner's fill."""
-        if not self._free_slots:
-            raise PoolFull(f"all {self.slots} slots hold sessions")
-        slot = self._free_slots.pop()
+        with self._lock:
+            if not self._free_slots:
+                raise PoolFull(f"all {self.slots} slots of the state pool hold sessions")
+            slot = self._free_slots.pop()
         for name, bank in self.banks.items():
             bank[:, slot].fill_(self._fills[name])
         return slot
@@ -94,9 +158,10 @@ class Pool:
             bank[parity, target] = bank[parity, source]
 
     def free_slot(self, slot: int) -> None:
-        if slot in self._free_slots or not 0 <= slot < self.slots:
-            raise ValueError(f"slot {slot} is not held")
-        self._free_slots.append(slot)
+        with self._lock:
+            if slot in self._free_slots or not 0 <= slot < self.slots:
+                raise ValueError(f"slot {slot} is not held")
+            self._free_slots.append(slot)
 
     # ---- blocks --------------------------------------------------------------------------------
     def blocks_for(self, rows: int) -> int:
@@ -104,41 +169,77 @@ class Pool:
 
     def share(self, table: tuple[int, ...]) -> tuple[int, ...]:
         """The same blocks held once more (a fork's table)."""
-        for block in table:
-            self._references[block] += 1
+        with self._lock:
+            for block in table:
+                self._references[block] += 1
         return table
 
     def release(self, blocks) -> None:
         """Hold each block once less; a block no one holds is free."""
-        for block in blocks:
-            if self._references[block] <= 0:
-                raise ValueError(f"block {block} is not held")
-            self._references[block] -= 1
-            if self._references[block] == 0:
-                self._free_blocks.append(block)
+        with self._lock:
+            for block in blocks:
+                if self._references[block] <= 0:
+                    raise ValueError(f"block {block} is not held")
+                self._references[block] -= 1
+                if self._references[block] == 0:
+                    self._free_blocks.append(block)
 
     def writable(self, table: tuple[int, ...], frontier: int, rows: int) -> Rows:
         """What a step that writes rows [frontier, frontier + rows) needs: the blocks past the
         table's end, and a copy of every shared block it writes into. Takes them, or raises
         `PoolFull` having taken nothing."""
         first, end = frontier // self.block_rows, self.blocks_for(frontier + rows)
-        shared = [i for i in range(first, min(end, len(table))) if rows and self._references[table[i]] > 1]
-        wanted = len(shared) + max(0, end - len(table))
-        if wanted > len(self._free_blocks):
-            raise PoolFull(f"a step of {rows} rows needs {wanted} blocks; {len(self._free_blocks)} of "
-                           f"{self.blocks} are free")
-        taken = [self._take_block() for _ in range(wanted)]
+        with self._lock:
+            shared = [i for i in range(first, min(end, len(table))) if rows and self._references[table[i]] > 1]
+            wanted = len(shared) + max(0, end - len(table))
+            if wanted > len(self._free_blocks):
+                raise PoolFull(f"{rows} rows at row {frontier} need {wanted} more blocks of "
+                               f"{self.block_rows} rows; {len(self._free_blocks)} of the state pool's "
+                               f"{self.blocks} are free")
+            taken = [self._take_block() for _ in range(wanted)]
         new, copies = list(table), []
         for i, block in zip(shared, taken):
             new[i] = block
             copies.append((table[i], block))
         new += taken[len(shared):]
+        self._zero(taken[len(shared):])
         return Rows(tuple(new), tuple(taken), tuple(copies), tuple(table[i] for i in shared))
+
+    def extend(self, table: tuple[int, ...], rows: int) -> tuple[int, ...]:
+        """Free blocks taken to make `table` hold `rows` rows (at most `max_rows`), as many as
+        are free: the blocks taken (zeroed), to be appended to the table."""
+        wanted = self.blocks_for(min(rows, self.max_rows)) - len(table)
+        with self._lock:
+            taken = [self._take_block() for _ in range(min(max(wanted, 0), len(self._free_blocks)))]
+        self._zero(taken)
+        return tuple(taken)
 
     def _take_block(self) -> int:
         block = self._free_blocks.pop()
         self._references[block] = 1
         return block
+
+    def _zero(self, blocks) -> None:
+        """Rows past a frontier read as zeros (a planned step reads them, masked)."""
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            for storage in self.rows.values():
+                _bytes(storage).index_fill_(0, index, 0)
+
+    def exclusive(self, table: tuple[int, ...], start: int, stop: int) -> bool:
+        """Whether `table` holds rows [start, stop) in blocks no other table holds."""
+        if self.blocks_for(stop) > len(table):
+            return False
+        with self._lock:
+            return all(self._references[table[i]] == 1
+                       for i in range(start // self.block_rows, self.blocks_for(stop)))
+
+    def log(self, name: str, table: torch.Tensor) -> "Log":
+        """Appended owner `name` through `table` (a device int64 tensor of block numbers)."""
+        return Log(self.rows[name], table)
+
+    def table_tensor(self, table: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor(table, dtype=torch.long, device=self.device)
 
     def copy_blocks(self, copies) -> None:
         """Copy each (from, to) block of every appended owner (before a step writes into `to`)."""
@@ -158,8 +259,7 @@ class Pool:
 
     def read_rows(self, name: str, table: tuple[int, ...], stop: int) -> torch.Tensor:
         """Rows [0, stop) of appended owner `name`, gathered into one tensor."""
-        block, offset = self.locate(table, 0, stop)
-        return self.rows[name][block, offset]
+        return self.log(name, self.table_tensor(table[:self.blocks_for(stop)])).upto(stop)
 
     def write_rows(self, name: str, table: tuple[int, ...], start: int, values: torch.Tensor) -> None:
         """Rows [start, start + len(values)) of appended owner `name` (blocks the step holds)."""
@@ -167,6 +267,9 @@ class Pool:
         self.rows[name][block, offset] = values
 
     # ---- accounting ----------------------------------------------------------------------------
+    def used_blocks(self) -> int:
+        return self.blocks - len(self._free_blocks)
+
     @property
     def free_blocks(self) -> int:
         return len(self._free_blocks)
@@ -185,3 +288,59 @@ class Pool:
     def __repr__(self) -> str:
         return (f"Pool(slots={self.slots}, blocks={self.blocks} of {self.block_rows} rows, "
                 f"{math.ceil(self.nbytes() / 2**20)} MiB)")
+
+
+class Log:
+    """One appended owner of one session as a step reads and writes it: `storage` [blocks,
+    block_rows, *row] through `table` [n] (a device int64 tensor): row r lies in block
+    table[r // block_rows] at r % block_rows. `end`: the rows [0, end) an eager step may touch
+    (None in a planned step, whose positions live on the device). An eager step's reads gather
+    rows [0, end) once into one tensor (`upto`) that its later writes keep up to date, so a step
+    that writes one row and reads all, token by token (a scan over a chunk), copies rows once."""
+
+    __slots__ = ("storage", "table", "block_rows", "end", "_seen")
+
+    def __init__(self, storage: torch.Tensor, table: torch.Tensor, end: int | None = None):
+        self.storage, self.table, self.block_rows, self.end = storage, table, storage.shape[1], end
+        self._seen: torch.Tensor | None = None
+
+    @classmethod
+    def whole(cls, storage: torch.Tensor, end: int | None = None) -> "Log":
+        """A contiguous row storage [rows, *row] as one block (scratch rows, the in-place baseline)."""
+        return cls(storage.unsqueeze(0), torch.zeros(1, dtype=torch.long, device=storage.device), end)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[0] * self.block_rows
+
+    def column(self, index: int) -> "Log":
+        """Column `index` of every row (of a log whose rows are tables: the routes)."""
+        return Log(self.storage[:, :, index], self.table, self.end)
+
+    def upto(self, end: int) -> torch.Tensor:
+        """Rows [0, end) as one tensor (an eager step's: its later writes show in it)."""
+        if self._seen is None or self._seen.shape[0] < end:
+            blocks = self.table[:-(-max(end, self.end or 0) // self.block_rows)]
+            self._seen = self.storage.index_select(0, blocks).flatten(0, 1)
+        return self._seen[:end]
+
+    def all(self) -> torch.Tensor:
+        """Every row the table holds (a planned step reads them all, masked by position)."""
+        return self.storage.index_select(0, self.table).flatten(0, 1)
+
+    def write(self, positions: torch.Tensor, value: torch.Tensor) -> None:
+        """Rows at `positions` [T] (a device int64 tensor; an eager step's below `end`) := value [T, *row]."""
+        block, offset = self.table[positions // self.block_rows], positions % self.block_rows
+        value = value.to(self.storage.dtype)
+        _bytes(self.storage).index_put_((block, offset), _bytes(value))
+        if self._seen is not None:
+            _bytes(self._seen).index_put_((positions,), _bytes(value))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 codes are copied as the bytes they are (indexed writes take no fp8)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

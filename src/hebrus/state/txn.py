@@ -1,8 +1,9 @@
 """One chunk, one transaction.
 
-Stages read the public image and write only private places: the other bank, and rows
-[start, start + length) of appended owners (in storage that is grown privately when it is too
-small). `seal` closes each stage's bookkeeping, `validate` reads every device-side check back
+Stages read the public image and write only private places: the other bank of the session's
+slot, and rows [start, start + length) of appended owners, in blocks of the session's own (blocks
+a chunk takes from the pool, or copies of blocks shared with a fork, are private until the flip
+and go back to the pool if it aborts). `seal` closes each stage's bookkeeping, `validate` reads every device-side check back
 in one transfer, and `publish` copies the output to the caller and flips the public record.
 Anything that raises before the flip leaves the public image as it was.
 
@@ -14,14 +15,13 @@ copied to undo them.
 
 A planned transaction (`planned=True`) is the static plan of a one-token step that a CUDA graph
 captures once and replays at every position (`hebrus.engine.graphs`): stages see the chunk's
-start as a device tensor (the public bank's frontier owner), appended storage must already hold the
-row (it cannot grow inside a graph), and `restart` re-arms the host-side bookkeeping for each
-replay.
+start as a device tensor (the public bank's frontier owner), the session's table must already hold
+the row in a block of its own (no block is taken inside a graph), and `restart` re-arms the
+host-side bookkeeping for each replay.
 """
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 
@@ -30,6 +30,7 @@ from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceSt
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
+from hebrus.state.pool import Log, Pool, PoolFull
 from hebrus.state.status import Completion, DeviceChecks, describe
 
 
@@ -52,7 +53,7 @@ class Transaction:
 
     def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
                  max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
-                 planned: bool = False, reserve: int = 0, reserve_only_growing: bool = False, each: bool = False):
+                 planned: bool = False, reserve: int = 0, each: bool = False):
         record = image.public
         self.image, self.record, self.planned, self.each = image, record, planned, each
         self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
@@ -62,15 +63,17 @@ class Transaction:
         # what stages see as the chunk's first position: an int, or (planned) a device tensor
         self.start = self.public[frontier_owner].view(1) if planned else record.frontier
         self.private = image.banks[1 - record.bank]
-        self.storages = list(record.storages)
+        self.pool = image.pool
+        self.table = record.table               # the table the flip publishes: blocks taken appended
+        self._table: torch.Tensor | None = None  # it on the device, once a stage asks for rows
+        self._taken: list[int] = []             # blocks taken from the pool (released on abort)
+        self._dropped: tuple[int, ...] = ()     # shared blocks replaced by copies (released on publish)
         self.local: dict[str, torch.Tensor] = {}
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
         self.max_rows = max_rows
         self.frontier_owner, self.output, self.check_bits = frontier_owner, output, check_bits
-        # rows to extend storage to after the stages (`extend_reserved`): what grew, or (unless
-        # only_growing) any storage below it
-        self.reserve, self._reserve_always = min(reserve, max_rows), not reserve_only_growing
+        self.reserve = min(reserve, max_rows)   # rows the table is extended to after the stages, if granted
         self.completion = Completion(image.device)
         self.stage_index, self.stage = -1, "begin"
         self.written: set[str] = set()
@@ -140,28 +143,21 @@ class Transaction:
         self._writes.append(target)
         self._value_bytes += target.numel() * target.element_size()
 
-    def rows(self, name: str) -> torch.Tensor:
-        """Storage of an appended owner holding at least start+length rows; rows below `start`
-        are the public ones, rows [start, start+length) are this chunk's to write."""
-        i = self.image.storage_index[name]
-        storage = self.storages[i]
-        need = self.frontier + self.length
-        shared = storage is self.record.storages[i] and id(storage) in self.image.shared
-        if storage.shape[0] < need or shared:
-            if self.planned:
-                raise StructuralError(self.stage, f"{name} holds {storage.shape[0]} rows; a planned step "
-                                      f"needs {need} reserved and unshared")
-            # shared with a fork: rows are copied at the same capacity, then written here alone
-            storage = self._grow(name, storage, need) if storage.shape[0] < need else \
-                self._allocate(name, storage, storage.shape[0], self.frontier)
-            self.storages[i] = storage
+    def rows(self, name: str) -> Log:
+        """An appended owner's rows through the session's table, which holds rows
+        [start, start+length) in blocks of its own: rows below `start` are the public ones, rows
+        [start, start+length) are this chunk's to write."""
+        if self._table is None:
+            self._table = self._writable_table()
         self._rows_handed = True
+        log = self.pool.log(name, self._table)
         if self.planned:                    # the rows at the device-side positions, once written
-            positions = self.start + torch.arange(self.length, device=storage.device)
-            self._writes.append(lambda: storage.index_select(0, positions))
+            positions = self.start + torch.arange(self.length, device=self._table.device)
         else:
-            self._writes.append(storage[self.frontier:need])
-        return storage
+            log.end = self.frontier + self.length
+            positions = torch.arange(self.frontier, log.end, device=self._table.device)
+        self._writes.append(lambda: log.storage[log.table[positions // log.block_rows], positions % log.block_rows])
+        return log
 
     def hold(self, resource) -> None:
         """Commit `resource` with this chunk's publication, or release it if the chunk aborts."""
@@ -205,7 +201,7 @@ class Transaction:
         the requests the stages made (so it refuses exactly when one of them would be refused),
         and nothing is marked failed or finished."""
         record = self.image.public
-        same = record.bank == self.record.bank and all(a is b for a, b in zip(record.storages, self.record.storages))
+        same = record.bank == self.record.bank and record.table == self.record.table
         if not (self.planned and same) or self._held:      # held resources are one chunk's, never replayed
             raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
         self.record, self.frontier, self._done = record, record.frontier, False
@@ -263,13 +259,14 @@ class Transaction:
         flip, from the end of this call, and the chunk stays published."""
         if self._done:
             raise StructuralError("publish", "transaction already finished")
-        old = self.record.storages
-        released = sum(o.numel() * o.element_size() for o, n in zip(old, self.storages) if o is not n)
-        record = Published(1 - self.record.bank, self.frontier + self.length, tuple(self.storages))
+        released = len(self._dropped) * self._block_bytes
+        record = Published(self.record.slot, 1 - self.record.bank, self.frontier + self.length, self.table)
         with deferred_signals():
             self._copy_out(out)
             self.image.publish(record)
             self._done = True
+            self._taken = []
+            self.pool.release(self._dropped)
             if self._cut:                           # the rejected tail's rows, past the frontier
                 self.image.tail_dirty = True
             try:
@@ -289,50 +286,67 @@ class Transaction:
         if not self._done:
             self._done = True
             self.budget.abort()
+            self.pool.release(self._taken)
+            self._taken = []
             _finish_all(self._held, "release")
             if self._rows_handed:                   # rows past the frontier may hold anything now
                 self.image.tail_dirty = True
 
     # ---- internals -------------------------------------------------------------------------
     def extend_reserved(self) -> None:
-        """After the last stage: extend row storage to `reserve` rows (what grew in this chunk,
-        or any below it unless only growing ones), each if the budget and the allocator grant
-        it. Asked for only once every stage has made its own requests, so a reservation never
-        takes what the chunk needed, and one that is refused is skipped, never an abort."""
-        if self.planned or not self.reserve:
-            return
-        rows = self.frontier + self.length
-        for i, (spec, storage) in enumerate(zip(self.image.appended, self.storages)):
-            grew = storage is not self.record.storages[i]
-            if storage.shape[0] >= self.reserve or not (grew or self._reserve_always):
-                continue
-            try:
-                extended = self._allocate(spec.name, storage, self.reserve, rows)
-            except AllocationError:
-                continue
-            if grew:                                # the chunk's own growth is replaced, unpublished
-                self.budget.cancel(storage.numel() * storage.element_size())
-            self.storages[i] = extended
+        """After the last stage: extend the table to `reserve` rows, with blocks taken if the
+        pool has them free and the budget grants them. Asked for only once every stage has made
+        its own requests, so a reservation never takes what the chunk needed, and one that is
+        refused is skipped, never an abort."""
+        if not self.planned and self.reserve:
+            self._extend(self.reserve)
 
-    def _grow(self, name: str, storage: torch.Tensor, need: int) -> torch.Tensor:
-        capacity = min(self.max_rows, max(need, 2 * storage.shape[0], 16))
-        return self._allocate(name, storage, capacity, self.frontier)
+    @property
+    def _block_bytes(self) -> int:
+        return Pool.block_bytes(self.image.appended, self.pool.block_rows)
 
-    def _allocate(self, name: str, storage: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
-        """New storage of `capacity` rows holding rows [0, keep) of `storage`, zeros after."""
-        row_shape = tuple(storage.shape[1:])
-        nbytes = capacity * math.prod(row_shape) * storage.element_size()
-        self._request(self.budget.grow, nbytes, f"{name} ({capacity} rows)")
+    def _blocks(self, count: int) -> str:
+        return f"{count} block{'s' if count != 1 else ''} of {self.pool.block_rows} rows"
+
+    def _writable_table(self) -> torch.Tensor:
+        """The table whose blocks hold this chunk's rows, its own: in a planned step the public
+        one as it is; else blocks taken for rows past the table's end (and, when it must grow,
+        up to twice its rows if they are free) and copies of shared blocks the chunk writes into."""
+        need = self.frontier + self.length
+        if self.planned:
+            if not self.pool.exclusive(self.record.table, self.frontier, need):
+                raise StructuralError(self.stage, f"a planned step needs rows {self.frontier}..{need - 1} held, in "
+                                      f"blocks of the session's own")
+            return self.image.device_table()
         try:
-            grown = torch.empty((capacity,) + row_shape, dtype=storage.dtype, device=storage.device)
-        except Exception as exc:
-            if not out_of_memory(exc):
+            plan = self.pool.writable(self.record.table, self.frontier, self.length)
+        except PoolFull as exc:
+            raise AllocationError(self.stage, str(exc)) from None
+        if plan.taken:
+            try:
+                self._request(self.budget.grow, len(plan.taken) * self._block_bytes, self._blocks(len(plan.taken)))
+            except AllocationError:
+                self.pool.release(plan.taken)
                 raise
-            self.budget.cancel(nbytes)              # never allocated
-            raise AllocationError(self.stage, f"{name} ({capacity} rows): {type(exc).__name__}: {exc}") from None
-        grown[:keep].copy_(storage[:keep])
-        grown[keep:].zero_()                        # rows past the frontier read as zeros
-        return grown
+        self._taken += plan.taken
+        self.pool.copy_blocks(plan.copies)
+        self.table, self._dropped = plan.table, plan.dropped
+        held = len(self.record.table) * self.pool.block_rows
+        if need > held:                      # growing: room for as many rows again, if it is free
+            self._extend(max(need, 2 * held, self.pool.block_rows))
+        return self.pool.table_tensor(self.table)
+
+    def _extend(self, rows: int) -> None:
+        more = self.pool.extend(self.table, min(rows, self.max_rows))
+        if not more:
+            return
+        try:
+            self.budget.grow(len(more) * self._block_bytes, self._blocks(len(more)))
+        except Refused:
+            self.pool.release(more)
+            return
+        self._taken += more
+        self.table += more
 
     def _account(self, growth: int, working: int, stage: str) -> None:
         self._request(self.budget.admit, growth, f"the intermediates of {stage}")
