@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+
+import hebrus
 from conftest import PATIENCE
 
 from hebrus.cli import main
@@ -34,6 +36,19 @@ def test_info_lists_stages_and_owners(capsys):
     # the total's note: bytes every token of context adds, the sum of the appended owners' notes
     per_token = sum(int(m.replace(",", "")) for m in re.findall(r"appended .* ([\d,]+) per token", out))
     assert re.search(rf"^total .* {per_token:,} per token\s*$", out, re.M) and per_token > 0
+
+
+def test_info_reports_the_state_pool_carved_from_the_bytes_given(capsys):
+    from hebrus.state.pool import Pool
+    model = hebrus.load("tiny")
+    slot, block = Pool.slot_bytes(model.owners), Pool.block_bytes(model.owners, 16)
+    assert main(["info", "--model", "tiny", "--pool-bytes", str(3 * slot + 10 * block)]) == 0
+    out = capsys.readouterr().out
+    slots = (3 * slot + 10 * block) // 2 // slot                # half the bytes for slots, the rest in blocks
+    assert slots == 3 and re.search(rf"^  slots +3 \({slot:,} bytes each", out, re.M)
+    assert re.search(rf"^  blocks +10 of 16 rows \({block:,} bytes each", out, re.M)
+    assert main(["info", "--model", "tiny", "--pool-bytes", str(slot - 1)]) == 1
+    assert "do not fit a pool" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
@@ -77,6 +92,8 @@ def test_the_context_limit_ends_a_generation_that_asks_for_more(capsys):
     (["generate", "x", "--temperature", "1e400"], "temperature must be a finite number"),
     (["generate", "x", "--threads", "0"], "--threads must lie in [1, "),
     (["info", "--device", "cuda:banana"], "device must be"),
+    (["info", "--memory-fraction", "2"], "memory_fraction must be a number in (0, 1]"),
+    (["info", "--pool-bytes", "0"], "pool_bytes must be a positive int"),
 ])
 def test_bad_input_is_one_line_not_a_traceback(argv, message, capsys):
     assert main(argv) == 2

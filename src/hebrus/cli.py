@@ -12,6 +12,7 @@ from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
+from hebrus.state.pool import PoolSize
 from hebrus.show import escaped
 from hebrus.weights import checkpoint
 from hebrus.weights.quant import QUANT_FORMATS
@@ -223,6 +224,13 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str = text.MODE) -> No
     p.add_argument("--kv-cache", choices=("int8", "fp8"), default=None,
                    help="keep attention's K/V rows and index keys as codes with a scale per row "
                         "(default: in the model's dtype)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--pool-bytes", type=int, default=None, metavar="N",
+                      help="bytes of the state pool every session lives in: slots for their banks, blocks for "
+                           "their rows (default: a quarter of the host's memory on the CPU, touched only as used; "
+                           "30%% of the free memory on a GPU)")
+    size.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                      help="the state pool as this fraction (0..1] of the device's free memory when it is carved")
 
 
 def _text_args(p: argparse.ArgumentParser) -> None:
@@ -283,6 +291,7 @@ def _load(args, say: bool = True, threads: bool = True):
     started, bar = time.perf_counter(), []
     if say:
         device = resolve_device(args.device)                # a bad device is refused before anything is said
+        PoolSize(getattr(args, "pool_bytes", None), getattr(args, "memory_fraction", None)).checked()
         _error(f"hebrus: loading {args.model} ({args.mode} mode, on {device})")
 
     def progress(done: int, total: int) -> None:
@@ -293,7 +302,8 @@ def _load(args, say: bool = True, threads: bool = True):
 
     model = load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
                  ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None),
-                 kv_cache=getattr(args, "kv_cache", None))
+                 kv_cache=getattr(args, "kv_cache", None), pool_bytes=getattr(args, "pool_bytes", None),
+                 memory_fraction=getattr(args, "memory_fraction", None))
     if say:
         import torch
         from hebrus.layers.layout import parameter_count
@@ -445,6 +455,13 @@ def _info(args) -> int:
     per_token = sum(spec.nbytes for spec in model.owners if spec.kind != BANKED)
     rows.append(["total", "", "", "", f"{total:,}", f"{per_token:,} per token"])
     _table(["owner", "kind", "dtype", "shape", "bytes", ""], rows, right=(4,))
+    pool = model.pool
+    slot, block = pool.slot_bytes(model.owners), pool.block_bytes(model.owners, pool.block_rows)
+    print(f"\nstate pool ({pool.nbytes():,} bytes on {model.device})")
+    print(f"  {'slots':26} {pool.slots:,} ({slot:,} bytes each: both banks of every banked owner)")
+    print(f"  {'blocks':26} {pool.blocks:,} of {pool.block_rows} rows ({block:,} bytes each)")
+    print(f"  {'rows held at most':26} {pool.blocks * pool.block_rows:,} "
+          f"({pool.blocks * pool.block_rows // max(c.max_context, 1):,} sessions at max_context)")
     return 0
 
 

@@ -52,8 +52,10 @@ class Span:
         if self.sessions:
             for i, log in enumerate(rows):
                 self.one(i).put(log, value[i:i + 1])
-        else:
+        elif self.planned:
             rows.write(self.positions, value)
+        else:
+            rows.write_range(self.start, value)
 
     def visible(self, rows) -> torch.Tensor:
         """The rows attention may look at (the caller masks per query by `positions`): every

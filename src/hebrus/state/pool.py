@@ -137,7 +137,8 @@ class Pool:
             slots = min(MAX_SLOTS, max(1, pool_bytes // 2 // max(per_slot, 1)))
         left = pool_bytes - slots * per_slot
         if left < 0:
-            raise PoolFull(f"{slots} slots of {per_slot} bytes do not fit a pool of {pool_bytes} bytes")
+            raise PoolFull(f"{slots} slot{'s' if slots != 1 else ''} of {per_slot} bytes do not fit a pool of "
+                           f"{pool_bytes} bytes")
         blocks = min(left // per_block, slots * -(-max_rows // block_rows)) if per_block else 0
         return cls(specs, device, slots, blocks, block_rows, max_rows)
 
@@ -234,9 +235,11 @@ class Pool:
             return all(self._references[table[i]] == 1
                        for i in range(start // self.block_rows, self.blocks_for(stop)))
 
-    def log(self, name: str, table: torch.Tensor) -> "Log":
-        """Appended owner `name` through `table` (a device int64 tensor of block numbers)."""
-        return Log(self.rows[name], table)
+    def log(self, name: str, table: torch.Tensor, host: tuple[int, ...] | None = None,
+            end: int | None = None) -> "Log":
+        """Appended owner `name` through `table` (a device int64 tensor of block numbers; `host`
+        and `end` as `Log` takes them)."""
+        return Log(self.rows[name], table, host, end)
 
     def table_tensor(self, table: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(table, dtype=torch.long, device=self.device)
@@ -259,7 +262,8 @@ class Pool:
 
     def read_rows(self, name: str, table: tuple[int, ...], stop: int) -> torch.Tensor:
         """Rows [0, stop) of appended owner `name`, gathered into one tensor."""
-        return self.log(name, self.table_tensor(table[:self.blocks_for(stop)])).upto(stop)
+        held = table[:self.blocks_for(stop)]
+        return self.log(name, self.table_tensor(held), held, stop).upto(stop).clone()
 
     def write_rows(self, name: str, table: tuple[int, ...], start: int, values: torch.Tensor) -> None:
         """Rows [start, start + len(values)) of appended owner `name` (blocks the step holds)."""
@@ -293,36 +297,44 @@ class Pool:
 class Log:
     """One appended owner of one session as a step reads and writes it: `storage` [blocks,
     block_rows, *row] through `table` [n] (a device int64 tensor): row r lies in block
-    table[r // block_rows] at r % block_rows. `end`: the rows [0, end) an eager step may touch
-    (None in a planned step, whose positions live on the device). An eager step's reads gather
-    rows [0, end) once into one tensor (`upto`) that its later writes keep up to date, so a step
-    that writes one row and reads all, token by token (a scan over a chunk), copies rows once."""
+    table[r // block_rows] at r % block_rows. `host`: the same table as a tuple, where the host
+    knows it (an eager step), and `end`: the rows [0, end) such a step may touch.
 
-    __slots__ = ("storage", "table", "block_rows", "end", "_seen")
+    An eager step reads rows [0, end) as one tensor (`upto`): a view of the storage when its
+    table's blocks are consecutive (as a session's blocks taken together are), else a gather
+    that its later writes keep up to date, so a step that writes one row and reads all, token by
+    token (a scan over a chunk), copies the rows at most once. `written`, when set, hears every
+    value written (the transaction checks them)."""
 
-    def __init__(self, storage: torch.Tensor, table: torch.Tensor, end: int | None = None):
-        self.storage, self.table, self.block_rows, self.end = storage, table, storage.shape[1], end
+    __slots__ = ("storage", "table", "host", "end", "block_rows", "written", "_first", "_seen")
+
+    def __init__(self, storage: torch.Tensor, table: torch.Tensor, host: tuple[int, ...] | None = None,
+                 end: int | None = None):
+        self.storage, self.table, self.host, self.end = storage, table, host, end
+        self.block_rows = storage.shape[1]
+        self.written = None
+        self._first = _first_of_run(host) if host is not None else None
         self._seen: torch.Tensor | None = None
 
     @classmethod
     def whole(cls, storage: torch.Tensor, end: int | None = None) -> "Log":
         """A contiguous row storage [rows, *row] as one block (scratch rows, the in-place baseline)."""
-        return cls(storage.unsqueeze(0), torch.zeros(1, dtype=torch.long, device=storage.device), end)
+        return cls(storage.unsqueeze(0), torch.zeros(1, dtype=torch.long, device=storage.device), (0,), end)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
 
-    @property
-    def capacity(self) -> int:
-        return self.table.shape[0] * self.block_rows
-
     def column(self, index: int) -> "Log":
         """Column `index` of every row (of a log whose rows are tables: the routes)."""
-        return Log(self.storage[:, :, index], self.table, self.end)
+        log = Log(self.storage[:, :, index], self.table, self.host, self.end)
+        log.written = self.written
+        return log
 
     def upto(self, end: int) -> torch.Tensor:
         """Rows [0, end) as one tensor (an eager step's: its later writes show in it)."""
+        if self._first is not None:
+            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)[:end]
         if self._seen is None or self._seen.shape[0] < end:
             blocks = self.table[:-(-max(end, self.end or 0) // self.block_rows)]
             self._seen = self.storage.index_select(0, blocks).flatten(0, 1)
@@ -333,12 +345,38 @@ class Log:
         return self.storage.index_select(0, self.table).flatten(0, 1)
 
     def write(self, positions: torch.Tensor, value: torch.Tensor) -> None:
-        """Rows at `positions` [T] (a device int64 tensor; an eager step's below `end`) := value [T, *row]."""
+        """Rows at `positions` [T] (a device int64 tensor, as a planned step has them) := value [T, *row]."""
         block, offset = self.table[positions // self.block_rows], positions % self.block_rows
         value = value.to(self.storage.dtype)
         _bytes(self.storage).index_put_((block, offset), _bytes(value))
         if self._seen is not None:
             _bytes(self._seen).index_put_((positions,), _bytes(value))
+        self._heard(value)
+
+    def write_range(self, start: int, value: torch.Tensor) -> None:
+        """Rows [start, start + len(value)) := value (an eager step's, below `end`)."""
+        value, stop = value.to(self.storage.dtype), start + value.shape[0]
+        if self._first is not None:
+            self.upto(stop)[start:stop] = value
+        else:
+            at, rows = start, self.block_rows
+            while at < stop:
+                block, offset = divmod(at, rows)
+                n = min(rows - offset, stop - at)
+                self.storage[self.host[block], offset:offset + n] = value[at - start:at - start + n]
+                at += n
+            if self._seen is not None:
+                self._seen[start:stop] = value
+        self._heard(value)
+
+    def _heard(self, value: torch.Tensor) -> None:
+        if self.written is not None:
+            self.written(value)
+
+
+def _first_of_run(table: tuple[int, ...]) -> int | None:
+    """The first block of `table` when its blocks are consecutive, else None."""
+    return table[0] if table and table == tuple(range(table[0], table[0] + len(table))) else None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

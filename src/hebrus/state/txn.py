@@ -150,14 +150,16 @@ class Transaction:
         if self._table is None:
             self._table = self._writable_table()
         self._rows_handed = True
-        log = self.pool.log(name, self._table)
-        if self.planned:                    # the rows at the device-side positions, once written
-            positions = self.start + torch.arange(self.length, device=self._table.device)
+        if self.planned:
+            log = self.pool.log(name, self._table)
         else:
-            log.end = self.frontier + self.length
-            positions = torch.arange(self.frontier, log.end, device=self._table.device)
-        self._writes.append(lambda: log.storage[log.table[positions // log.block_rows], positions % log.block_rows])
+            log = self.pool.log(name, self._table, self.table, self.frontier + self.length)
+        log.written = self._hear
         return log
+
+    def _hear(self, rows: torch.Tensor) -> None:
+        """Rows a stage wrote: checked (finite) with the rest of what it wrote."""
+        self._writes.append(rows)
 
     def hold(self, resource) -> None:
         """Commit `resource` with this chunk's publication, or release it if the chunk aborts."""
@@ -187,7 +189,6 @@ class Transaction:
         """Queue the finite checks of everything this stage wrote, admit what it emitted and
         wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
         and record its completion."""
-        self._writes = [t() if callable(t) else t for t in self._writes]
         self.checks.finite(self.stage_index, self._writes)
         working = sum(self._local_bytes.values())
         growth = max(working - self.budget.working + self._value_bytes, 0)
@@ -221,7 +222,6 @@ class Transaction:
 
     def poison(self) -> None:
         """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
-        self._writes = [t() if callable(t) else t for t in self._writes]
         target = next(t for t in reversed(self._writes) if t.is_floating_point() and t.numel())
         target.view(-1)[0] = float("nan")
 
@@ -317,6 +317,8 @@ class Transaction:
             if not self.pool.exclusive(self.record.table, self.frontier, need):
                 raise StructuralError(self.stage, f"a planned step needs rows {self.frontier}..{need - 1} held, in "
                                       f"blocks of the session's own")
+            return self.image.device_table()
+        if self.pool.exclusive(self.record.table, self.frontier, need):     # as it is: the table held
             return self.image.device_table()
         try:
             plan = self.pool.writable(self.record.table, self.frontier, self.length)
