@@ -52,8 +52,8 @@ def _stage_raises(model, stage_name: str, exc: BaseException):
     stage = next(s for s in model.stages if s.name == stage_name)
     real = stage.run
 
-    def failing(txn):
-        real(txn)
+    def failing(txn, step):
+        real(txn, step)
         raise exc
 
     stage.run = failing

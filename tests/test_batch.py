@@ -100,7 +100,7 @@ def test_a_failure_in_a_shared_stage_aborts_every_session(models, monkeypatch):
     before = [s.digest() for s in sessions]
     stage = model.stages[3]
 
-    def broken(txn):
+    def broken(txn, step):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(stage, "run", broken)

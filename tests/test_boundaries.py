@@ -23,8 +23,8 @@ def test_caller_changing_its_ids_mid_chunk_changes_nothing(tiny, monkeypatch, mo
     embed = next(st for st in model.stages if st.name == "embed")
     real = embed.run
 
-    def then_caller_writes(txn):
-        real(txn)
+    def then_caller_writes(txn, step):
+        real(txn, step)
         ids.fill_(0)                                    # another thread of the caller's
 
     monkeypatch.setattr(embed, "run", then_caller_writes)
@@ -40,8 +40,8 @@ def test_arrays_and_lists_changed_mid_chunk_change_nothing(tiny, monkeypatch, ma
     embed = next(st for st in tiny.stages if st.name == "embed")
     real = embed.run
 
-    def then_caller_writes(txn):
-        real(txn)
+    def then_caller_writes(txn, step):
+        real(txn, step)
         ids[:] = [999] * 3 if isinstance(ids, list) else 999
 
     monkeypatch.setattr(embed, "run", then_caller_writes)

@@ -169,9 +169,9 @@ def test_prefill_chunks_are_not_interleaved_with_other_callers(tiny, monkeypatch
     real_run, calls = embed.run, []
     gate = Gate(park=lambda: threading.get_ident() == a.ident and len(calls) == 1)
 
-    def counting(txn):
+    def counting(txn, step):
         calls.append(1)
-        real_run(txn)
+        real_run(txn, step)
         gate()
 
     monkeypatch.setattr(embed, "run", counting)

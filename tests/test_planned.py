@@ -9,6 +9,7 @@ import torch
 from conftest import poisoned as with_nan_row
 from conftest import tokens
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
+from hebrus.state.step import StepBatch
 
 STEPS = 24
 
@@ -113,20 +114,21 @@ def test_a_replay_asks_the_budget_what_the_stages_asked(models):
     s.feed(tokens(5))
 
     def planned():
-        txn = transaction(model, s.image, s.budget, 1, planned=True)
-        txn.local["ids"] = torch.tensor([3])
-        return txn
+        return transaction(model, s.image, s.budget, 1, planned=True)
+
+    def step(txn):
+        return StepBatch.planned(torch.tensor([3]), txn.public["frontier"].view(1))
 
     with torch.inference_mode():
         txn = planned()
-        run_stages(model, txn)
+        run_stages(model, txn, step(txn))
         txn.restart()                                   # no limit: nothing refused
         needed = txn._peak[0]
         assert needed > 0
         for limit, refused in ((s.budget.held + needed - 1, True), (s.budget.held + needed, False)):
             s.budget.limit = limit
             outcomes = []
-            for attempt in (txn.restart, lambda: run_stages(model, planned())):
+            for attempt in (txn.restart, lambda: (lambda t: run_stages(model, t, step(t)))(planned())):
                 try:
                     attempt()
                     outcomes.append(False)

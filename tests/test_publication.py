@@ -84,7 +84,7 @@ def test_ctrl_c_during_publication_cannot_split_out_from_the_state(warmed, tiny,
 def test_ctrl_c_inside_a_stage_publishes_nothing(warmed, tiny, monkeypatch):
     stage = next(st for st in tiny.stages if st.name == "layers.2.gdn")
 
-    def interrupted(txn):
+    def interrupted(txn, step):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(stage, "run", interrupted)
@@ -155,8 +155,8 @@ def test_a_signal_handler_calling_back_into_the_session_is_refused_not_deadlocke
     stage = next(st for st in tiny.stages if st.name == "layers.0.gdn")
     real = stage.run
 
-    def signalled(txn):
-        real(txn)
+    def signalled(txn, step):
+        real(txn, step)
         signal.raise_signal(signal.SIGUSR1)
 
     monkeypatch.setattr(stage, "run", signalled)

@@ -95,11 +95,11 @@ def test_prefill_failure_reports_the_tokens_published(tiny, monkeypatch):
     stage = next(st for st in tiny.stages if st.name == "layers.2.gdn")
     real, calls = stage.run, []
 
-    def third_call_fails(txn):
+    def third_call_fails(txn, step):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        real(txn)
+        real(txn, step)
 
     monkeypatch.setattr(stage, "run", third_call_fails)
     ids = tokens(50, seed=8)

@@ -163,8 +163,9 @@ def test_ple_checks_the_token_range_itself(tiny, monkeypatch):
     s = _warm_session(tiny)
     before = s.digest()
     embed = next(st for st in tiny.stages if st.name == "embed")
-    monkeypatch.setattr(embed, "run", lambda txn: txn.emit(
-        "streams", embed.table[txn.local["ids"].clamp(0, 255)].unsqueeze(1).expand(-1, 4, -1).contiguous()))
+    def unchecked(txn, step):
+        step.streams = embed.table[step.ids.clamp(0, 255)].unsqueeze(1).expand(-1, 4, -1).contiguous()
+    monkeypatch.setattr(embed, "run", unchecked)
     with pytest.raises(hebrus.DeviceStatusError, match="token_range") as info:
         s._transact(torch.tensor([3, 256, 4]), None)
     assert info.value.stage == "ple" and s.digest() == before
@@ -198,7 +199,7 @@ def test_banked_owner_left_unwritten_is_a_structural_error(tiny, monkeypatch):
                 self._txn.write(name, value)
 
     run = gdn.run
-    monkeypatch.setattr(gdn, "run", lambda txn: run(Forgetful(txn)))
+    monkeypatch.setattr(gdn, "run", lambda txn, step: run(Forgetful(txn), step))
     with pytest.raises(hebrus.StructuralError, match="layers.2.gdn.recurrent") as info:
         s.feed(CHUNK)
     assert info.value.stage == "validate" and s.digest() == before
@@ -279,6 +280,6 @@ def test_every_step_context_offers_what_stages_use(tiny_fast):
     ids = torch.tensor([1])
     from hebrus.training import SequenceContext
     contexts = [txn, BatchTransaction([txn], tiny_fast.device), _InPlaceContext(inplace, ids, 0),
-                _InPlaceBatchContext([inplace], ids), SequenceContext(tiny_fast.spec, ids, torch.float32)]
+                _InPlaceBatchContext([inplace], ids, [0]), SequenceContext(tiny_fast.spec, ids, torch.float32)]
     assert all(isinstance(c, StepContext) for c in contexts)
     txn.abort()

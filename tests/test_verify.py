@@ -13,9 +13,9 @@ def test_a_stage_writing_public_state_is_reported_as_leaked(monkeypatch):
     gdn = next(st for st in model.stages if st.name == "layers.0.gdn")
     run = gdn.run
 
-    def leaky(txn):
+    def leaky(txn, step):
         txn.read("layers.0.gdn.recurrent").add_(1.0)     # the one thing a stage must never do
-        run(txn)
+        run(txn, step)
 
     monkeypatch.setattr(gdn, "run", leaky)
     verdict = _cell(model, "layers.2.gdn", "nonfinite")

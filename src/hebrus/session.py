@@ -195,7 +195,7 @@ class Session:
         head = self.model.stages[-1]
 
         def stop(txn) -> None:
-            raise _Seen(head.logits_row_by_row(txn.local["streams"]))
+            raise _Seen(head.logits_row_by_row(txn.step.streams))
         saved, self.image.before_flip = self.image.before_flip, stop      # no journal record either
         try:
             with torch.inference_mode():

@@ -39,6 +39,7 @@ from hebrus.ops.moe import experts_grouped
 from hebrus.ops.norm import accum_dtype
 from hebrus.ops.qsa import sparse_attention
 from hebrus.state.pool import Log
+from hebrus.state.step import StepBatch
 from hebrus.layers.layout import init_parameters, layout as layer_weights
 from hebrus.models import layout
 from hebrus.models.hebrus import HebrusConfig
@@ -51,12 +52,7 @@ class SequenceContext:
     each owner's initial value, writes and row logs are plain tensors (autograd sees them), and
     device-side checks are not kept (training data is trusted and in range)."""
 
-    row_per_session = False
-    each = False            # never a prefix transaction
-
     def __init__(self, spec: ModelSpec, ids: torch.Tensor, dtype: torch.dtype):
-        self.start = 0
-        self.local: dict[str, torch.Tensor] = {"ids": ids}
         self.written: dict[str, torch.Tensor] = {}
         self._owners = {o.name: o for o in owner_specs(spec, dtype, accum_dtype(dtype))}
         self._rows: dict[str, Log] = {}
@@ -76,17 +72,11 @@ class SequenceContext:
             self._rows[name] = Log.whole(rows, self._length)
         return self._rows[name]
 
-    def emit(self, key: str, value: torch.Tensor) -> None:
-        self.local[key] = value
-
     def flag(self, bad: torch.Tensor, bit: int) -> None:
         pass
 
     def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
         pass
-
-    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
-        return X[-1:]
 
     def hold(self, resource) -> None:         # trained tables are never paged
         raise TypeError("training runs on resident parameters, not paged tables")
@@ -152,11 +142,12 @@ def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,
     params = layout.as_layers_read(spec, params, kernels.quantized_linear)
     stages = build_stages(spec, params, kernels)
     ctx = SequenceContext(spec, ids, params["embed.weight"].dtype)
+    step = StepBatch.chunk(ids, 0)
     for stage in stages[:-1]:
-        stage.run(ctx)
+        stage.run(ctx, step)
     head = stages[-1]
     assert isinstance(head, Head)
-    return head.logits(ctx.local["streams"]), record
+    return head.logits(step.streams), record
 
 
 @dataclass

@@ -40,10 +40,10 @@ class LeakyMixer(Sublayer):
         self.w, self.decay = params[self.name + ".out.weight"], s.section(LeakySection).decay
         self.sums = kernels.ops["leaky.sums"]
 
-    def run(self, txn) -> None:
-        def step(pos, X, state, each=False):
+    def run(self, txn, batch) -> None:
+        def step(at, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            if txn.row_per_session:                 # row i: session i's token and state
+            if at.row_per_session:                  # row i: session i's token and state
                 states = self.decay * state + h
                 last = states
             else:
@@ -51,10 +51,9 @@ class LeakyMixer(Sublayer):
                 last = states if each else states[-1]
             return self.mix_out(X, linear(states, self.w), post, comb), last
 
-        X, state = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],),
-                        txn.read(self.name + ".sum"), txn.each)
-        (txn.write_each if txn.each else txn.write)(self.name + ".sum", state)
-        txn.emit("streams", X)
+        batch.streams, state = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
+                                    txn.read(self.name + ".sum"))
+        (txn.write_each if batch.each else txn.write)(self.name + ".sum", state)
 
 
 class Leaky(Kind):

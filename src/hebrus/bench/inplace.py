@@ -7,13 +7,14 @@ import torch
 
 from hebrus.state.image import Image
 from hebrus.state.pool import Log
+from hebrus.state.step import StepBatch
 
 
-def _run(model, ctx) -> None:
+def _run(model, ctx, step: StepBatch) -> None:
     ctx.held = []
     try:
         for stage in model.stages:
-            stage.run(ctx)
+            stage.run(ctx, step)
     except BaseException:
         for resource in ctx.held:
             resource.release()
@@ -67,13 +68,15 @@ class InPlaceSession:
                 self.token.copy_(ids)
                 self.captured.step(self._planned, list(self.storages))
             else:
-                _run(self.model, _InPlaceContext(self, ids.to(self.model.device), self.frontier))
+                ids = ids.to(self.model.device)
+                _run(self.model, _InPlaceContext(self, ids, self.frontier), StepBatch.chunk(ids, self.frontier))
                 self.bank["frontier"].fill_(self.frontier + len(ids))
         self.frontier += len(ids)
         return self.bank["logits"].clone()
 
     def _planned(self) -> None:
-        _run(self.model, _InPlaceContext(self, self.token, self.bank["frontier"].view(1)))
+        start = self.bank["frontier"].view(1)
+        _run(self.model, _InPlaceContext(self, self.token, start), StepBatch.planned(self.token, start))
         self.bank["frontier"].add_(1)
 
 
@@ -95,7 +98,8 @@ class InPlaceBatch:
                 self.tokens.copy_(ids)
                 self.captured.step(self._planned, [st for s in self.sessions for st in s.storages])
             else:
-                _run(self.model, _InPlaceBatchContext(self.sessions, ids.to(self.model.device)))
+                ids, starts = ids.to(self.model.device), [s.frontier for s in self.sessions]
+                _run(self.model, _InPlaceBatchContext(self.sessions, ids, starts), StepBatch.tokens(ids, starts))
                 for s in self.sessions:
                     s.bank["frontier"].fill_(s.frontier + 1)
         for s in self.sessions:
@@ -104,19 +108,13 @@ class InPlaceBatch:
 
     def _planned(self) -> None:
         starts = [s.bank["frontier"].view(1) for s in self.sessions]
-        _run(self.model, _InPlaceBatchContext(self.sessions, self.tokens, starts))
+        _run(self.model, _InPlaceBatchContext(self.sessions, self.tokens, starts), StepBatch.tokens(self.tokens, starts))
         for s in self.sessions:
             s.bank["frontier"].add_(1)
 
 
 class _Unchecked:
-    """What both in-place contexts share: no checks, chunk-local values kept, resources held
-    until `_run` commits them. Never a prefix transaction."""
-
-    each = False
-
-    def emit(self, key, value):
-        self.local[key] = value
+    """What both in-place contexts share: no checks, resources held until `_run` commits them."""
 
     def hold(self, resource):
         self.held.append(resource)
@@ -129,13 +127,8 @@ class _Unchecked:
 
 
 class _InPlaceBatchContext(_Unchecked):
-    row_per_session = True
-
-    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts=None):
-        starts = [s.frontier for s in sessions] if starts is None else starts
+    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts):
         self.parts = [_InPlaceContext(s, ids[i:i + 1], start) for i, (s, start) in enumerate(zip(sessions, starts))]
-        self.start = starts
-        self.local = {"ids": ids}
 
     def read(self, name):
         return torch.stack([p.read(name) for p in self.parts])
@@ -147,16 +140,10 @@ class _InPlaceBatchContext(_Unchecked):
     def rows(self, name):
         return [p.rows(name) for p in self.parts]
 
-    def last_rows(self, X):
-        return X
-
 
 class _InPlaceContext(_Unchecked):
-    row_per_session = False
-
     def __init__(self, owner: InPlaceSession, ids: torch.Tensor, start):
         self.owner, self.start, self.length = owner, start, len(ids)
-        self.local = {"ids": ids}
 
     def read(self, name):
         return self.owner.bank[name]
@@ -173,9 +160,6 @@ class _InPlaceContext(_Unchecked):
             grown[: self.start].copy_(storage[: self.start])
             self.owner.storages[i] = storage = grown
         return Log.whole(storage, None if isinstance(self.start, torch.Tensor) else need)
-
-    def last_rows(self, X):
-        return X[-1:]
 
 
 def copies(first, count: int):

@@ -14,7 +14,9 @@ from hebrus import faults
 from hebrus.engine.eager import run_stages, transaction
 from hebrus.engine.graphs import capture
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
+from hebrus.layers.owners import FRONTIER
 from hebrus.state.batch import BatchTransaction
+from hebrus.state.step import StepBatch
 from hebrus.state.budget import out_of_memory
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction, abort_error
@@ -42,9 +44,8 @@ def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: list[int] | No
     parts = [transaction(model, s.image, s.budget, 1, reserve=r) for s, r in zip(sessions, reserve)]
     batch = BatchTransaction(parts, model.device)
 
-    def work() -> None:
-        batch.local["ids"] = ids.to(model.device)
-        run_stages(model, batch)         # no fault is armed here: its injection points do nothing
+    def work() -> None:             # no fault is armed here: its injection points do nothing
+        run_stages(model, batch, StepBatch.tokens(ids.to(model.device), [p.frontier for p in parts]))
         for j, part in enumerate(batch.parts):
             if j not in batch.failed:
                 part.extend_reserved()
@@ -145,8 +146,7 @@ class BatchSteps:
 
             def work() -> None:
                 self._stage(ids)
-                batch.local["ids"] = self.ids
-                run_stages(self.model, batch)
+                run_stages(self.model, batch, self._step(batch))
                 self.uncaptured += 1
 
             results = _conclude(batch, work, self.sessions, outs)
@@ -177,6 +177,10 @@ class BatchSteps:
         self.staged.copy_(ids)
         self.ids.copy_(self.staged, non_blocking=True)
 
+    def _step(self, batch: BatchTransaction) -> StepBatch:
+        """The step as the plan has it: each session's position its public frontier owner."""
+        return StepBatch.tokens(self.ids, [part.public[FRONTIER].view(1) for part in batch.parts])
+
     def _batch(self) -> BatchTransaction:
         parts = [transaction(self.model, s.image, s.budget, 1, planned=True) for s in self.sessions]
         return BatchTransaction(parts, self.model.device)
@@ -184,8 +188,7 @@ class BatchSteps:
     def _capture(self, key):
         def plan() -> BatchTransaction:
             batch = self._batch()
-            batch.local["ids"] = self.ids
-            run_stages(self.model, batch)
+            run_stages(self.model, batch, self._step(batch))
             for part in batch.parts:
                 part.checks.fold()
             return batch

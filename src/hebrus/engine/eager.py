@@ -17,6 +17,7 @@ from hebrus.layers.owners import FRONTIER, OUTPUT
 from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
 from hebrus.state.interrupts import deferred_signals
+from hebrus.state.step import StepBatch
 from hebrus.state.txn import Transaction, abort_error
 
 __all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_stages", "transaction"]   # the owner names re-exported for session
@@ -39,8 +40,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     txn = transaction(model, image, budget, len(ids), reserve=reserve, each=keep is not None)
 
     def work(txn: Transaction) -> None:
-        txn.local["ids"] = ids.to(model.device)
-        run_stages(model, txn)
+        run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each))
         txn.extend_reserved()
 
     return finish(txn, work, out, by_logits(keep))
@@ -52,12 +52,23 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
     return None if keep is None else lambda txn: keep(txn.after_each[txn.output].clone())
 
 
-def run_stages(model, txn: Transaction) -> None:
+def run_stages(model, txn, step: StepBatch) -> None:
+    """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
+    fields (the streams, the branches' values) is checked with its writes and counted as the
+    step's working set."""
+    txn.step = step
     for index, stage in enumerate(model.stages):
         txn.enter(index)
-        stage.run(txn)
+        before = _carried(step)
+        stage.run(txn, step)
+        live = _carried(step)
+        txn.carry([v for v in live if not any(v is b for b in before)], live)
         faults.after(stage.name, txn)
         txn.seal()
+
+
+def _carried(step: StepBatch) -> list[torch.Tensor]:
+    return [v for v in (step.streams, *step.terms.values()) if v is not None]
 
 
 def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,

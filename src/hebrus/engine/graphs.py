@@ -4,7 +4,7 @@ steps, and prefix transactions of a fixed length (a speculative round's verifyin
 A decode step does the same work at every position, so it can be recorded once and replayed.
 What changes from step to step is kept on the device where the graph finds it:
 
-- the position is the public bank's `frontier` owner, read on the device (`layers.span`);
+- the position is the public bank's `frontier` owner, read on the device (`state.step`);
 - the token id is copied into one device buffer before each replay;
 - the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
 - no block is taken inside a graph: a step runs from the plan only when the session's block
@@ -37,7 +37,9 @@ from hebrus import faults
 from hebrus.engine.eager import finish, run_stages, transaction
 from hebrus.errors import ChunkAborted, InvalidInput
 from hebrus.layers.kernels import top_k_chooser
+from hebrus.layers.owners import FRONTIER
 from hebrus.state.budget import Refused, out_of_memory
+from hebrus.state.step import StepBatch
 from hebrus.state.txn import Transaction
 
 _CAPTURING = threading.Lock()             # one capture at a time in the process
@@ -160,8 +162,7 @@ class DecodeSteps:
 
         def work(txn: Transaction) -> None:
             self._stage(ids)
-            txn.local["ids"] = self.ids
-            run_stages(self.model, txn)
+            run_stages(self.model, txn, self._step(txn))
             self.uncaptured += 1
 
         return finish(txn, work, out, keep)
@@ -169,8 +170,7 @@ class DecodeSteps:
     def _capture(self, ids: torch.Tensor) -> _Graph | None:
         def plan() -> Transaction:
             txn = self._transaction()
-            txn.local["ids"] = self.ids
-            run_stages(self.model, txn)
+            run_stages(self.model, txn, self._step(txn))
             txn.checks.fold()
             return txn
 
@@ -182,6 +182,11 @@ class DecodeSteps:
         held = _Graph(graph, txn)
         self.graphs[txn.record.bank] = held
         return held
+
+    def _step(self, txn: Transaction) -> StepBatch:
+        """The step as the plan has it: the token ids in their buffer, the position the public
+        bank's frontier owner on the device."""
+        return StepBatch.planned(self.ids, txn.public[FRONTIER].view(1), self.each)
 
     def _transaction(self) -> Transaction:
         return transaction(self.model, self.image, self.budget, self.length, planned=True, each=self.each)

@@ -13,13 +13,13 @@ import torch
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, normal
-from hebrus.layers.span import Span
 from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import dense_attention, dense_attention_fast, index_scores, select, sigmoid_gated, sparse_attention
 from hebrus.ops.quant import CACHE_DTYPES, QuantizedRows, dense, linear, quantize_rows
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.context import StepContext
+from hebrus.state.step import StepBatch
 from hebrus.state.owners import APPENDED, OwnerSpec
 
 
@@ -91,23 +91,21 @@ class Attention:
         self.rope = rotary(a.rotary_dim)
         self.index_rope = rotary(self.di) if indexed else None
 
-    def __call__(self, h: torch.Tensor, start, rows, check_range) -> torch.Tensor:
-        """h [T, D] at positions start..start+T-1 (`start` an int, or a device tensor in a
-        planned step: see `layers.span`). Writes rows [start, start+T) of the row logs (k, v
-        and, indexed, index), then attends over rows [0, position]. `check_range` takes the
-        device-side check that no query picked a row past its own position. For several
-        sessions' tokens (`start` a list of positions), row i of h is session i's, `rows` hold
-        one storage per session and `check_range` one check per session."""
+    def __call__(self, h: torch.Tensor, span: StepBatch, rows, check_range) -> torch.Tensor:
+        """h [T, D] at the positions of `span` (`state.step`). Writes their rows of the row logs
+        (k, v and, indexed, index), then attends over rows [0, position]. `check_range` takes
+        the device-side check that no query picked a row past its own position. For several
+        sessions' tokens (one each), row i of h is session i's, `rows` hold one log per session
+        and `check_range` one check per session."""
         T, w = h.shape[0], self.w
-        span = Span(start, T, h.device)
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
         q = rotate(linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
         k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         self._put(span, rows, 0, k)
         self._put(span, rows, 1, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
-        if span.sessions:               # each session over its own rows; check_range is per session
-            o = torch.cat([self._attend(h[i:i + 1], span.one(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
+        if span.row_per_session:               # each session over its own rows; check_range is per session
+            o = torch.cat([self._attend(h[i:i + 1], span.session(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
                            for i in range(T)])
         else:
             o = self._attend(h, span, q, rows, check_range)
@@ -145,7 +143,7 @@ class Attention:
         qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
         self._put(span, rows, 2, ki)
         iw = linear(hi, w["index_w.weight"])
-        if isinstance(span.start, int) and T > QUERY_BLOCK:
+        if span.starts is not None and not span.row_per_session and T > QUERY_BLOCK:
             # a long chunk, a block of queries at a time over the rows it sees: the scores and
             # their sort take O(block × context) memory, never O(chunk × context)
             blocks = []
@@ -184,16 +182,15 @@ class AttentionMixer(Sublayer):
             self.parts += tuple(part + "_scale" for part in self.parts)
         self.attn = Attention(s, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
 
-    def run(self, txn: StepContext) -> None:
+    def run(self, txn: StepContext, batch: StepBatch) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
-        checks = [part.check_range for part in txn.parts] if txn.row_per_session else txn.check_range
+        checks = [part.check_range for part in txn.parts] if batch.row_per_session else txn.check_range
 
-        def step(pos, X, state):
+        def step(at, X, state):
             h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, pos, rows, checks), post, comb), state
+            return self.mix_out(X, self.attn(h, at, rows, checks), post, comb), state
 
-        X, _ = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],), None)
-        txn.emit("streams", X)
+        batch.streams, _ = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), None)
 
 
 class DenseAttention(Kind):

@@ -84,20 +84,19 @@ class GDNMixer(Sublayer):
         self.name = f"layers.{layer}.gdn"
         self.gdn = GatedDeltaNet(s, params, self.name + ".")
 
-    def run(self, txn: StepContext) -> None:
+    def run(self, txn: StepContext, batch: StepBatch) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
 
-        def step(pos, X, state, each=False):
+        def step(at, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=txn.row_per_session, each=each)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=at.row_per_session, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
-        X, (conv_state, S) = scan(step, self.kernels.whole_chunk, txn.start, (txn.local["streams"],),
-                                  (txn.read(conv).transpose(-1, -2), txn.read(rec)), txn.each)
-        write = txn.write_each if txn.each else txn.write
+        batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
+                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)))
+        write = txn.write_each if batch.each else txn.write
         write(conv, conv_state.transpose(-1, -2))
         write(rec, S)
-        txn.emit("streams", X)
 
 
 class GDN(Kind):

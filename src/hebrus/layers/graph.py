@@ -21,6 +21,7 @@ from hebrus.layers.spec import ModelSpec
 from hebrus.layers.sublayer import FeedForward, Params
 from hebrus.ops.norm import rms_norm
 from hebrus.state.context import StepContext
+from hebrus.state.step import StepBatch
 
 
 class Embed:
@@ -29,11 +30,10 @@ class Embed:
     def __init__(self, s: ModelSpec, params: Params):
         self.table, self.streams, self.vocab = params["embed.weight"], s.hc_streams, s.vocab_size
 
-    def run(self, txn: StepContext) -> None:
-        ids = txn.local["ids"]
-        txn.check_range(ids, self.vocab, Check.TOKEN_RANGE)
-        x = self.table[ids.clamp(0, self.vocab - 1)]
-        txn.emit("streams", x.unsqueeze(1).expand(-1, self.streams, -1).contiguous())
+    def run(self, txn: StepContext, step: StepBatch) -> None:
+        txn.check_range(step.ids, self.vocab, Check.TOKEN_RANGE)
+        x = self.table[step.ids.clamp(0, self.vocab - 1)]
+        step.streams = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
 
 
 class Head:
@@ -55,16 +55,16 @@ class Head:
         each is the bits feeding the chunk up to that position would publish (exact mode)."""
         return torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
 
-    def run(self, txn: StepContext) -> None:
-        if txn.each:                # a prefix transaction: the values after every position
-            X = txn.local["streams"]
+    def run(self, txn: StepContext, step: StepBatch) -> None:
+        if step.each:               # a prefix transaction: the values after every position
+            X = step.streams
             logits = self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
             txn.write_each("residual", X)
             txn.write_each(OUTPUT, logits)
             return
-        X = txn.last_rows(txn.local["streams"]).clone()      # only the last position is published
+        X = step.last_rows(step.streams).clone()            # only the last position is published
         logits = self.logits(X)
-        if txn.row_per_session:                                       # one row per session
+        if step.row_per_session:                                      # one row per session
             txn.write("residual", X)
             txn.write(OUTPUT, logits)
         else:
@@ -80,7 +80,7 @@ def build_stages(s: ModelSpec, params: Params, kernels: Kernels) -> list:
     stages += [KINDS[name].stage(s, params, None, kernels, shared) for name in s.branches]
     for layer, (mixer, ffn, *branches) in s.layer_kinds():
         stages.append(mixer.stage(s, params, layer, kernels, shared))
-        terms = {branch.name: branch.layer_term(s, params, layer) for branch in branches}
+        terms = {s.branches.index(branch.name): branch.layer_term(s, params, layer) for branch in branches}
         stages.append(FeedForward(s, params, layer, kernels, ffn.stage(s, params, layer, kernels, shared), terms))
     stages.append(Head(s, params, kernels))
     return stages

@@ -21,7 +21,7 @@ from hebrus.ops.quant import rebuilt_linear
 
 
 class Chooser(Protocol):
-    # `start` is a device tensor in a planned step (`layers.span`), which runs only the default
+    # `start` is a device tensor in a planned step (`state.step`), which runs only the default
     def __call__(self, site: str, start: int | torch.Tensor, scores: torch.Tensor, k: int,
                  ordered: bool = True) -> torch.Tensor: ...
 

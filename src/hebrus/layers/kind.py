@@ -59,16 +59,19 @@ class Kind:
                                 kinds may keep what several layers share in (rotary tables).
                                 Weights arrive as the layers read them: a quantized one as an
                                 `ops.quant.Quantized`, multiplied through `ops.quant.linear`.
-                                A stage meets four shapes of step (`state.context.StepContext`):
-                                a chunk of one session (exact mode: token by token through
-                                `sublayer.scan`); `txn.row_per_session`, row i one token of
-                                session i, banked state stacked per session; `txn.each`, a prefix
-                                transaction, the state after every token written with
-                                `write_each`; a planned step, `txn.start` a device tensor (rows
-                                written through `layers.span.Span`). It makes no host sync.
+                                Its `run(txn, step)` reads and writes state through `txn`
+                                (`state.context.StepContext`) and learns what the step is from
+                                `step` (`state.step.StepBatch`): a chunk of one session (exact
+                                mode: token by token through `sublayer.scan`); several sessions
+                                one token each (`step.row_per_session`, row i session i's, banked
+                                state read [N, ...]); a prefix transaction (`step.each`, the
+                                state after every token written with `write_each`); a planned
+                                step (positions on the device only; rows written through
+                                `step.put`). Values for later stages go in the step's fields
+                                (`streams`, `terms`). It makes no host sync.
     cost(s, position)           a `Cost`
     layer_term(s, params, layer)   branches only: the term its ffn sublayers add, called as
-                                `term(h, its local input for the layer)`
+                                `term(h, its value's slice for the layer)`
 
     Optional, with defaults: `model_weights(s)` and `model_owners(s, dtype, state_dtype)` for
     what a kind keeps once per model (weights named under the kind's name, "ple.conv.weight";

@@ -38,7 +38,7 @@ class MLPFeed:
         self.fused = kernels.fused
 
     def bind(self, txn):
-        return lambda h, pos: swiglu(h, *self.weights, self.fused)
+        return lambda h, step: swiglu(h, *self.weights, self.fused)
 
 
 class MLP(Kind):

@@ -12,7 +12,6 @@ from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
-from hebrus.layers.span import Span
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route)
 from hebrus.ops.quant import linear
@@ -74,12 +73,12 @@ class RoutedFeed:
     def bind(self, txn):
         routes = txn.rows("routes")
 
-        def feed(h, pos):
-            weights, experts = self.moe.route(h, pos)
+        def feed(h, step):
+            weights, experts = self.moe.route(h, step.start)
             txn.check_range(experts, self.experts, Check.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
-            column = [r.column(self.column) for r in routes] if txn.row_per_session else routes.column(self.column)
-            Span(pos, len(h), h.device).put(column, experts)
+            column = [r.column(self.column) for r in routes] if step.row_per_session else routes.column(self.column)
+            step.put(column, experts)
             return self.moe(h, weights, experts)
         return feed
 

@@ -21,6 +21,7 @@ from hebrus.ops.norm import rms_norm
 from hebrus.ops.ple import ngram_buckets
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
+from hebrus.state.step import StepBatch
 from hebrus.state.owners import OwnerSpec
 
 
@@ -100,11 +101,12 @@ class PLEStage:
     def __init__(self, s, params, kernels: Kernels):
         self.ple, self.kernels, self.keep = PerLayerEmbedding(s, params), kernels, s.section(PLESection).ngram - 1
         self.vocab = s.vocab_size
+        self.index = s.branches.index(PLE.name)      # where its value travels (`StepBatch.terms`)
 
-    def run(self, txn: StepContext) -> None:
-        ids, history = txn.local["ids"], txn.read("ple.history")
+    def run(self, txn: StepContext, batch: StepBatch) -> None:
+        ids, history = batch.ids, txn.read("ple.history")
         txn.check_range(ids, self.vocab, Check.TOKEN_RANGE)
-        if txn.row_per_session:             # row i: one token of session i, hashed with its own history
+        if batch.row_per_session:             # row i: one token of session i, hashed with its own history
             hashes = [order[:, 0] for order in self.ple.hashes(ids[:, None], history)]
         else:
             hashes = self.ple.hashes(ids, history)
@@ -114,19 +116,19 @@ class PLEStage:
         ids = ids.clamp(0, self.vocab - 1)
         claims = self.ple.claims(txn.hold)
 
-        def step(pos, ids, *rest, each=False):
+        def step(at, ids, *rest, each=False):
             *hashes, conv = rest
-            return self.ple(ids, hashes, conv, sessions=txn.row_per_session, claims=claims, each=each)
+            return self.ple(ids, hashes, conv, sessions=at.row_per_session, claims=claims, each=each)
 
-        ple, conv = scan(step, self.kernels.whole_chunk, txn.start, (ids, *hashes), txn.read("ple.conv"), txn.each)
-        txn.emit("ple", ple)
-        self._write_history(txn, ids, history)
-        (txn.write_each if txn.each else txn.write)("ple.conv", conv)
+        ple, conv = scan(step, self.kernels.whole_chunk, batch, (ids, *hashes), txn.read("ple.conv"))
+        batch.terms[self.index] = ple
+        self._write_history(txn, batch, ids, history)
+        (txn.write_each if batch.each else txn.write)("ple.conv", conv)
 
-    def _write_history(self, txn: StepContext, ids: torch.Tensor, history: torch.Tensor) -> None:
-        if txn.row_per_session:
+    def _write_history(self, txn: StepContext, batch: StepBatch, ids: torch.Tensor, history: torch.Tensor) -> None:
+        if batch.row_per_session:
             txn.write("ple.history", torch.cat([history, ids[:, None]], dim=1)[:, -self.keep:])
-        elif txn.each:                  # after token t: the `keep` ids ending at it
+        elif batch.each:                  # after token t: the `keep` ids ending at it
             ids = torch.cat([history, ids])
             after = torch.arange(1, len(ids) - self.keep + 1, device=ids.device)
             txn.write_each("ple.history", ids[after[:, None] + torch.arange(self.keep, device=ids.device)])

@@ -12,21 +12,23 @@ from hebrus.layers.hyper import residual
 from hebrus.layers.kernels import Kernels
 from hebrus.ops.norm import rms_norm
 from hebrus.state.context import StepContext
+from hebrus.state.step import StepBatch
 
 Params = dict[str, torch.Tensor]
 
 
-def scan(step: Callable, whole_chunk: bool, start: int, inputs: tuple[torch.Tensor, ...], state,
-         each: bool = False):
-    """`step(position, *inputs, state) -> (out, state)` over the chunk: once with `whole_chunk`
-    (fast mode), once per token (on fresh copies) in exact mode. With `each` (a prefix
-    transaction), the state after every token, stacked, instead of the last: exact mode keeps
-    each token's, and a whole-chunk step is called with `each=True` to return them itself."""
+def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor, ...], state):
+    """`step(batch, *inputs, state) -> (out, state)` over the step: once with `whole_chunk`
+    (fast mode), once per token (on fresh copies, with `batch.token(t)`) in exact mode. For a
+    prefix transaction (`batch.each`), the state after every token, stacked, instead of the last:
+    exact mode keeps each token's, and a whole-chunk step is called with `each=True` to return
+    them itself."""
+    each = batch.each and state is not None     # a step without state has nothing to keep per token
     if whole_chunk:
-        return step(start, *inputs, state, each=True) if each else step(start, *inputs, state)
+        return step(batch, *inputs, state, each=True) if each else step(batch, *inputs, state)
     outs, states = [], []
     for t in range(inputs[0].shape[0]):
-        out, state = step(start + t, *(x[t:t + 1].clone() for x in inputs), state)
+        out, state = step(batch.token(t), *(x[t:t + 1].clone() for x in inputs), state)
         outs.append(out)
         states.append(state)
     if each:
@@ -56,15 +58,15 @@ class Sublayer:
 
 class FeedForward(Sublayer):
     """y = feed(h) plus each branch's term for this layer. `feed` is the ffn kind's: called as
-    `feed.bind(txn)` once a chunk, which gives `f(h [T, D], position) -> y [T, D]`; a branch's
-    term reads its chunk-local value (named as the branch) at this layer."""
+    `feed.bind(txn)` once a step, which gives `f(h [T, D], step) -> y [T, D]`; a branch's term
+    reads its value (`StepBatch.terms`, by the branch's place in the spec) at this layer."""
 
-    def __init__(self, s, params: Params, layer: int, kernels: Kernels, feed, terms: dict[str, Callable]):
+    def __init__(self, s, params: Params, layer: int, kernels: Kernels, feed, terms: dict[int, Callable]):
         super().__init__(s, params, layer, "ffn", kernels)
         self.name = f"layers.{layer}.ffn"
         self.feed, self.terms = feed, terms
 
-    def run(self, txn: StepContext) -> None:
+    def run(self, txn: StepContext, batch: StepBatch) -> None:
         f = self.feed.bind(txn)
         terms = list(self.terms.values())
 
@@ -76,6 +78,5 @@ class FeedForward(Sublayer):
                 y = y + term(h, x)
             return self.mix_out(X, y, post, comb), state
 
-        inputs = (txn.local["streams"], *(txn.local[name][:, self.layer] for name in self.terms))
-        X, _ = scan(step, self.kernels.whole_chunk, txn.start, inputs, None)
-        txn.emit("streams", X)
+        inputs = (batch.streams, *(batch.terms[i][:, self.layer] for i in self.terms))
+        batch.streams, _ = scan(step, self.kernels.whole_chunk, batch, inputs, None)

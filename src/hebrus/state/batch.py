@@ -1,8 +1,9 @@
 """Several sessions' one-token chunks in one pass, each session its own transaction.
 
 A `BatchTransaction` is what the stages see when B sessions each feed one token together: row i
-of every chunk-local tensor is session i's token, and a banked owner reads as the B sessions'
-public values stacked ([B, ...]). Underneath there is one ordinary `Transaction` per session:
+of every per-token tensor is session i's token, and a banked owner reads as the B sessions'
+public values ([B, ...], gathered from the pool by slot and parity in one index; a write goes
+back into their private banks the same way). Underneath there is one ordinary `Transaction` per session:
 each write lands in that session's private bank, each row in that session's row log, and each
 check (finite, status) is recorded against that session alone. So one session's NaN or failed
 range check aborts that session only: the runner validates and publishes each part on its own.
@@ -19,23 +20,24 @@ from hebrus.state.txn import Transaction, abort_error
 class BatchTransaction:
     def __init__(self, parts: list[Transaction], device: torch.device):
         self.parts = parts
-        self.start = [p.start for p in parts]              # positions: ints, or device tensors if planned
-        self.local: dict[str, torch.Tensor] = {}
+        self.step = None
         self.device = device
+        self.pool = parts[0].pool
+        self._slots = torch.tensor([p.record.slot for p in parts], device=device)
+        self._public = torch.tensor([p.record.bank for p in parts], device=device)
         self.stage = "begin"
         self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
-    row_per_session = True
     each = False            # one token per session: never a prefix transaction
 
     # ---- what stages use -------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
-        """The sessions' public values of a banked owner, stacked [B, ...] (a copy)."""
-        return torch.stack([p.read(name) for p in self.parts])
+        """The sessions' public values of a banked owner [B, ...]: one gather from the pool (a copy)."""
+        return self.pool.banks[name][self._public, self._slots]
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """value [B, ...]: row i into session i's private bank, all in one multi-tensor copy."""
-        torch._foreach_copy_([p.private[name] for p in self.parts], list(value.unbind(0)))
+        """value [B, ...]: row i into session i's private bank, all in one indexed write."""
+        self.pool.banks[name].index_put_((1 - self._public, self._slots), value.to(self.pool.banks[name].dtype))
         for p in self.parts:
             p.wrote(name)
 
@@ -54,11 +56,10 @@ class BatchTransaction:
                                                  device=self.device), p.frontier + 1))
         return out
 
-    def emit(self, key: str, value: torch.Tensor) -> None:
-        """A chunk-local result [B, ...]; each session checks and accounts for its own row."""
-        self.local[key] = value
+    def carry(self, new: list[torch.Tensor], live: list[torch.Tensor]) -> None:
+        """What the step's fields carry [B, ...]; each session checks and counts its own row."""
         for i, p in enumerate(self.parts):
-            p.emit(key, value[i:i + 1])
+            p.carry([v[i:i + 1] for v in new], [v[i:i + 1] for v in live])
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
         """bad [B, ...] (row i: session i), or one value that concerns every session."""
@@ -69,10 +70,6 @@ class BatchTransaction:
         """values [B, ...]: row i is checked against session i."""
         for i, p in enumerate(self.parts):
             p.check_range(values[i:i + 1], upper, bit, lower)
-
-    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
-        """Each session's last position: every row here (one token each)."""
-        return X
 
     def hold(self, resource) -> None:
         """A resource the sessions' rows share: committed once every session has finished if

@@ -60,15 +60,13 @@ class Transaction:
         self.frontier, self.length = record.frontier, length
         self.chunk_length = length                  # `length` is what is published: `keep` may cut it
         self.public = image.banks[record.bank]
-        # what stages see as the chunk's first position: an int, or (planned) a device tensor
-        self.start = self.public[frontier_owner].view(1) if planned else record.frontier
         self.private = image.banks[1 - record.bank]
         self.pool = image.pool
         self.table = record.table               # the table the flip publishes: blocks taken appended
         self._table: torch.Tensor | None = None  # it on the device, once a stage asks for rows
         self._taken: list[int] = []             # blocks taken from the pool (released on abort)
         self._dropped: tuple[int, ...] = ()     # shared blocks replaced by copies (released on publish)
-        self.local: dict[str, torch.Tensor] = {}
+        self.step = None                            # the `StepBatch` the runner passes the stages
         self.stages, self.budget = stages, budget
         self.checks = DeviceChecks(defer=planned)
         self.max_rows = max_rows
@@ -79,7 +77,7 @@ class Transaction:
         self.written: set[str] = set()
         self._writes: list[torch.Tensor] = []       # what the current stage wrote
         self._value_bytes = 0
-        self._local_bytes: dict[str, int] = {}
+        self._working = 0                           # bytes of what the step's fields carry between stages
         self._accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
         self._peak: tuple[int, str] | None = None           # a planned step's largest request
         self._rows_handed = False
@@ -95,12 +93,6 @@ class Transaction:
             self.written.add(frontier_owner)
 
     # ---- what stages use -------------------------------------------------------------------
-    row_per_session = False     # one session's chunk (`state.batch` holds several sessions' tokens)
-
-    def last_rows(self, X: torch.Tensor) -> torch.Tensor:
-        """The chunk's last position, the one whose values are published: X[-1:]."""
-        return X[-1:]
-
     def read(self, name: str) -> torch.Tensor:
         """Public value of a banked owner. Never write to it."""
         return self.public[name]
@@ -165,11 +157,12 @@ class Transaction:
         """Commit `resource` with this chunk's publication, or release it if the chunk aborts."""
         self._held.append(resource)
 
-    def emit(self, key: str, value: torch.Tensor) -> None:
-        """A chunk-local result (streams, per-layer embeddings) for later stages."""
-        self.local[key] = value
-        self._local_bytes[key] = value.numel() * value.element_size()
-        self._writes.append(value)
+    def carry(self, new: list[torch.Tensor], live: list[torch.Tensor]) -> None:
+        """What the step's fields carry between stages after this one (`StepBatch.streams`,
+        `.terms`): `new`, what this stage put there, is checked with its writes; `live`, all of
+        it, is the working set the memory budget counts."""
+        self._writes += new
+        self._working = sum(v.numel() * v.element_size() for v in live)
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
         """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
@@ -190,7 +183,7 @@ class Transaction:
         wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
         and record its completion."""
         self.checks.finite(self.stage_index, self._writes)
-        working = sum(self._local_bytes.values())
+        working = self._working
         growth = max(working - self.budget.working + self._value_bytes, 0)
         self._accounts.append((growth, working, self.stage))
         self._account(growth, working, self.stage)
