@@ -181,13 +181,15 @@ class BatchSteps:
         """The step as the plan has it: each session's position its public frontier owner."""
         return StepBatch.tokens(self.ids, [part.public[FRONTIER].view(1) for part in batch.parts])
 
-    def _batch(self) -> BatchTransaction:
+    def _batch(self, banks=None) -> BatchTransaction:
         parts = [transaction(self.model, s.image, s.budget, 1, planned=True) for s in self.sessions]
-        return BatchTransaction(parts, self.model.device)
+        return BatchTransaction(parts, self.model.device, banks)
 
     def _capture(self, key):
+        banks = BatchTransaction.banks_of([s.image.public for s in self.sessions], self.model.device)
+
         def plan() -> BatchTransaction:
-            batch = self._batch()
+            batch = self._batch(banks)          # its bank indices made before: no copy inside the capture
             run_stages(self.model, batch, self._step(batch))
             for part in batch.parts:
                 part.checks.fold()

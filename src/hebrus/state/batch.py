@@ -18,13 +18,20 @@ from hebrus.state.txn import Transaction, abort_error
 
 
 class BatchTransaction:
-    def __init__(self, parts: list[Transaction], device: torch.device):
+    def __init__(self, parts: list[Transaction], device: torch.device, banks=None):
+        """`banks`: `banks_of` the parts' records, when they must be made in advance (a CUDA
+        graph's capture copies nothing from the host)."""
         self.parts = parts
         self.step = None
         self.device = device
         self.pool = parts[0].pool
-        self._slots = torch.tensor([p.record.slot for p in parts], device=device)
-        self._public = torch.tensor([p.record.bank for p in parts], device=device)
+        self._public, self._slots = banks or self.banks_of([p.record for p in parts], device)
+
+    @staticmethod
+    def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the public parities, the slots) of these records, as device index tensors."""
+        return (torch.tensor([r.bank for r in records], device=device),
+                torch.tensor([r.slot for r in records], device=device))
         self.stage = "begin"
         self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
