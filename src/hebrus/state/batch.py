@@ -26,14 +26,14 @@ class BatchTransaction:
         self.device = device
         self.pool = parts[0].pool
         self._public, self._slots = banks or self.banks_of([p.record for p in parts], device)
+        self.stage = "begin"
+        self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
     @staticmethod
     def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the public parities, the slots) of these records, as device index tensors."""
         return (torch.tensor([r.bank for r in records], device=device),
                 torch.tensor([r.slot for r in records], device=device))
-        self.stage = "begin"
-        self.failed: dict[int, ChunkAborted] = {}          # sessions that failed alone, by index
 
     each = False            # one token per session: never a prefix transaction
 
