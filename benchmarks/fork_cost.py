@@ -1,6 +1,6 @@
 """What a fork costs at short and long context: `Session.fork` at each context (median of many),
-and the first chunk after it (which copies the row logs it appends to) beside a chunk of an
-unforked session. The tiny preset with its context limit raised, fast mode.
+and the first chunk after it (which copies the one shared block it writes into) beside the
+chunk after that. The previous fork is let go before each is timed. The tiny preset with its context limit raised, fast mode.
     python benchmarks/fork_cost.py [--contexts 1024,32768] [--device cpu] [--out FILE]"""
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ for context in contexts:
     for begin in range(0, context, 2048):
         s.feed(ids[begin:begin + 2048])
     forks, firsts, plain = [], [], []
+    fork = None
     for _ in range(50):
+        del fork                                # the last fork's slot and blocks go back, untimed
         sync(device)
         t = time.perf_counter()
         fork = s.fork()

@@ -18,6 +18,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
@@ -111,8 +112,12 @@ class Pool:
         self.rows = {s.name: torch.empty((blocks, block_rows, *s.shape), dtype=s.dtype, device=device)
                      for s in specs if s.kind == APPENDED}
         self._free_slots = list(range(slots - 1, -1, -1))      # popped from the end: slot 0 first
+        # free blocks, popped from the end (block 0 first); a block taken out of turn (the one
+        # after a table's last, so that a session's blocks run on) stays listed until popped,
+        # and only an entry whose block no table holds counts as free
         self._free_blocks = list(range(blocks - 1, -1, -1))
-        self._references = [0] * blocks
+        self._free = blocks
+        self._references = np.zeros(blocks, dtype=np.int64)     # how many tables hold each block
         self._fills = {s.name: s.fill for s in specs if s.kind == BANKED}
         self._lock = threading.RLock()
 
@@ -171,19 +176,22 @@ class Pool:
     def share(self, table: tuple[int, ...]) -> tuple[int, ...]:
         """The same blocks held once more (a fork's table)."""
         with self._lock:
-            for block in table:
-                self._references[block] += 1
+            self._references[np.fromiter(table, dtype=np.int64, count=len(table))] += 1   # blocks in a table are distinct
         return table
 
     def release(self, blocks) -> None:
         """Hold each block once less; a block no one holds is free."""
+        blocks = np.fromiter(blocks, dtype=np.int64)
+        if not blocks.size:
+            return
         with self._lock:
-            for block in blocks:
-                if self._references[block] <= 0:
-                    raise ValueError(f"block {block} is not held")
-                self._references[block] -= 1
-                if self._references[block] == 0:
-                    self._free_blocks.append(block)
+            held = self._references[blocks]
+            if (held <= 0).any():
+                raise ValueError(f"block {int(blocks[held <= 0][0])} is not held")
+            self._references[blocks] = held - 1
+            freed = blocks[held == 1].tolist()
+            self._free_blocks += freed
+            self._free += len(freed)
 
     def writable(self, table: tuple[int, ...], frontier: int, rows: int) -> Rows:
         """What a step that writes rows [frontier, frontier + rows) needs: the blocks past the
@@ -193,11 +201,12 @@ class Pool:
         with self._lock:
             shared = [i for i in range(first, min(end, len(table))) if rows and self._references[table[i]] > 1]
             wanted = len(shared) + max(0, end - len(table))
-            if wanted > len(self._free_blocks):
+            if wanted > self._free:
                 raise PoolFull(f"{rows} rows at row {frontier} need {wanted} more blocks of "
-                               f"{self.block_rows} rows; {len(self._free_blocks)} of the state pool's "
+                               f"{self.block_rows} rows; {self._free} of the state pool's "
                                f"{self.blocks} are free")
-            taken = [self._take_block() for _ in range(wanted)]
+            taken = [self._take_block() for _ in shared]
+            taken += self._take_run(table, wanted - len(shared))
         new, copies = list(table), []
         for i, block in zip(shared, taken):
             new[i] = block
@@ -211,13 +220,27 @@ class Pool:
         are free: the blocks taken (zeroed), to be appended to the table."""
         wanted = self.blocks_for(min(rows, self.max_rows)) - len(table)
         with self._lock:
-            taken = [self._take_block() for _ in range(min(max(wanted, 0), len(self._free_blocks)))]
+            taken = self._take_run(table, min(max(wanted, 0), self._free))
         self._zero(taken)
         return tuple(taken)
 
-    def _take_block(self) -> int:
-        block = self._free_blocks.pop()
+    def _take_run(self, table: tuple[int, ...], count: int) -> list[int]:
+        """`count` blocks to append to `table`, each the one after the last where it is free (a
+        table of consecutive blocks is read as a view of the storage)."""
+        taken: list[int] = []
+        for _ in range(count):
+            last = taken[-1] if taken else table[-1] if table else None
+            taken.append(self._take_block(last))
+        return taken
+
+    def _take_block(self, after: int | None = None) -> int:
+        block = after + 1 if after is not None and after + 1 < self.blocks else None
+        if block is None or self._references[block]:
+            block = self._free_blocks.pop()
+            while self._references[block]:             # taken out of turn since it was listed
+                block = self._free_blocks.pop()
         self._references[block] = 1
+        self._free -= 1
         return block
 
     def _zero(self, blocks) -> None:
@@ -272,11 +295,11 @@ class Pool:
 
     # ---- accounting ----------------------------------------------------------------------------
     def used_blocks(self) -> int:
-        return self.blocks - len(self._free_blocks)
+        return self.blocks - self._free
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return self._free
 
     @property
     def free_slots(self) -> int:
@@ -284,7 +307,7 @@ class Pool:
 
     def held(self) -> dict[int, int]:
         """Each held block and how many tables hold it."""
-        return {block: n for block, n in enumerate(self._references) if n}
+        return {int(block): int(self._references[block]) for block in np.flatnonzero(self._references)}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.banks.values(), *self.rows.values()))
