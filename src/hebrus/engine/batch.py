@@ -103,10 +103,10 @@ class BatchSteps:
         self.warm: set[tuple[int, ...]] = set()
         self.captures = self.replays = self.uncaptured = 0
         self.refused: str | None = None
-        self._held = self._held_blocks()
+        self._tables = self._current_tables()
 
-    def _held_blocks(self) -> list[int]:
-        return [len(s.image.public.table) for s in self.sessions]
+    def _current_tables(self) -> list[tuple[int, ...]]:
+        return [s.image.public.table for s in self.sessions]
 
     def accepts(self) -> bool:
         return not faults.armed() and all(s.image.room() for s in self.sessions)
@@ -127,13 +127,13 @@ class BatchSteps:
                 for s in self.sessions]
 
     def retire_stale(self) -> None:
-        """Drop the graphs when a session's table holds another number of blocks (attention in
-        a graph reads every row the table held at capture)."""
-        now = self._held_blocks()
-        if now != self._held:
+        """Drop the graphs when a session's block table changed (attention in a graph reads the
+        rows of the tables it was captured with)."""
+        now = self._current_tables()
+        if now != self._tables:
             self.graphs.clear()
             self.warm.clear()
-        self._held = now
+        self._tables = now
 
     def step(self, ids: torch.Tensor, outs) -> list:
         self.retire_stale()

@@ -9,8 +9,9 @@ What changes from step to step is kept on the device where the graph finds it:
 - the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
 - no block is taken inside a graph: a step runs from the plan only when the session's block
   table already holds its row, in a block of its own. Attention reads every row the table holds
-  (masked past the position), so when an eager chunk takes blocks the graphs are dropped at
-  once, and each parity runs uncaptured once at the new size
+  (masked past the position; one view of the storage when the blocks are consecutive), so when
+  an eager chunk changes the table the graphs are dropped at once, and each parity runs
+  uncaptured once with the new table
   before it is captured again.
 
 A replay is still one transaction. Its checks (status words, finite checks) are folded into one
@@ -108,7 +109,7 @@ class DecodeSteps:
         self.replays = 0                         # steps run from a captured graph
         self.uncaptured = 0                      # steps run from the plan op by op
         self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
-        self._blocks = len(image.public.table)   # the table's size that `warm` and `graphs` belong to
+        self._table = image.public.table         # the block table that `warm` and `graphs` belong to
 
     def accepts(self, ids: torch.Tensor) -> bool:
         """Whether this chunk can run from the plan: `length` tokens, no fault armed, and the
@@ -118,14 +119,15 @@ class DecodeSteps:
         return self.image.room(self.length)
 
     def retire_stale(self) -> None:
-        """Drop graphs captured for a table of another size (after an eager chunk took blocks:
-        attention in a graph reads every row the table held at capture), and warm each parity
-        again at the new size."""
-        blocks = len(self.image.public.table)
-        if blocks != self._blocks:
+        """Drop graphs captured for another block table (after an eager chunk took blocks or
+        copied a shared one: attention in a graph reads the rows of the table it was captured
+        with, as one view of the storage when its blocks are consecutive), and warm each parity
+        again with the new one."""
+        table = self.image.public.table
+        if table != self._table:
             self.graphs.clear()
             self.warm.clear()
-        self._blocks = blocks
+        self._table = table
 
     def step(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
         """Run the chunk (a prefix transaction's `keep` as in `engine.eager.finish`); returns

@@ -364,7 +364,10 @@ class Log:
         return self._seen[:end]
 
     def all(self) -> torch.Tensor:
-        """Every row the table holds (a planned step reads them all, masked by position)."""
+        """Every row the table holds (a planned step reads them all, masked by position): a
+        view when the host knows its blocks are consecutive, else a gather."""
+        if self._first is not None:
+            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
         return self.storage.index_select(0, self.table).flatten(0, 1)
 
     def write(self, positions: torch.Tensor, value: torch.Tensor) -> None:

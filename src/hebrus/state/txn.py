@@ -142,8 +142,8 @@ class Transaction:
         if self._table is None:
             self._table = self._writable_table()
         self._rows_handed = True
-        if self.planned:
-            log = self.pool.log(name, self._table)
+        if self.planned:                    # the public table: a captured graph reads it as it was
+            log = self.pool.log(name, self._table, self.record.table)
         else:
             log = self.pool.log(name, self._table, self.table, self.frontier + self.length)
         log.written = self._hear
