@@ -62,7 +62,7 @@ def test_planned_steps_over_a_scattered_table_match_eager(models):
     """Two planned sessions growing in turn take blocks between each other's, so their tables
     are not runs of consecutive blocks: the plan gathers their rows through the table (not one
     view of the storage), and still steps as the eager runner does."""
-    from hebrus.state.pool import _first_of_run
+    from hebrus.state.pool import first_of_run
     model = models["tiny"]
     vocab = model.spec.vocab_size
     pair = [model.session(decode="planned") for _ in range(2)]
@@ -71,7 +71,7 @@ def test_planned_steps_over_a_scattered_table_match_eager(models):
         for i in range(2):
             token = tokens(1, seed=100 * i + step, vocab=vocab)
             _close(pair[i].feed(token), eager[i].feed(token), f"session {i}, step {step}")
-    assert any(_first_of_run(s.image.public.table) is None for s in pair)
+    assert any(first_of_run(s.image.public.table) is None for s in pair)
     assert all(s._steps.uncaptured > 30 for s in pair)       # most steps ran from the plan
     for s, e in zip(pair, eager):
         a, b = _state(s), _state(e)

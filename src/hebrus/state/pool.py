@@ -259,10 +259,10 @@ class Pool:
                        for i in range(start // self.block_rows, self.blocks_for(stop)))
 
     def log(self, name: str, table: torch.Tensor, host: tuple[int, ...] | None = None,
-            end: int | None = None) -> "Log":
-        """Appended owner `name` through `table` (a device int64 tensor of block numbers; `host`
-        and `end` as `Log` takes them)."""
-        return Log(self.rows[name], table, host, end)
+            end: int | None = None, first: int | None = -1) -> "Log":
+        """Appended owner `name` through `table` (a device int64 tensor of block numbers; `host`,
+        `end` and `first` as `Log` takes them)."""
+        return Log(self.rows[name], table, host, end, first)
 
     def table_tensor(self, table: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(table, dtype=torch.long, device=self.device)
@@ -332,12 +332,14 @@ class Log:
     __slots__ = ("storage", "table", "host", "end", "block_rows", "written", "_first", "_seen")
 
     def __init__(self, storage: torch.Tensor, table: torch.Tensor, host: tuple[int, ...] | None = None,
-                 end: int | None = None):
+                 end: int | None = None, first: int | None = -1):
+        """`first`: the first block of `host` when its blocks are consecutive, else None (-1:
+        find out)."""
         self.storage, self.table, self.host, self.end = storage, table, host, end
         self.block_rows = storage.shape[1]
         self.written = None
-        self._first = _first_of_run(host) if host is not None else None
-        self._seen: torch.Tensor | None = None
+        self._first = (first_of_run(host) if host is not None else None) if first == -1 else first
+        self._seen: torch.Tensor | None = None          # rows [0, n) as one tensor, once read
 
     @classmethod
     def whole(cls, storage: torch.Tensor, end: int | None = None) -> "Log":
@@ -350,14 +352,16 @@ class Log:
 
     def column(self, index: int) -> "Log":
         """Column `index` of every row (of a log whose rows are tables: the routes)."""
-        log = Log(self.storage[:, :, index], self.table, self.host, self.end)
+        log = Log(self.storage[:, :, index], self.table, self.host, self.end, self._first)
         log.written = self.written
         return log
 
     def upto(self, end: int) -> torch.Tensor:
         """Rows [0, end) as one tensor (an eager step's: its later writes show in it)."""
         if self._first is not None:
-            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)[:end]
+            if self._seen is None:                      # a view: writes show in it by themselves
+                self._seen = self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
+            return self._seen[:end]
         if self._seen is None or self._seen.shape[0] < end:
             blocks = self.table[:-(-max(end, self.end or 0) // self.block_rows)]
             self._seen = self.storage.index_select(0, blocks).flatten(0, 1)
@@ -375,7 +379,7 @@ class Log:
         block, offset = self.table[positions // self.block_rows], positions % self.block_rows
         value = value.to(self.storage.dtype)
         _bytes(self.storage).index_put_((block, offset), _bytes(value))
-        if self._seen is not None:
+        if self._seen is not None and self._first is None:      # a gathered copy, not a view
             _bytes(self._seen).index_put_((positions,), _bytes(value))
         self._heard(value)
 
@@ -400,7 +404,7 @@ class Log:
             self.written(value)
 
 
-def _first_of_run(table: tuple[int, ...]) -> int | None:
+def first_of_run(table: tuple[int, ...]) -> int | None:
     """The first block of `table` when its blocks are consecutive, else None."""
     return table[0] if table and table == tuple(range(table[0], table[0] + len(table))) else None
 

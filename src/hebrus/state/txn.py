@@ -30,7 +30,7 @@ from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceSt
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.pool import Log, Pool, PoolFull
+from hebrus.state.pool import Log, Pool, PoolFull, first_of_run
 from hebrus.state.status import Completion, DeviceChecks, describe
 
 
@@ -141,11 +141,12 @@ class Transaction:
         [start, start+length) are this chunk's to write."""
         if self._table is None:
             self._table = self._writable_table()
+            self._first = first_of_run(self.table)
         self._rows_handed = True
         if self.planned:                    # the public table: a captured graph reads it as it was
-            log = self.pool.log(name, self._table, self.record.table)
+            log = self.pool.log(name, self._table, self.record.table, first=self._first)
         else:
-            log = self.pool.log(name, self._table, self.table, self.frontier + self.length)
+            log = self.pool.log(name, self._table, self.table, self.frontier + self.length, self._first)
         log.written = self._hear
         return log
 
