@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hebrus.errors import AllocationError, InvalidInput
+from hebrus.state.budget import out_of_memory
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
-
 
 BLOCK_ROWS = 16         # rows a block holds, unless the pool is told otherwise
 MAX_SLOTS = 1024        # slots a pool carves unless told how many
-
-
 CPU_FRACTION = 0.25      # of the host's memory: a CPU pool's pages are touched only as they are used
 CUDA_FRACTION = 0.3      # of the free device memory when the pool is carved
 
@@ -40,7 +39,6 @@ class PoolSize:
     fraction: float | None = None
 
     def checked(self) -> "PoolSize":
-        from hebrus.errors import InvalidInput
         if self.nbytes is not None and self.fraction is not None:
             raise InvalidInput("give pool_bytes or memory_fraction, not both")
         if self.nbytes is not None and (type(self.nbytes) is not int or self.nbytes < 1):
@@ -62,8 +60,6 @@ class PoolSize:
 
     def carve(self, specs: list[OwnerSpec], device: torch.device, max_rows: int) -> "Pool":
         """The pool of this size (AllocationError when not even one session fits it)."""
-        from hebrus.errors import AllocationError
-        from hebrus.state.budget import out_of_memory
         nbytes = self.resolve(device)
         try:
             return Pool.carve(specs, device, nbytes, max_rows)
