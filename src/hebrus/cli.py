@@ -456,7 +456,7 @@ def _info(args) -> int:
     rows.append(["total", "", "", "", f"{total:,}", f"{per_token:,} per token"])
     _table(["owner", "kind", "dtype", "shape", "bytes", ""], rows, right=(4,))
     pool = model.pool
-    slot, block = pool.slot_bytes(model.owners), pool.block_bytes(model.owners, pool.block_rows)
+    slot, block = pool.slot_nbytes, pool.block_nbytes
     print(f"\nstate pool ({pool.nbytes():,} bytes on {model.device})")
     print(f"  {'slots':26} {pool.slots:,} ({slot:,} bytes each: both banks of every banked owner)")
     print(f"  {'blocks':26} {pool.blocks:,} of {pool.block_rows} rows ({block:,} bytes each)")

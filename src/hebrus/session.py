@@ -129,7 +129,7 @@ class Session:
         frontier, banked, rows = snapshot.read(path, self.image, self.model.fingerprint, self.spec.max_context)
         pool = self.model.pool
         try:
-            self.budget.hold(pool.blocks_for(frontier) * Pool.block_bytes(self.image.appended, pool.block_rows),
+            self.budget.hold(pool.blocks_for(frontier) * pool.block_nbytes,
                              "the saved session's rows")
         except Refused as exc:
             raise InvalidInput(f"memory_budget too small for the saved session: {exc}") from None

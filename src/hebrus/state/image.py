@@ -115,8 +115,7 @@ class Image:
 
     def held_bytes(self) -> int:
         """The pool's bytes this image holds: its slot and its table's blocks."""
-        return Pool.slot_bytes(self.specs) + len(self.public.table) * self.pool.block_bytes(self.specs,
-                                                                                             self.pool.block_rows)
+        return self.pool.slot_nbytes + len(self.public.table) * self.pool.block_nbytes
 
     def fork(self, copy_rows: bool = False) -> "Image":
         """A new image (another slot) with this one's public state: the public bank copied, and
@@ -138,10 +137,8 @@ class Image:
         blocks it takes (`PoolFull`, nothing taken, when they are not free); the banks are the
         caller's to fill (bank 0, which stays public)."""
         plan = self.pool.writable((), 0, frontier)
-        table = self.pool.table_tensor(plan.table)
-        positions = torch.arange(frontier, device=self.device)
         for spec in self.appended:
-            self.pool.log(spec.name, table).write(positions, rows[spec.name].to(self.device))
+            self.pool.write_rows(spec.name, plan.table, 0, rows[spec.name].to(self.device))
         self.publish(Published(self.slot, 0, frontier, plan.table))
 
 

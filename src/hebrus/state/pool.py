@@ -115,6 +115,7 @@ class Pool:
         self._free = blocks
         self._references = np.zeros(blocks, dtype=np.int64)     # how many tables hold each block
         self._fills = {s.name: s.fill for s in specs if s.kind == BANKED}
+        self.slot_nbytes, self.block_nbytes = self.slot_bytes(specs), self.block_bytes(specs, block_rows)
         self._lock = threading.RLock()
 
     @staticmethod
@@ -273,12 +274,6 @@ class Pool:
             storage[target] = storage[source]
 
     # ---- rows ----------------------------------------------------------------------------------
-    def locate(self, table: tuple[int, ...], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) index tensors of rows [start, stop) of a session with `table`."""
-        positions = torch.arange(start, stop, device=self.device)
-        blocks = torch.tensor(table, dtype=torch.long, device=self.device)
-        return blocks[positions // self.block_rows], positions % self.block_rows
-
     def read_rows(self, name: str, table: tuple[int, ...], stop: int) -> torch.Tensor:
         """Rows [0, stop) of appended owner `name`, gathered into one tensor."""
         held = table[:self.blocks_for(stop)]
@@ -286,13 +281,9 @@ class Pool:
 
     def write_rows(self, name: str, table: tuple[int, ...], start: int, values: torch.Tensor) -> None:
         """Rows [start, start + len(values)) of appended owner `name` (blocks the step holds)."""
-        block, offset = self.locate(table, start, start + len(values))
-        self.rows[name][block, offset] = values
+        self.log(name, self.table_tensor(table), table).write_range(start, values)
 
     # ---- accounting ----------------------------------------------------------------------------
-    def used_blocks(self) -> int:
-        return self.blocks - self._free
-
     @property
     def free_blocks(self) -> int:
         return self._free

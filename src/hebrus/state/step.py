@@ -55,18 +55,10 @@ class StepBatch:
 
     # ---- its shape -----------------------------------------------------------------------------
     @property
-    def sessions(self) -> int:
-        return len(self.lengths)
-
-    @property
     def row_per_session(self) -> bool:
         """Sessions' tokens one each (any number of them): row i of every per-token tensor is
         session i's, and banked state reads [N, ...]."""
         return self.one_each
-
-    @property
-    def is_planned(self) -> bool:
-        return self.starts is None
 
     @property
     def start(self):

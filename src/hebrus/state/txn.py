@@ -30,7 +30,7 @@ from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceSt
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.pool import Log, Pool, PoolFull, first_of_run
+from hebrus.state.pool import Log, PoolFull, first_of_run
 from hebrus.state.status import Completion, DeviceChecks, describe
 
 
@@ -253,7 +253,7 @@ class Transaction:
         flip, from the end of this call, and the chunk stays published."""
         if self._done:
             raise StructuralError("publish", "transaction already finished")
-        released = len(self._dropped) * self._block_bytes
+        released = len(self._dropped) * self.pool.block_nbytes
         record = Published(self.record.slot, 1 - self.record.bank, self.frontier + self.length, self.table)
         with deferred_signals():
             self._copy_out(out)
@@ -295,10 +295,6 @@ class Transaction:
         if not self.planned and self.reserve:
             self._extend(self.reserve)
 
-    @property
-    def _block_bytes(self) -> int:
-        return Pool.block_bytes(self.image.appended, self.pool.block_rows)
-
     def _blocks(self, count: int) -> str:
         return f"{count} block{'s' if count != 1 else ''} of {self.pool.block_rows} rows"
 
@@ -320,7 +316,7 @@ class Transaction:
             raise AllocationError(self.stage, str(exc)) from None
         if plan.taken:
             try:
-                self._request(self.budget.grow, len(plan.taken) * self._block_bytes, self._blocks(len(plan.taken)))
+                self._request(self.budget.grow, len(plan.taken) * self.pool.block_nbytes, self._blocks(len(plan.taken)))
             except AllocationError:
                 self.pool.release(plan.taken)
                 raise
@@ -337,7 +333,7 @@ class Transaction:
         if not more:
             return
         try:
-            self.budget.grow(len(more) * self._block_bytes, self._blocks(len(more)))
+            self.budget.grow(len(more) * self.pool.block_nbytes, self._blocks(len(more)))
         except Refused:
             self.pool.release(more)
             return
