@@ -88,7 +88,7 @@ def test_one_sessions_failed_check_aborts_that_session_only(models):
     sessions = _sessions(model, model.spec.vocab_size)[:3]
     before = [s.digest() for s in sessions]
     with torch.inference_mode():
-        got = batch.run_tokens(model, sessions, torch.tensor([1, model.spec.vocab_size + 3, 2]), [None] * 3)
+        got = batch.run_step(model, sessions, torch.tensor([1, model.spec.vocab_size + 3, 2]).split(1), [None] * 3)
     assert isinstance(got[1], DeviceStatusError) and "token_range" in str(got[1])
     assert sessions[1].digest() == before[1]
     assert all(isinstance(got[i], torch.Tensor) and sessions[i].digest() != before[i] for i in (0, 2))
@@ -131,7 +131,10 @@ def test_bad_batches_are_refused_and_change_nothing(models, tiny):
         (([sessions[0], other], [1, 2]), "one model"),
         ((sessions, [1]), "one per session"),
         ((sessions, [1, model.spec.vocab_size]), "vocabulary"),
-        (([tiny.session()], [1]), "fast mode"),
+        ((sessions, [[1, 2], []]), "session 1: a chunk holds at least one"),
+        ((sessions, [[1, 2], [3, model.spec.vocab_size]]), "session 1: .*vocabulary"),
+        ((sessions, [[1, 2], [3], [4]]), "2 chunks, one per session; got 3"),
+        ((sessions, [[1, 2], [3] * (model.spec.max_context + 1)]), "session 1: .*context"),
         ((sessions, [1, 2], [None]), "outs"),
         ((sessions, [1, 2], [None, torch.empty(3)]), "shape"),
         ((sessions, [1, 2], [torch.empty(model.spec.vocab_size)] * 2), "overlap"),
@@ -255,7 +258,8 @@ def test_a_batch_checks_how_it_decodes(models, tiny):
     with pytest.raises(InvalidInput, match="decode must be one of"):
         hebrus.Batch(sessions, decode="fastest")
     with pytest.raises(InvalidInput, match="fast mode"):
-        hebrus.Batch([tiny.session()])
+        hebrus.Batch([tiny.session()], decode="planned")
+    assert hebrus.Batch([tiny.session()]).decode == "eager"      # exact mode steps eagerly
     assert hebrus.Batch(sessions).decode == "eager"              # auto on the CPU
 
 
@@ -268,10 +272,10 @@ def test_a_real_allocation_failure_while_one_session_grows_aborts_it_alone(model
     before = [s.digest() for s in sessions]
     writable = Transaction._writable_table
 
-    def failing(self):
-        if self.image is sessions[2].image:
+    def failing(self, part):
+        if part.image is sessions[2].image:
             raise torch.OutOfMemoryError("no memory for these rows")
-        return writable(self)
+        return writable(self, part)
 
     monkeypatch.setattr(Transaction, "_writable_table", failing)
     got = hebrus.feed_many(sessions, [1, 2, 3, 4])
@@ -352,3 +356,57 @@ def test_a_batch_reservation_never_makes_a_session_fail(models):
             results.append(isinstance(got[1], torch.Tensor) and tight.digest())
         if results[0]:
             assert results[1] == results[0], rows
+
+
+# chunk lengths per step, per session: prompts beside decode tokens, logs crossing a block (16 rows)
+RAGGED = [(5, 1, 17, 1), (1, 9, 1, 2), (3, 1, 1, 20), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_ragged_steps_equal_each_session_fed_alone(models, name, mode):
+    """Sessions' chunks of different lengths in one step (prompts beside decode tokens) publish
+    what each session publishes fed the same chunks alone: bit for bit in exact mode (every
+    token's arithmetic is its own, whoever shares the step), within float64 rounding of the
+    order of sums in fast mode."""
+    model = models[name].with_mode("exact") if mode == "exact" else models[name + "64"]
+    vocab = model.spec.vocab_size
+    together = [model.session(decode="eager") for _ in PROMPTS]
+    alone = [model.session(decode="eager") for _ in PROMPTS]
+    for i, (a, b, n) in enumerate(zip(together, alone, PROMPTS)):
+        a.feed(tokens(n, seed=i, vocab=vocab))
+        b.feed(tokens(n, seed=i, vocab=vocab))
+    for step, lengths in enumerate(RAGGED):
+        chunks = [tokens(n, seed=10 * step + i, vocab=vocab) for i, n in enumerate(lengths)]
+        got = hebrus.feed_many(together, chunks)
+        want = [s.feed(c) for s, c in zip(alone, chunks)]
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert isinstance(a, torch.Tensor), (step, i, a)
+            if mode == "exact":
+                assert torch.equal(a, b), f"step {step}, session {i}"
+            else:
+                _close(a, b, f"step {step}, session {i}", 1e-10)
+    for a, b in zip(together, alone):
+        assert a.frontier == b.frontier
+        if mode == "exact":
+            assert a.digest() == b.digest()
+    if mode == "fast":
+        _same_state(together, alone, 1e-10)
+
+
+def test_a_ragged_steps_failure_in_one_session_leaves_the_others_published(models):
+    """A prompt whose token is past the vocabulary (the boundary check bypassed) fails its
+    session alone in a step beside decoders and another prompt; the others publish what they
+    publish alone."""
+    model = models["tiny64"]
+    vocab = model.spec.vocab_size
+    sessions, alone = _sessions(model, vocab)[:3], _sessions(model, vocab)[:3]
+    before = [s.digest() for s in sessions]
+    chunks = [torch.tensor([1, 2, 3]), torch.tensor([4, vocab + 3, 5, 6]), torch.tensor([7])]
+    with torch.inference_mode():
+        got = batch.run_step(model, sessions, chunks, [None] * 3)
+    assert isinstance(got[1], DeviceStatusError) and "token_range" in str(got[1])
+    assert sessions[1].digest() == before[1]
+    for i in (0, 2):
+        _close(got[i], alone[i].feed(chunks[i].tolist()), f"session {i}", 1e-10)
+        assert sessions[i].digest() != before[i]

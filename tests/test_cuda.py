@@ -190,8 +190,8 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
     values[0][77777] = float("nan")
     values[1][5] = float("inf")
     for cell, t in enumerate(values):
-        checks.finite(cell, [t])
-    assert checks.read()[1] == {0, 1}
+        checks.finite(cell, [(t, None)])
+    assert checks.read()[0][1] == {0, 1}
 
 
 @cuda

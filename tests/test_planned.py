@@ -135,7 +135,7 @@ def test_a_replay_asks_the_budget_what_the_stages_asked(models):
     s.feed(tokens(5))
 
     def planned():
-        return transaction(model, s.image, s.budget, 1, planned=True)
+        return transaction(model, [s.image], [s.budget], [1], planned=True)
 
     def step(txn):
         return StepBatch.planned(torch.tensor([3]), txn.public["frontier"].view(1))
@@ -144,7 +144,7 @@ def test_a_replay_asks_the_budget_what_the_stages_asked(models):
         txn = planned()
         run_stages(model, txn, step(txn))
         txn.restart()                                   # no limit: nothing refused
-        needed = txn._peak[0]
+        needed = txn.parts[0].peak[0]
         assert needed > 0
         for limit, refused in ((s.budget.held + needed - 1, True), (s.budget.held + needed, False)):
             s.budget.limit = limit

@@ -269,17 +269,19 @@ def test_float64_faults_hold_too(tiny64):
 
 
 def test_every_step_context_offers_what_stages_use(tiny_fast):
-    """Transaction, BatchTransaction and the bench's in-place contexts all satisfy StepContext."""
+    """A transaction (of one session and of several) and the bench's in-place contexts all
+    satisfy StepContext."""
     from hebrus.bench import InPlaceSession, _InPlaceBatchContext, _InPlaceContext
     from hebrus.engine.eager import transaction
-    from hebrus.state.batch import BatchTransaction
     from hebrus.state.context import StepContext
-    s = tiny_fast.session()
-    txn = transaction(tiny_fast, s.image, s.budget, 1)
+    s, other = tiny_fast.session(), tiny_fast.session()
+    txn = transaction(tiny_fast, [s.image], [s.budget], [1])
+    several = transaction(tiny_fast, [s.image, other.image], [s.budget, other.budget], [1, 3])
     inplace = InPlaceSession(tiny_fast)
     ids = torch.tensor([1])
     from hebrus.training import SequenceContext
-    contexts = [txn, BatchTransaction([txn], tiny_fast.device), _InPlaceContext(inplace, ids, 0),
+    contexts = [txn, several, _InPlaceContext(inplace, ids, 0),
                 _InPlaceBatchContext([inplace], ids, [0]), SequenceContext(tiny_fast.spec, ids, torch.float32)]
     assert all(isinstance(c, StepContext) for c in contexts)
     txn.abort()
+    several.abort()

@@ -1,9 +1,11 @@
-"""Several sessions fed one token each in one pass (`feed_many`, `Batch`): the stages run once
-for all of them, each session its own transaction."""
+"""Several sessions fed together in one pass (`feed_many`, `Batch`): each its own chunk (one
+token, or a prompt's tokens), the stages run once for all of them, each session its own
+transaction."""
 from __future__ import annotations
 
 from contextlib import ExitStack
 
+import numpy as np
 import torch
 
 from hebrus import arguments, faults
@@ -14,8 +16,11 @@ from hebrus.session import Session
 
 
 def feed_many(sessions, tokens, outs=None) -> list:
-    """One token for each of several sessions of one fast-mode model, in one pass (the stages run
-    once for all of them); each session is its own transaction. Returns, per session in order,
+    """A chunk for each of several sessions of one model, in one pass (the stages run once for
+    all of them); each session is its own transaction. `tokens[i]` is session i's: one token id,
+    or a list (or 1-D tensor) of them, of any length ≥ 1; a 1-D tensor of ids is one each. Fast
+    mode runs the step's tokens together; exact mode runs each session's chunk token by token,
+    as it would alone. Returns, per session in order,
     its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
     `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
     argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
@@ -27,9 +32,9 @@ def feed_many(sessions, tokens, outs=None) -> list:
 
 
 class Batch:
-    """A fixed list of sessions of one fast-mode model that step together, one token each, call
-    after call (a decode loop over many conversations). `feed` is `feed_many` for them; the
-    static step plan is kept between calls, captured as CUDA graphs with `decode="graph"` (the
+    """A fixed list of sessions of one model that step together, call after call (a decode loop
+    over many conversations). `feed` is `feed_many` for them; the static step plan of one token
+    each is kept between calls (a step that carries a longer chunk runs eagerly), captured as CUDA graphs with `decode="graph"` (the
     default on a GPU; "planned" runs the plan uncaptured, "eager" runs every step as
     `feed_many` does)."""
 
@@ -52,17 +57,37 @@ def _batch_sessions(sessions) -> tuple[list, object]:
     model = sessions[0].model
     if any(s.model is not model for s in sessions):
         raise InvalidInput("the sessions of a batch must share one model object")
-    if not model.kernels.whole_chunk:
-        raise InvalidInput(f"a batch runs fast mode; this model runs {model.mode} mode")
     if any(s.journal is not None for s in sessions):
         raise InvalidInput("journaled sessions feed one at a time (a batch does not write journals yet)")
     return sessions, model
 
 
-def _feed_together(sessions, model, tokens, outs, steps) -> list:
-    ids = arguments.in_vocabulary(arguments.token_ids(tokens, model.spec.max_context), model.spec.vocab_size)
+def _chunks(tokens, sessions: list, model) -> list[torch.Tensor]:
+    """Each session's token ids as a 1-D tensor, checked: one id each, or a chunk each."""
+    vocab, limit = model.spec.vocab_size, model.spec.max_context
+    sequence = (list, tuple, range, np.ndarray, torch.Tensor)
+    if isinstance(tokens, (list, tuple)) and any(isinstance(t, sequence) for t in tokens):
+        if len(tokens) != len(sessions):
+            raise InvalidInput(f"tokens must hold {len(sessions)} chunks, one per session; got {len(tokens)}")
+        chunks = []
+        for i, chunk in enumerate(tokens):
+            try:
+                ids = arguments.in_vocabulary(arguments.token_ids(chunk if isinstance(chunk, sequence) else [chunk],
+                                                                  limit), vocab)
+            except InvalidInput as exc:
+                raise InvalidInput(f"session {i}: {exc}") from None
+            if not len(ids):
+                raise InvalidInput(f"session {i}: a chunk holds at least one token id")
+            chunks.append(ids)
+        return chunks
+    ids = arguments.in_vocabulary(arguments.token_ids(tokens, limit), vocab)
     if len(ids) != len(sessions):
         raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
+    return list(ids.split(1))
+
+
+def _feed_together(sessions, model, tokens, outs, steps) -> list:
+    chunks = _chunks(tokens, sessions, model)
     if outs is None:
         outs = [None] * len(sessions)
     elif not isinstance(outs, (list, tuple)) or len(outs) != len(sessions):
@@ -80,17 +105,18 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
             held.enter_context(s._exclusive())
         for i, s in enumerate(sessions):
             try:
-                s._check_room(1)
+                s._check_room(len(chunks[i]))
             except InvalidInput as exc:
                 raise InvalidInput(f"session {i}: {exc}") from None
         try:
             with torch.inference_mode():
                 if faults.armed():              # injection points are the eager runner's: one at a time
-                    return [_fed_alone(s, ids[i:i + 1], outs[i]) for i, s in enumerate(sessions)]
-                if steps is not None and steps.accepts():
-                    return steps.step(ids, outs)
-                reserve = steps.reservation() if steps is not None else None
-                return batch.run_tokens(model, sessions, ids, outs, reserve)
+                    return [_fed_alone(s, chunk, outs[i]) for i, (s, chunk) in enumerate(zip(sessions, chunks))]
+                one_each = all(len(c) == 1 for c in chunks)
+                if steps is not None and one_each and steps.accepts():
+                    return steps.step(torch.cat(chunks), outs)
+                reserve = steps.reservation() if steps is not None and one_each else None
+                return batch.run_step(model, sessions, chunks, outs, reserve)
         finally:
             for s in sessions:
                 if s._steps is not None:

@@ -82,7 +82,7 @@ def _command(txn) -> None:
 
 
 def _status(txn) -> None:
-    txn.flag(torch.ones((), dtype=torch.bool, device=txn.image.device), Status.INJECTED)
+    txn.flag(torch.ones((), dtype=torch.bool, device=txn.device), Status.INJECTED)
 
 
 _FIRE = {"structural": _structural, "nonfinite": _nonfinite, "alloc": _alloc,

@@ -65,12 +65,12 @@ class SequenceContext:
     def write(self, name: str, value: torch.Tensor) -> None:
         self.written[name] = value
 
-    def rows(self, name: str) -> Log:
+    def rows(self, name: str) -> list[Log]:
         if name not in self._rows:
             o = self._owners[name]
             rows = torch.zeros((self._length,) + o.shape, dtype=o.dtype, device=self._device)
             self._rows[name] = Log.whole(rows, self._length)
-        return self._rows[name]
+        return [self._rows[name]]
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
         pass

@@ -43,7 +43,7 @@ class LeakyMixer(Sublayer):
     def run(self, txn, batch) -> None:
         def step(at, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            if at.row_per_session:                  # row i: session i's token and state
+            if at.one_each:                  # row i: session i's token and state
                 states = self.decay * state + h
                 last = states
             else:

@@ -138,7 +138,7 @@ class _InPlaceBatchContext(_Unchecked):
             p.write(name, v)
 
     def rows(self, name):
-        return [p.rows(name) for p in self.parts]
+        return [p.rows(name)[0] for p in self.parts]
 
 
 class _InPlaceContext(_Unchecked):
@@ -159,7 +159,7 @@ class _InPlaceContext(_Unchecked):
             grown = torch.zeros((capacity,) + tuple(storage.shape[1:]), dtype=storage.dtype, device=storage.device)
             grown[: self.start].copy_(storage[: self.start])
             self.owner.storages[i] = storage = grown
-        return Log.whole(storage, None if isinstance(self.start, torch.Tensor) else need)
+        return [Log.whole(storage, None if isinstance(self.start, torch.Tensor) else need)]
 
 
 def copies(first, count: int):

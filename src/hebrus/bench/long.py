@@ -99,8 +99,7 @@ def layer_point(model: Model, context: int, bandwidth: float, reps: int = 50) ->
         needed = context * attn.di * item + picked * 2 * attn.hkv * attn.dh * item
 
         def call():
-            return attn._pick_and_attend(qi, iw, q, (index_rows, k_rows, v_rows), context - 1, positions,
-                                         lambda *a, **k: None)
+            return attn._pick_and_attend(qi, iw, q, (index_rows, k_rows, v_rows), context - 1, positions)
     else:
         needed = context * 2 * attn.hkv * attn.dh * item
 

@@ -1,10 +1,11 @@
-"""Several sessions stepped together: one token each, one pass through the stages, one
-transaction per session (`state.batch`). The stages run once for all of them, so the weights
-are read once for B tokens; each session is then validated (all their checks come back in one
-transfer) and published on its own, so a NaN or a failed check in one session's rows aborts
-that session only; so does a refusal of its row storage's growth or of its share of the
-intermediates (its memory budget sees what it would see alone). Any other exception in the
-shared pass cannot be pinned on one session and aborts them all.
+"""Several sessions stepped together: each its own chunk (one token, or a prompt's tokens), one
+pass through the stages, one transaction per session (`state.txn`, a step of N sessions). The
+stages run once for all of them, so the weights are read once for the step's tokens; each
+session is then validated (all their checks come back in one transfer) and published on its
+own, so a NaN or a failed check in one session's rows aborts that session only; so does a
+refusal of its row storage's growth or of its share of the intermediates (its memory budget
+sees what it would see alone). Any other exception in the shared pass cannot be pinned on one
+session and aborts them all.
 """
 from __future__ import annotations
 
@@ -15,73 +16,51 @@ from hebrus.engine.eager import run_stages, transaction
 from hebrus.engine.graphs import capture
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.layers.owners import FRONTIER
-from hebrus.state.batch import BatchTransaction
 from hebrus.state.step import StepBatch
 from hebrus.state.budget import out_of_memory
 from hebrus.state.interrupts import deferred_signals
-from hebrus.state.txn import Transaction, abort_error
+from hebrus.state.txn import Transaction, abort_error, banks_of
 
 
-def _read_together(parts: list[Transaction]) -> list[list[float]]:
-    """Every session's folded checks in one device-to-host transfer, split back per session."""
-    folded = [p.checks.fold() for p in parts]
-    present = [f for f in folded if f is not None]
-    flat = torch.cat(present).tolist() if present else []
-    out, at = [], 0
-    for f in folded:
-        n = 0 if f is None else f.numel()
-        out.append(flat[at:at + n])
-        at += n
-    return out
-
-
-def run_tokens(model, sessions, ids: torch.Tensor, outs, reserve: list[int] | None = None) -> list:
-    """ids [B]: token i for session i (the caller holds every session's lock, in inference mode).
-    Returns, per session, its logits (`outs[i]` or a new tensor) or the `ChunkAborted` that
-    aborted it. `reserve[i]`: rows session i's storage is extended to after the pass, if granted
-    (see `Transaction.extend_reserved`)."""
+def run_step(model, sessions, chunks: list[torch.Tensor], outs, reserve: list[int] | None = None) -> list:
+    """chunks[i]: session i's token ids (the caller holds every session's lock, in inference
+    mode). Returns, per session, its last logits (`outs[i]` or a new tensor) or the
+    `ChunkAborted` that aborted it. `reserve[i]`: rows session i's storage is extended to after
+    the pass, if granted (see `Transaction.extend_reserved`)."""
     reserve = reserve or [s.reserve for s in sessions]
-    parts = [transaction(model, s.image, s.budget, 1, reserve=r) for s, r in zip(sessions, reserve)]
-    batch = BatchTransaction(parts, model.device)
+    lengths = [len(c) for c in chunks]
+    txn = transaction(model, [s.image for s in sessions], [s.budget for s in sessions], lengths, reserve=reserve)
+    ids = torch.cat(list(chunks)).to(model.device)
 
     def work() -> None:             # no fault is armed here: its injection points do nothing
-        run_stages(model, batch, StepBatch.tokens(ids.to(model.device), [p.frontier for p in parts]))
-        for j, part in enumerate(batch.parts):
-            if j not in batch.failed:
-                part.extend_reserved()
+        run_stages(model, txn, StepBatch.ragged(ids, [p.frontier for p in txn.parts], lengths))
+        txn.extend_reserved()
 
-    return _conclude(batch, work, sessions, outs)
+    return _conclude(txn, work, sessions, outs)
 
 
-def _conclude(batch: BatchTransaction, work, sessions, outs) -> list:
+def _conclude(txn: Transaction, work, sessions, outs) -> list:
     """Run `work` (the shared pass), read every session's checks back in one transfer, then
-    validate and publish each session on its own -> each session's outcome. Every part is
-    finished (published or aborted) on the way out."""
+    publish each session that passed them on its own -> each session's outcome. Every session
+    is finished (published or aborted) on the way out."""
     try:
         try:
             work()
         except ChunkAborted as exc:
-            return [exc] * len(sessions)
+            return [p.failure or exc for p in txn.parts]
         except Exception as exc:
-            return [abort_error(batch.stage, exc)] * len(sessions)
-        try:
-            values = _read_together(batch.parts)
-        except Exception as exc:            # the one transfer failed: no session can be validated
-            error = (AllocationError if out_of_memory(exc) else CommandError)(
-                "validate", f"device work failed: {type(exc).__name__}: {exc}")
-            return [error] * len(sessions)
-        results: list = [None] * len(sessions)
+            return [p.failure or abort_error(txn.stage, exc) for p in txn.parts]
+        results: list = txn.failures()
         try:
             with deferred_signals():        # a signal lands after every session has published
-                for j, part in enumerate(batch.parts):
-                    results[j] = batch.failed.get(j) or _publish(part, sessions[j], values[j], outs[j])
+                for j, failure in enumerate(results):
+                    results[j] = failure or _publish(txn, j, sessions[j], outs[j])
         except BaseException as exc:
             _attach(exc, results)
             raise
         return results
     finally:
-        for part in batch.parts:
-            part.abort()
+        txn.abort()
 
 
 MAX_GRAPHS = 4          # graphs one batch keeps (two while every session publishes)
@@ -142,33 +121,26 @@ class BatchSteps:
         if held is None and self.capture and self.refused is None and key in self.warm:
             held = self._capture(key)
         if held is None:
-            batch = self._batch()
+            txn = self._transaction()
 
             def work() -> None:
                 self._stage(ids)
-                run_stages(self.model, batch, self._step(batch))
+                run_stages(self.model, txn, self._step(txn))
                 self.uncaptured += 1
 
-            results = _conclude(batch, work, self.sessions, outs)
+            results = _conclude(txn, work, self.sessions, outs)
             self.warm.add(key)
             return results
-        graph, batch = held
+        graph, txn = held
 
         def replay() -> None:
-            batch.stage = self.model.stage_names[0]    # a replay's own failures: a graph cannot say which stage
-            for j, part in enumerate(batch.parts):
-                try:
-                    part.restart()
-                except ChunkAborted as exc:     # this session's budget: it drops out alone
-                    batch.failed[j] = exc
+            txn.restart()                   # a session its budget refuses drops out alone
             self._stage(ids)
             graph.replay()
-            for part in batch.parts:
-                part.completion.record_replay()
+            txn.completion.record_replay()
             self.replays += 1
 
-        batch.failed.clear()
-        return _conclude(batch, replay, self.sessions, outs)
+        return _conclude(txn, replay, self.sessions, outs)
 
     def _stage(self, ids: torch.Tensor) -> None:
         for s in self.sessions:
@@ -177,50 +149,43 @@ class BatchSteps:
         self.staged.copy_(ids)
         self.ids.copy_(self.staged, non_blocking=True)
 
-    def _step(self, batch: BatchTransaction) -> StepBatch:
+    def _step(self, txn: Transaction) -> StepBatch:
         """The step as the plan has it: each session's position its public frontier owner."""
-        return StepBatch.tokens(self.ids, [part.public[FRONTIER].view(1) for part in batch.parts])
+        return StepBatch.tokens(self.ids, [p.public[FRONTIER].view(1) for p in txn.parts])
 
-    def _batch(self, banks=None) -> BatchTransaction:
-        parts = [transaction(self.model, s.image, s.budget, 1, planned=True) for s in self.sessions]
-        return BatchTransaction(parts, self.model.device, banks)
+    def _transaction(self, banks=None) -> Transaction:
+        return transaction(self.model, [s.image for s in self.sessions], [s.budget for s in self.sessions],
+                           [1] * len(self.sessions), planned=True, banks=banks)
 
     def _capture(self, key):
-        banks = BatchTransaction.banks_of([s.image.public for s in self.sessions], self.model.device)
+        banks = banks_of([s.image.public for s in self.sessions], self.model.device)
 
-        def plan() -> BatchTransaction:
-            batch = self._batch(banks)          # its bank indices made before: no copy inside the capture
-            run_stages(self.model, batch, self._step(batch))
-            for part in batch.parts:
-                part.checks.fold()
-            return batch
+        def plan() -> Transaction:
+            txn = self._transaction(banks)      # its bank indices made before: no copy inside the capture
+            run_stages(self.model, txn, self._step(txn))
+            txn.checks.fold()
+            return txn
 
         for s in self.sessions:
             s.image.device_table()              # current before the capture: no copy inside it
-        graph, batch, self.refused = capture(plan)
+        graph, txn, self.refused = capture(plan)
         if graph is None:
             return None
-        if batch.failed:                        # a seal refused during capture: not a plan to keep
+        if any(p.failure is not None for p in txn.parts):      # a seal refused during capture: not a plan to keep
             return None
         self.captures += 1
         while len(self.graphs) >= MAX_GRAPHS:   # parities that went out of step: keep the newest
             del self.graphs[next(iter(self.graphs))]
-        self.graphs[key] = (graph, batch)
+        self.graphs[key] = (graph, txn)
         return self.graphs[key]
 
 
-def _publish(part: Transaction, session, values: list[float], out):
+def _publish(txn: Transaction, j: int, session, out):
     try:
-        try:
-            part.validate(values)
-        except ChunkAborted:
-            raise
-        except Exception as exc:
-            raise abort_error(part.stage, exc) from exc
-        part.publish(out)
+        txn.publish(out, j)
     except ChunkAborted as exc:
         return exc
-    return out if out is not None else session.image.read(part.output).clone()
+    return out if out is not None else session.image.read(txn.output).clone()
 
 
 def _attach(exc: BaseException, results: list) -> None:

@@ -23,10 +23,12 @@ from hebrus.state.txn import Transaction, abort_error
 __all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_stages", "transaction"]   # the owner names re-exported for session
 
 
-def transaction(model, image: Image, budget: MemoryBudget, length: int, **options) -> Transaction:
-    """A transaction of `length` tokens over `image`, told what `model` calls what the seam
-    handles: its stages, its frontier and output owners, the bits its checks set (`Check`)."""
-    return Transaction(image, length, model.stage_names, budget, max_rows=model.spec.max_context,
+def transaction(model, images: list[Image], budgets: list[MemoryBudget], lengths: list[int],
+                **options) -> Transaction:
+    """A transaction of `lengths[i]` tokens over each `images[i]`, told what `model` calls what
+    the seam handles: its stages, its frontier and output owners, the bits its checks set
+    (`Check`)."""
+    return Transaction(images, lengths, model.stage_names, budgets, max_rows=model.spec.max_context,
                        frontier_owner=FRONTIER, output=OUTPUT, check_bits=Check, **options)
 
 
@@ -37,7 +39,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = transaction(model, image, budget, len(ids), reserve=reserve, each=keep is not None)
+    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None)
 
     def work(txn: Transaction) -> None:
         run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each))

@@ -191,4 +191,4 @@ class DecodeSteps:
         return StepBatch.planned(self.ids, txn.public[FRONTIER].view(1), self.each)
 
     def _transaction(self) -> Transaction:
-        return transaction(self.model, self.image, self.budget, self.length, planned=True, each=self.each)
+        return transaction(self.model, [self.image], [self.budget], [self.length], planned=True, each=self.each)

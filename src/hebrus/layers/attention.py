@@ -93,10 +93,9 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, span: StepBatch, rows, check_range) -> torch.Tensor:
         """h [T, D] at the positions of `span` (`state.step`). Writes their rows of the row logs
-        (k, v and, indexed, index), then attends over rows [0, position]. `check_range` takes
-        the device-side check that no query picked a row past its own position. For several
-        sessions' tokens (one each), row i of h is session i's, `rows` hold one log per session
-        and `check_range` one check per session."""
+        (k, v and, indexed, index; `rows` holds each log's one per session), then each session
+        attends over its rows [0, position]. `check_range` takes the device-side check that no
+        query picked a row past its own position."""
         T, w = h.shape[0], self.w
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
@@ -104,11 +103,27 @@ class Attention:
         k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         self._put(span, rows, 0, k)
         self._put(span, rows, 1, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
-        if span.row_per_session:               # each session over its own rows; check_range is per session
-            o = torch.cat([self._attend(h[i:i + 1], span.session(i), q[i:i + 1], [r[i] for r in rows], check_range[i])
-                           for i in range(T)])
-        else:
-            o = self._attend(h, span, q, rows, check_range)
+        if self.indexed:
+            hi = self.index_input(h)
+            qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
+            ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+            icos, isin = (span.take(t) for t in self.index_rope)
+            qi, ki = (self.fused(apply_rope)(x, icos, isin) for x in (qi, ki))
+            self._put(span, rows, 2, ki)
+            iw = linear(hi, w["index_w.weight"])
+        outs, past = [], []
+        for i in range(span.sessions):        # each session over its own rows
+            mine, logs, cut = span.session(i) if span.sessions > 1 else span, [r[span.which[i]] for r in rows], span.rows_of
+            if self.indexed:
+                o, over = self._sparse(mine, cut(i, qi), cut(i, iw), cut(i, q), logs)
+                past.append(over)
+            else:
+                k_rows, v_rows = (dense(self._view(logs, part, mine.visible, q.dtype)) for part in (0, 1))
+                o = self.attend(cut(i, q), k_rows, v_rows, mine.positions)
+            outs.append(o)
+        if past:
+            check_range(torch.cat(past), 1, Check.INDEX_RANGE, lower=None)
+        o = torch.cat(outs) if len(outs) > 1 else outs[0]
         gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return linear(gated.flatten(1), w["o_proj.weight"])
 
@@ -122,47 +137,35 @@ class Attention:
         span.put(rows[part], codes)
         span.put(rows[part + self.parts], scale if scale.dim() > 1 else scale[:, None])
 
-    def _view(self, rows, part: int, cut, dtype: torch.dtype):
-        """Rows `cut` of row log `part`: a tensor, or with a quantized cache `QuantizedRows`."""
+    def _view(self, logs, part: int, cut, dtype: torch.dtype):
+        """Rows `cut` of one session's row log `part`: a tensor, or with a quantized cache
+        `QuantizedRows`."""
         if self.cache is None:
-            return cut(rows[part])
-        return QuantizedRows.of(cut(rows[part]), cut(rows[part + self.parts]), dtype)
+            return cut(logs[part])
+        return QuantizedRows.of(cut(logs[part]), cut(logs[part + self.parts]), dtype)
 
-    def _attend(self, h, span, q, rows, check_range):
-        if self.indexed:
-            return self._sparse(h, span, q, rows, check_range)
-        k, v = (dense(self._view(rows, part, span.visible, q.dtype)) for part in (0, 1))
-        return self.attend(q, k, v, span.positions)
-
-    def _sparse(self, h, span, q, rows, check_range):
-        T, w, positions, hi = h.shape[0], self.w, span.positions, self.index_input(h)
-        qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
-        ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
-        icos, isin = (span.take(t) for t in self.index_rope)
-        rotate = self.fused(apply_rope)
-        qi, ki = rotate(qi, icos, isin), rotate(ki, icos, isin)
-        self._put(span, rows, 2, ki)
-        iw = linear(hi, w["index_w.weight"])
-        if span.starts is not None and not span.row_per_session and T > QUERY_BLOCK:
+    def _sparse(self, span, qi, iw, q, logs):
+        """One session's queries over the rows its indexer picks -> (o, each pick's offset from
+        its query's position, which must be ≤ 0)."""
+        T, positions = q.shape[0], span.positions
+        if span.starts is not None and T > QUERY_BLOCK:
             # a long chunk, a block of queries at a time over the rows it sees: the scores and
             # their sort take O(block × context) memory, never O(chunk × context)
             blocks = []
             for a in range(0, T, QUERY_BLOCK):
                 b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
-                seen = [self._view(rows, part, lambda r, end=end: r.upto(end), q.dtype) for part in (2, 0, 1)]
-                blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a,
-                                                    positions[a:b], check_range))
-            return torch.cat(blocks)
-        seen = [self._view(rows, part, span.visible, q.dtype) for part in (2, 0, 1)]
-        return self._pick_and_attend(qi, iw, q, seen, span.start, positions, check_range)
+                seen = [self._view(logs, part, lambda r, end=end: r.upto(end), q.dtype) for part in (2, 0, 1)]
+                blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a, positions[a:b]))
+            return tuple(map(torch.cat, zip(*blocks)))
+        seen = [self._view(logs, part, span.visible, q.dtype) for part in (2, 0, 1)]
+        return self._pick_and_attend(qi, iw, q, seen, span.start, positions)
 
-    def _pick_and_attend(self, qi, iw, q, rows, start, positions, check_range):
+    def _pick_and_attend(self, qi, iw, q, rows, start, positions):
         """Queries at `positions` (the first at `start`) over the visible (index, k, v) rows
         (k and v: tensors, or `QuantizedRows` whose picked rows alone are rebuilt)."""
         index_rows, k_rows, v_rows = rows
         picked, valid = self.select(index_scores(qi, iw, dense(index_rows)), start, positions)
-        check_range(picked - positions[:, None], 1, Check.INDEX_RANGE, lower=None)
-        return self.sparse_attend(q, k_rows, v_rows, picked, valid)
+        return self.sparse_attend(q, k_rows, v_rows, picked, valid), picked - positions[:, None]
 
     def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
         """The rows each query attends to: the top_k of its visible scores, the model's chooser
@@ -184,11 +187,10 @@ class AttentionMixer(Sublayer):
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
-        checks = [part.check_range for part in txn.parts] if batch.row_per_session else txn.check_range
 
         def step(at, X, state):
             h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, at, rows, checks), post, comb), state
+            return self.mix_out(X, self.attn(h, at, rows, txn.check_range), post, comb), state
 
         batch.streams, _ = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), None)
 

@@ -89,7 +89,7 @@ class GDNMixer(Sublayer):
 
         def step(at, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=at.row_per_session, each=each)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=at.one_each, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
         batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),

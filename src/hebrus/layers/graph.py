@@ -62,9 +62,9 @@ class Head:
             txn.write_each("residual", X)
             txn.write_each(OUTPUT, logits)
             return
-        X = step.last_rows(step.streams).clone()            # only the last position is published
-        logits = self.logits(X)
-        if step.row_per_session:                                      # one row per session
+        X = step.last_rows(step.streams).clone()            # only each session's last position is published
+        logits = self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
+        if step.sessions > 1:                                         # one row per session
             txn.write("residual", X)
             txn.write(OUTPUT, logits)
         else:

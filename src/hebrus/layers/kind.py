@@ -61,10 +61,13 @@ class Kind:
                                 `ops.quant.Quantized`, multiplied through `ops.quant.linear`.
                                 Its `run(txn, step)` reads and writes state through `txn`
                                 (`state.context.StepContext`) and learns what the step is from
-                                `step` (`state.step.StepBatch`): a chunk of one session (exact
-                                mode: token by token through `sublayer.scan`); several sessions
-                                one token each (`step.row_per_session`, row i session i's, banked
-                                state read [N, ...]); a prefix transaction (`step.each`, the
+                                `step` (`state.step.StepBatch`): N sessions' chunks, their
+                                tokens one tensor [T, ...] (`step.bounds` say whose); banked
+                                state reads as the value for one session, [N, ...] for several;
+                                stateful math goes through `sublayer.scan`, which gives it one
+                                session's chunk (exact mode: token by token) or several
+                                sessions' single tokens (`step.one_each`, row i session i's);
+                                a prefix transaction (`step.each`, the
                                 state after every token written with `write_each`); a planned
                                 step (positions on the device only; rows written through
                                 `step.put`). Values for later stages go in the step's fields

@@ -77,8 +77,7 @@ class RoutedFeed:
             weights, experts = self.moe.route(h, step.start)
             txn.check_range(experts, self.experts, Check.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
-            column = [r.column(self.column) for r in routes] if step.row_per_session else routes.column(self.column)
-            step.put(column, experts)
+            step.put([r.column(self.column) for r in routes], experts)
             return self.moe(h, weights, experts)
         return feed
 

@@ -106,10 +106,7 @@ class PLEStage:
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         ids, history = batch.ids, txn.read("ple.history")
         txn.check_range(ids, self.vocab, Check.TOKEN_RANGE)
-        if batch.row_per_session:             # row i: one token of session i, hashed with its own history
-            hashes = [order[:, 0] for order in self.ple.hashes(ids[:, None], history)]
-        else:
-            hashes = self.ple.hashes(ids, history)
+        hashes = self._hashes(batch, ids, history)
         for bucket, size in zip(hashes, self.ple.buckets):
             txn.check_range(bucket, size, Check.HASH_RANGE)
         hashes = [bucket.clamp(0, size - 1) for bucket, size in zip(hashes, self.ple.buckets)]
@@ -118,16 +115,28 @@ class PLEStage:
 
         def step(at, ids, *rest, each=False):
             *hashes, conv = rest
-            return self.ple(ids, hashes, conv, sessions=at.row_per_session, claims=claims, each=each)
+            return self.ple(ids, hashes, conv, sessions=at.one_each, claims=claims, each=each)
 
         ple, conv = scan(step, self.kernels.whole_chunk, batch, (ids, *hashes), txn.read("ple.conv"))
         batch.terms[self.index] = ple
         self._write_history(txn, batch, ids, history)
         (txn.write_each if batch.each else txn.write)("ple.conv", conv)
 
+    def _hashes(self, batch: StepBatch, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
+        """Each token's n-gram buckets, hashed with its own session's history."""
+        if batch.sessions == 1:
+            return self.ple.hashes(ids, history)
+        if batch.one_each:                  # row i: one token of session i
+            return [order[:, 0] for order in self.ple.hashes(ids[:, None], history)]
+        each = [self.ple.hashes(batch.rows_of(i, ids), history[i]) for i in range(batch.sessions)]
+        return [torch.cat(order) for order in zip(*each)]
+
     def _write_history(self, txn: StepContext, batch: StepBatch, ids: torch.Tensor, history: torch.Tensor) -> None:
-        if batch.row_per_session:
+        if batch.one_each:
             txn.write("ple.history", torch.cat([history, ids[:, None]], dim=1)[:, -self.keep:])
+        elif batch.sessions > 1:
+            txn.write("ple.history", torch.stack([torch.cat([history[i], batch.rows_of(i, ids)])[-self.keep:]
+                                                  for i in range(batch.sessions)]))
         elif batch.each:                  # after token t: the `keep` ids ending at it
             ids = torch.cat([history, ids])
             after = torch.arange(1, len(ids) - self.keep + 1, device=ids.device)

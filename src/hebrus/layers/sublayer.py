@@ -18,11 +18,23 @@ Params = dict[str, torch.Tensor]
 
 
 def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor, ...], state):
-    """`step(batch, *inputs, state) -> (out, state)` over the step: once with `whole_chunk`
-    (fast mode), once per token (on fresh copies, with `batch.token(t)`) in exact mode. For a
-    prefix transaction (`batch.each`), the state after every token, stacked, instead of the last:
-    exact mode keeps each token's, and a whole-chunk step is called with `each=True` to return
-    them itself."""
+    """`step(batch, *inputs, state) -> (out, state)` over the step. Its two shapes: one
+    session's chunk (state its value), or several sessions' single tokens at once (fast mode,
+    `batch.one_each`: state [N, ...]); any other step of several sessions runs session by
+    session (state i its value), the states stacked back [N, ...], but in fast mode a step
+    without state (None) takes the whole step in one call. One session's chunk runs as
+    one call with `whole_chunk` (fast mode), else token by token (on fresh copies, with
+    `batch.token(t)`). For a prefix transaction (`batch.each`), the state after every token,
+    stacked, instead of the last: exact mode keeps each token's, and a whole-chunk step is
+    called with `each=True` to return them itself."""
+    if batch.sessions > 1 and not (whole_chunk and (batch.one_each or state is None)):
+        outs, states = [], []
+        for i in range(batch.sessions):
+            mine = None if state is None else _index(state, i)
+            out, mine = scan(step, whole_chunk, batch.session(i), tuple(batch.rows_of(i, x) for x in inputs), mine)
+            outs.append(out)
+            states.append(mine)
+        return torch.cat(outs), (None if state is None else _stack(states))
     each = batch.each and state is not None     # a step without state has nothing to keep per token
     if whole_chunk:
         return step(batch, *inputs, state, each=True) if each else step(batch, *inputs, state)
@@ -32,8 +44,16 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
         outs.append(out)
         states.append(state)
     if each:
-        state = tuple(map(torch.stack, zip(*states))) if isinstance(state, tuple) else torch.stack(states)
+        state = _stack(states)
     return torch.cat(outs), state
+
+
+def _index(state, i: int):
+    return tuple(s[i] for s in state) if isinstance(state, tuple) else state[i]
+
+
+def _stack(states: list):
+    return tuple(map(torch.stack, zip(*states))) if isinstance(states[0], tuple) else torch.stack(states)
 
 
 class Sublayer:

@@ -1,9 +1,9 @@
 """What a stage sees of the step it runs in: the seam between the layers and the transaction.
 
 A stage reads public state and writes private state only through these calls, so the same stage
-code runs in every kind of step: one session's chunk (`state.txn.Transaction`), one token of each
-of several sessions (`state.batch.BatchTransaction`), training's sequence, and the benchmark's
-in-place variants that exist to price the transaction (`hebrus.bench`). What the step is (its
+code runs in every kind of step: one session's chunk or several sessions' chunks together (one
+`state.txn.Transaction` either way), training's sequence, and the benchmark's in-place variants
+that exist to price the transaction (`hebrus.bench`). What the step is (its
 tokens, positions, sessions) and what stages hand each other is the `state.step.StepBatch`
 passed beside it.
 """
@@ -25,14 +25,16 @@ class StepContext(Protocol):
         """The new value of a banked owner, into the private bank."""
 
     def rows(self, name: str):
-        """An appended owner's rows through the session's block table (`state.pool.Log`; several
-        sessions: one each), holding this step's rows."""
+        """An appended owner's rows, one `state.pool.Log` per session of the step, each through
+        its session's block table, holding this step's rows."""
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
-        """A device-side check: set `bit` if any of `bad` is true."""
+        """A device-side check: set `bit` if any of `bad` is true (per session: `bad` [T, ...] by
+        token or [N, ...] by session; a scalar concerns every session)."""
 
     def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
-        """A device-side check: set `bit` unless every value lies in [lower, upper)."""
+        """A device-side check: set `bit` unless every value lies in [lower, upper) (per session,
+        as `flag` attributes them)."""
 
     def hold(self, resource) -> None:
         """Keep `resource` (a page claim) until the step ends: `resource.commit()` when it

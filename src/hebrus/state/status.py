@@ -32,10 +32,18 @@ class DeviceChecks:
     and stay alive), finite checks wait for `fold`, which reduces every write of the chunk in
     one go. `read` brings everything back in one transfer and folds it into a status word per
     cell and the set of cells with a non-finite write.
+
+    In a step of several sessions (`lengths`: each one's tokens), every value is kept per
+    session: a tensor is reduced per session by its first dimension (T rows: each session its
+    own tokens'; N rows: row i session i's; anything else concerns every session), a finite
+    check's tensor also by the session named beside it; `read` gives each session its own.
     """
 
-    def __init__(self, defer: bool = False):
+    def __init__(self, defer: bool = False, lengths: list[int] | None = None, device: torch.device | None = None):
         self.defer = defer
+        self.lengths = lengths or [1]
+        self.sessions, self.tokens, self.device = len(self.lengths), sum(self.lengths), device
+        self._of_token: torch.Tensor | None = None     # each token's session (a ragged step's)
         self.reset()
 
     def reset(self) -> None:
@@ -43,12 +51,12 @@ class DeviceChecks:
         self._tests: list[tuple[int, int, object]] = []      # (cell, bit, bound test)
         self._finite: list[torch.Tensor] = []
         self._finite_cells: list[int] = []
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[tuple[torch.Tensor, int | None]] = []
         self._pending_cells: list[int] = []
         self._folded: torch.Tensor | None = None
 
     def flag(self, cell: int, bad: torch.Tensor, bit: int) -> None:
-        self._status.append(bad.any())
+        self._status.append(self._each(bad, "any"))
         self._tests.append((cell, int(bit), None))
 
     def check_range(self, cell: int, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
@@ -59,35 +67,69 @@ class DeviceChecks:
         if not values.numel():
             return
         if lower is None:
-            self._status.append(values.amax())
-        else:
+            self._status.append(self._each(values, "max"))
+        elif self.sessions == 1:
             low, high = torch.aminmax(values)
             self._status.append(low)
             self._tests.append((cell, int(bit), ("below", lower)))
             self._status.append(high)
+        else:
+            self._status.append(self._each(values, "min"))
+            self._tests.append((cell, int(bit), ("below", lower)))
+            self._status.append(self._each(values, "max"))
         self._tests.append((cell, int(bit), ("at_least", upper)))
 
-    def finite(self, cell: int, tensors: list[torch.Tensor]) -> None:
-        """Check that every floating-point tensor of `tensors` is finite (fp8 codes, which have no
-        infinity and no reduction of their own, through the scales written beside them)."""
-        tensors = [t for t in tensors if t.is_floating_point() and t.numel() and t.element_size() > 1]
+    def finite(self, cell: int, written: list[tuple[torch.Tensor, int | None]]) -> None:
+        """Check that every floating-point tensor written is finite (fp8 codes, which have no
+        infinity and no reduction of their own, through the scales written beside them).
+        `written`: (tensor, the session it belongs to, or None: by its first dimension)."""
+        written = [(t, i) for t, i in written if t.is_floating_point() and t.numel() and t.element_size() > 1]
         if self.defer:
-            self._pending += tensors
-            self._pending_cells += [cell] * len(tensors)
-        elif tensors:
-            self._magnitudes(tensors, [cell] * len(tensors))
+            self._pending += written
+            self._pending_cells += [cell] * len(written)
+        elif written:
+            self._magnitudes(written, [cell] * len(written))
 
-    def _magnitudes(self, tensors: list[torch.Tensor], cells: list[int]) -> None:
-        """Largest magnitudes, one multi-tensor launch per dtype: the fused route takes dense
-        tensors of one dtype (any other mix falls back to a launch per tensor)."""
-        groups: dict[object, list[int]] = {}
-        for i, t in enumerate(tensors):
-            groups.setdefault(t.dtype if t.is_contiguous() else i, []).append(i)
-        for members in groups.values():
-            group = [tensors[i] for i in members]
-            self._finite += (torch._foreach_norm(group, math.inf) if _norm_keeps_nan(group[0].device)
-                             else [t.sum() for t in group])
-            self._finite_cells += [cells[i] for i in members]
+    def _magnitudes(self, written: list[tuple[torch.Tensor, int | None]], cells: list[int]) -> None:
+        """One session's: the largest magnitude of each tensor, one multi-tensor launch per
+        dtype. Several sessions': per cell, a value per session that is finite exactly when
+        everything it wrote is."""
+        if self.sessions == 1:
+            self._finite += _norms([t for t, _ in written])
+            self._finite_cells += cells
+            return
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        for cell in dict.fromkeys(cells):
+            mine = [w for w, c in zip(written, cells) if c == cell]
+            for t, _ in (w for w in mine if w[1] is None):
+                bad = self._each(~torch.isfinite(t), "any")
+                self._finite.append(torch.where(bad.to(torch.bool), float("inf"), 0.0).to(torch.float64))
+                self._finite_cells.append(cell)
+            named: dict[int, list[torch.Tensor]] = {}
+            for t, i in (w for w in mine if w[1] is not None):
+                named.setdefault(i, []).append(t)
+            if named:
+                sums = {i: torch.stack(_norms(ts)).to(torch.float64).sum() for i, ts in named.items()}
+                self._finite.append(torch.stack([sums.get(i, zero) for i in range(self.sessions)]))
+                self._finite_cells.append(cell)
+
+    def _each(self, t: torch.Tensor, how: str) -> torch.Tensor:
+        """`t` reduced ("any", "min", "max"): a scalar for one session, else [N] by its first
+        dimension."""
+        N = self.sessions
+        if N == 1 or t.dim() == 0 or t.shape[0] not in (N, self.tokens):
+            whole = t.any() if how == "any" else t.amin() if how == "min" else t.amax()
+            return whole if N == 1 else whole.reshape(1).expand(N)
+        rows = t.reshape(t.shape[0], -1)
+        per = rows.any(1) if how == "any" else rows.amin(1) if how == "min" else rows.amax(1)
+        if t.shape[0] == N:
+            return per
+        if self._of_token is None:
+            self._of_token = torch.repeat_interleave(torch.arange(N, device=self.device),
+                                                     torch.tensor(self.lengths, device=self.device))
+        start = {"any": 0.0, "min": float("inf"), "max": float("-inf")}[how]
+        out = torch.full((N,), start, dtype=torch.float64, device=t.device)
+        return out.scatter_reduce(0, self._of_token, per.to(torch.float64), "amin" if how == "min" else "amax")
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
@@ -96,22 +138,42 @@ class DeviceChecks:
             if self._pending:
                 self._magnitudes(self._pending, self._pending_cells)
                 self._pending, self._pending_cells = [], []
-            parts = [torch.stack(group).to(torch.float64) for group in (self._status, self._finite) if group]
+            parts = [torch.stack(group).to(torch.float64).reshape(-1) for group in (self._status, self._finite) if group]
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
-    def read(self, values: list[float] | None = None) -> tuple[dict[int, int], set[int]]:
-        """One device-to-host transfer -> ({cell: status word}, {cells with a non-finite write}).
-        `values`: the folded tensor already brought back (several transactions read together)."""
+    def read(self, values: list[float] | None = None) -> list[tuple[dict[int, int], set[int]]]:
+        """One device-to-host transfer -> per session ({cell: status word}, {cells with a
+        non-finite write}). `values`: the folded tensor already brought back."""
         if values is None:
             folded = self.fold()
             values = folded.tolist() if folded is not None else []
-        words: dict[int, int] = {}
-        for (cell, bit, test), value in zip(self._tests, values):
-            if _fails(test, value):
-                words[cell] = words.get(cell, 0) | bit
-        finite = values[len(self._status):]
-        return words, {cell for cell, v in zip(self._finite_cells, finite) if not math.isfinite(v)}
+        N, out = self.sessions, []
+        finite = values[len(self._status) * N:]
+        for i in range(N):
+            words: dict[int, int] = {}
+            for j, (cell, bit, test) in enumerate(self._tests):
+                if _fails(test, values[j * N + i]):
+                    words[cell] = words.get(cell, 0) | bit
+            out.append((words, {cell for j, cell in enumerate(self._finite_cells) if not math.isfinite(finite[j * N + i])}))
+        return out
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest magnitude of each tensor (a NaN or Inf makes it non-finite), one multi-tensor
+    launch per dtype: the fused route takes dense tensors of one dtype (any other mix falls back
+    to a launch per tensor)."""
+    groups: dict[object, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype if t.is_contiguous() else i, []).append(i)
+    out: list = [None] * len(tensors)
+    for members in groups.values():
+        group = [tensors[i] for i in members]
+        norms = (torch._foreach_norm(group, math.inf) if _norm_keeps_nan(group[0].device)
+                 else [t.sum() for t in group])
+        for i, n in zip(members, norms):
+            out[i] = n
+    return out
 
 
 _KEEPS_NAN: dict[str, bool] = {}

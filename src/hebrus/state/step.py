@@ -1,16 +1,22 @@
 """What one step is, as data: `StepBatch`, built once by the runner and passed to every stage.
 
-A step feeds N sessions (N = 1 for one session's chunk) T tokens in all: session i's tokens are
-rows cu_seqlens[i]..cu_seqlens[i+1] of every per-token tensor, at positions starts[i]... The
-runner says where they sit (`positions`, on the device), and, where the host knows them (an
-eager step), each session's first position (`starts`). A planned step (a CUDA graph replayed at
-every position, `hebrus.engine.graphs`) leaves `starts` out: its positions live on the device
-only, so the same captured work serves every position. Then rows are written by index and
-attention looks at every row the session's block table holds, each row past a query's own
-position masked; rows past the frontier must hold finite values (the pool zeroes a block it hands
-out, and the runner zeroes rows an aborted chunk left), since a masked row still meets the
-arithmetic with weight zero. Either way rows are read and written through the table
-(`state.pool.Log`).
+A step feeds N sessions T tokens in all, each session its own chunk: session i's tokens are rows
+bounds[i]..bounds[i+1] of every per-token tensor (`cu_seqlens` on the device), at positions
+starts[i], starts[i] + 1, ... (N = 1: one session's chunk; every length 1: one token each, the
+decode step of a batch). The runner says where the tokens sit (`positions`, on the device), and,
+where the host knows them (an eager step), each session's first position (`starts`). A planned
+step (a CUDA graph replayed at every position, `hebrus.engine.graphs`) leaves `starts` out: its
+positions live on the device only, so the same captured work serves every position. Then rows
+are written by index and attention looks at every row the session's block table holds, each row
+past a query's own position masked; rows past the frontier must hold finite values (the pool
+zeroes a block it hands out, and the runner zeroes rows an aborted chunk left), since a masked
+row still meets the arithmetic with weight zero. Either way rows are read and written through
+the table (`state.pool.Log`), one log per session.
+
+Banked state reads as the session's value in a step of one session, [N, ...] in a step of
+several. Stateful math runs in one of two shapes (`sublayer.scan`): one session's chunk, or
+several sessions' single tokens at once (`one_each`, row i of every per-token tensor session
+i's); any other step runs session by session.
 
 What the stages hand each other travels in typed fields: `streams` (the residual streams
 [T, n, D] as the last stage left them) and `terms` (each branch's value for the layers'
@@ -28,10 +34,10 @@ import torch
 class StepBatch:
     ids: torch.Tensor                           # [T] token ids, on the device
     positions: torch.Tensor                     # [T] each token's position in its session (int64, device)
-    lengths: tuple[int, ...]                    # tokens per session: N of them, summing to T
+    lengths: tuple[int, ...]                    # tokens per session: N of them, each ≥ 1, summing to T
     starts: tuple[int, ...] | None              # each session's first position (host); None: a planned step
-    each: bool = False                          # a prefix transaction: values after every token are kept
-    one_each: bool = False                      # sessions' tokens one each, banked state read [N, ...]
+    each: bool = False                          # a prefix transaction (one session): values after every token kept
+    members: tuple[int, ...] | None = None      # which of the transaction's sessions these are (None: all)
     streams: torch.Tensor | None = None         # the residual streams, as the last stage left them
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
 
@@ -46,69 +52,109 @@ class StepBatch:
         return cls(ids, start + torch.arange(len(ids), device=ids.device), (len(ids),), None, each)
 
     @classmethod
+    def ragged(cls, ids: torch.Tensor, starts, lengths) -> "StepBatch":
+        """Session i's `lengths[i]` tokens at host positions starts[i]...; ids [sum(lengths)]."""
+        if all(n == 1 for n in lengths):
+            return cls.tokens(ids, starts)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(ids.device)
+        return cls(ids, positions, tuple(lengths), tuple(starts))
+
+    @classmethod
     def tokens(cls, ids: torch.Tensor, starts) -> "StepBatch":
         """One token for each of N sessions: `starts` host ints, or [1] device tensors (planned)."""
         if starts and isinstance(starts[0], torch.Tensor):
-            return cls(ids, torch.cat(starts), (1,) * len(starts), None, one_each=True)
-        return cls(ids, torch.tensor(starts, dtype=torch.int64, device=ids.device), (1,) * len(starts), tuple(starts),
-                   one_each=True)
+            return cls(ids, torch.cat(starts), (1,) * len(starts), None)
+        return cls(ids, torch.tensor(starts, dtype=torch.int64, device=ids.device), (1,) * len(starts), tuple(starts))
 
     # ---- its shape -----------------------------------------------------------------------------
     @property
-    def row_per_session(self) -> bool:
-        """Sessions' tokens one each (any number of them): row i of every per-token tensor is
-        session i's, and banked state reads [N, ...]."""
-        return self.one_each
+    def sessions(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def which(self) -> tuple[int, ...]:
+        """The transaction's sessions this step covers, in order (an index into whatever the
+        transaction gives per session: its row logs)."""
+        return self.members if self.members is not None else tuple(range(len(self.lengths)))
+
+    @cached_property
+    def one_each(self) -> bool:
+        """Several sessions' single tokens: row i of every per-token tensor is session i's, and
+        banked state reads [N, ...]."""
+        return len(self.lengths) > 1 and all(n == 1 for n in self.lengths)
+
+    @cached_property
+    def bounds(self) -> tuple[int, ...]:
+        """Session i's tokens are rows bounds[i]..bounds[i+1] (host)."""
+        out = [0]
+        for n in self.lengths:
+            out.append(out[-1] + n)
+        return tuple(out)
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[N + 1] `bounds` on the device."""
+        return torch.tensor(self.bounds, dtype=torch.int32, device=self.ids.device)
 
     @property
     def start(self):
         """One session's first position: an int, or (planned) a [1] device tensor; several
         sessions': one per session, as the choosers take them."""
-        if self.row_per_session:
-            return list(self.starts) if self.starts is not None else list(self.positions.split(1))
+        if len(self.lengths) > 1:
+            if self.starts is not None:
+                return list(self.starts)
+            firsts = self.positions if self.one_each else self.positions[list(self.bounds[:-1])]
+            return list(firsts.split(1))
         return self.starts[0] if self.starts is not None else self.positions[:1]
 
-    @cached_property
-    def cu_seqlens(self) -> torch.Tensor:
-        """[N + 1]: session i's tokens are rows cu_seqlens[i]..cu_seqlens[i+1]."""
-        bounds = [0]
-        for n in self.lengths:
-            bounds.append(bounds[-1] + n)
-        return torch.tensor(bounds, dtype=torch.int32, device=self.ids.device)
+    def session(self, i: int) -> "StepBatch":
+        """Session i's chunk alone."""
+        a, b = self.bounds[i], self.bounds[i + 1]
+        starts = None if self.starts is None else (self.starts[i],)
+        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],))
 
     def token(self, t: int) -> "StepBatch":
         """One session's token t alone (exact mode's scan over a chunk)."""
         starts = None if self.starts is None else (self.starts[0] + t,)
-        return StepBatch(self.ids[t:t + 1], self.positions[t:t + 1], (1,), starts, self.each)
+        return StepBatch(self.ids[t:t + 1], self.positions[t:t + 1], (1,), starts, self.each, members=self.members)
 
-    def session(self, i: int) -> "StepBatch":
-        """Session i's part of a step of one token each."""
-        starts = None if self.starts is None else (self.starts[i],)
-        return StepBatch(self.ids[i:i + 1], self.positions[i:i + 1], (1,), starts)
+    def rows_of(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Session i's rows of a per-token tensor."""
+        return x[self.bounds[i]:self.bounds[i + 1]]
 
     # ---- rows by position ----------------------------------------------------------------------
     def take(self, table: torch.Tensor) -> torch.Tensor:
         """Rows of a per-position table (rotary cos/sin) at the step's positions."""
-        if self.starts is not None and not self.row_per_session:
+        if self.starts is not None and len(self.lengths) == 1:
             return table[self.starts[0]:self.starts[0] + len(self.ids)]
         return table.index_select(0, self.positions)
 
-    def put(self, rows, value: torch.Tensor) -> None:
-        """Write the step's rows of a row log (a `state.pool.Log`; one per session when there are
-        several)."""
-        if self.row_per_session:
-            for i, log in enumerate(rows):
-                self.session(i).put(log, value[i:i + 1])
+    def put(self, logs, value: torch.Tensor) -> None:
+        """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
+        the transaction, `value` [T, *row] the rows of this step's."""
+        logs = [logs[m] for m in self.which]
+        if len(logs) == 1:
+            if self.starts is None:
+                logs[0].write(self.positions, value)
+            else:
+                logs[0].write_range(self.starts[0], value)
         elif self.starts is None:
-            rows.write(self.positions, value)
+            for i, log in enumerate(logs):
+                a, b = self.bounds[i], self.bounds[i + 1]
+                log.write(self.positions[a:b], value[a:b])
         else:
-            rows.write_range(self.starts[0], value)
+            for i, log in enumerate(logs):
+                log.write_range(self.starts[i], self.rows_of(i, value))
 
-    def visible(self, rows) -> torch.Tensor:
-        """The rows attention may look at (the caller masks per query by `positions`): every
-        row the log holds in a planned step, else rows [0, end)."""
-        return rows.all() if self.starts is None else rows.upto(self.starts[0] + len(self.ids))
+    def visible(self, log) -> torch.Tensor:
+        """The rows attention may look at in one session's step (the caller masks per query by
+        `positions`): every row the log holds in a planned step, else rows [0, end)."""
+        return log.all() if self.starts is None else log.upto(self.starts[0] + len(self.ids))
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
-        """The rows of each session's last token, whose values are published."""
-        return X if self.row_per_session else X[-1:]
+        """The rows of each session's last token, whose values are published [N, ...]."""
+        if len(self.lengths) == 1:
+            return X[-1:]
+        if self.one_each:
+            return X
+        return X[[b - 1 for b in self.bounds[1:]]]

@@ -1,27 +1,35 @@
-"""One chunk, one transaction.
+"""One chunk, one transaction: a step of N sessions' chunks is N transactions in one object.
 
-Stages read the public image and write only private places: the other bank of the session's
+Stages read the public image and write only private places: the other bank of each session's
 slot, and rows [start, start + length) of appended owners, in blocks of the session's own (blocks
 a chunk takes from the pool, or copies of blocks shared with a fork, are private until the flip
-and go back to the pool if it aborts). `seal` closes each stage's bookkeeping, `validate` reads every device-side check back
-in one transfer, and `publish` copies the output to the caller and flips the public record.
-Anything that raises before the flip leaves the public image as it was.
+and go back to the pool if it aborts). `seal` closes each stage's bookkeeping, `failures` reads
+every device-side check back in one transfer and says, per session, what failed, and `publish`
+copies a session's output to the caller and flips its public record. Anything that raises
+before a session's flip leaves its public image as it was.
 
-A prefix transaction (`each=True`) keeps every banked owner's value after each token of the
+Every check is kept per session (`state.status.DeviceChecks`): a tensor a stage wrote or checked
+is attributed by its first dimension (T: per token, N: per session; a scalar concerns all), and
+rows by the session whose log they were written through. So one session's NaN, failed range
+check, refused blocks or refused budget fails that session alone (`_Session.failure`), while the
+others go on and publish; an exception the pass raises fails them all.
+
+A prefix transaction (`each=True`, one session) keeps every banked owner's value after each token of the
 chunk in scratch (`write_each`); once the chunk has passed its checks, `keep(k)` makes the
 values after token k the private bank's and the frontier start + k, so the flip publishes the
 chunk's first k tokens. The rejected tail's rows lie past the frontier, unpublished; nothing is
 copied to undo them.
 
-A planned transaction (`planned=True`) is the static plan of a one-token step that a CUDA graph
-captures once and replays at every position (`hebrus.engine.graphs`): stages see the chunk's
-start as a device tensor (the public bank's frontier owner), the session's table must already hold
-the row in a block of its own (no block is taken inside a graph), and `restart` re-arms the
+A planned transaction (`planned=True`) is the static plan of a step that a CUDA graph captures
+once and replays at every position (`hebrus.engine.graphs`, `hebrus.engine.batch`): stages see
+each chunk's start as a device tensor (the public bank's frontier owner), each session's table
+must already hold the rows in blocks of its own (no block is taken inside a graph), and `restart` re-arms the
 host-side bookkeeping for each replay.
 """
 from __future__ import annotations
 
 import enum
+from functools import partial
 
 import torch
 
@@ -44,70 +52,128 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
     return AllocationError(stage, detail) if out_of_memory(exc) else StructuralError(stage, detail)
 
 
-class Transaction:
-    """A chunk of `length` tokens over `image`. Whoever builds it names what the seam does not
-    know (`engine.eager.transaction`): the `stages` in order, the banked owner that holds the
-    frontier (`frontier_owner`, kept up to date by the transaction itself), the banked owner
-    `publish` copies out (`output`), and the flag class of the bits the stages' checks set
-    (`check_bits`), by which a failed status word is described."""
+def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the public parities, the slots) of these records, as device index tensors: how a step of
+    several sessions reads their banks (made in advance for a CUDA graph, whose capture copies
+    nothing from the host)."""
+    return (torch.tensor([r.bank for r in records], device=device),
+            torch.tensor([r.slot for r in records], device=device))
 
-    def __init__(self, image: Image, length: int, stages: list[str], budget: MemoryBudget,
-                 max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
-                 planned: bool = False, reserve: int = 0, each: bool = False):
+
+class _Session:
+    """One session's share of a step: its public record and chunk, the table its flip publishes
+    and the blocks taken for it, its memory budget, what it holds, and its failure, once it has
+    failed alone."""
+
+    def __init__(self, image: Image, length: int, budget: MemoryBudget, reserve: int):
         record = image.public
-        self.image, self.record, self.planned, self.each = image, record, planned, each
-        self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
+        self.image, self.record, self.budget, self.reserve = image, record, budget, reserve
         self.frontier, self.length = record.frontier, length
         self.chunk_length = length                  # `length` is what is published: `keep` may cut it
         self.public = image.banks[record.bank]
         self.private = image.banks[1 - record.bank]
-        self.pool = image.pool
         self.table = record.table               # the table the flip publishes: blocks taken appended
-        self._table: torch.Tensor | None = None  # it on the device, once a stage asks for rows
-        self._taken: list[int] = []             # blocks taken from the pool (released on abort)
-        self._dropped: tuple[int, ...] = ()     # shared blocks replaced by copies (released on publish)
+        self.device_table: torch.Tensor | None = None     # it on the device, once a stage asks for rows
+        self.first: int | None = None
+        self.taken: list[int] = []              # blocks taken from the pool (released on abort)
+        self.dropped: tuple[int, ...] = ()      # shared blocks replaced by copies (released on publish)
+        self.held: list = []                    # resources committed with the chunk (`hold`)
+        self.working = 0                        # bytes of its share of what the step's fields carry
+        self.accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
+        self.peak: tuple[int, str] | None = None           # a planned step's largest request
+        self.failure: ChunkAborted | None = None
+        self.done = False
+
+
+class Transaction:
+    """Chunks of `lengths[i]` tokens over `images[i]`, one transaction each, run as one step.
+    Whoever builds it names what the seam does not know (`engine.eager.transaction`): the
+    `stages` in order, the banked owner that holds the frontier (`frontier_owner`, kept up to
+    date by the transaction itself), the banked owner `publish` copies out (`output`), and the
+    flag class of the bits the stages' checks set (`check_bits`), by which a failed status word
+    is described. `reserve`: rows each session's table is extended to after the stages, if
+    granted (one number for all, or one per session). `banks`: `banks_of` the sessions'
+    records, made in advance (a CUDA graph's capture)."""
+
+    def __init__(self, images: list[Image], lengths: list[int], stages: list[str], budgets: list[MemoryBudget],
+                 max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
+                 planned: bool = False, reserve: int | list[int] = 0, each: bool = False, banks=None):
+        if each and len(images) != 1:
+            raise StructuralError("begin", "a prefix transaction is one session's chunk")
+        reserves = reserve if isinstance(reserve, (list, tuple)) else [reserve] * len(images)
+        self.parts = [_Session(image, n, budget, min(r, max_rows))
+                      for image, n, budget, r in zip(images, lengths, budgets, reserves)]
+        self.sessions = len(self.parts)
+        self.pool, self.device = images[0].pool, images[0].device
+        self.planned, self.each = planned, each
+        self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
         self.step = None                            # the `StepBatch` the runner passes the stages
-        self.stages, self.budget = stages, budget
-        self.checks = DeviceChecks(defer=planned)
-        self.max_rows = max_rows
+        self.stages, self.max_rows = stages, max_rows
         self.frontier_owner, self.output, self.check_bits = frontier_owner, output, check_bits
-        self.reserve = min(reserve, max_rows)   # rows the table is extended to after the stages, if granted
-        self.completion = Completion(image.device)
+        self.checks = DeviceChecks(defer=planned, lengths=list(lengths), device=self.device)
+        self.completion = Completion(self.device)
         self.stage_index, self.stage = -1, "begin"
         self.written: set[str] = set()
-        self._writes: list[torch.Tensor] = []       # what the current stage wrote
-        self._value_bytes = 0
-        self._working = 0                           # bytes of what the step's fields carry between stages
-        self._accounts: list[tuple[int, int, str]] = []     # (growth, working, stage) per seal
-        self._peak: tuple[int, str] | None = None           # a planned step's largest request
+        self._writes: list[tuple[torch.Tensor, int | None]] = []    # this stage's: (tensor, its session or None)
+        self._value_bytes = 0                       # bytes of banked values this stage wrote, per session
         self._rows_handed = False
-        self._held: list = []                       # resources committed with the chunk (`hold`)
-        self._done = False
         self._cut = False                           # `keep` left rows past the new frontier
-        budget.begin()
-        if frontier_owner in self.private:
-            if planned:
-                torch.add(self.public[frontier_owner], length, out=self.private[frontier_owner])
-            else:
-                self.private[frontier_owner].fill_(self.frontier + length)
+        if self.sessions > 1:
+            self._public, self._slots = banks or banks_of([p.record for p in self.parts], self.device)
+        self._share = [n / sum(lengths) for n in lengths]           # each session's part of a per-token tensor
+        for p in self.parts:
+            p.budget.begin()
+            if frontier_owner in p.private:
+                if planned:
+                    torch.add(p.public[frontier_owner], p.length, out=p.private[frontier_owner])
+                else:
+                    p.private[frontier_owner].fill_(p.frontier + p.length)
+        if self.parts and frontier_owner in self.parts[0].private:
             self.written.add(frontier_owner)
+
+    # ---- one session's (a chunk's) ------------------------------------------------------------
+    @property
+    def _one(self) -> _Session:
+        if self.sessions != 1:
+            raise StructuralError(self.stage, "this transaction holds several sessions' chunks")
+        return self.parts[0]
+
+    image = property(lambda self: self._one.image)
+    record = property(lambda self: self._one.record)
+    frontier = property(lambda self: self._one.frontier)
+    length = property(lambda self: self._one.length)
+    public = property(lambda self: self._one.public)
+    private = property(lambda self: self._one.private)
+    budget = property(lambda self: self._one.budget)
 
     # ---- what stages use -------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
-        """Public value of a banked owner. Never write to it."""
-        return self.public[name]
+        """Public value of a banked owner (several sessions': [N, ...], gathered from the pool by
+        slot and parity: a copy). Never write to it."""
+        if self.sessions == 1:
+            return self.parts[0].public[name]
+        return self.pool.banks[name][self._public, self._slots]
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """Store the new value of a banked owner in the private bank."""
-        self.private[name].copy_(value)
-        self.wrote(name)
+        """Store the new value of a banked owner in the private bank (several sessions': value
+        [N, ...], row i into session i's, in one indexed write)."""
+        if self.sessions == 1:
+            target = self.parts[0].private[name]
+            target.copy_(value)
+        else:
+            bank = self.pool.banks[name]
+            target = value.to(bank.dtype)
+            bank.index_put_((1 - self._public, self._slots), target)
+        self.written.add(name)
+        self._writes.append((target, None))
+        self._value_bytes += self.parts[0].private[name].nbytes
 
     def write_each(self, name: str, values: torch.Tensor) -> None:
         """A prefix transaction's values of a banked owner after every token of the chunk [T, ...]:
         the last is written as `write` writes, all are kept (and checked) for `keep`."""
         self.write(name, values[-1])
         self.after_each[name] = values
-        self._writes.append(values)
+        self._writes.append((values, 0))
         self._value_bytes += values.numel() * values.element_size()
 
     def keep(self, k: int) -> int:
@@ -116,61 +182,74 @@ class Transaction:
         rows of the tokens after k stay past the frontier, never public. Returns k."""
         if not self.each:
             raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
-        if 0 < k < self.length:
+        p = self._one
+        if 0 < k < p.length:
             missing = sorted(n for n in self.written if n != self.frontier_owner and n not in self.after_each)
             if missing:
                 raise StructuralError("keep", f"no value after every token for {', '.join(missing)}")
             for name, values in self.after_each.items():
-                self.private[name].copy_(values[k - 1])
-            if self.frontier_owner in self.private:
-                self.private[self.frontier_owner].fill_(self.frontier + k)
-            self.length, self._cut = k, True
+                p.private[name].copy_(values[k - 1])
+            if self.frontier_owner in p.private:
+                p.private[self.frontier_owner].fill_(p.frontier + k)
+            p.length, self._cut = k, True
         return k
 
-    def wrote(self, name: str) -> None:
-        """The bookkeeping of `write` for a private value already stored (a batch stores every
-        session's in one multi-tensor copy)."""
-        target = self.private[name]
-        self.written.add(name)
-        self._writes.append(target)
-        self._value_bytes += target.numel() * target.element_size()
-
-    def rows(self, name: str) -> Log:
-        """An appended owner's rows through the session's table, which holds rows
-        [start, start+length) in blocks of its own: rows below `start` are the public ones, rows
-        [start, start+length) are this chunk's to write."""
-        if self._table is None:
-            self._table = self._writable_table()
-            self._first = first_of_run(self.table)
+    def rows(self, name: str) -> list[Log]:
+        """An appended owner's rows, one `Log` per session, each through its session's table,
+        which holds rows [start, start+length) in blocks of its own: rows below `start` are the
+        public ones, rows [start, start+length) are this chunk's to write. A session refused its
+        blocks (the pool, its budget) fails alone: it gets scratch rows for the rest of the pass,
+        whose results are dropped."""
         self._rows_handed = True
-        if self.planned:                    # the public table: a captured graph reads it as it was
-            log = self.pool.log(name, self._table, self.record.table, first=self._first)
-        else:
-            log = self.pool.log(name, self._table, self.table, self.frontier + self.length, self._first)
-        log.written = self._hear
-        return log
+        logs = []
+        for i, p in enumerate(self.parts):
+            if p.failure is None and p.device_table is None:
+                try:
+                    p.device_table = self._writable_table(p)
+                    p.first = first_of_run(p.table)
+                except Exception as exc:
+                    self._fail(p, exc)
+            if p.failure is not None:
+                row = self.pool.rows[name]
+                log = Log.whole(torch.zeros((p.frontier + p.length,) + row.shape[2:], dtype=row.dtype,
+                                            device=self.device), p.frontier + p.length)
+            elif self.planned:              # the public table: a captured graph reads it as it was
+                log = self.pool.log(name, p.device_table, p.record.table, first=p.first)
+            else:
+                log = self.pool.log(name, p.device_table, p.table, p.frontier + p.length, p.first)
+            log.written = partial(self._hear, i)
+            logs.append(log)
+        return logs
 
-    def _hear(self, rows: torch.Tensor) -> None:
-        """Rows a stage wrote: checked (finite) with the rest of what it wrote."""
-        self._writes.append(rows)
+    def _hear(self, session: int, rows: torch.Tensor) -> None:
+        """Rows a stage wrote for `session`: checked (finite) with the rest of what it wrote."""
+        self._writes.append((rows, session))
 
     def hold(self, resource) -> None:
-        """Commit `resource` with this chunk's publication, or release it if the chunk aborts."""
-        self._held.append(resource)
+        """Commit `resource` with this step's publication, or release it if it aborts (with
+        several sessions: once each has finished, committed if any published)."""
+        if self.sessions > 1:
+            resource = _Shared(resource, self.sessions)
+        for p in self.parts:
+            p.held.append(resource)
 
     def carry(self, new: list[torch.Tensor], live: list[torch.Tensor]) -> None:
         """What the step's fields carry between stages after this one (`StepBatch.streams`,
-        `.terms`): `new`, what this stage put there, is checked with its writes; `live`, all of
-        it, is the working set the memory budget counts."""
-        self._writes += new
-        self._working = sum(v.numel() * v.element_size() for v in live)
+        `.terms`, per token): `new`, what this stage put there, is checked with its writes;
+        `live`, all of it, is the working set the memory budget counts, each session its share."""
+        self._writes += [(v, None) for v in new]
+        working = sum(v.numel() * v.element_size() for v in live)
+        for p, share in zip(self.parts, self._share):
+            p.working = int(working * share)
 
     def flag(self, bad: torch.Tensor, bit: int) -> None:
-        """Device-side check: set `bit` in this stage's status word if any of `bad` is true."""
+        """Device-side check: set `bit` in this stage's status word of each session any of whose
+        `bad` is true (`bad` [T, ...] or [N, ...], or a scalar for every session)."""
         self.checks.flag(self.stage_index, bad, bit)
 
     def check_range(self, values: torch.Tensor, upper: int, bit: int, lower: int | None = 0) -> None:
-        """Device-side check: set `bit` unless every value lies in [lower, upper)."""
+        """Device-side check: set `bit` for each session unless every one of its values lies in
+        [lower, upper)."""
         self.checks.check_range(self.stage_index, values, upper, bit, lower)
 
     # ---- what the runner uses --------------------------------------------------------------
@@ -181,174 +260,227 @@ class Transaction:
 
     def seal(self) -> None:
         """Queue the finite checks of everything this stage wrote, admit what it emitted and
-        wrote to the memory budget (the values it keeps; its scratch tensors are not counted),
-        and record its completion."""
+        wrote to each session's memory budget (the values it keeps; its scratch tensors are not
+        counted), and record its completion."""
         self.checks.finite(self.stage_index, self._writes)
-        working = self._working
-        growth = max(working - self.budget.working + self._value_bytes, 0)
-        self._accounts.append((growth, working, self.stage))
-        self._account(growth, working, self.stage)
+        for p in self.parts:
+            if p.failure is None:
+                growth = max(p.working - p.budget.working + self._value_bytes, 0)
+                p.accounts.append((growth, p.working, self.stage))
+                try:
+                    self._request(p.budget.admit, growth, f"the intermediates of {self.stage}")
+                    p.budget.set_working(p.working)
+                except ChunkAborted as exc:
+                    self._fail(p, exc)
         self.completion.record(self.stage_index)
 
     def restart(self) -> None:
-        """Re-arm a planned transaction for a replay of its captured work at the public record
-        now (same bank parity and storage as at capture): the memory budget hears the largest of
-        the requests the stages made (so it refuses exactly when one of them would be refused),
-        and nothing is marked failed or finished."""
-        record = self.image.public
-        same = record.bank == self.record.bank and record.table == self.record.table
-        if not (self.planned and same) or self._held:      # held resources are one chunk's, never replayed
-            raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
-        self.record, self.frontier, self._done = record, record.frontier, False
-        self.length, self._cut = self.chunk_length, False          # a replay's `keep` chooses again
+        """Re-arm a planned transaction for a replay of its captured work at the public records
+        now (same bank parities and storage as at capture): each memory budget hears the largest
+        of the requests the stages made (so it refuses exactly when one of them would be
+        refused), and nothing is marked failed or finished."""
+        for p in self.parts:
+            record = p.image.public
+            same = record.bank == p.record.bank and record.table == p.record.table
+            if not (self.planned and same) or p.held:      # held resources are one chunk's, never replayed
+                raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
         self.completion.restart()
-        self.budget.begin()
-        if self._peak is None:              # each stage asked for working-so-far + its growth
-            working, peak = 0, (0, "begin")
-            for growth, after, stage in self._accounts:
-                peak = max(peak, (working + growth, stage), key=lambda p: p[0])
-                working = after
-            self._peak = peak
-        needed, self.stage = self._peak
-        self._request(self.budget.admit, needed, f"the intermediates of {self.stage}")
-        self.budget.set_working(self._accounts[-1][1] if self._accounts else 0)
-        self.stage = self.stages[0]         # a replay's own failures: a graph cannot say which stage
+        self.stage, self._cut = self.stages[0], False
+        for p in self.parts:
+            p.record, p.frontier, p.done, p.failure = p.image.public, p.image.public.frontier, False, None
+            p.length = p.chunk_length               # a replay's `keep` chooses again
+            p.budget.begin()
+            if p.peak is None:              # each stage asked for working-so-far + its growth
+                working, peak = 0, (0, "begin")
+                for growth, after, stage in p.accounts:
+                    peak = max(peak, (working + growth, stage), key=lambda x: x[0])
+                    working = after
+                p.peak = peak
+            needed, self.stage = p.peak
+            try:
+                self._request(p.budget.admit, needed, f"the intermediates of {self.stage}")
+                p.budget.set_working(p.accounts[-1][1] if p.accounts else 0)
+            except ChunkAborted as exc:
+                self._fail(p, exc)
+            self.stage = self.stages[0]     # a replay's own failures: a graph cannot say which stage
 
     def poison(self) -> None:
         """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
-        target = next(t for t in reversed(self._writes) if t.is_floating_point() and t.numel())
+        target = next(t for t, _ in reversed(self._writes) if t.is_floating_point() and t.numel())
         target.view(-1)[0] = float("nan")
 
-    def validate(self, values: list[float] | None = None) -> None:
-        """Raise the failure of the earliest failing stage, if any. `values`: this transaction's
-        folded checks, when a batch brought several transactions' back in one transfer."""
-        missing = [s.name for s in self.image.banked if s.name not in self.written]
+    def failures(self, values: list[float] | None = None) -> list[ChunkAborted | None]:
+        """Each session's failure, or None: the earliest failing stage's, from every check read
+        back in one transfer (`values`: the folded checks, already brought back)."""
+        missing = [s.name for s in self.parts[0].image.banked if s.name not in self.written]
         if missing:
-            raise StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
+            error = StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
+            return [p.failure or error for p in self.parts]
         try:
-            words, nonfinite = self.checks.read(values)              # the one host sync
+            checks = self.checks.read(values)              # the one host sync
         except Exception as exc:
-            if out_of_memory(exc):
-                raise AllocationError("validate", f"{type(exc).__name__}: {exc}") from exc
-            raise CommandError("validate", f"device work failed: {exc}") from exc
-        failures = []
+            cls = AllocationError if out_of_memory(exc) else CommandError
+            error = cls("validate", f"{type(exc).__name__}: {exc}" if cls is AllocationError
+                        else f"device work failed: {exc}")
+            return [p.failure or error for p in self.parts]
         incomplete = self.completion.first_incomplete()
-        if incomplete is not None:
-            failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
-        for index, word in words.items():
-            failures.append((index, 1, DeviceStatusError,
-                             f"status word 0x{word:x} ({describe(word, self.check_bits)})"))
-        for index in nonfinite:
-            failures.append((index, 2, NonFiniteError, "a write of this stage is not finite"))
-        if failures:
+        out = []
+        for p, (words, nonfinite) in zip(self.parts, checks):
+            failures = []
+            if incomplete is not None:
+                failures.append((incomplete, 0, CommandError, "submitted work did not complete"))
+            for index, word in words.items():
+                failures.append((index, 1, DeviceStatusError,
+                                 f"status word 0x{word:x} ({describe(word, self.check_bits)})"))
+            for index in nonfinite:
+                failures.append((index, 2, NonFiniteError, "a write of this stage is not finite"))
+            if p.failure is not None or not failures:
+                out.append(p.failure)
+                continue
             index, _, cls, detail = min(failures, key=lambda f: (f[0], f[1]))
-            raise cls(self.stages[index], detail)
+            out.append(cls(self.stages[index], detail))
+        return out
 
-    def publish(self, out: torch.Tensor | None = None) -> None:
-        """Copy the output to the caller, then make the private image public in one assignment.
+    def validate(self, values: list[float] | None = None) -> None:
+        """Raise the failure of the earliest failing stage of a chunk (one session's), if any."""
+        self._one                                   # several sessions' are read by `failures`
+        failure = self.failures(values)[0]
+        if failure is not None:
+            raise failure
+
+    def publish(self, out: torch.Tensor | None = None, session: int = 0) -> None:
+        """Copy `session`'s output to the caller, then make its private image public in one
+        assignment.
 
         `out` must already be known to accept the copy (the session checks it before the
         transaction begins). Signals are held until both are done, so the caller's buffer and
         the public image never disagree; an exception a held signal raises comes after the
         flip, from the end of this call, and the chunk stays published."""
-        if self._done:
+        p = self.parts[session]
+        if p.done:
             raise StructuralError("publish", "transaction already finished")
-        released = len(self._dropped) * self.pool.block_nbytes
-        record = Published(self.record.slot, 1 - self.record.bank, self.frontier + self.length, self.table)
+        released = len(p.dropped) * self.pool.block_nbytes
+        record = Published(p.record.slot, 1 - p.record.bank, p.frontier + p.length, p.table)
         with deferred_signals():
-            self._copy_out(out)
-            self.image.publish(record)
-            self._done = True
-            self._taken = []
-            self.pool.release(self._dropped)
+            self._copy_out(p, out)
+            p.image.publish(record)
+            p.done = True
+            p.taken = []
+            self.pool.release(p.dropped)
             if self._cut:                           # the rejected tail's rows, past the frontier
-                self.image.tail_dirty = True
+                p.image.tail_dirty = True
             try:
-                self.budget.commit(released)
+                p.budget.commit(released)
             finally:
-                _finish_all(self._held, "commit")
+                _finish_all(p.held, "commit")
 
-    def _copy_out(self, out: torch.Tensor | None) -> None:
+    def _copy_out(self, p: _Session, out: torch.Tensor | None) -> None:
         if out is None:
             return
         try:
-            out.copy_(self.private[self.output])
+            out.copy_(p.private[self.output])
         except Exception as exc:
             raise StructuralError("publish", f"could not write out: {type(exc).__name__}: {exc}") from exc
 
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self.budget.abort()
-            self.pool.release(self._taken)
-            self._taken = []
-            _finish_all(self._held, "release")
-            if self._rows_handed:                   # rows past the frontier may hold anything now
-                self.image.tail_dirty = True
+        """Finish every session not yet published: nothing of it published, its blocks back."""
+        for p in self.parts:
+            if not p.done:
+                p.done = True
+                p.budget.abort()
+                self.pool.release(p.taken)
+                p.taken = []
+                _finish_all(p.held, "release")
+                if self._rows_handed:               # rows past the frontier may hold anything now
+                    p.image.tail_dirty = True
 
     # ---- internals -------------------------------------------------------------------------
+    def _fail(self, p: _Session, exc: Exception) -> None:
+        """`p` fails alone (the others go on); when no session is left, the step stops here."""
+        p.failure = exc if isinstance(exc, ChunkAborted) else abort_error(self.stage, exc)
+        if all(q.failure is not None for q in self.parts):
+            raise p.failure
+
     def extend_reserved(self) -> None:
-        """After the last stage: extend the table to `reserve` rows, with blocks taken if the
-        pool has them free and the budget grants them. Asked for only once every stage has made
-        its own requests, so a reservation never takes what the chunk needed, and one that is
-        refused is skipped, never an abort."""
-        if not self.planned and self.reserve:
-            self._extend(self.reserve)
+        """After the last stage: extend each table to its `reserve` rows, with blocks taken if
+        the pool has them free and the budget grants them. Asked for only once every stage has
+        made its own requests, so a reservation never takes what the chunk needed, and one that
+        is refused is skipped, never an abort."""
+        if not self.planned:
+            for p in self.parts:
+                if p.reserve and p.failure is None:
+                    self._extend(p, p.reserve)
 
     def _blocks(self, count: int) -> str:
         return f"{count} block{'s' if count != 1 else ''} of {self.pool.block_rows} rows"
 
-    def _writable_table(self) -> torch.Tensor:
+    def _writable_table(self, p: _Session) -> torch.Tensor:
         """The table whose blocks hold this chunk's rows, its own: in a planned step the public
         one as it is; else blocks taken for rows past the table's end (and, when it must grow,
         up to twice its rows if they are free) and copies of shared blocks the chunk writes into."""
-        need = self.frontier + self.length
+        need = p.frontier + p.length
         if self.planned:
-            if not self.pool.exclusive(self.record.table, self.frontier, need):
-                raise StructuralError(self.stage, f"a planned step needs rows {self.frontier}..{need - 1} held, in "
+            if not self.pool.exclusive(p.record.table, p.frontier, need):
+                raise StructuralError(self.stage, f"a planned step needs rows {p.frontier}..{need - 1} held, in "
                                       f"blocks of the session's own")
-            return self.image.device_table()
-        if self.pool.exclusive(self.record.table, self.frontier, need):     # as it is: the table held
-            return self.image.device_table()
+            return p.image.device_table()
+        if self.pool.exclusive(p.record.table, p.frontier, need):     # as it is: the table held
+            return p.image.device_table()
         try:
-            plan = self.pool.writable(self.record.table, self.frontier, self.length)
+            plan = self.pool.writable(p.record.table, p.frontier, p.length)
         except PoolFull as exc:
             raise AllocationError(self.stage, str(exc)) from None
         if plan.taken:
             try:
-                self._request(self.budget.grow, len(plan.taken) * self.pool.block_nbytes, self._blocks(len(plan.taken)))
+                self._request(p.budget.grow, len(plan.taken) * self.pool.block_nbytes, self._blocks(len(plan.taken)))
             except AllocationError:
                 self.pool.release(plan.taken)
                 raise
-        self._taken += plan.taken
+        p.taken += plan.taken
         self.pool.copy_blocks(plan.copies)
-        self.table, self._dropped = plan.table, plan.dropped
-        held = len(self.record.table) * self.pool.block_rows
+        p.table, p.dropped = plan.table, plan.dropped
+        held = len(p.record.table) * self.pool.block_rows
         if need > held:                      # growing: room for as many rows again, if it is free
-            self._extend(max(need, 2 * held, self.pool.block_rows))
-        return self.pool.table_tensor(self.table)
+            self._extend(p, max(need, 2 * held, self.pool.block_rows))
+        return self.pool.table_tensor(p.table)
 
-    def _extend(self, rows: int) -> None:
-        more = self.pool.extend(self.table, min(rows, self.max_rows))
+    def _extend(self, p: _Session, rows: int) -> None:
+        more = self.pool.extend(p.table, min(rows, self.max_rows))
         if not more:
             return
         try:
-            self.budget.grow(len(more) * self.pool.block_nbytes, self._blocks(len(more)))
+            p.budget.grow(len(more) * self.pool.block_nbytes, self._blocks(len(more)))
         except Refused:
             self.pool.release(more)
             return
-        self._taken += more
-        self.table += more
-
-    def _account(self, growth: int, working: int, stage: str) -> None:
-        self._request(self.budget.admit, growth, f"the intermediates of {stage}")
-        self.budget.set_working(working)
+        p.taken += more
+        p.table += more
 
     def _request(self, ask, nbytes: int, what: str) -> None:
         try:
             ask(nbytes, what)
         except Refused as exc:
             raise AllocationError(self.stage, str(exc)) from None
+
+
+class _Shared:
+    """One resource held by every session of a step: it follows the step's outcome (committed
+    once every session has finished if any of them published, else released)."""
+
+    def __init__(self, resource, parts: int):
+        self.resource, self.waiting, self.published = resource, parts, False
+
+    def commit(self) -> None:
+        self.published = True
+        self._finished()
+
+    def release(self) -> None:
+        self._finished()
+
+    def _finished(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            (self.resource.commit if self.published else self.resource.release)()
 
 
 def _finish_all(resources: list, how: str) -> None:
