@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 
+import numpy as np
 import torch
 
 
@@ -36,7 +37,10 @@ class DeviceChecks:
     In a step of several sessions (`lengths`: each one's tokens), every value is kept per
     session: a tensor is reduced per session by its first dimension (T rows: each session its
     own tokens'; N rows: row i session i's; anything else concerns every session), a finite
-    check's tensor also by the session named beside it; `read` gives each session its own.
+    check's tensor also by the session named beside it (a session's rows). A finite check by
+    first dimension is then the float64 sum of each session's part, one launch a tensor (a sum
+    is non-finite exactly when a value is, and float64 does not overflow on finite 16- or 32-bit
+    values). `read` gives each session its own.
     """
 
     def __init__(self, defer: bool = False, lengths: list[int] | None = None, device: torch.device | None = None):
@@ -53,6 +57,8 @@ class DeviceChecks:
         self._finite_cells: list[int] = []
         self._pending: list[tuple[torch.Tensor, int | None]] = []
         self._pending_cells: list[int] = []
+        self._named: list[torch.Tensor] = []                 # several sessions': magnitudes of tensors named for one
+        self._named_at: list[tuple[int, int]] = []           # (cell, session) of each
         self._folded: torch.Tensor | None = None
 
     def flag(self, cell: int, bad: torch.Tensor, bit: int) -> None:
@@ -92,26 +98,38 @@ class DeviceChecks:
 
     def _magnitudes(self, written: list[tuple[torch.Tensor, int | None]], cells: list[int]) -> None:
         """One session's: the largest magnitude of each tensor, one multi-tensor launch per
-        dtype. Several sessions': per cell, a value per session that is finite exactly when
-        everything it wrote is."""
+        dtype. Several sessions': a tensor by its first dimension gives a value per session,
+        the float64 sum of its rows (a sum is non-finite exactly when a value is: float64 does
+        not overflow on finite 16- or 32-bit values), one launch; a tensor named for a session,
+        its largest magnitude (with the others, one launch per dtype)."""
         if self.sessions == 1:
             self._finite += _norms([t for t, _ in written])
             self._finite_cells += cells
             return
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        for cell in dict.fromkeys(cells):
-            mine = [w for w, c in zip(written, cells) if c == cell]
-            for t, _ in (w for w in mine if w[1] is None):
-                bad = self._each(~torch.isfinite(t), "any")
-                self._finite.append(torch.where(bad.to(torch.bool), float("inf"), 0.0).to(torch.float64))
+        named = [(t, i, cell) for (t, i), cell in zip(written, cells) if i is not None]
+        for (t, i), cell in zip(written, cells):
+            if i is None:
+                self._finite.append(self._sums(t))
                 self._finite_cells.append(cell)
-            named: dict[int, list[torch.Tensor]] = {}
-            for t, i in (w for w in mine if w[1] is not None):
-                named.setdefault(i, []).append(t)
-            if named:
-                sums = {i: torch.stack(_norms(ts)).to(torch.float64).sum() for i, ts in named.items()}
-                self._finite.append(torch.stack([sums.get(i, zero) for i in range(self.sessions)]))
-                self._finite_cells.append(cell)
+        self._named += _norms([t for t, _, _ in named])
+        self._named_at += [(cell, i) for _, i, cell in named]
+
+    def _sums(self, t: torch.Tensor) -> torch.Tensor:
+        """[N]: the float64 sum of each session's part of `t` (by its first dimension)."""
+        N = self.sessions
+        if t.dim() == 0 or t.shape[0] not in (N, self.tokens):
+            return t.sum(dtype=torch.float64).reshape(1).expand(N)
+        rows = t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
+        if t.shape[0] == N:
+            return rows
+        return torch.zeros(N, dtype=torch.float64, device=t.device).index_add_(0, self._token_sessions(), rows)
+
+    def _token_sessions(self) -> torch.Tensor:
+        """Each token's session (a ragged step's; made on first use, never inside a capture)."""
+        if self._of_token is None:
+            self._of_token = torch.repeat_interleave(torch.arange(self.sessions, device=self.device),
+                                                     torch.tensor(self.lengths, device=self.device))
+        return self._of_token
 
     def _each(self, t: torch.Tensor, how: str) -> torch.Tensor:
         """`t` reduced ("any", "min", "max"): a scalar for one session, else [N] by its first
@@ -124,12 +142,9 @@ class DeviceChecks:
         per = rows.any(1) if how == "any" else rows.amin(1) if how == "min" else rows.amax(1)
         if t.shape[0] == N:
             return per
-        if self._of_token is None:
-            self._of_token = torch.repeat_interleave(torch.arange(N, device=self.device),
-                                                     torch.tensor(self.lengths, device=self.device))
         start = {"any": 0.0, "min": float("inf"), "max": float("-inf")}[how]
         out = torch.full((N,), start, dtype=torch.float64, device=t.device)
-        return out.scatter_reduce(0, self._of_token, per.to(torch.float64), "amin" if how == "min" else "amax")
+        return out.scatter_reduce(0, self._token_sessions(), per.to(torch.float64), "amin" if how == "min" else "amax")
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
@@ -138,24 +153,33 @@ class DeviceChecks:
             if self._pending:
                 self._magnitudes(self._pending, self._pending_cells)
                 self._pending, self._pending_cells = [], []
-            parts = [torch.stack(group).to(torch.float64).reshape(-1) for group in (self._status, self._finite) if group]
+            parts = [torch.stack(group).to(torch.float64).reshape(-1)
+                     for group in (self._status, self._finite, self._named) if group]
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
-    def read(self, values: list[float] | None = None) -> list[tuple[dict[int, int], set[int]]]:
+    def read(self) -> list[tuple[dict[int, int], set[int]]]:
         """One device-to-host transfer -> per session ({cell: status word}, {cells with a
-        non-finite write}). `values`: the folded tensor already brought back."""
-        if values is None:
-            folded = self.fold()
-            values = folded.tolist() if folded is not None else []
-        N, out = self.sessions, []
-        finite = values[len(self._status) * N:]
-        for i in range(N):
-            words: dict[int, int] = {}
-            for j, (cell, bit, test) in enumerate(self._tests):
-                if _fails(test, values[j * N + i]):
-                    words[cell] = words.get(cell, 0) | bit
-            out.append((words, {cell for j, cell in enumerate(self._finite_cells) if not math.isfinite(finite[j * N + i])}))
+        non-finite write})."""
+        folded = self.fold()
+        values = folded.cpu().numpy() if folded is not None else np.zeros(0)
+        N, k, f = self.sessions, len(self._tests), len(self._finite_cells)
+        out: list[tuple[dict[int, int], set[int]]] = [({}, set()) for _ in range(N)]
+        if k:
+            kinds = np.array([0 if t is None else 1 if t[0] == "below" else 2 for _, _, t in self._tests])[:, None]
+            bounds = np.array([0 if t is None else t[1] for _, _, t in self._tests], dtype=np.float64)[:, None]
+            status = values[:k * N].reshape(k, N)
+            failed = np.where(kinds == 0, status != 0, np.where(kinds == 1, status < bounds, status >= bounds))
+            for j, i in zip(*np.nonzero(failed)):
+                cell, bit, _ = self._tests[j]
+                out[i][0][cell] = out[i][0].get(cell, 0) | bit
+        finite = values[k * N:k * N + f * N].reshape(f, N)
+        for j, i in zip(*np.nonzero(~np.isfinite(finite))):
+            out[i][1].add(self._finite_cells[j])
+        named = values[(k + f) * N:]
+        for j in np.nonzero(~np.isfinite(named))[0]:
+            cell, i = self._named_at[j]
+            out[i][1].add(cell)
         return out
 
 
@@ -188,13 +212,6 @@ def _norm_keeps_nan(device: torch.device) -> bool:
         probe = torch.tensor([1.0, float("nan"), 2.0], device=device)
         _KEEPS_NAN[kind] = bool(torch._foreach_norm([probe], math.inf)[0].isnan())
     return _KEEPS_NAN[kind]
-
-
-def _fails(test, value: float) -> bool:
-    if test is None:
-        return bool(value)
-    kind, bound = test
-    return value < bound if kind == "below" else value >= bound
 
 
 class Completion:

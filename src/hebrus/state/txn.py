@@ -309,15 +309,15 @@ class Transaction:
         target = next(t for t, _ in reversed(self._writes) if t.is_floating_point() and t.numel())
         target.view(-1)[0] = float("nan")
 
-    def failures(self, values: list[float] | None = None) -> list[ChunkAborted | None]:
+    def failures(self) -> list[ChunkAborted | None]:
         """Each session's failure, or None: the earliest failing stage's, from every check read
-        back in one transfer (`values`: the folded checks, already brought back)."""
+        back in one transfer."""
         missing = [s.name for s in self.parts[0].image.banked if s.name not in self.written]
         if missing:
             error = StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
             return [p.failure or error for p in self.parts]
         try:
-            checks = self.checks.read(values)              # the one host sync
+            checks = self.checks.read()                    # the one host sync
         except Exception as exc:
             cls = AllocationError if out_of_memory(exc) else CommandError
             error = cls("validate", f"{type(exc).__name__}: {exc}" if cls is AllocationError
@@ -341,10 +341,10 @@ class Transaction:
             out.append(cls(self.stages[index], detail))
         return out
 
-    def validate(self, values: list[float] | None = None) -> None:
+    def validate(self) -> None:
         """Raise the failure of the earliest failing stage of a chunk (one session's), if any."""
         self._one                                   # several sessions' are read by `failures`
-        failure = self.failures(values)[0]
+        failure = self.failures()[0]
         if failure is not None:
             raise failure
 
