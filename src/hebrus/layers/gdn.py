@@ -13,6 +13,7 @@ from hebrus.ops.gdn import gdn_chunked, gdn_inputs, gdn_recurrent, gdn_recurrent
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
+from hebrus.state.step import StepBatch
 from hebrus.state.owners import OwnerSpec
 
 
@@ -60,22 +61,33 @@ class GatedDeltaNet:
         self.eps = s.rms_norm_eps
 
     def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels,
-                 sessions: bool = False, each: bool = False):
+                 at: StepBatch | None = None, each: bool = False):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
-        With `sessions`, row i of h is one token of session i, whose states are conv_state[i]
-        and S[i]. With `each`, both states after every token ([T, ...]: a prefix transaction)."""
+        In a step of several sessions (`at`), conv_state and S are [N, ...], session i's i: the
+        projections run over every token at once, the conv and the delta rule per session (all
+        at once when each feeds one token). With `each`, both states after every token ([T, ...]:
+        a prefix transaction)."""
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
-        if sessions:                              # B sequences of one token each
-            projected, b, a = projected[:, None], b[:, None], a[:, None]
-        q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
-            projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
-        o, S = kernels.ops[DELTA_RULE_EACH if each else DELTA_RULE](q, k, v, g, beta, S)   # sessions: B sequences of one token
-        if sessions:
+        if at is None or at.sessions == 1:
+            o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
+        elif at.one_each:                         # N sequences of one token each
+            o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
             o = o[:, 0]
+        else:
+            parts = [self._recur(*(at.rows_of(i, x) for x in (projected, b, a)), conv_state[i], S[i], kernels)
+                     for i in range(at.sessions)]
+            o, conv_state, S = torch.cat([p[0] for p in parts]), *(torch.stack(x) for x in list(zip(*parts))[1:])
         z = linear(h, self.w_z).view(T, self.hv, self.dv)
         o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return linear(o.flatten(1), self.w_out), conv_state, S
+
+    def _recur(self, projected, b, a, conv_state, S, kernels, each: bool = False):
+        """The conv and the delta rule over one sequence (leading dims: several) -> (o, conv_state, S)."""
+        q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
+            projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
+        o, S = kernels.ops[DELTA_RULE_EACH if each else DELTA_RULE](q, k, v, g, beta, S)
+        return o, conv_state, S
 
 
 class GDNMixer(Sublayer):
@@ -89,11 +101,11 @@ class GDNMixer(Sublayer):
 
         def step(at, X, state, each=False):
             h, post, comb = self.mix_in(X)
-            y, conv_state, S = self.gdn(h, *state, self.kernels, sessions=at.one_each, each=each)
+            y, conv_state, S = self.gdn(h, *state, self.kernels, at=at, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
         batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
-                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)))
+                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
         write = txn.write_each if batch.each else txn.write
         write(conv, conv_state.transpose(-1, -2))
         write(rec, S)

@@ -17,17 +17,19 @@ from hebrus.state.step import StepBatch
 Params = dict[str, torch.Tensor]
 
 
-def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor, ...], state):
+def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor, ...], state,
+         ragged: bool = False):
     """`step(batch, *inputs, state) -> (out, state)` over the step. Its two shapes: one
     session's chunk (state its value), or several sessions' single tokens at once (fast mode,
     `batch.one_each`: state [N, ...]); any other step of several sessions runs session by
     session (state i its value), the states stacked back [N, ...], but in fast mode a step
-    without state (None) takes the whole step in one call. One session's chunk runs as
+    without state (None), or one that says it takes any step (`ragged`, state [N, ...]),
+    takes the whole step in one call. One session's chunk runs as
     one call with `whole_chunk` (fast mode), else token by token (on fresh copies, with
     `batch.token(t)`). For a prefix transaction (`batch.each`), the state after every token,
     stacked, instead of the last: exact mode keeps each token's, and a whole-chunk step is
     called with `each=True` to return them itself."""
-    if batch.sessions > 1 and not (whole_chunk and (batch.one_each or state is None)):
+    if batch.sessions > 1 and not (whole_chunk and (batch.one_each or state is None or ragged)):
         outs, states = [], []
         for i in range(batch.sessions):
             mine = None if state is None else _index(state, i)
