@@ -410,3 +410,53 @@ def test_a_ragged_steps_failure_in_one_session_leaves_the_others_published(model
     for i in (0, 2):
         _close(got[i], alone[i].feed(chunks[i].tolist()), f"session {i}", 1e-10)
         assert sessions[i].digest() != before[i]
+
+
+@pytest.fixture(scope="module")
+def ragged_case(tiny):
+    """Three exact-mode sessions (one prefilling, one decoding, one prefilling) and what each
+    publishes fed its chunk alone."""
+    vocab = tiny.spec.vocab_size
+    bases = [tiny.session() for _ in range(3)]
+    for i, (s, n) in enumerate(zip(bases, (5, 18, 2))):
+        s.feed(tokens(n, seed=40 + i, vocab=vocab))
+    chunks = [tokens(4, seed=50, vocab=vocab), tokens(1, seed=51, vocab=vocab), tokens(3, seed=52, vocab=vocab)]
+    alone = []
+    for s, chunk in zip(bases, chunks):
+        copy = s.fork()
+        alone.append((copy.feed(chunk), copy.digest()))
+    return bases, chunks, alone
+
+
+@pytest.mark.parametrize("kind", hebrus.FAULT_KINDS)
+def test_a_fault_for_one_session_in_a_ragged_step(tiny, ragged_case, kind):
+    """Every kind at every stage, aimed at one session of a ragged step (in turn a prefilling
+    and a decoding one): that session aborts at that stage with that kind and keeps its state;
+    the others publish exactly what they publish alone (the pass kinds, structural and command,
+    abort the whole pass, and each innocent session then runs alone)."""
+    bases, chunks, alone = ragged_case
+    for n, stage in enumerate(tiny.stage_names):
+        target = n % 2
+        sessions = [s.fork() for s in bases]
+        before = sessions[target].digest()
+        with hebrus.inject(stage=stage, kind=kind, session=sessions[target]):
+            got = hebrus.feed_many(sessions, chunks)
+        error = got[target]
+        assert isinstance(error, hebrus.ChunkAborted), (stage, error)
+        assert (error.kind, error.stage) == (kind, stage), (stage, error)
+        assert sessions[target].digest() == before, stage
+        for i, (logits, digest) in enumerate(alone):
+            if i != target:
+                assert isinstance(got[i], torch.Tensor) and torch.equal(got[i], logits), (stage, i)
+                assert sessions[i].digest() == digest, (stage, i)
+
+
+def test_a_fault_for_a_session_outside_the_step_does_not_fire(tiny, ragged_case):
+    bases, chunks, alone = ragged_case
+    sessions, outsider = [s.fork() for s in bases], bases[0].fork()
+    with hebrus.inject(stage="head", kind="nonfinite", session=outsider) as fault:
+        got = hebrus.feed_many(sessions, chunks)
+    assert not fault.fired and all(torch.equal(g, a[0]) for g, a in zip(got, alone))
+    with pytest.raises(InvalidInput, match="session must be a hebrus session"):
+        with hebrus.inject(stage="head", kind="nonfinite", session="s1"):
+            pass

@@ -57,7 +57,8 @@ def test_verify_passes_and_reports_every_cell(mode, capsys):
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert re.fullmatch(r"\d+ passed, 0 failed", lines[-1])
-    assert sum(line.count("held") for line in lines) == 11 * 5
+    assert sum(line.count("held") for line in lines) == 2 * 11 * 5      # alone, and in a ragged step
+    assert "one session's fault in a ragged step of three" in out
 
 
 def test_bad_arguments_are_clear(capsys):

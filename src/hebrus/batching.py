@@ -20,13 +20,18 @@ def feed_many(sessions, tokens, outs=None) -> list:
     all of them); each session is its own transaction. `tokens[i]` is session i's: one token id,
     or a list (or 1-D tensor) of them, of any length ≥ 1; a 1-D tensor of ids is one each. Fast
     mode runs the step's tokens together; exact mode runs each session's chunk token by token,
-    as it would alone. Returns, per session in order,
-    its last logits (a new tensor, or `outs[i]`, written only if that session publishes) or the
-    `ChunkAborted` that aborted it: one session's failure leaves the others published. Every
-    argument is checked first; a bad one raises `InvalidInput` and changes nothing. A signal
-    that arrives while the sessions publish is delivered once they all have; its exception
-    carries `.results`, the list above. (`Batch` does the same for a fixed list of sessions,
-    step after step, from CUDA graphs on a GPU.)"""
+    as it would alone. Returns, per session in order, its last logits (a new tensor, or
+    `outs[i]`, written only if that session publishes) or the `ChunkAborted` that aborted it:
+    one session's failure (a NaN, a failed check, refused blocks or budget in its rows) leaves
+    the others published. A failure of the pass itself (an exception, device work that did not
+    complete) leaves every session unchanged, and each session that did not fail on its own
+    then runs its chunk alone, so only a session that fails again is reported. A fault armed for
+    one session (`hebrus.inject(..., session=s)`) fires in its part of the pass; one armed for
+    no session in particular makes the sessions feed one at a time. Every argument is checked
+    first; a bad one raises `InvalidInput` and changes nothing. A signal that arrives while the
+    sessions publish is delivered once they all have; its exception carries `.results`, the
+    list above. (`Batch` does the same for a fixed list of sessions, step after step, from CUDA
+    graphs on a GPU.)"""
     sessions, model = _batch_sessions(sessions)
     return _feed_together(sessions, model, tokens, outs, None)
 
@@ -110,7 +115,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
                 raise InvalidInput(f"session {i}: {exc}") from None
         try:
             with torch.inference_mode():
-                if faults.armed():              # injection points are the eager runner's: one at a time
+                if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
                     return [_fed_alone(s, chunk, outs[i]) for i, (s, chunk) in enumerate(zip(sessions, chunks))]
                 one_each = all(len(c) == 1 for c in chunks)
                 if steps is not None and one_each and steps.accepts():

@@ -388,6 +388,8 @@ def _verify(args) -> int:
     print(f"hebrus verify: model {args.model}, mode {args.mode}, device {model.device}, "
           f"dtype {str(model.dtype).removeprefix('torch.')}\n")
     _fault_table(model, [r for r in results if r.group == "fault"])
+    print("\none session's fault in a ragged step of three")
+    _fault_table(model, [r for r in results if r.group == "batch"])
     print("\nequivalence")
     for r in (r for r in results if r.group == "equivalence"):
         print(f"  {r.verdict:6}  {r.name}" + (f"  ({r.detail})" if r.detail else ""))

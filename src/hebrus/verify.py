@@ -3,7 +3,14 @@
 Fault matrix: every stage × every fault kind. A cell is `held` when the injected failure raised
 the right error at the right stage, the public digest, frontier and the caller's sentinel
 buffer did not change, and the next chunk then gave bit-for-bit the result of a session that
-never failed. Equivalence: chunkings and interleavings give bit-identical state in exact mode.
+never failed. Batch cells: the same matrix in a ragged step of three sessions (two feeding a
+chunk, one decoding), the fault aimed at one of them (in turn a chunk's and the decoder's): it
+alone aborts with the right error at the right stage and keeps its state, the others publish
+what the same step publishes with no fault (after a pass kind, structural or command, what each
+publishes alone, as each innocent session is then run alone): in exact mode bit for bit, in
+fast mode logits within the dtype's tolerance (fast mode groups a step's tokens per expert, so
+another session's routes change how a product is blocked, not what it is), and its next chunk
+alone gives what a session that never failed gives. Equivalence: chunkings and interleavings give bit-identical state in exact mode.
 Fast mode is run with exact mode's discrete choices replayed (`model.replay`): its continuous
 values stay within the dtype's tolerance of exact mode, and wherever its own choice differed
 from exact's (a flip), exact's choice was a near-tie (see `Bound`).
@@ -16,7 +23,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from hebrus.batching import feed_many
 from hebrus.errors import FAULT_KINDS, ChunkAborted
+from hebrus.faults import PASS_KINDS
 from hebrus.faults import inject, page_read_failure
 from hebrus.bound import (BOUNDS, FLOOR_FACTOR, Replayed, compare_replayed, greedy, relative_error,
                           rounding_floor, run_chunks)
@@ -35,7 +44,7 @@ class Verdict:
 
 @dataclass(slots=True)
 class Check:
-    group: str            # "fault" or "equivalence"
+    group: str            # "fault", "batch" or "equivalence"
     name: str
     run: Callable[[], Verdict]
 
@@ -57,6 +66,9 @@ def checks(model, seed: int = 0) -> list[Check]:
     reference = _Reference(model, warm, chunk)
     out = [Check("fault", f"{stage} × {kind}", _fault_check(model, stage, kind, warm, chunk, reference))
            for stage in model.stage_names for kind in FAULT_KINDS]
+    batch = _Batch(model, rng)
+    out += [Check("batch", f"{stage} × {kind}", _batch_check(batch, n % 2, stage, kind))
+            for n, stage in enumerate(model.stage_names) for kind in FAULT_KINDS]
     if model.paged:                 # the command kind's own cause for paged tables: a page not read
         out.append(Check("fault", "ple × command (a page read fails)", _page_check(model, warm, chunk, reference)))
     out += list(_equivalence_checks(model, rng))
@@ -107,6 +119,81 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Ver
         if leaks:
             return Verdict(False, "leaked", "; ".join(leaks))
         return Verdict(True, "held")
+
+    return run
+
+
+class _Batch:
+    """Three sessions and their chunks for a ragged step, and (computed once, lazily) what each
+    publishes in that step with no fault and fed its chunk alone: (logits, digest) each."""
+
+    def __init__(self, model, rng: random.Random):
+        vocab = model.spec.vocab_size
+        self.model = model
+        self.warm = [[rng.randrange(vocab) for _ in range(n)] for n in (WARM, 2 * WARM, 3)]
+        self.chunks = [[rng.randrange(vocab) for _ in range(n)] for n in (CHUNK, 1, 4)]
+        self._bases = None
+        self._together = self._alone = None
+
+    def sessions(self) -> list:
+        if self._bases is None:
+            self._bases = []
+            for warm in self.warm:
+                s = self.model.session()
+                s.feed(warm)
+                self._bases.append(s)
+        return [s.fork() for s in self._bases]
+
+    def together(self) -> list:
+        if self._together is None:
+            sessions = self.sessions()
+            got = feed_many(sessions, self.chunks)
+            self._together = [(g, s.digest()) for g, s in zip(got, sessions)]
+        return self._together
+
+    def alone(self) -> list:
+        if self._alone is None:
+            self._alone = []
+            for s, chunk in zip(self.sessions(), self.chunks):
+                self._alone.append((s.feed(chunk), s.digest()))
+        return self._alone
+
+
+def _batch_check(batch: _Batch, target: int, stage: str, kind: str) -> Callable[[], Verdict]:
+    def run() -> Verdict:
+        model = batch.model
+        sessions = batch.sessions()
+        before, frontier = sessions[target].digest(), sessions[target].frontier
+        outs = [torch.full((model.spec.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
+                for _ in sessions]
+        with inject(stage=stage, kind=kind, session=sessions[target]):
+            got = feed_many(sessions, batch.chunks, outs=outs)
+        error = got[target]
+        if not isinstance(error, ChunkAborted):
+            return Verdict(False, "missed", f"session {target}: no error raised")
+        if (error.kind, error.stage) != (kind, stage):
+            return Verdict(False, "missed", f"session {target}: raised {error.kind} at {error.stage}")
+        leaks = []
+        if sessions[target].digest() != before or sessions[target].frontier != frontier:
+            leaks.append("the failed session's state changed")
+        if not bool((outs[target] == 12345.0).all()):
+            leaks.append("the failed session's out buffer written")
+        reference = batch.alone() if kind in PASS_KINDS else batch.together()
+        exact = not model.kernels.whole_chunk
+        for i, (logits, digest) in enumerate(reference):
+            if i == target:
+                continue
+            published = isinstance(got[i], torch.Tensor)
+            same = published and (torch.equal(got[i], logits) and sessions[i].digest() == digest if exact else
+                                  relative_error(got[i], logits) <= BOUNDS[model.dtype].tolerance)
+            if not same:
+                leaks.append(f"session {i} did not publish what it publishes without the fault"
+                             + ("" if published else f" ({got[i]})"))
+        logits, digest = batch.alone()[target]
+        again = sessions[target].feed(batch.chunks[target])
+        if sessions[target].digest() != digest or not torch.equal(again, logits):
+            leaks.append("the failed session's next chunk differs from a session that never failed")
+        return Verdict(not leaks, "leaked" if leaks else "held", "; ".join(leaks))
 
     return run
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import run_stages, transaction
+from hebrus.engine.eager import OUTPUT, run_chunk, run_stages, transaction
 from hebrus.engine.graphs import capture
 from hebrus.errors import AllocationError, ChunkAborted, CommandError
 from hebrus.layers.owners import FRONTIER
@@ -36,21 +36,41 @@ def run_step(model, sessions, chunks: list[torch.Tensor], outs, reserve: list[in
         run_stages(model, txn, StepBatch.ragged(ids, [p.frontier for p in txn.parts], lengths))
         txn.extend_reserved()
 
-    return _conclude(txn, work, sessions, outs)
+    return _conclude(model, txn, work, sessions, chunks, outs)
 
 
-def _conclude(txn: Transaction, work, sessions, outs) -> list:
+def _conclude(model, txn: Transaction, work, sessions, chunks, outs) -> list:
     """Run `work` (the shared pass), read every session's checks back in one transfer, then
-    publish each session that passed them on its own -> each session's outcome. Every session
-    is finished (published or aborted) on the way out."""
+    publish each session that passed them on its own -> each session's outcome. A failure of
+    the pass itself (an exception no session's own, device work that did not complete) leaves
+    every session unchanged; then each session that did not fail on its own runs its chunk
+    alone, so only a session that fails again is reported."""
+    rerun = _finished(txn, work, sessions, outs)
+    if rerun is None:
+        return txn.results
+    results = txn.results
+    for j in rerun:
+        results[j] = _alone(model, sessions[j], chunks[j], outs[j])
+    return results
+
+
+def _finished(txn: Transaction, work, sessions, outs) -> list[int] | None:
+    """The pass, validation and publication of `_conclude` (every session finished on the way
+    out; outcomes in `txn.results`) -> None, or after a failure of the pass, the sessions that
+    did not fail on their own."""
     try:
         try:
             work()
-        except ChunkAborted as exc:
-            return [p.failure or exc for p in txn.parts]
-        except Exception as exc:
-            return [p.failure or abort_error(txn.stage, exc) for p in txn.parts]
+        except Exception:
+            txn.results = [p.failure for p in txn.parts]
+            if all(txn.results):                    # each failed on its own: nothing left to run
+                return None
+            return [j for j, p in enumerate(txn.parts) if p.failure is None]
         results: list = txn.failures()
+        if txn.pass_failed:
+            txn.results = [p.failure for p in txn.parts]
+            return [j for j, p in enumerate(txn.parts) if p.failure is None]
+        txn.results = results
         try:
             with deferred_signals():        # a signal lands after every session has published
                 for j, failure in enumerate(results):
@@ -58,9 +78,18 @@ def _conclude(txn: Transaction, work, sessions, outs) -> list:
         except BaseException as exc:
             _attach(exc, results)
             raise
-        return results
+        return None
     finally:
         txn.abort()
+
+
+def _alone(model, session, chunk: torch.Tensor, out):
+    """One session's chunk as a transaction of its own (after a failure of a shared pass)."""
+    try:
+        run_chunk(model, session.image, session.budget, chunk.to(model.device), out, session.reserve)
+    except ChunkAborted as exc:
+        return exc
+    return out if out is not None else session.image.read(OUTPUT).clone()
 
 
 MAX_GRAPHS = 4          # graphs one batch keeps (two while every session publishes)
@@ -128,7 +157,7 @@ class BatchSteps:
                 run_stages(self.model, txn, self._step(txn))
                 self.uncaptured += 1
 
-            results = _conclude(txn, work, self.sessions, outs)
+            results = _conclude(self.model, txn, work, self.sessions, ids.split(1), outs)
             self.warm.add(key)
             return results
         graph, txn = held
@@ -140,7 +169,7 @@ class BatchSteps:
             txn.completion.record_replay()
             self.replays += 1
 
-        return _conclude(txn, replay, self.sessions, outs)
+        return _conclude(self.model, txn, replay, self.sessions, ids.split(1), outs)
 
     def _stage(self, ids: torch.Tensor) -> None:
         for s in self.sessions:

@@ -118,6 +118,8 @@ class Transaction:
         self._value_bytes = 0                       # bytes of banked values this stage wrote, per session
         self._rows_handed = False
         self._cut = False                           # `keep` left rows past the new frontier
+        self.pass_failed = False                    # `failures` found the pass itself failed
+        self.results: list = []                     # each session's outcome (kept by a batch runner)
         if self.sessions > 1:
             self._public, self._slots = banks or banks_of([p.record for p in self.parts], self.device)
         self._share = [n / sum(lengths) for n in lengths]           # each session's part of a per-token tensor
@@ -304,10 +306,26 @@ class Transaction:
                 self._fail(p, exc)
             self.stage = self.stages[0]     # a replay's own failures: a graph cannot say which stage
 
-    def poison(self) -> None:
-        """Write a NaN into the last floating-point tensor this stage wrote (fault injection)."""
-        target = next(t for t, _ in reversed(self._writes) if t.is_floating_point() and t.numel())
-        target.view(-1)[0] = float("nan")
+    def poison(self, session: int | None = None) -> None:
+        """Write a NaN into the last floating-point value this stage wrote (fault injection);
+        with `session`, into the last one written for that session alone."""
+        for t, who in reversed(self._writes):
+            if not (t.is_floating_point() and t.numel()):
+                continue
+            target = t
+            if session is not None and self.sessions > 1:
+                first = sum(self.checks.lengths[:session])
+                if who is not None:
+                    if who != session:
+                        continue
+                elif t.dim() and t.shape[0] == self.sessions:
+                    target = t[session]
+                elif t.dim() and t.shape[0] == self.checks.tokens:
+                    target = t[first]
+                else:
+                    continue
+            target.view(-1)[0] = float("nan")
+            return
 
     def failures(self) -> list[ChunkAborted | None]:
         """Each session's failure, or None: the earliest failing stage's, from every check read
@@ -315,6 +333,7 @@ class Transaction:
         missing = [s.name for s in self.parts[0].image.banked if s.name not in self.written]
         if missing:
             error = StructuralError("validate", f"banked owners not written by any stage: {', '.join(missing)}")
+            self.pass_failed = True
             return [p.failure or error for p in self.parts]
         try:
             checks = self.checks.read()                    # the one host sync
@@ -322,8 +341,10 @@ class Transaction:
             cls = AllocationError if out_of_memory(exc) else CommandError
             error = cls("validate", f"{type(exc).__name__}: {exc}" if cls is AllocationError
                         else f"device work failed: {exc}")
+            self.pass_failed = True
             return [p.failure or error for p in self.parts]
         incomplete = self.completion.first_incomplete()
+        self.pass_failed = incomplete is not None
         out = []
         for p, (words, nonfinite) in zip(self.parts, checks):
             failures = []
