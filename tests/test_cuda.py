@@ -310,6 +310,44 @@ def test_fla_runs_several_sessions_tokens_at_once():
 
 
 @cuda
+def test_fla_runs_sessions_chunks_of_any_lengths_in_one_call():
+    """N sequences of different lengths through fla's varlen form (cu_seqlens), against each
+    sequence through fla alone (which itself matches the twins, above)."""
+    from hebrus.ops.cuda.gdn import gdn_fla_ragged
+    fla = _fla()
+    bounds = (0, 5, 6, 70, 71, 200)
+    cpu, gpu = _inputs(bounds[-1], 4, 64, 128, torch.bfloat16)
+    states = torch.randn(len(bounds) - 1, 4, 64, 128, generator=torch.Generator().manual_seed(2)).cuda() * 0.1
+    cu = torch.tensor(bounds, device="cuda")
+    o, s = gdn_fla_ragged(*gpu[:5], states, cu, bounds)
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        want_o, want_s = fla(*(t[a:b] for t in gpu[:5]), states[i])
+        assert _rel(o[a:b], want_o) <= 1e-2 and _rel(s[i], want_s) <= 1e-2, i
+
+
+@cuda
+def test_ragged_steps_on_cuda_match_the_sessions_fed_alone(tmp_path):
+    """Prompts beside decode tokens in one step of a bfloat16 Qwen3.5 on CUDA (fla's varlen
+    delta rule) against each session fed alone, within bfloat16's tolerance."""
+    from foreign import build
+    folder, _ = build("qwen3_5", tmp_path)
+    model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
+    together, alone = [model.session(decode="eager") for _ in range(4)], [model.session(decode="eager") for _ in range(4)]
+    gen = torch.Generator().manual_seed(3)
+    for a, b, n in zip(together, alone, (3, 17, 1, 30)):
+        ids = torch.randint(0, model.spec.vocab_size, (n,), generator=gen).tolist()
+        a.feed(ids)
+        b.feed(ids)
+    for lengths in [(9, 1, 40, 1), (1, 1, 1, 1), (2, 33, 1, 5)]:
+        chunks = [torch.randint(0, model.spec.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+        got = hebrus.feed_many(together, chunks)
+        for g, s, c in zip(got, alone, chunks):
+            want = s.feed(c)
+            assert isinstance(g, torch.Tensor) and _rel(g, want) <= 5e-2
+
+
+@cuda
 def test_batch_graphs_match_eager_batches(tmp_path):
     """`hebrus.Batch` from CUDA graphs against `feed_many` (eager) on the same device; a NaN in
     one session inside a replay aborts it alone."""

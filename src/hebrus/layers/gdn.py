@@ -9,7 +9,7 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, uniform
 from hebrus.layers.sublayer import Sublayer, scan
-from hebrus.ops.gdn import gdn_chunked, gdn_inputs, gdn_recurrent, gdn_recurrent_states, gdn_states
+from hebrus.ops.gdn import gdn_chunked, gdn_inputs, gdn_ragged, gdn_recurrent, gdn_recurrent_states, gdn_states
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
@@ -19,6 +19,7 @@ from hebrus.state.owners import OwnerSpec
 
 DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
+DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
 def delta_rule_fast(q, k, v, g, beta, state):
@@ -64,8 +65,9 @@ class GatedDeltaNet:
                  at: StepBatch | None = None, each: bool = False):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
         In a step of several sessions (`at`), conv_state and S are [N, ...], session i's i: the
-        projections run over every token at once, the conv and the delta rule per session (all
-        at once when each feeds one token). With `each`, both states after every token ([T, ...]:
+        projections run over every token at once, the conv per session, and the delta rule over
+        every session's tokens in one call (a varlen kernel on CUDA; N single tokens when each
+        feeds one). With `each`, both states after every token ([T, ...]:
         a prefix transaction)."""
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
@@ -74,10 +76,13 @@ class GatedDeltaNet:
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
             o = o[:, 0]
-        else:
-            parts = [self._recur(*(at.rows_of(i, x) for x in (projected, b, a)), conv_state[i], S[i], kernels)
+        else:                                     # the conv per session, the delta rule over all in one call
+            parts = [kernels.fused(gdn_inputs)(*(at.rows_of(i, x) for x in (projected, b, a)), conv_state[i], self.conv_w,
+                                               self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
                      for i in range(at.sessions)]
-            o, conv_state, S = torch.cat([p[0] for p in parts]), *(torch.stack(x) for x in list(zip(*parts))[1:])
+            columns = list(zip(*parts))
+            conv_state = torch.stack(columns[5])
+            o, S = kernels.ops[DELTA_RULE_RAGGED](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
         z = linear(h, self.w_z).view(T, self.hv, self.dv)
         o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
         return linear(o.flatten(1), self.w_out), conv_state, S
@@ -158,10 +163,11 @@ class GDN(Kind):
         CUDA, fla's kernels when fla is installed (`hebrus.ops.cuda.gdn`; their TF32 dots would
         not meet float32's fast bound). Their readable twins are `ops.gdn`."""
         if mode != "fast":
-            return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states}
-        rule = delta_rule_fast
+            return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states,
+                    DELTA_RULE_RAGGED: gdn_ragged(gdn_recurrent)}
+        rule, ragged = delta_rule_fast, gdn_ragged(delta_rule_fast)
         if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
-                rule = cuda_gdn.gdn_fla
-        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states}
+                rule, ragged = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged}

@@ -134,6 +134,22 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
     return out.permute(1, 2, 0, 3).reshape(n * chunk, H, dv)[:T], S
 
 
+def gdn_ragged(rule):
+    """`rule` (one sequence's, above) over N sequences of any lengths at once: q [T, H, dk] ...,
+    state [N, H, dk, dv], sequence i rows bounds[i]..bounds[i+1] -> (o [T, H, dv], final states
+    [N, ...]). Each sequence through `rule` on its own (the readable form of a varlen kernel;
+    `cu_seqlens`, the bounds on the device, is what such a kernel takes)."""
+    def ragged(q, k, v, g, beta, state, cu_seqlens, bounds):
+        outs, states = [], []
+        for i in range(len(bounds) - 1):
+            a, b = bounds[i], bounds[i + 1]
+            o, s = rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[i])
+            outs.append(o)
+            states.append(s)
+        return torch.cat(outs), torch.stack(states)
+    return ragged
+
+
 def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
     if not pad:
         return t

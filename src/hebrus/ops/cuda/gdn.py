@@ -28,3 +28,16 @@ def gdn_fla(q, k, v, g, beta, state):
                     g=g.float().contiguous(), beta=beta.float().contiguous(), scale=1.0,
                     initial_state=initial.float(), output_final_state=True)
     return (o, final.to(state.dtype)) if sequences else (o[0], final[0].to(state.dtype))
+
+
+def gdn_fla_ragged(q, k, v, g, beta, state, cu_seqlens, bounds):
+    """N sequences of any lengths in one call of fla's chunked kernel: q [T, H, dk] ..., state
+    [N, H, dk, dv], sequence i rows cu_seqlens[i]..cu_seqlens[i+1] -> (o [T, H, dv], final
+    states [N, ...]). The contract of `hebrus.ops.gdn.gdn_ragged`, its readable twin."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    dtype = q.dtype
+    o, final = chunk_gated_delta_rule(q[None].contiguous(), k.to(dtype)[None].contiguous(),
+                                      v.to(dtype)[None].contiguous(), g=g.float()[None].contiguous(),
+                                      beta=beta.float()[None].contiguous(), scale=1.0, initial_state=state.float(),
+                                      output_final_state=True, cu_seqlens=cu_seqlens.long())
+    return o[0], final.to(state.dtype)
