@@ -9,6 +9,7 @@ from functools import partial
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels, unfused
@@ -121,8 +122,10 @@ class Attention:
                 k_rows, v_rows = (dense(self._view(logs, part, mine.visible, q.dtype)) for part in (0, 1))
                 o = self.attend(cut(i, q), k_rows, v_rows, mine.positions)
             outs.append(o)
-        if past:
-            check_range(torch.cat(past), 1, Check.INDEX_RANGE, lower=None)
+        if past:                              # sessions see different numbers of rows: pad with 0 (in range)
+            width = max(p.shape[1] for p in past)
+            check_range(torch.cat([F.pad(p, (0, width - p.shape[1])) for p in past]), 1, Check.INDEX_RANGE,
+                        lower=None)
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return linear(gated.flatten(1), w["o_proj.weight"])
