@@ -66,7 +66,7 @@ def checks(model, seed: int = 0) -> list[Check]:
     reference = _Reference(model, warm, chunk)
     out = [Check("fault", f"{stage} × {kind}", _fault_check(model, stage, kind, warm, chunk, reference))
            for stage in model.stage_names for kind in FAULT_KINDS]
-    batch = _Batch(model, rng)
+    batch = _Batch(model, random.Random(seed + 1))     # its own draws: the other checks' inputs unchanged
     out += [Check("batch", f"{stage} × {kind}", _batch_check(batch, n % 2, stage, kind))
             for n, stage in enumerate(model.stage_names) for kind in FAULT_KINDS]
     if model.paged:                 # the command kind's own cause for paged tables: a page not read
