@@ -365,7 +365,7 @@ def one_pass(monkeypatch):
     behind correct results)."""
     def alone(*args):
         raise AssertionError("the shared pass failed and its sessions were run alone")
-    monkeypatch.setattr(batch, "_alone", alone)
+    monkeypatch.setattr(batch, "run_alone", alone)
 
 
 # prompt lengths (a fresh session first, which sees fewer rows than the indexer's top_k), then

@@ -10,7 +10,7 @@ import torch
 
 from hebrus import arguments, faults
 from hebrus.engine import batch
-from hebrus.errors import ChunkAborted, InvalidInput
+from hebrus.errors import InvalidInput
 from hebrus.engine.graphs import decode_route
 from hebrus.session import Session
 
@@ -116,7 +116,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
         try:
             with torch.inference_mode():
                 if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
-                    return [_fed_alone(s, chunk, outs[i]) for i, (s, chunk) in enumerate(zip(sessions, chunks))]
+                    return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
                 one_each = all(len(c) == 1 for c in chunks)
                 if steps is not None and one_each and steps.accepts():
                     return steps.step(torch.cat(chunks), outs)
@@ -128,11 +128,3 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
                     s._steps.retire_stale()
             if steps is not None:
                 steps.retire_stale()
-
-
-def _fed_alone(session: Session, ids: torch.Tensor, out):
-    """One session's token through its own runner (the caller holds its lock)."""
-    try:
-        return session._transact(ids, out)
-    except ChunkAborted as exc:
-        return exc

@@ -45,32 +45,22 @@ def _conclude(model, txn: Transaction, work, sessions, chunks, outs) -> list:
     the pass itself (an exception no session's own, device work that did not complete) leaves
     every session unchanged; then each session that did not fail on its own runs its chunk
     alone, so only a session that fails again is reported."""
-    rerun = _finished(txn, work, sessions, outs)
-    if rerun is None:
-        return txn.results
-    results = txn.results
-    for j in rerun:
-        results[j] = _alone(model, sessions[j], chunks[j], outs[j])
-    return results
+    results = _shared_pass(txn, work, sessions, outs)
+    return [r if r is not None else run_alone(model, s, c, o) for r, s, c, o in zip(results, sessions, chunks, outs)]
 
 
-def _finished(txn: Transaction, work, sessions, outs) -> list[int] | None:
-    """The pass, validation and publication of `_conclude` (every session finished on the way
-    out; outcomes in `txn.results`) -> None, or after a failure of the pass, the sessions that
-    did not fail on their own."""
+def _shared_pass(txn: Transaction, work, sessions, outs) -> list:
+    """The pass, validation and publication of `_conclude` -> each session's outcome, None for
+    a session that did not fail on its own when the pass itself failed. Every session is
+    finished (published or aborted) on the way out."""
     try:
         try:
             work()
         except Exception:
-            txn.results = [p.failure for p in txn.parts]
-            if all(txn.results):                    # each failed on its own: nothing left to run
-                return None
-            return [j for j, p in enumerate(txn.parts) if p.failure is None]
+            return [p.failure for p in txn.parts]
         results: list = txn.failures()
         if txn.pass_failed:
-            txn.results = [p.failure for p in txn.parts]
-            return [j for j, p in enumerate(txn.parts) if p.failure is None]
-        txn.results = results
+            return [p.failure for p in txn.parts]
         try:
             with deferred_signals():        # a signal lands after every session has published
                 for j, failure in enumerate(results):
@@ -78,13 +68,14 @@ def _finished(txn: Transaction, work, sessions, outs) -> list[int] | None:
         except BaseException as exc:
             _attach(exc, results)
             raise
-        return None
+        return results
     finally:
         txn.abort()
 
 
-def _alone(model, session, chunk: torch.Tensor, out):
-    """One session's chunk as a transaction of its own (after a failure of a shared pass)."""
+def run_alone(model, session, chunk: torch.Tensor, out):
+    """One session's chunk as a transaction of its own (the caller holds its lock, in inference
+    mode) -> its last logits (`out` or a new tensor) or the `ChunkAborted` that aborted it."""
     try:
         run_chunk(model, session.image, session.budget, chunk.to(model.device), out, session.reserve)
     except ChunkAborted as exc:

@@ -109,20 +109,10 @@ class DeviceChecks:
         named = [(t, i, cell) for (t, i), cell in zip(written, cells) if i is not None]
         for (t, i), cell in zip(written, cells):
             if i is None:
-                self._finite.append(self._sums(t))
+                self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)
         self._named += _norms([t for t, _, _ in named])
         self._named_at += [(cell, i) for _, i, cell in named]
-
-    def _sums(self, t: torch.Tensor) -> torch.Tensor:
-        """[N]: the float64 sum of each session's part of `t` (by its first dimension)."""
-        N = self.sessions
-        if t.dim() == 0 or t.shape[0] not in (N, self.tokens):
-            return t.sum(dtype=torch.float64).reshape(1).expand(N)
-        rows = t.reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
-        if t.shape[0] == N:
-            return rows
-        return torch.zeros(N, dtype=torch.float64, device=t.device).index_add_(0, self._token_sessions(), rows)
 
     def _token_sessions(self) -> torch.Tensor:
         """Each token's session (a ragged step's; made on first use, never inside a capture)."""
@@ -132,19 +122,19 @@ class DeviceChecks:
         return self._of_token
 
     def _each(self, t: torch.Tensor, how: str) -> torch.Tensor:
-        """`t` reduced ("any", "min", "max"): a scalar for one session, else [N] by its first
-        dimension."""
+        """`t` reduced ("any", "min", "max", or "sum" in float64): a scalar for one session, else
+        [N] by its first dimension."""
         N = self.sessions
         if N == 1 or t.dim() == 0 or t.shape[0] not in (N, self.tokens):
-            whole = t.any() if how == "any" else t.amin() if how == "min" else t.amax()
+            whole = _REDUCE[how](t.reshape(1, -1))[0]
             return whole if N == 1 else whole.reshape(1).expand(N)
-        rows = t.reshape(t.shape[0], -1)
-        per = rows.any(1) if how == "any" else rows.amin(1) if how == "min" else rows.amax(1)
+        per = _REDUCE[how](t.reshape(t.shape[0], -1))
         if t.shape[0] == N:
             return per
-        start = {"any": 0.0, "min": float("inf"), "max": float("-inf")}[how]
+        start = {"any": 0.0, "sum": 0.0, "min": float("inf"), "max": float("-inf")}[how]
         out = torch.full((N,), start, dtype=torch.float64, device=t.device)
-        return out.scatter_reduce(0, self._token_sessions(), per.to(torch.float64), "amin" if how == "min" else "amax")
+        return out.scatter_reduce(0, self._token_sessions(), per.to(torch.float64),
+                                  {"any": "amax", "sum": "sum", "min": "amin", "max": "amax"}[how])
 
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
@@ -181,6 +171,14 @@ class DeviceChecks:
             cell, i = self._named_at[j]
             out[i][1].add(cell)
         return out
+
+
+_REDUCE = {                     # each row of a [rows, values] tensor -> [rows]
+    "any": lambda rows: rows.any(1),
+    "min": lambda rows: rows.amin(1),
+    "max": lambda rows: rows.amax(1),
+    "sum": lambda rows: rows.sum(1, dtype=torch.float64),
+}
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -119,7 +119,6 @@ class Transaction:
         self._rows_handed = False
         self._cut = False                           # `keep` left rows past the new frontier
         self.pass_failed = False                    # `failures` found the pass itself failed
-        self.results: list = []                     # each session's outcome (kept by a batch runner)
         if self.sessions > 1:
             self._public, self._slots = banks or banks_of([p.record for p in self.parts], self.device)
         self._share = [n / sum(lengths) for n in lengths]           # each session's part of a per-token tensor
@@ -130,7 +129,7 @@ class Transaction:
                     torch.add(p.public[frontier_owner], p.length, out=p.private[frontier_owner])
                 else:
                     p.private[frontier_owner].fill_(p.frontier + p.length)
-        if self.parts and frontier_owner in self.parts[0].private:
+        if frontier_owner in self.parts[0].private:
             self.written.add(frontier_owner)
 
     # ---- one session's (a chunk's) ------------------------------------------------------------
@@ -309,12 +308,12 @@ class Transaction:
     def poison(self, session: int | None = None) -> None:
         """Write a NaN into the last floating-point value this stage wrote (fault injection);
         with `session`, into the last one written for that session alone."""
+        first = sum(self.checks.lengths[:session or 0])     # the session's first token
         for t, who in reversed(self._writes):
             if not (t.is_floating_point() and t.numel()):
                 continue
             target = t
             if session is not None and self.sessions > 1:
-                first = sum(self.checks.lengths[:session])
                 if who is not None:
                     if who != session:
                         continue
