@@ -9,7 +9,6 @@ import torch
 from conftest import poisoned as with_nan_row
 from conftest import tokens
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
-from hebrus.state.step import StepBatch
 
 STEPS = 24
 
@@ -44,13 +43,15 @@ def test_planned_steps_match_eager(models, name):
     model = models[name]
     vocab = model.spec.vocab_size
     prompt = tokens(10, seed=3, vocab=vocab)     # row logs hold 16 rows: the steps grow them twice
+    runner = model.steps(capture=False)
+    ran = runner.uncaptured
     planned, got = _decode(model, "planned", prompt, STEPS, vocab)
     eager, want = _decode(model, "eager", prompt, STEPS, vocab)
     for step, (a, b) in enumerate(zip(got, want)):
         _close(a, b, f"logits of step {step}")
     assert planned.frontier == eager.frontier == len(prompt) + STEPS
-    # rows 16 and 32 needed storage to grow: those steps ran eager, the others from the plan
-    assert planned._steps.uncaptured == STEPS - 2
+    # rows 16 and 32 needed storage to grow: blocks taken as each step began, every step from the plan
+    assert runner.uncaptured - ran == STEPS
     a, b = _state(planned), _state(eager)
     for owner in b:
         _close(a[owner], b[owner], owner)
@@ -67,12 +68,13 @@ def test_planned_steps_over_a_scattered_table_match_eager(models):
     vocab = model.spec.vocab_size
     pair = [model.session(decode="planned") for _ in range(2)]
     eager = [model.session(decode="eager") for _ in range(2)]
+    ran = model.steps(capture=False).uncaptured
     for step in range(40):
         for i in range(2):
             token = tokens(1, seed=100 * i + step, vocab=vocab)
             _close(pair[i].feed(token), eager[i].feed(token), f"session {i}, step {step}")
     assert any(first_of_run(s.image.public.table) is None for s in pair)
-    assert all(s._steps.uncaptured > 30 for s in pair)       # most steps ran from the plan
+    assert model.steps(capture=False).uncaptured - ran == 80       # every step ran from the plan
     for s, e in zip(pair, eager):
         a, b = _state(s), _state(e)
         for owner in b:
@@ -110,7 +112,7 @@ def test_a_device_range_failure_publishes_nothing(models):
     before = s.digest()
     with pytest.raises(DeviceStatusError, match="token_range"):
         with torch.inference_mode():
-            s._steps.step(torch.tensor([model.spec.vocab_size + 3]), None)
+            s._run(torch.tensor([model.spec.vocab_size + 3]), None)
     assert s.digest() == before
     s.feed([1])                                     # and the session goes on
 
@@ -126,51 +128,74 @@ def test_decode_is_checked(tiny, models):
 
 
 def test_a_replay_asks_the_budget_what_the_stages_asked(models):
-    """`restart` (before each graph replay) hears the stages' requests as one: it refuses under
-    exactly the budgets under which running the stages refuses."""
-    from hebrus.engine.eager import run_stages, transaction
+    """A replay's transaction (borrowing the captured step's work) hears the stages' requests
+    as one: it refuses its session under exactly the budgets under which running the stages
+    refuses."""
     from hebrus.errors import AllocationError
     model = models["tiny"]
+    runner = model.steps(capture=False)
     s = model.session(decode="planned")
     s.feed(tokens(5))
+    key = runner.key([s.image], 1, False)
+    s.feed([2])                                     # makes the key's inputs
+    inputs = runner.inputs[key]
 
-    def planned():
-        return transaction(model, [s.image], [s.budget], [1], planned=True)
+    def run_stages_refused() -> bool:
+        txn = runner._transaction([s.image], [s.budget], 1, False, inputs)
+        try:
+            runner._stage(inputs, txn, [3])
+            runner._plan(txn, inputs)
+            return False
+        except AllocationError:
+            return True
+        finally:
+            txn.abort()
 
-    def step(txn):
-        return StepBatch.planned(torch.tensor([3]), txn.public["frontier"].view(1))
+    def replay_refused(captured) -> bool:
+        txn = runner._transaction([s.image], [s.budget], 1, False, inputs, captured)
+        try:
+            return txn.parts[0].failure is not None
+        finally:
+            txn.abort()
 
     with torch.inference_mode():
-        txn = planned()
-        run_stages(model, txn, step(txn))
-        txn.restart()                                   # no limit: nothing refused
-        needed = txn.parts[0].peak[0]
+        txn = runner._transaction([s.image], [s.budget], 1, False, inputs)
+        runner._stage(inputs, txn, [3])
+        runner._plan(txn, inputs)
+        captured = txn.captured()
+        txn.abort()
+        (needed, _), _ = captured.peak
         assert needed > 0
         for limit, refused in ((s.budget.held + needed - 1, True), (s.budget.held + needed, False)):
             s.budget.limit = limit
-            outcomes = []
-            for attempt in (txn.restart, lambda: (lambda t: run_stages(model, t, step(t)))(planned())):
-                try:
-                    attempt()
-                    outcomes.append(False)
-                except AllocationError:
-                    outcomes.append(True)
-            assert outcomes == [refused, refused], (limit, outcomes)
+            assert [replay_refused(captured), run_stages_refused()] == [refused, refused], limit
     s.budget.limit = None
-    s.budget.begin()
     s.feed([4])
 
 
-def test_storage_growth_retires_the_plan_at_once(models):
-    """An eager chunk that grows row storage drops whatever was captured for the old storage
-    (here: the warm parities; on a GPU the graphs holding the old tensors) right after it."""
+def test_one_plan_serves_any_sessions(models):
+    """Sessions joining, leaving, flipping banks and growing their storage step from the same
+    plan (the same key: lanes, tokens, table width), and step as the eager runner does."""
+    import hebrus
     model = models["qwen3_5"]
-    s = model.session(decode="planned")
-    s.feed(tokens(10, vocab=model.spec.vocab_size))          # 16 rows
-    s.feed([1])
-    s.feed([2])
-    assert s._steps.warm == {0, 1}
-    s.feed(tokens(10, seed=4, vocab=model.spec.vocab_size))  # eager, grows to 32 rows
-    assert s._steps.warm == set() and not s._steps.graphs
-    s.feed([3])
-    assert s._steps.uncaptured == 3
+    vocab = model.spec.vocab_size
+    runner = model.steps(capture=False)
+    planned = [model.session(decode="planned") for _ in range(4)]
+    eager = [model.session(decode="eager") for _ in range(4)]
+    for i, (p, e) in enumerate(zip(planned, eager)):
+        prompt = tokens(3 + 5 * i, seed=i, vocab=vocab)
+        p.feed(prompt)
+        e.feed(prompt)
+    keys = set()
+    for step, members in enumerate([(0, 1, 2), (0, 1, 2), (0, 1, 2, 3), (1, 2, 3), (1, 3)] * 4):
+        ids = tokens(len(members), seed=50 + step, vocab=vocab)
+        got = hebrus.Batch([planned[m] for m in members], decode="planned").feed(ids)
+        keys.add(runner.key([planned[m].image for m in members], 1, False))
+        for m, g, t in zip(members, got, ids):
+            _close(g, eager[m].feed([t]), f"session {m}, step {step}")
+    assert keys == {(4, 1, 8, False), (2, 1, 8, False)}     # 3 and 4 sessions share their lanes
+    for p, e in zip(planned, eager):
+        assert p.image.public.table != () and p.frontier == e.frontier
+        a, b = _state(p), _state(e)
+        for owner in b:
+            _close(a[owner], b[owner], owner)

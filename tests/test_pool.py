@@ -135,11 +135,12 @@ def test_a_fork_costs_no_rows_and_its_first_step_copies_one_block():
 def test_carving_a_pool_from_bytes():
     per_slot, per_block = Pool.slot_bytes(SPECS), Pool.block_bytes(SPECS, 16)
     assert (per_slot, per_block) == (2 * 3 * 8, 16 * 2 * 8)
-    pool = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 5 * per_block, 1024, slots=10)
-    assert (pool.slots, pool.blocks) == (10, 5) and pool.nbytes() == 10 * per_slot + 5 * per_block
+    padding = per_slot + 2 * per_block                      # a planned step's padding lanes: one slot, two blocks
+    pool = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 5 * per_block + padding, 1024, slots=10)
+    assert (pool.slots, pool.blocks) == (10, 5) and pool.nbytes() == 10 * per_slot + 5 * per_block + padding
     half = Pool.carve(SPECS, torch.device("cpu"), 4096, 1024)
-    assert half.slots == 4096 // 2 // per_slot and half.nbytes() <= 4096
-    short = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 500 * per_block, 32, slots=10)
+    assert half.slots == (4096 - padding) // 2 // per_slot and half.nbytes() <= 4096
+    short = Pool.carve(SPECS, torch.device("cpu"), 10 * per_slot + 500 * per_block + padding, 32, slots=10)
     assert short.blocks == 10 * 2                           # no more than every slot's table at 32 rows
     with pytest.raises(PoolFull, match="do not fit"):
-        Pool.carve(SPECS, torch.device("cpu"), per_slot, 1024, slots=2)
+        Pool.carve(SPECS, torch.device("cpu"), per_slot + padding, 1024, slots=2)

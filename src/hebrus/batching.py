@@ -33,7 +33,8 @@ def feed_many(sessions, tokens, outs=None) -> list:
     list above. (`Batch` does the same for a fixed list of sessions, step after step, from CUDA
     graphs on a GPU.)"""
     sessions, model = _batch_sessions(sessions)
-    return _feed_together(sessions, model, tokens, outs, None)
+    runners = {id(s._steps) for s in sessions}
+    return _feed_together(sessions, model, tokens, outs, sessions[0]._steps if len(runners) == 1 else None)
 
 
 class Batch:
@@ -46,7 +47,7 @@ class Batch:
     def __init__(self, sessions, decode: str = "auto"):
         self.sessions, self.model = _batch_sessions(sessions)
         self.decode = decode_route(self.model, decode)
-        self._steps = (batch.BatchSteps(self.model, self.sessions, capture=self.decode == "graph")
+        self._steps = (self.model.steps(capture=self.decode == "graph")
                        if self.decode in ("planned", "graph") else None)
 
     def feed(self, tokens, outs=None) -> list:
@@ -113,18 +114,12 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
                 s._check_room(len(chunks[i]))
             except InvalidInput as exc:
                 raise InvalidInput(f"session {i}: {exc}") from None
-        try:
-            with torch.inference_mode():
-                if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
-                    return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
-                one_each = all(len(c) == 1 for c in chunks)
-                if steps is not None and one_each and steps.accepts():
-                    return steps.step(torch.cat(chunks), outs)
-                reserve = steps.reservation() if steps is not None and one_each else None
-                return batch.run_step(model, sessions, chunks, outs, reserve)
-        finally:
-            for s in sessions:
-                if s._steps is not None:
-                    s._steps.retire_stale()
-            if steps is not None:
-                steps.retire_stale()
+        with torch.inference_mode():
+            if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
+                return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
+            if steps is not None and all(len(c) == 1 for c in chunks) and steps.accepts(1):
+                def conclude(txn, work) -> list:
+                    return batch.conclude(model, txn, work, sessions, chunks, outs)
+                return steps.run([s.image for s in sessions], [s.budget for s in sessions], torch.cat(chunks), 1,
+                                 False, conclude)
+            return batch.run_step(model, sessions, chunks, outs)

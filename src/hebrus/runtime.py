@@ -73,6 +73,16 @@ class Model:
         self.stages = build_stages(spec, weights, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
         self.pool_size, self._pool = PoolSize(), None
+        self._steps: dict[bool, object] = {}
+
+    def steps(self, capture: bool):
+        """The runner of this model's planned steps, for any of its sessions
+        (`engine.graphs.Steps`): with `capture`, from CUDA graphs."""
+        from hebrus.engine.graphs import Steps
+        with _POOLS:
+            if capture not in self._steps:
+                self._steps[capture] = Steps(self, capture)
+            return self._steps[capture]
 
     @property
     def pool(self) -> Pool:

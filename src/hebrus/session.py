@@ -23,7 +23,7 @@ import torch
 
 from hebrus import arguments, faults
 from hebrus.engine import eager
-from hebrus.engine.graphs import DecodeSteps, decode_route
+from hebrus.engine.graphs import decode_route
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
 from hebrus.sampling import Sampling, penalise, sample
 from hebrus import speculate as speculation
@@ -53,9 +53,7 @@ class Session:
         self._stage_names = model.stage_names
         self.decode = decode
         self.reserve = reserve                  # rows every row log grows to at once, when granted
-        self._steps = (DecodeSteps(model, self.image, self.budget, capture=decode == "graph")
-                       if decode in ("planned", "graph") else None)
-        self._prefix_steps: dict[int, DecodeSteps] = {}     # planned prefix transactions, by length
+        self._steps = model.steps(capture=decode == "graph") if decode in ("planned", "graph") else None
         self.journal = None                     # a `hebrus.journal.Journal`: each chunk on disk before its flip
         if journal is not None:
             from hebrus.journal import Journal
@@ -326,31 +324,12 @@ class Session:
             self.image.before_flip = None
 
     def _run(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
-        if keep is None and self._steps is not None and self._steps.accepts(ids):
-            self._steps.step(ids, out)
-            return len(ids)
-        if keep is not None and self._steps is not None:
-            steps = self._prefix_steps_for(len(ids))
-            if steps.accepts(ids):
-                return steps.step(ids, out, eager.by_logits(keep))
-        try:
-            return eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve, keep)
-        finally:
-            for steps in (self._steps, *self._prefix_steps.values()):
-                if steps is not None:
-                    steps.retire_stale()
-
-    def _prefix_steps_for(self, length: int) -> DecodeSteps:
-        """The planned prefix transactions of `length` tokens (graphs, as decode steps run), the
-        two lengths used last kept."""
-        steps = self._prefix_steps.pop(length, None)
-        if steps is None:
-            steps = DecodeSteps(self.model, self.image, self.budget, capture=self.decode == "graph",
-                                length=length, each=True)
-        self._prefix_steps[length] = steps
-        while len(self._prefix_steps) > 2:
-            del self._prefix_steps[next(iter(self._prefix_steps))]
-        return steps
+        steps = self._steps
+        if steps is not None and (len(ids) == 1 or keep is not None) and steps.accepts(len(ids)):
+            def conclude(txn, work) -> int:
+                return eager.finish(txn, lambda _: work(), out, eager.by_logits(keep))
+            return steps.run([self.image], [self.budget], ids, len(ids), keep is not None, conclude)
+        return eager.run_chunk(self.model, self.image, self.budget, ids, out, self.reserve, keep)
 
     @property
     def plans_prefixes(self) -> bool:

@@ -1,47 +1,47 @@
-"""Steps from a static plan, captured as CUDA graphs: one per bank parity. One-token decode
-steps, and prefix transactions of a fixed length (a speculative round's verifying chunk).
+"""Steps from a static plan, captured as CUDA graphs: one runner per model (`Steps`) for any
+set of sessions. A step of B lanes of L tokens each (one: decode steps; more: a prefix
+transaction of a fixed length, a speculative round's verifying chunk) does the same work
+whichever sessions run it at whatever positions, so it is recorded once and replayed. What a
+step is lives in device buffers the graph reads (`state.step.StepBatch` of a planned step):
+each lane's token ids and positions, its slot and public bank parity, and its block table. Before
+each run the runner writes them from the host in one copy; n sessions run in the smallest
+bucket of lanes that holds them (`lanes_for`), the other lanes padding over the pool's scratch
+slot and block, whose results nobody reads. So a graph is kept per (lanes, tokens per lane,
+table width, prefix or not): sessions joining, leaving, flipping banks or taking blocks replay
+the same graph. The table width (`width_for`, in blocks, in steps of a quarter of a power of
+two) bounds how many rows attention looks at; past a session's table it reads the pool's zero
+block, past a position it masks.
 
-A decode step does the same work at every position, so it can be recorded once and replayed.
-What changes from step to step is kept on the device where the graph finds it:
+Blocks are taken on the host when the step's transaction begins, never inside a graph. A replay
+is still one transaction per session: its checks are folded into one tensor inside the graph
+and read back once, one event recorded after the replay is its completion record, each memory
+budget hears the largest request the stages made of a lane's at capture, publication is the
+same flip. An error on the replay path is reported at the step's first stage: a graph cannot
+say which of its stages failed. Nothing is captured until its key has run once from the plan
+uncaptured (this warms up kernels that tune or compile themselves on first use, which must not
+happen during a capture). Captures are serialised across the process and confined to their
+thread; one lock per runner covers a run from staging to publication (the graphs share their
+buffers and one memory pool). When faults are armed the eager runner takes the step, since
+injection points are host code.
 
-- the position is the public bank's `frontier` owner, read on the device (`state.step`);
-- the token id is copied into one device buffer before each replay;
-- the banks alternate, so one graph reads bank 0 and writes bank 1, the other the reverse;
-- no block is taken inside a graph: a step runs from the plan only when the session's block
-  table already holds its row, in a block of its own. Attention reads every row the table holds
-  (masked past the position; one view of the storage when the blocks are consecutive), so when
-  an eager chunk changes the table the graphs are dropped at once, and each parity runs
-  uncaptured once with the new table
-  before it is captured again.
-
-A replay is still one transaction. Its checks (status words, finite checks) are folded into one
-tensor inside the graph and read back once; one event recorded after the replay is its
-completion record; the memory budget hears the largest request the stages made at capture;
-publication is the same flip. An error on the replay path is reported at the step's first
-stage: a graph cannot say which of its stages failed. Nothing is captured until each parity has
-run once from the plan uncaptured (this warms up kernels that tune or compile themselves on
-first use, which must not happen during a capture). Captures are serialised across the process
-and confined to their thread, so other sessions keep running meanwhile. When faults are armed
-the eager runner takes the step, since injection points are host code.
-
-The graphs' private memory pools (a few intermediates of one token per layer) are not counted
-by the session's memory budget.
+The graphs' memory pool (a few intermediates per lane and layer) is not counted by any
+session's memory budget.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hebrus import faults
-from hebrus.engine.eager import finish, run_stages, transaction
+from hebrus.engine.eager import run_stages, transaction
 from hebrus.errors import ChunkAborted, InvalidInput
 from hebrus.layers.kernels import top_k_chooser
-from hebrus.layers.owners import FRONTIER
 from hebrus.state.budget import Refused, out_of_memory
 from hebrus.state.step import StepBatch
-from hebrus.state.txn import Transaction
+from hebrus.state.txn import Captured, Transaction
 
 _CAPTURING = threading.Lock()             # one capture at a time in the process
 DECODE = ("auto", "eager", "planned", "graph")
@@ -69,126 +69,180 @@ def decode_route(model, decode: str) -> str:
     return decode
 
 
-def capture(plan):
-    """Capture `plan()` as a CUDA graph, one capture at a time in the process and confined to
-    this thread -> (graph, what plan returned, None), or (None, None, why) when it cannot be
-    captured at all (the steps then stay uncaptured), or (None, None, None) when it was short of
+def capture(plan, pool=None):
+    """Capture `plan()` as a CUDA graph (in memory pool `pool`, if given), one capture at a time
+    in the process and confined to this thread -> (graph, None), or (None, why) when it cannot
+    be captured at all (the steps then stay uncaptured), or (None, None) when it was short of
     memory or budget this time (uncaptured this time only)."""
     graph = torch.cuda.CUDAGraph()
     try:
-        with _CAPTURING, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            made = plan()
+        with _CAPTURING, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            plan()
     except Exception as exc:
         if out_of_memory(exc) or isinstance(exc, (Refused, ChunkAborted)):
-            return None, None, None
-        return None, None, f"{type(exc).__name__}: {exc}"
-    return graph, made, None
+            return None, None
+        return None, f"{type(exc).__name__}: {exc}"
+    return graph, None
+
+
+def lanes_for(sessions: int) -> int:
+    """The lanes a step of `sessions` sessions runs in: the next power of two up to 256, then
+    the next multiple of 128."""
+    return 1 << (sessions - 1).bit_length() if sessions <= 256 else -(-sessions // 128) * 128
+
+
+def width_for(blocks: int) -> int:
+    """The table width (in blocks) a step whose sessions need `blocks` runs with: at least 8,
+    else the next multiple of a quarter of the power of two below (≤ 25% more than asked for)."""
+    if blocks <= 8:
+        return 8
+    step = 1 << max((blocks - 1).bit_length() - 3, 0)
+    return -(-blocks // step) * step
+
 
 
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
-    txn: Transaction                 # the captured plan: its checks and events live in the graph
+    captured: Captured               # the captured step's device work: checks, completion, peak
 
 
-class DecodeSteps:
-    """The planned steps of one session: chunks of `length` tokens (one: decode steps), plain
-    or (`each`) prefix transactions. `capture=False` runs the plan without a graph (any
-    device): the same work, launched op by op."""
+class _Inputs:
+    """The device buffers of one key's planned step, and the pinned host buffer they are copied
+    from in one transfer: ids and positions [lanes * length], parities and slots [lanes],
+    tables [lanes, width]."""
 
-    def __init__(self, model, image, budget, capture: bool, length: int = 1, each: bool = False):
-        self.model, self.image, self.budget, self.capture = model, image, budget, capture
-        self.length, self.each = length, each
-        self.ids = torch.zeros(length, dtype=torch.int64, device=model.device)
-        # the tokens go to the device from pinned memory without stopping the host (each step
-        # reads its checks back before the next one reuses this buffer)
-        self.staged = torch.zeros(length, dtype=torch.int64, pin_memory=model.device.type == "cuda")
-        self.graphs: dict[int, _Graph] = {}
-        self.warm: set[int] = set()              # parities run from the plan at least once
+    def __init__(self, pool, lanes: int, length: int, width: int, each: bool):
+        self.pool, self.lanes, self.length, self.width = pool, lanes, length, width
+        n = lanes * length
+        sizes = (n, n, lanes, lanes, lanes * width)
+        cuda = pool.device.type == "cuda"
+        self.host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+        self.device = self.host.to(pool.device) if cuda else self.host
+        ids, positions, parities, slots, tables = self.device.split(sizes)
+        self.step = StepBatch.lanes(ids, positions, (length,) * lanes, parities, slots, tables.view(lanes, width), each)
+        self._views = [v.numpy() for v in self.host.split(sizes)]
+        self._views[4] = self._views[4].reshape(lanes, width)
+        self._steps = np.arange(length)
+
+    def fill(self, txn: Transaction, ids) -> None:
+        """Each session's lane from `ids` [n * length] and its transaction's part; the lanes of
+        sessions that failed already, and the rest, are padding."""
+        host_ids, positions, parities, slots, tables = self._views
+        pool, L = self.pool, self.length
+        host_ids[:] = 0
+        host_ids[:len(ids)] = ids
+        positions.reshape(self.lanes, L)[:] = self._steps
+        parities[:] = 0
+        slots[:] = pool.spare_slot
+        tables[:] = pool.scratch_block
+        for i, p in enumerate(txn.parts):
+            if p.failure is not None:
+                continue
+            positions[i * L:(i + 1) * L] = p.frontier + self._steps
+            parities[i], slots[i] = p.record.bank, p.record.slot
+            held = p.table[:self.width]
+            tables[i, :len(held)] = held
+            tables[i, len(held):] = pool.zero_block
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+
+
+class Steps:
+    """Planned steps of any sessions of one model: `run` takes a list of sessions' images and
+    budgets, `length` token ids each (`each`: a prefix transaction, one session), and concludes
+    the step's transaction as the caller says. `capture=False` runs the plan without a graph
+    (any device): the same work, launched op by op."""
+
+    def __init__(self, model, capture: bool):
+        self.model, self.capture = model, capture
+        self.graphs: dict[tuple, _Graph] = {}
+        self.inputs: dict[tuple, _Inputs] = {}
+        self.warm: set[tuple] = set()            # keys run from the plan at least once
         self.captures = 0                        # graphs captured so far (for tests and bench)
         self.replays = 0                         # steps run from a captured graph
         self.uncaptured = 0                      # steps run from the plan op by op
         self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
-        self._table = image.public.table         # the block table that `warm` and `graphs` belong to
+        self._lock = threading.Lock()
+        self._memory = None                      # the graphs' one memory pool
 
-    def accepts(self, ids: torch.Tensor) -> bool:
-        """Whether this chunk can run from the plan: `length` tokens, no fault armed, and the
-        session's table already holding their rows, in blocks of its own (not shared with a fork)."""
-        if len(ids) != self.length or faults.armed():
-            return False
-        return self.image.room(self.length)
+    @staticmethod
+    def accepts(length: int) -> bool:
+        """Whether a step of `length` tokens per session can run from the plan: no fault armed."""
+        return length >= 1 and not faults.armed()
 
-    def retire_stale(self) -> None:
-        """Drop graphs captured for another block table (after an eager chunk took blocks or
-        copied a shared one: attention in a graph reads the rows of the table it was captured
-        with, as one view of the storage when its blocks are consecutive), and warm each parity
-        again with the new one."""
-        table = self.image.public.table
-        if table != self._table:
-            self.graphs.clear()
-            self.warm.clear()
-        self._table = table
+    def key(self, images, length: int, each: bool) -> tuple:
+        pool = self.model.pool
+        need = max(image.public.frontier for image in images) + length
+        width = min(width_for(pool.blocks_for(need)), pool.blocks_for(pool.max_rows))
+        return lanes_for(len(images)), length, width, each
 
-    def step(self, ids: torch.Tensor, out: torch.Tensor | None, keep=None) -> int:
-        """Run the chunk (a prefix transaction's `keep` as in `engine.eager.finish`); returns
-        the number of tokens published."""
-        self.retire_stale()
-        record = self.image.public
-        held = self.graphs.get(record.bank)
-        if held is None and self.capture and self.refused is None and record.bank in self.warm:
-            held = self._capture(ids)
-        if held is None:
-            published = self._uncaptured(ids, out, keep)
-            self.warm.add(record.bank)
-            return published
+    def run(self, images, budgets, ids, length: int, each: bool, conclude):
+        """One step: `conclude(txn, work)` runs `work()` (the step's device work) and finishes
+        the transaction (validation, publication) -> what it returns."""
+        key = self.key(images, length, each)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        with self._lock:
+            inputs = self.inputs.get(key)
+            if inputs is None:
+                inputs = self.inputs[key] = _Inputs(self.model.pool, key[0], length, key[2], each)
+            held = self.graphs.get(key)
+            if held is None and self.capture and self.refused is None and key in self.warm:
+                held = self._capture(key, inputs, images, budgets, ids)
+            if held is None:
+                txn = self._transaction(images, budgets, length, each, inputs)
 
-        def replay(txn: Transaction) -> None:
-            txn.restart()
-            self._stage(ids)
-            held.graph.replay()
-            txn.completion.record_replay()
-            self.replays += 1
+                def work() -> None:
+                    self._stage(inputs, txn, ids)
+                    self._plan(txn, inputs)
+                    self.uncaptured += 1
 
-        return finish(held.txn, replay, out, keep)
+                result = conclude(txn, work)
+                self.warm.add(key)
+                return result
+            txn = self._transaction(images, budgets, length, each, inputs, held.captured)
 
-    def _stage(self, ids: torch.Tensor) -> None:
-        """The step's inputs where the plan reads them; rows past the frontier zeroed if an
+            def replay() -> None:
+                self._stage(inputs, txn, ids)
+                held.graph.replay()
+                txn.completion.record_replay()
+                self.replays += 1
+
+            return conclude(txn, replay)
+
+    def _plan(self, txn: Transaction, inputs: _Inputs) -> None:
+        txn.advance()
+        run_stages(self.model, txn, inputs.step)
+        txn.checks.fold()
+
+    def _stage(self, inputs: _Inputs, txn: Transaction, ids) -> None:
+        """The step's inputs where the plan reads them; rows past a frontier zeroed where an
         aborted chunk may have left anything there."""
-        self.image.clean_tails()
-        self.image.device_table()
-        self.staged.copy_(ids)
-        self.ids.copy_(self.staged, non_blocking=True)
+        for p in txn.parts:
+            p.image.clean_tails()
+        inputs.fill(txn, ids)
 
-    def _uncaptured(self, ids: torch.Tensor, out: torch.Tensor | None, keep) -> int:
-        txn = self._transaction()
-
-        def work(txn: Transaction) -> None:
-            self._stage(ids)
-            run_stages(self.model, txn, self._step(txn))
-            self.uncaptured += 1
-
-        return finish(txn, work, out, keep)
-
-    def _capture(self, ids: torch.Tensor) -> _Graph | None:
-        def plan() -> Transaction:
-            txn = self._transaction()
-            run_stages(self.model, txn, self._step(txn))
-            txn.checks.fold()
-            return txn
-
-        self.image.device_table()               # current before the capture: no copy inside it
-        graph, txn, self.refused = capture(plan)
-        if graph is None:
+    def _capture(self, key, inputs: _Inputs, images, budgets, ids) -> _Graph | None:
+        """Capture the plan of `key` with these sessions' inputs (their blocks taken, then given
+        back: the step runs from the graph as any later one does)."""
+        try:
+            txn = self._transaction(images, budgets, key[1], key[3], inputs)
+        except ChunkAborted:
             return None
-        self.captures += 1
-        held = _Graph(graph, txn)
-        self.graphs[txn.record.bank] = held
-        return held
+        try:
+            self._stage(inputs, txn, ids)
+            if self._memory is None:
+                self._memory = torch.cuda.graph_pool_handle()
+            graph, self.refused = capture(lambda: self._plan(txn, inputs), self._memory)
+            if graph is None or any(p.failure is not None for p in txn.parts):   # refused during capture
+                return None
+            self.captures += 1
+            held = self.graphs[key] = _Graph(graph, txn.captured())
+            return held
+        finally:
+            txn.abort()
 
-    def _step(self, txn: Transaction) -> StepBatch:
-        """The step as the plan has it: the token ids in their buffer, the position the public
-        bank's frontier owner on the device."""
-        return StepBatch.planned(self.ids, txn.public[FRONTIER].view(1), self.each)
-
-    def _transaction(self) -> Transaction:
-        return transaction(self.model, [self.image], [self.budget], [self.length], planned=True, each=self.each)
+    def _transaction(self, images, budgets, length: int, each: bool, inputs: _Inputs,
+                     template: Captured | None = None) -> Transaction:
+        return transaction(self.model, images, budgets, [length] * len(images), each=each, lanes=inputs.step,
+                           template=template)

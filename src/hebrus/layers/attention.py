@@ -16,7 +16,8 @@ from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.norm import layer_norm
-from hebrus.ops.qsa import dense_attention, dense_attention_fast, index_scores, select, sigmoid_gated, sparse_attention
+from hebrus.ops.qsa import (dense_attention, dense_attention_fast, dense_attention_lanes, index_scores, select,
+                            sigmoid_gated, sparse_attention)
 from hebrus.ops.quant import CACHE_DTYPES, QuantizedRows, dense, linear, quantize_rows
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.context import StepContext
@@ -26,6 +27,7 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
 DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
+LANES = "attention.lanes"               # (q, k_rows, v_rows, positions) -> o: N sessions' single queries, N row sets
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 
@@ -84,6 +86,7 @@ class Attention:
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
+        self.attend_lanes = kernels.ops.get(LANES)
         self.index_input = kernels.ops[INDEX_INPUT]
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
         self.hi, self.di, self.top_k = a.index_heads, a.index_dim, a.top_k
@@ -112,6 +115,10 @@ class Attention:
             qi, ki = (self.fused(apply_rope)(x, icos, isin) for x in (qi, ki))
             self._put(span, rows, 2, ki)
             iw = linear(hi, w["index_w.weight"])
+        if span.tables is not None and span.one_each and not self.indexed and self.attend_lanes is not None:
+            o = self._lanes(span, q, rows)
+            gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+            return linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
             mine, logs, cut = span.session(i) if span.sessions > 1 else span, [r[span.which[i]] for r in rows], span.rows_of
@@ -129,6 +136,14 @@ class Attention:
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
         return linear(gated.flatten(1), w["o_proj.weight"])
+
+    def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
+        """A planned step of one token per lane: every lane's rows at once, gathered through the
+        step's tables [N, width * block_rows, ...], each masked past its lane's position."""
+        logs = [r[0] for r in rows]             # any lane's log: the storage is the same
+        k_rows, v_rows = (dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype))
+                          for part in (0, 1))
+        return self.attend_lanes(q, k_rows, v_rows, span.positions)
 
     def _put(self, span, rows, part: int, value: torch.Tensor) -> None:
         """Write the chunk's rows of row log `part` (0 k, 1 v, 2 index): as they are, or, with a
@@ -255,7 +270,10 @@ class DenseAttention(Kind):
         attention for a chunk and two matrix products for a few queries; sparse attention over
         the picked rows; the indexer reads the layer's input as it is."""
         dense = dense_attention_fast if mode == "fast" else dense_attention
-        return {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
+        ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
+        if mode == "fast":                    # exact mode runs each session alone
+            ops[LANES] = dense_attention_lanes
+        return ops
 
 
 class SparseAttention(DenseAttention):

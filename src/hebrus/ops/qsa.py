@@ -103,6 +103,22 @@ def dense_attention_rows(q, k_rows, v_rows, positions) -> torch.Tensor:
     return o.view(hkv, T, group, dh).permute(1, 0, 2, 3).reshape(T, hq, dh)
 
 
+def dense_attention_lanes(q, k_rows, v_rows, positions) -> torch.Tensor:
+    """`dense_attention` of N sessions' single queries at once, each over its own rows: q [N, Hq,
+    dh]; k_rows, v_rows [N, S, Hkv, dh]; positions [N] (row s of session i is visible when
+    s <= positions[i]). Two batched matrix products per K/V head group, as `dense_attention_rows`."""
+    N, hq, dh = q.shape
+    S, hkv = k_rows.shape[1], k_rows.shape[2]
+    group = hq // hkv
+    qg = q.view(N, hkv, group, dh)
+    logits = torch.matmul(qg, k_rows.permute(0, 2, 3, 1)) * dh ** -0.5                # [N, Hkv, g, S]
+    future = torch.arange(S, device=q.device)[None, :] > positions[:, None]           # [N, S]
+    logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
+    weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
+    o = torch.matmul(weights.to(q.dtype), v_rows.permute(0, 2, 1, 3))                 # [N, Hkv, g, dh]
+    return o.reshape(N, hq, dh)
+
+
 FEW_QUERIES = 16
 
 

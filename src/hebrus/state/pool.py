@@ -103,10 +103,18 @@ class Pool:
         self.specs, self.device = specs, device
         self.slots, self.blocks, self.block_rows = slots, blocks, block_rows
         self.max_rows = max_rows if max_rows is not None else blocks * block_rows
-        self.banks = {s.name: torch.empty((2, slots, *s.shape), dtype=s.dtype, device=device)
+        # one slot and two blocks past the counted ones serve a planned step's padding lanes
+        # (`engine.graphs`): the spare slot and the scratch block take what padding writes, the
+        # zero block stands for every block past a table's end (always zero: nothing writes it)
+        self.spare_slot, self.scratch_block, self.zero_block = slots, blocks, blocks + 1
+        self.banks = {s.name: torch.empty((2, slots + 1, *s.shape), dtype=s.dtype, device=device)
                       for s in specs if s.kind == BANKED}
-        self.rows = {s.name: torch.empty((blocks, block_rows, *s.shape), dtype=s.dtype, device=device)
+        self.rows = {s.name: torch.empty((blocks + 2, block_rows, *s.shape), dtype=s.dtype, device=device)
                      for s in specs if s.kind == APPENDED}
+        for name, bank in self.banks.items():
+            bank[:, slots].fill_(next(s.fill for s in specs if s.name == name))
+        for storage in self.rows.values():
+            _bytes(storage[blocks:]).zero_()
         self._free_slots = list(range(slots - 1, -1, -1))      # popped from the end: slot 0 first
         # free blocks, popped from the end (block 0 first); a block taken out of turn (the one
         # after a table's last, so that a session's blocks run on) stays listed until popped,
@@ -135,6 +143,7 @@ class Pool:
         hold, at least one and at most `MAX_SLOTS`) and blocks from the rest, at most as many as
         every slot's table at `max_rows` rows. `PoolFull` when not even the slots fit."""
         per_slot, per_block = cls.slot_bytes(specs), cls.block_bytes(specs, block_rows)
+        pool_bytes -= per_slot + 2 * per_block          # the padding's slot and blocks
         if slots is None:
             slots = min(MAX_SLOTS, max(1, pool_bytes // 2 // max(per_slot, 1)))
         left = pool_bytes - slots * per_slot
@@ -360,6 +369,11 @@ class Log:
         if self._first is not None:
             return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
         return self.storage.index_select(0, self.table).flatten(0, 1)
+
+    def lanes(self, tables: torch.Tensor) -> torch.Tensor:
+        """Every lane's rows through `tables` [N, width] at once (this log's own table aside):
+        [N, width * block_rows, *row] (a planned step's attention over all its lanes)."""
+        return _bytes(self.storage)[tables].view(self.storage.dtype).flatten(1, 2)
 
     def write(self, positions: torch.Tensor, value: torch.Tensor) -> None:
         """Rows at `positions` [T] (a device int64 tensor, as a planned step has them) := value [T, *row]."""

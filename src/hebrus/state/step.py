@@ -38,6 +38,9 @@ class StepBatch:
     starts: tuple[int, ...] | None              # each session's first position (host); None: a planned step
     each: bool = False                          # a prefix transaction (one session): values after every token kept
     members: tuple[int, ...] | None = None      # which of the transaction's sessions these are (None: all)
+    parities: torch.Tensor | None = None        # a planned step's: each lane's public bank [N] (device)
+    slots: torch.Tensor | None = None           # ... its slot [N]
+    tables: torch.Tensor | None = None          # ... its block table [N, width]
     streams: torch.Tensor | None = None         # the residual streams, as the last stage left them
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
 
@@ -47,9 +50,10 @@ class StepBatch:
         return cls(ids, torch.arange(start, start + len(ids), device=ids.device), (len(ids),), (start,), each)
 
     @classmethod
-    def planned(cls, ids: torch.Tensor, start: torch.Tensor, each: bool = False) -> "StepBatch":
-        """One session's chunk at the device position `start` [1] (a planned step)."""
-        return cls(ids, start + torch.arange(len(ids), device=ids.device), (len(ids),), None, each)
+    def lanes(cls, ids, positions, lengths, parities, slots, tables, each: bool = False) -> "StepBatch":
+        """A planned step: N lanes of `lengths` tokens, everything on the device (buffers the
+        runner fills before each run)."""
+        return cls(ids, positions, tuple(lengths), None, each, parities=parities, slots=slots, tables=tables)
 
     @classmethod
     def ragged(cls, ids: torch.Tensor, starts, lengths) -> "StepBatch":
@@ -61,9 +65,7 @@ class StepBatch:
 
     @classmethod
     def tokens(cls, ids: torch.Tensor, starts) -> "StepBatch":
-        """One token for each of N sessions: `starts` host ints, or [1] device tensors (planned)."""
-        if starts and isinstance(starts[0], torch.Tensor):
-            return cls(ids, torch.cat(starts), (1,) * len(starts), None)
+        """One token for each of N sessions at host positions `starts`."""
         return cls(ids, torch.tensor(starts, dtype=torch.int64, device=ids.device), (1,) * len(starts), tuple(starts))
 
     # ---- its shape -----------------------------------------------------------------------------
@@ -111,7 +113,9 @@ class StepBatch:
         """Session i's chunk alone."""
         a, b = self.bounds[i], self.bounds[i + 1]
         starts = None if self.starts is None else (self.starts[i],)
-        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],))
+        lane = (lambda t: None) if self.tables is None else (lambda t: t[i:i + 1])
+        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],),
+                         parities=lane(self.parities), slots=lane(self.slots), tables=lane(self.tables))
 
     def token(self, t: int) -> "StepBatch":
         """One session's token t alone (exact mode's scan over a chunk)."""

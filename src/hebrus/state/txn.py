@@ -20,15 +20,20 @@ values after token k the private bank's and the frontier start + k, so the flip 
 chunk's first k tokens. The rejected tail's rows lie past the frontier, unpublished; nothing is
 copied to undo them.
 
-A planned transaction (`planned=True`) is the static plan of a step that a CUDA graph captures
-once and replays at every position (`hebrus.engine.graphs`, `hebrus.engine.batch`): stages see
-each chunk's start as a device tensor (the public bank's frontier owner), each session's table
-must already hold the rows in blocks of its own (no block is taken inside a graph), and `restart` re-arms the
-host-side bookkeeping for each replay.
+A planned transaction (`lanes`, a planned `StepBatch`) is the static plan of a step that a CUDA
+graph captures once and replays for any sessions at any positions (`hebrus.engine.graphs`): the
+step runs over B lanes whose ids, positions, bank parities, slots and block tables are device
+tensors the runner fills before each run; the first n lanes are this transaction's sessions, the
+rest padding that reads and writes the pool's scratch slot and block. Blocks are taken on the
+host when the transaction begins (a graph takes none), so stages find every table holding its
+session's rows. A replay is a new transaction over whichever sessions run it that borrows the
+captured one's device work (`template`): its checks, completion record and values kept per
+token, and the largest request its stages made of a lane's memory budget.
 """
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -54,8 +59,7 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 
 def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the public parities, the slots) of these records, as device index tensors: how a step of
-    several sessions reads their banks (made in advance for a CUDA graph, whose capture copies
-    nothing from the host)."""
+    several sessions reads their banks."""
     return (torch.tensor([r.bank for r in records], device=device),
             torch.tensor([r.slot for r in records], device=device))
 
@@ -92,12 +96,12 @@ class Transaction:
     date by the transaction itself), the banked owner `publish` copies out (`output`), and the
     flag class of the bits the stages' checks set (`check_bits`), by which a failed status word
     is described. `reserve`: rows each session's table is extended to after the stages, if
-    granted (one number for all, or one per session). `banks`: `banks_of` the sessions'
-    records, made in advance (a CUDA graph's capture)."""
+    granted (one number for all, or one per session). `lanes` and `template`: a planned step's
+    (above)."""
 
     def __init__(self, images: list[Image], lengths: list[int], stages: list[str], budgets: list[MemoryBudget],
                  max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
-                 planned: bool = False, reserve: int | list[int] = 0, each: bool = False, banks=None):
+                 reserve: int | list[int] = 0, each: bool = False, lanes=None, template: "Captured | None" = None):
         if each and len(images) != 1:
             raise StructuralError("begin", "a prefix transaction is one session's chunk")
         reserves = reserve if isinstance(reserve, (list, tuple)) else [reserve] * len(images)
@@ -105,31 +109,41 @@ class Transaction:
                       for image, n, budget, r in zip(images, lengths, budgets, reserves)]
         self.sessions = len(self.parts)
         self.pool, self.device = images[0].pool, images[0].device
-        self.planned, self.each = planned, each
-        self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
+        self.planned, self.lanes, self.each = lanes is not None, lanes, each
         self.step = None                            # the `StepBatch` the runner passes the stages
         self.stages, self.max_rows = stages, max_rows
         self.frontier_owner, self.output, self.check_bits = frontier_owner, output, check_bits
-        self.checks = DeviceChecks(defer=planned, lengths=list(lengths), device=self.device)
-        self.completion = Completion(self.device)
         self.stage_index, self.stage = -1, "begin"
-        self.written: set[str] = set()
         self._writes: list[tuple[torch.Tensor, int | None]] = []    # this stage's: (tensor, its session or None)
         self._value_bytes = 0                       # bytes of banked values this stage wrote, per session
-        self._rows_handed = False
+        self._rows_handed = self.planned
         self._cut = False                           # `keep` left rows past the new frontier
         self.pass_failed = False                    # `failures` found the pass itself failed
-        if self.sessions > 1:
-            self._public, self._slots = banks or banks_of([p.record for p in self.parts], self.device)
-        self._share = [n / sum(lengths) for n in lengths]           # each session's part of a per-token tensor
+        # a planned step's device work runs over its lanes; an eager one's over its sessions
+        self._width = lanes.sessions if self.planned else self.sessions
+        if self.planned:
+            self._public, self._slots = lanes.parities, lanes.slots
+        elif self.sessions > 1:
+            self._public, self._slots = banks_of([p.record for p in self.parts], self.device)
+        # each session's part of a per-token tensor (a planned step's: a lane's)
+        self._share = [1 / self._width] * self.sessions if self.planned else [n / sum(lengths) for n in lengths]
+        if template is not None:                    # a replay: the captured step's device work
+            self.checks, self.completion = template.checks, template.completion
+            self.written, self.after_each, self._peak = template.written, template.after_each, template.peak
+            self.completion.restart()
+        else:
+            self.checks = DeviceChecks(defer=self.planned, lengths=list(lanes.lengths) if self.planned else
+                                       list(lengths), device=self.device)
+            self.completion = Completion(self.device)
+            self.written: set[str] = set()
+            self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
         for p in self.parts:
             p.budget.begin()
-            if frontier_owner in p.private:
-                if planned:
-                    torch.add(p.public[frontier_owner], p.length, out=p.private[frontier_owner])
-                else:
-                    p.private[frontier_owner].fill_(p.frontier + p.length)
-        if frontier_owner in self.parts[0].private:
+            if self.planned:
+                self._begin_planned(p, template)
+            elif frontier_owner in p.private:
+                p.private[frontier_owner].fill_(p.frontier + p.length)
+        if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
     # ---- one session's (a chunk's) ------------------------------------------------------------
@@ -151,20 +165,21 @@ class Transaction:
     def read(self, name: str) -> torch.Tensor:
         """Public value of a banked owner (several sessions': [N, ...], gathered from the pool by
         slot and parity: a copy). Never write to it."""
-        if self.sessions == 1:
+        if self.sessions == 1 and not self.planned:
             return self.parts[0].public[name]
-        return self.pool.banks[name][self._public, self._slots]
+        value = self.pool.banks[name][self._public, self._slots]
+        return value[0] if self._width == 1 else value
 
     def write(self, name: str, value: torch.Tensor) -> None:
         """Store the new value of a banked owner in the private bank (several sessions': value
         [N, ...], row i into session i's, in one indexed write)."""
-        if self.sessions == 1:
+        if self.sessions == 1 and not self.planned:
             target = self.parts[0].private[name]
             target.copy_(value)
         else:
             bank = self.pool.banks[name]
             target = value.to(bank.dtype)
-            bank.index_put_((1 - self._public, self._slots), target)
+            bank.index_put_((1 - self._public, self._slots), target.unsqueeze(0) if self._width == 1 else target)
         self.written.add(name)
         self._writes.append((target, None))
         self._value_bytes += self.parts[0].private[name].nbytes
@@ -202,6 +217,13 @@ class Transaction:
         blocks (the pool, its budget) fails alone: it gets scratch rows for the rest of the pass,
         whose results are dropped."""
         self._rows_handed = True
+        if self.planned:                    # every lane through its row of the step's tables
+            storage, logs = self.pool.rows[name], []
+            for lane in range(self._width):
+                log = Log(storage, self.lanes.tables[lane], first=None)
+                log.written = partial(self._hear, lane)
+                logs.append(log)
+            return logs
         logs = []
         for i, p in enumerate(self.parts):
             if p.failure is None and p.device_table is None:
@@ -214,8 +236,6 @@ class Transaction:
                 row = self.pool.rows[name]
                 log = Log.whole(torch.zeros((p.frontier + p.length,) + row.shape[2:], dtype=row.dtype,
                                             device=self.device), p.frontier + p.length)
-            elif self.planned:              # the public table: a captured graph reads it as it was
-                log = self.pool.log(name, p.device_table, p.record.table, first=p.first)
             else:
                 log = self.pool.log(name, p.device_table, p.table, p.frontier + p.length, p.first)
             log.written = partial(self._hear, i)
@@ -275,35 +295,41 @@ class Transaction:
                     self._fail(p, exc)
         self.completion.record(self.stage_index)
 
-    def restart(self) -> None:
-        """Re-arm a planned transaction for a replay of its captured work at the public records
-        now (same bank parities and storage as at capture): each memory budget hears the largest
-        of the requests the stages made (so it refuses exactly when one of them would be
-        refused), and nothing is marked failed or finished."""
-        for p in self.parts:
-            record = p.image.public
-            same = record.bank == p.record.bank and record.table == p.record.table
-            if not (self.planned and same) or p.held:      # held resources are one chunk's, never replayed
-                raise StructuralError("begin", "a planned step replayed on an image it was not captured for")
-        self.completion.restart()
-        self.stage, self._cut = self.stages[0], False
-        for p in self.parts:
-            p.record, p.frontier, p.done, p.failure = p.image.public, p.image.public.frontier, False, None
-            p.length = p.chunk_length               # a replay's `keep` chooses again
-            p.budget.begin()
-            if p.peak is None:              # each stage asked for working-so-far + its growth
-                working, peak = 0, (0, "begin")
-                for growth, after, stage in p.accounts:
-                    peak = max(peak, (working + growth, stage), key=lambda x: x[0])
-                    working = after
-                p.peak = peak
-            needed, self.stage = p.peak
+    def advance(self) -> None:
+        """A planned step's private frontier: each lane's last position + 1 (device work, so a
+        captured graph holds it)."""
+        if self.frontier_owner in self.parts[0].private:
+            last = self.lanes.positions.view(self._width, -1)[:, -1] + 1
+            self.write(self.frontier_owner, last if self._width > 1 else last[0])
+
+    def _begin_planned(self, p: _Session, template: "Captured | None") -> None:
+        """Take the blocks `p`'s chunk writes (on the host: a graph takes none); a replay asks
+        `p`'s budget for the largest request the captured stages made of a lane's (so it refuses
+        exactly when one of them would be refused). A refusal fails `p` alone."""
+        try:
+            p.device_table = self._writable_table(p)
+        except Exception as exc:
+            self._fail(p, exc, stop=False)
+            return
+        if template is not None:
+            (needed, self.stage), working = self._peak
             try:
                 self._request(p.budget.admit, needed, f"the intermediates of {self.stage}")
-                p.budget.set_working(p.accounts[-1][1] if p.accounts else 0)
+                p.budget.set_working(working)
             except ChunkAborted as exc:
-                self._fail(p, exc)
+                self._fail(p, exc, stop=False)
             self.stage = self.stages[0]     # a replay's own failures: a graph cannot say which stage
+
+    def captured(self) -> "Captured":
+        """What a replay of this (captured) step borrows. The peak: the largest request of a
+        lane's budget (working-so-far + a stage's growth, and the stage), and the working bytes
+        it ends with; every lane runs the same work, so the first session's accounts are every
+        lane's."""
+        working, peak = 0, (0, "begin")
+        for growth, after, stage in self.parts[0].accounts:
+            peak = max(peak, (working + growth, stage), key=lambda x: x[0])
+            working = after
+        return Captured(self.checks, self.completion, self.written, self.after_each, (peak, working))
 
     def poison(self, session: int | None = None) -> None:
         """Write a NaN into the last floating-point value this stage wrote (fault injection);
@@ -415,10 +441,11 @@ class Transaction:
                     p.image.tail_dirty = True
 
     # ---- internals -------------------------------------------------------------------------
-    def _fail(self, p: _Session, exc: Exception) -> None:
-        """`p` fails alone (the others go on); when no session is left, the step stops here."""
+    def _fail(self, p: _Session, exc: Exception, stop: bool = True) -> None:
+        """`p` fails alone (the others go on); when no session is left, the step stops here
+        (with `stop`)."""
         p.failure = exc if isinstance(exc, ChunkAborted) else abort_error(self.stage, exc)
-        if all(q.failure is not None for q in self.parts):
+        if stop and all(q.failure is not None for q in self.parts):
             raise p.failure
 
     def extend_reserved(self) -> None:
@@ -426,26 +453,21 @@ class Transaction:
         the pool has them free and the budget grants them. Asked for only once every stage has
         made its own requests, so a reservation never takes what the chunk needed, and one that
         is refused is skipped, never an abort."""
-        if not self.planned:
-            for p in self.parts:
-                if p.reserve and p.failure is None:
-                    self._extend(p, p.reserve)
+        for p in self.parts:
+            if p.reserve and p.failure is None:
+                self._extend(p, p.reserve)
 
     def _blocks(self, count: int) -> str:
         return f"{count} block{'s' if count != 1 else ''} of {self.pool.block_rows} rows"
 
-    def _writable_table(self, p: _Session) -> torch.Tensor:
-        """The table whose blocks hold this chunk's rows, its own: in a planned step the public
-        one as it is; else blocks taken for rows past the table's end (and, when it must grow,
-        up to twice its rows if they are free) and copies of shared blocks the chunk writes into."""
+    def _writable_table(self, p: _Session) -> torch.Tensor | None:
+        """The table whose blocks hold this chunk's rows, its own: the public one as it is, or
+        with blocks taken for rows past the table's end (and, when it must grow, up to twice its
+        rows if they are free) and copies of shared blocks the chunk writes into. (A planned
+        step's tables are the step's input: None.)"""
         need = p.frontier + p.length
-        if self.planned:
-            if not self.pool.exclusive(p.record.table, p.frontier, need):
-                raise StructuralError(self.stage, f"a planned step needs rows {p.frontier}..{need - 1} held, in "
-                                      f"blocks of the session's own")
-            return p.image.device_table()
         if self.pool.exclusive(p.record.table, p.frontier, need):     # as it is: the table held
-            return p.image.device_table()
+            return None if self.planned else p.image.device_table()
         try:
             plan = self.pool.writable(p.record.table, p.frontier, p.length)
         except PoolFull as exc:
@@ -462,7 +484,7 @@ class Transaction:
         held = len(p.record.table) * self.pool.block_rows
         if need > held:                      # growing: room for as many rows again, if it is free
             self._extend(p, max(need, 2 * held, self.pool.block_rows))
-        return self.pool.table_tensor(p.table)
+        return None if self.planned else self.pool.table_tensor(p.table)
 
     def _extend(self, p: _Session, rows: int) -> None:
         more = self.pool.extend(p.table, min(rows, self.max_rows))
@@ -481,6 +503,18 @@ class Transaction:
             ask(nbytes, what)
         except Refused as exc:
             raise AllocationError(self.stage, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A captured step's device work, which every replay of it shares: its checks and completion
+    record, the banked owners its stages write, a prefix transaction's values after every token,
+    and a lane's peak request of its memory budget (`Transaction.captured`)."""
+    checks: DeviceChecks
+    completion: Completion
+    written: set
+    after_each: dict
+    peak: tuple
 
 
 class _Shared:
