@@ -108,33 +108,20 @@ def test_bench_measures_sessions_decoding_together(tmp_path):
     assert three["decode_floor_ms_per_step"] > one["decode_floor_ms_per_step"]      # three sessions' state
 
 
-def test_the_in_place_batch_computes_what_feed_many_computes(tiny_fast):
+def test_the_in_place_batch_computes_what_a_planned_batch_computes(tiny_fast):
+    """The in-place batch runs the runner's lanes step with every write in place: the same
+    logits as a planned `Batch`, bit for bit, step after step (one growing its storage)."""
     sessions = [tiny_fast.session() for _ in range(3)]
     inplace = [bench.InPlaceSession(tiny_fast) for _ in range(3)]
     for i, (s, p) in enumerate(zip(sessions, inplace)):
-        s.feed([1 + i, 2, 3])
-        p.feed([1 + i, 2, 3])
-    got = bench.InPlaceBatch(inplace).feed([4, 5, 6])
-    want = torch.stack(hebrus.feed_many(sessions, [4, 5, 6]))
-    assert torch.equal(got, want)
-
-
-def test_the_planned_in_place_batch_computes_what_a_planned_batch_computes(tiny_fast):
-    """The pass an in-place batch captures (positions read from each bank's frontier on the
-    device), run once op by op."""
-    sessions = [tiny_fast.session() for _ in range(3)]
-    inplace = [bench.InPlaceSession(tiny_fast) for _ in range(3)]
-    for i, (s, p) in enumerate(zip(sessions, inplace)):
-        s.feed([1 + i, 2, 3])
-        p.feed([1 + i, 2, 3])
-    group = bench.InPlaceBatch(inplace)
-    group.tokens.copy_(torch.tensor([4, 5, 6]))
-    with torch.inference_mode():
-        group._planned()
-    want = torch.stack(hebrus.Batch(sessions, decode="planned").feed([4, 5, 6]))
-    got = torch.stack([p.bank["logits"] for p in inplace])
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert [int(p.bank["frontier"]) for p in inplace] == [4, 4, 4]
+        s.feed([1 + i, 2, 3] * (1 + 2 * i))
+        p.feed([1 + i, 2, 3] * (1 + 2 * i))
+    group, planned = bench.InPlaceBatch(inplace), hebrus.Batch(sessions, decode="planned")
+    for step in range(10):
+        ids = [4 + step, 5, 6 + step]
+        assert torch.equal(group.feed(ids), torch.stack(planned.feed(ids))), step
+    assert [p.frontier for p in inplace] == [s.frontier for s in sessions] == [13, 19, 25]
+    assert [int(tiny_fast.pool.banks["frontier"][0, p.image.slot]) for p in inplace] == [13, 19, 25]
 
 
 def test_bench_long_compares_sparse_and_dense_attention(tmp_path):

@@ -105,7 +105,8 @@ def _ids(n, vocab, seed):
 @cuda
 def test_graph_decode_matches_eager(tmp_path):
     """Graph replays against eager steps on the same device: logits and every owner within the
-    dtype's fast tolerance, discrete state equal, storage growth (rows 16 and 32) recaptured."""
+    dtype's fast tolerance, discrete state equal, storage growth (rows 16 and 32) replayed from
+    the same graph."""
     for name, model in _graph_models(tmp_path).items():
         vocab, tolerance = model.spec.vocab_size, 1e-4 if model.dtype == torch.float32 else 2e-2
         runs = {}
@@ -117,7 +118,7 @@ def test_graph_decode_matches_eager(tmp_path):
         steps = graph._steps
         for step, (a, b) in enumerate(zip(got, want)):
             assert _rel(a.float(), b.float()) <= tolerance, (name, step, _rel(a.float(), b.float()))
-        assert steps.captures >= 4 and steps.replays >= 20, (name, steps.captures, steps.replays, steps.refused)
+        assert steps.captures >= 1 and steps.replays >= 20, (name, steps.captures, steps.replays, steps.refused)
         for spec in graph.image.specs:
             a, b = graph.image.value(spec.name), eager.image.value(spec.name)
             if a.is_floating_point():
@@ -137,7 +138,7 @@ def test_graph_step_failures_publish_nothing(tmp_path):
     s = poisoned.session()
     assert s.decode == "graph"
     s.feed([t if t != bad else bad + 1 for t in _ids(10, vocab, 1)])
-    for t in (1, 2, 3):                              # warm both parities, capture both
+    for t in (1, 2, 3):                              # warm the plan, capture it, replay it
         s.feed([t])
     assert s._steps.replays >= 1
     before, out = s.digest(), torch.full((vocab,), 7.0, device="cuda", dtype=model.dtype)
@@ -146,7 +147,7 @@ def test_graph_step_failures_publish_nothing(tmp_path):
     assert s.digest() == before and bool((out == 7.0).all())
     with pytest.raises(DeviceStatusError, match="token_range"):
         with torch.inference_mode():
-            s._steps.step(torch.tensor([vocab + 3]), None)
+            s._run(torch.tensor([vocab + 3]), None)
     assert s.digest() == before
     replays = s._steps.replays
     assert torch.isfinite(s.feed([4]).float()).all() and s._steps.replays == replays + 1
@@ -367,7 +368,14 @@ def test_batch_graphs_match_eager_batches(tmp_path):
         for a, b in zip(together.feed(ids), hebrus.feed_many(groups[1], ids)):
             assert _rel(a.float(), b.float()) <= 2e-2, step
     steps = together._steps
-    assert steps.captures >= 2 and steps.replays >= 6, (steps.captures, steps.replays, steps.refused)
+    assert steps.captures >= 1 and steps.replays >= 6, (steps.captures, steps.replays, steps.refused)
+    captured, replays = steps.captures, steps.replays       # sessions leave and join: the same graphs
+    for step, members in enumerate([(0, 1, 2), (1, 2, 3), (0, 1, 2, 3), (3, 0, 2)]):
+        ids = _ids(len(members), vocab, 200 + step)
+        got = hebrus.Batch([groups[0][m] for m in members]).feed(ids)
+        want = hebrus.feed_many([groups[1][m] for m in members], ids)
+        assert all(_rel(a.float(), b.float()) <= 2e-2 for a, b in zip(got, want)), step
+    assert steps.captures == captured and steps.replays == replays + 4
     poisoned = with_nan_row(model, 5)
     sessions = [poisoned.session() for _ in range(3)]
     for s in sessions:

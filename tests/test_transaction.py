@@ -271,7 +271,8 @@ def test_float64_faults_hold_too(tiny64):
 def test_every_step_context_offers_what_stages_use(tiny_fast):
     """A transaction (of one session and of several) and the bench's in-place contexts all
     satisfy StepContext."""
-    from hebrus.bench import InPlaceSession, _InPlaceBatchContext, _InPlaceContext
+    from hebrus.bench import InPlaceSession, _InPlaceContext, _InPlaceLanes
+    from hebrus.engine.graphs import Inputs
     from hebrus.engine.eager import transaction
     from hebrus.state.context import StepContext
     s, other = tiny_fast.session(), tiny_fast.session()
@@ -281,7 +282,7 @@ def test_every_step_context_offers_what_stages_use(tiny_fast):
     ids = torch.tensor([1])
     from hebrus.training import SequenceContext
     contexts = [txn, several, _InPlaceContext(inplace, ids, 0),
-                _InPlaceBatchContext([inplace], ids, [0]), SequenceContext(tiny_fast.spec, ids, torch.float32)]
+                _InPlaceLanes(tiny_fast.pool, Inputs(tiny_fast.pool, 2, 1, 8, False).step), SequenceContext(tiny_fast.spec, ids, torch.float32)]
     assert all(isinstance(c, StepContext) for c in contexts)
     txn.abort()
     several.abort()

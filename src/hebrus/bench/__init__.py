@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from hebrus.bench.inplace import InPlaceBatch, InPlaceSession, _InPlaceBatchContext, _InPlaceContext
+from hebrus.bench.inplace import InPlaceBatch, InPlaceSession, _InPlaceContext, _InPlaceLanes
 from hebrus.bench.limits import copy_bandwidth, decode_bytes, matmul_flops, prefill_flops_per_token
 from hebrus.bench.shapes import SHAPES, random_checkpoint
 from hebrus.bench.timing import WARM_STEPS, _point, transformers_point
 
-__all__ = ["SHAPES", "WARM_STEPS", "InPlaceBatch", "InPlaceSession", "_InPlaceBatchContext", "_InPlaceContext",
+__all__ = ["SHAPES", "WARM_STEPS", "InPlaceBatch", "InPlaceSession", "_InPlaceContext", "_InPlaceLanes",
            "copy_bandwidth", "decode_bytes", "matmul_flops", "prefill_flops_per_token", "random_checkpoint",
            "run", "table"]
 
@@ -56,7 +56,10 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
             "decode_tokens_per_s": batch / tx_decode,
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,
+            "graph_captures": point.captures,
         }
+        if point.join_leave_captures is not None:
+            entry["join_leave_captures"] = point.join_leave_captures
         if point.prefill_s_per_token is not None:
             roofline = flops / prefill_flops_per_token(model, context, chunk)             # tokens per second
             tx_prefill, ip_prefill = point.prefill_s_per_token["transactional"], point.prefill_s_per_token["in-place"]
@@ -110,7 +113,7 @@ def table(report: dict) -> str:
     ]
     compared = any("transformers" in p for p in report["points"])
     head = ("| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | decode tok/s "
-            "| tx / in-place | floor ms | of floor |")
+            "| tx / in-place | floor ms | of floor | captures | on join/leave |")
     if compared:
         head += " transformers prefill tok/s | decode ms/step | speed-up prefill | decode |"
     lines += [head, "|" + " ---: |" * (head.count("|") - 1)]
@@ -120,7 +123,8 @@ def table(report: dict) -> str:
         line = (f"| {p['context']} | {p['batch']} | {prefill} | {p['decode_ms_per_step']:.2f} | "
                 f"{p.get('decode_tokens_per_s', p['batch'] * 1e3 / p['decode_ms_per_step']):,.0f} | "
                 f"{p['decode_ratio_transactional_over_in_place']:.3f} | "
-                f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} |")
+                f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} | "
+                f"{p.get('graph_captures', '–')} | {p.get('join_leave_captures', '–')} |")
         hf = p.get("transformers")
         if hf is not None and "error" not in hf:
             line += (f" {1 / hf['prefill_s_per_token']:,.0f} | {hf['decode_s_per_step'] * 1e3:.2f} | "

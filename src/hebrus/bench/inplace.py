@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hebrus.engine.graphs import Inputs, step_key
 from hebrus.state.image import Image
 from hebrus.state.pool import Log
 from hebrus.state.step import StepBatch
@@ -76,41 +77,55 @@ class InPlaceSession:
 
     def _planned(self) -> None:
         start = self.bank["frontier"].view(1)
-        _run(self.model, _InPlaceContext(self, self.token, start), StepBatch.planned(self.token, start))
+        _run(self.model, _InPlaceContext(self, self.token, start), StepBatch(self.token, start, (1,), None))
         self.bank["frontier"].add_(1)
 
 
 class InPlaceBatch:
-    """In-place sessions stepped together, one token each: the batched pass of `hebrus.Batch`
-    with every write in place (measurement only). With `graphs`, steps are captured as a CUDA
-    graph once every row log holds its row, as `hebrus.Batch` captures them."""
+    """In-place sessions stepped together, one token each, as the engine's runner steps a batch
+    (`engine.graphs`: the same lanes of ids, positions, slots, parities and block tables, the
+    same graph per lanes and table width) with every write in place: one bank, no checks, no
+    second copy of anything. Measurement only. The sessions' rows move into blocks of the pool."""
 
     def __init__(self, sessions: list[InPlaceSession], graphs: bool = False):
         self.sessions, self.model, self.graphs = sessions, sessions[0].model, graphs
-        self.tokens = torch.zeros(len(sessions), dtype=torch.int64, device=self.model.device)
-        self.captured = _Captured()
+        pool = self.pool = self.model.pool
+        self.tables = []
+        for s in sessions:
+            table = pool.writable((), 0, s.frontier).table
+            for name, storage in zip(s.names, s.storages):
+                pool.write_rows(name, table, 0, storage[:s.frontier])
+            self.tables.append(table)
+        self.inputs: dict[tuple, Inputs] = {}
+        self.captured: dict[tuple, _Captured] = {}
 
     def feed(self, tokens) -> torch.Tensor:
-        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        pool, n = self.pool, len(self.sessions)
+        for i, s in enumerate(self.sessions):        # as a transaction takes blocks: as a step begins
+            table, held = self.tables[i], len(self.tables[i]) * pool.block_rows
+            if held <= s.frontier:
+                self.tables[i] = table + pool.extend(table, max(s.frontier + 1, 2 * held, pool.block_rows))
+        key = step_key(pool, [s.frontier for s in self.sessions], 1, False)
+        inputs = self.inputs.get(key)
+        if inputs is None:
+            inputs = self.inputs[key] = Inputs(pool, key[0], 1, key[2], False)
+        inputs.fill([(s.frontier, 0, s.image.slot, t) for s, t in zip(self.sessions, self.tables)],
+                    torch.as_tensor(tokens).tolist())
         with torch.inference_mode():
-            roomy = all(st.shape[0] > s.frontier for s in self.sessions for st in s.storages)
-            if self.graphs and roomy:
-                self.tokens.copy_(ids)
-                self.captured.step(self._planned, [st for s in self.sessions for st in s.storages])
+            step = lambda: self._planned(inputs)
+            if self.graphs:
+                self.captured.setdefault(key, _Captured()).step(step, [])
             else:
-                ids, starts = ids.to(self.model.device), [s.frontier for s in self.sessions]
-                _run(self.model, _InPlaceBatchContext(self.sessions, ids, starts), StepBatch.tokens(ids, starts))
-                for s in self.sessions:
-                    s.bank["frontier"].fill_(s.frontier + 1)
+                step()
         for s in self.sessions:
             s.frontier += 1
-        return torch.stack([s.bank["logits"] for s in self.sessions])
+        return pool.banks["logits"][0, inputs.step.slots[:n]]
 
-    def _planned(self) -> None:
-        starts = [s.bank["frontier"].view(1) for s in self.sessions]
-        _run(self.model, _InPlaceBatchContext(self.sessions, self.tokens, starts), StepBatch.tokens(self.tokens, starts))
-        for s in self.sessions:
-            s.bank["frontier"].add_(1)
+    def _planned(self, inputs: Inputs) -> None:
+        ctx = _InPlaceLanes(self.pool, inputs.step)
+        _run(self.model, ctx, inputs.step)
+        after = inputs.step.positions + 1
+        ctx.write("frontier", after if ctx.lanes > 1 else after[0])
 
 
 class _Unchecked:
@@ -126,19 +141,24 @@ class _Unchecked:
         pass
 
 
-class _InPlaceBatchContext(_Unchecked):
-    def __init__(self, sessions: list[InPlaceSession], ids: torch.Tensor, starts):
-        self.parts = [_InPlaceContext(s, ids[i:i + 1], start) for i, (s, start) in enumerate(zip(sessions, starts))]
+class _InPlaceLanes(_Unchecked):
+    """A lanes step's context, in place: banked owners read from and written to bank 0 of each
+    lane's slot, rows through each lane's table."""
+
+    def __init__(self, pool, step: StepBatch):
+        self.pool, self.step, self.lanes = pool, step, step.sessions
 
     def read(self, name):
-        return torch.stack([p.read(name) for p in self.parts])
+        value = self.pool.banks[name][self.step.parities, self.step.slots]
+        return value[0] if self.lanes == 1 else value
 
     def write(self, name, value):
-        for p, v in zip(self.parts, value):
-            p.write(name, v)
+        bank = self.pool.banks[name]
+        value = value.to(bank.dtype)
+        bank.index_put_((self.step.parities, self.step.slots), value.unsqueeze(0) if self.lanes == 1 else value)
 
     def rows(self, name):
-        return [p.rows(name)[0] for p in self.parts]
+        return [Log(self.pool.rows[name], self.step.tables[i], first=None) for i in range(self.lanes)]
 
 
 class _InPlaceContext(_Unchecked):

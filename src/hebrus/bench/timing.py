@@ -18,10 +18,12 @@ class Point:
     context: int
     prefill_s_per_token: dict[str, float] | None     # None for a batch: prefill is not batched yet
     decode_s_per_step: dict[str, float]
+    captures: int = 0                                # graphs the transactional variant captured at this point
+    join_leave_captures: int | None = None           # ... when a session left its batch and one joined
 
 
-# untimed decode steps before the timed ones: row storage may grow on the first (the prompt filled
-# it), and each bank parity runs once from the plan and is then captured
+# untimed decode steps before the timed ones: the first runs each step's plan uncaptured, the
+# second captures it, and row storage may grow on any of them
 WARM_STEPS = 6
 
 
@@ -35,6 +37,7 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
     if batch > 1:
         return _batch_point(model, prompt, steps, rounds, chunk, batch, how)
     graphs = model.session(decode=how).decode == "graph"
+    captured = _captures(model)
     variants = {"transactional": lambda: model.session(decode=how),
                 "in-place": lambda: InPlaceSession(model, graphs=graphs)}
     prefill = {name: [] for name in variants}
@@ -61,7 +64,12 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
-                 {n: statistics.median(v) for n, v in decode.items()})
+                 {n: statistics.median(v) for n, v in decode.items()}, _captures(model) - captured)
+
+
+def _captures(model) -> int:
+    """Graphs the model's runners have captured so far."""
+    return sum(runner.captures for runner in model._steps.values())
 
 
 def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
@@ -81,8 +89,11 @@ def _timed_steps(model, names, steps: int, choose, advance) -> dict[str, float]:
 
 
 def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
+    """As `_point`, for `batch` sessions decoding together; then (untimed) one session leaves
+    the batch and another joins it, and the graphs that captured are counted apart."""
     from hebrus.batching import Batch
     decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
+    captured = _captures(model)
     for r in range(rounds + 1):
         first, inplace = model.session(decode="eager"), InPlaceSession(model)
         for begin in range(0, len(prompt), chunk):
@@ -102,7 +113,13 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
         if r:
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
-    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()})
+    timed = _captures(model) - captured
+    members, joining = together.sessions, first.fork(copy_rows=True)
+    before = _captures(model)
+    for group in (members[1:], members[1:] + [joining], members[2:] + [joining], members):
+        Batch(group, decode=how).feed(torch.argmax(last["transactional"][:len(group)], dim=-1).tolist())
+    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()}, timed,
+                 _captures(model) - before)
 
 
 def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int, device: torch.device,

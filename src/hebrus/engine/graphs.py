@@ -101,13 +101,20 @@ def width_for(blocks: int) -> int:
 
 
 
+def step_key(pool, frontiers: list[int], length: int, each: bool) -> tuple:
+    """What a planned step's graph is kept by: (lanes, tokens per lane, table width, prefix)."""
+    need = max(frontiers) + length
+    width = min(width_for(pool.blocks_for(need)), pool.blocks_for(pool.max_rows))
+    return lanes_for(len(frontiers)), length, width, each
+
+
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     captured: Captured               # the captured step's device work: checks, completion, peak
 
 
-class _Inputs:
+class Inputs:
     """The device buffers of one key's planned step, and the pinned host buffer they are copied
     from in one transfer: ids and positions [lanes * length], parities and slots [lanes],
     tables [lanes, width]."""
@@ -125,9 +132,9 @@ class _Inputs:
         self._views[4] = self._views[4].reshape(lanes, width)
         self._steps = np.arange(length)
 
-    def fill(self, txn: Transaction, ids) -> None:
-        """Each session's lane from `ids` [n * length] and its transaction's part; the lanes of
-        sessions that failed already, and the rest, are padding."""
+    def fill(self, lanes: list, ids) -> None:
+        """Lane i from `ids` [n * length] and lanes[i]: (frontier, parity, slot, table), or
+        None for padding (a session that failed already); the lanes past them are padding."""
         host_ids, positions, parities, slots, tables = self._views
         pool, L = self.pool, self.length
         host_ids[:] = 0
@@ -136,12 +143,12 @@ class _Inputs:
         parities[:] = 0
         slots[:] = pool.spare_slot
         tables[:] = pool.scratch_block
-        for i, p in enumerate(txn.parts):
-            if p.failure is not None:
+        for i, lane in enumerate(lanes):
+            if lane is None:
                 continue
-            positions[i * L:(i + 1) * L] = p.frontier + self._steps
-            parities[i], slots[i] = p.record.bank, p.record.slot
-            held = p.table[:self.width]
+            frontier, parities[i], slots[i], table = lane
+            positions[i * L:(i + 1) * L] = frontier + self._steps
+            held = table[:self.width]
             tables[i, :len(held)] = held
             tables[i, len(held):] = pool.zero_block
         if self.device is not self.host:
@@ -157,7 +164,7 @@ class Steps:
     def __init__(self, model, capture: bool):
         self.model, self.capture = model, capture
         self.graphs: dict[tuple, _Graph] = {}
-        self.inputs: dict[tuple, _Inputs] = {}
+        self.inputs: dict[tuple, Inputs] = {}
         self.warm: set[tuple] = set()            # keys run from the plan at least once
         self.captures = 0                        # graphs captured so far (for tests and bench)
         self.replays = 0                         # steps run from a captured graph
@@ -172,10 +179,7 @@ class Steps:
         return length >= 1 and not faults.armed()
 
     def key(self, images, length: int, each: bool) -> tuple:
-        pool = self.model.pool
-        need = max(image.public.frontier for image in images) + length
-        width = min(width_for(pool.blocks_for(need)), pool.blocks_for(pool.max_rows))
-        return lanes_for(len(images)), length, width, each
+        return step_key(self.model.pool, [image.public.frontier for image in images], length, each)
 
     def run(self, images, budgets, ids, length: int, each: bool, conclude):
         """One step: `conclude(txn, work)` runs `work()` (the step's device work) and finishes
@@ -185,7 +189,7 @@ class Steps:
         with self._lock:
             inputs = self.inputs.get(key)
             if inputs is None:
-                inputs = self.inputs[key] = _Inputs(self.model.pool, key[0], length, key[2], each)
+                inputs = self.inputs[key] = Inputs(self.model.pool, key[0], length, key[2], each)
             held = self.graphs.get(key)
             if held is None and self.capture and self.refused is None and key in self.warm:
                 held = self._capture(key, inputs, images, budgets, ids)
@@ -210,19 +214,20 @@ class Steps:
 
             return conclude(txn, replay)
 
-    def _plan(self, txn: Transaction, inputs: _Inputs) -> None:
+    def _plan(self, txn: Transaction, inputs: Inputs) -> None:
         txn.advance()
         run_stages(self.model, txn, inputs.step)
         txn.checks.fold()
 
-    def _stage(self, inputs: _Inputs, txn: Transaction, ids) -> None:
+    def _stage(self, inputs: Inputs, txn: Transaction, ids) -> None:
         """The step's inputs where the plan reads them; rows past a frontier zeroed where an
         aborted chunk may have left anything there."""
         for p in txn.parts:
             p.image.clean_tails()
-        inputs.fill(txn, ids)
+        inputs.fill([None if p.failure is not None else (p.frontier, p.record.bank, p.record.slot, p.table)
+                     for p in txn.parts], ids)
 
-    def _capture(self, key, inputs: _Inputs, images, budgets, ids) -> _Graph | None:
+    def _capture(self, key, inputs: Inputs, images, budgets, ids) -> _Graph | None:
         """Capture the plan of `key` with these sessions' inputs (their blocks taken, then given
         back: the step runs from the graph as any later one does)."""
         try:
@@ -242,7 +247,7 @@ class Steps:
         finally:
             txn.abort()
 
-    def _transaction(self, images, budgets, length: int, each: bool, inputs: _Inputs,
+    def _transaction(self, images, budgets, length: int, each: bool, inputs: Inputs,
                      template: Captured | None = None) -> Transaction:
         return transaction(self.model, images, budgets, [length] * len(images), each=each, lanes=inputs.step,
                            template=template)
