@@ -522,3 +522,32 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
     auto = hebrus.text.entry.load("tiny")
     assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
     assert isinstance(hebrus.generate(auto, "Hail", max_new_tokens=8, seed=1), str)
+
+
+@cuda
+def test_the_gdn_lanes_kernel_matches_its_twin():
+    """The delta rule of one token per lane, states read from and written to the pool's banks
+    where they lie, against `ops.gdn.gdn_lanes`: outputs, both banks after, and the check (zero,
+    NaN for the one lane whose state is not finite)."""
+    from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
+    from hebrus.ops.gdn import gdn_lanes
+    g = torch.Generator(device="cuda").manual_seed(3)
+    N, H, K, V, slots = 6, 4, 128, 96, 9
+    bank = torch.randn(2, slots, H, K, V, generator=g, device="cuda") * 0.1
+    q, k = (torch.nn.functional.normalize(torch.randn(N, H, K, generator=g, device="cuda"), dim=-1) for _ in range(2))
+    v = torch.randn(N, H, V, generator=g, device="cuda").bfloat16()
+    decay, beta = -torch.rand(N, H, generator=g, device="cuda"), torch.rand(N, H, generator=g, device="cuda")
+    source = torch.tensor([0, 1, 1, 0, 0, 1], device="cuda")
+    chosen = torch.tensor([3, 0, 8, 5, 1, 6], device="cuda")
+    bank[1, 5, 2, 7, 11] = float("nan")           # lane 3 reads it
+    source[3] = 1
+    want_bank, got_bank = bank.clone(), bank.clone()
+    want_o, want_check = gdn_lanes(q, k, v, decay, beta, want_bank, source, 1 - source, chosen)
+    got_o, got_check = gdn_lanes_cuda(q, k, v, decay, beta, got_bank, source, 1 - source, chosen)
+    finite = torch.isfinite(want_o).all(-1)
+    assert torch.equal(finite, torch.isfinite(got_o).all(-1)) and not finite[3].any() and finite[[0, 1, 2, 4, 5]].all()
+    assert _rel(got_o[finite], want_o[finite]) <= 1e-5
+    seen = torch.isfinite(want_bank)
+    assert torch.equal(seen, torch.isfinite(got_bank)) and _rel(got_bank[seen], want_bank[seen]) <= 1e-5
+    assert torch.equal(torch.isnan(got_check), torch.isnan(want_check))
+    assert torch.isnan(got_check[3]).any() and not torch.isnan(got_check[[0, 1, 2, 4, 5]]).any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hebrus.engine.graphs import Inputs, step_key
+from hebrus.state.context import InPlace
 from hebrus.state.image import Image
 from hebrus.state.pool import Log
 from hebrus.state.step import StepBatch
@@ -159,6 +160,15 @@ class _InPlaceLanes(_Unchecked):
 
     def rows(self, name):
         return [Log(self.pool.rows[name], self.step.tables[i], first=None) for i in range(self.lanes)]
+
+    def in_place(self, name):
+        """As a transaction's kernels read and write the banks where they lie: here the same bank."""
+        if self.lanes == 1:
+            return None
+        return InPlace(self.pool.banks[name], self.step.parities, self.step.parities, self.step.slots)
+
+    def wrote(self, name, check):
+        pass
 
 
 class _InPlaceContext(_Unchecked):

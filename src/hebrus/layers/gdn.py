@@ -9,16 +9,19 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, uniform
 from hebrus.layers.sublayer import Sublayer, scan
-from hebrus.ops.gdn import gdn_chunked, gdn_inputs, gdn_ragged, gdn_recurrent, gdn_recurrent_states, gdn_states
+from hebrus.ops.gdn import (gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
+                            gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
+from hebrus.state.context import InPlace
 from hebrus.state.owners import OwnerSpec
 
 
 DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
+DELTA_RULE_LANES = "gdn.delta_rule_lanes"     # (..., bank, source, target, slots) -> (o, check): N tokens, states in place
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
@@ -73,6 +76,11 @@ class GatedDeltaNet:
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
         if at is None or at.sessions == 1:
             o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
+        elif at.one_each and isinstance(S, InPlace):      # N tokens, their states read and written where they lie
+            q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
+                projected[:, None], b[:, None], a[:, None], conv_state, self.conv_w, self.neg_a, self.dt_bias,
+                (self.hk, self.dk, self.hv, self.dv))
+            o, S = kernels.ops[DELTA_RULE_LANES](q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *S)
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
             o = o[:, 0]
@@ -109,11 +117,16 @@ class GDNMixer(Sublayer):
             y, conv_state, S = self.gdn(h, *state, self.kernels, at=at, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
+        in_place = getattr(txn, "in_place", None)      # a planned step of several lanes: states where they lie
+        lanes = in_place(rec) if in_place is not None and batch.one_each and DELTA_RULE_LANES in self.kernels.ops else None
         batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
-                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
+                                              (txn.read(conv).transpose(-1, -2), lanes or txn.read(rec)), ragged=True)
         write = txn.write_each if batch.each else txn.write
         write(conv, conv_state.transpose(-1, -2))
-        write(rec, S)
+        if lanes is not None:
+            txn.wrote(rec, S)               # the kernel wrote the states; S is their check
+        else:
+            write(rec, S)
 
 
 class GDN(Kind):
@@ -165,9 +178,10 @@ class GDN(Kind):
         if mode != "fast":
             return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states,
                     DELTA_RULE_RAGGED: gdn_ragged(gdn_recurrent)}
-        rule, ragged = delta_rule_fast, gdn_ragged(delta_rule_fast)
+        rule, ragged, lanes = delta_rule_fast, gdn_ragged(delta_rule_fast), gdn_lanes
         if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
-                rule, ragged = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged
-        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged}
+                from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
+                rule, ragged, lanes = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged, gdn_lanes_cuda
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, DELTA_RULE_LANES: lanes}

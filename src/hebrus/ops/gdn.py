@@ -154,3 +154,14 @@ def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
     if not pad:
         return t
     return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)
+
+
+def gdn_lanes(q, k, v, g, beta, bank, source, target, slots):
+    """One token of each of N sessions whose states live in a bank of the state pool: session i
+    reads its state from bank[source[i], slots[i]] and writes the new one to bank[target[i],
+    slots[i]] (q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; bank [2, slots, H, dk, dv]) ->
+    (o [N, H, dv], check [N, H]: zero where the written state is finite, NaN where it is not).
+    The readable twin of the CUDA kernel that reads and writes the banks where they lie."""
+    o, S = gdn_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], bank[source, slots])
+    bank.index_put_((target, slots), S.to(bank.dtype))
+    return o[:, 0], (S * 0).sum((-2, -1))

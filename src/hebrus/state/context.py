@@ -9,14 +9,26 @@ passed beside it.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 
+class InPlace(NamedTuple):
+    """A banked owner as a kernel reads and writes it where it lies: lane i reads
+    bank[source[i], slots[i]] and writes bank[target[i], slots[i]] (a transaction's source is
+    the public bank, its target the private one)."""
+    bank: torch.Tensor          # [2, slots, ...]
+    source: torch.Tensor        # [N] parities
+    target: torch.Tensor        # [N]
+    slots: torch.Tensor         # [N]
+
+
 @runtime_checkable
 class StepContext(Protocol):
-    # a prefix transaction (`StepBatch.each`) also has `write_each(name, values after every token [T, ...])`
+    # a prefix transaction (`StepBatch.each`) also has `write_each(name, values after every token [T, ...])`;
+    # a transaction may offer `in_place(name)` and `wrote(name, check)`: a banked owner a kernel
+    # reads and writes where it lies (`state.txn.Transaction.in_place`)
 
     def read(self, name: str) -> torch.Tensor:
         """The public value of a banked owner (several sessions': [N, ...]). Never write it."""

@@ -384,6 +384,17 @@ class Log:
             _bytes(self._seen).index_put_((positions,), _bytes(value))
         self._heard(value)
 
+    def write_lanes(self, tables: torch.Tensor, positions: torch.Tensor, value: torch.Tensor) -> None:
+        """Every lane's rows at once (this log's own table aside): token t of a step of N lanes
+        of T/N tokens each is row positions[t] of lane t // (T/N), through tables [N, width]
+        (a planned step's). What it hears is attributed by token."""
+        lane = torch.arange(len(positions), device=positions.device) // (len(positions) // tables.shape[0])
+        block, offset = tables[lane, positions // self.block_rows], positions % self.block_rows
+        value = value.to(self.storage.dtype)
+        _bytes(self.storage).index_put_((block, offset), _bytes(value))
+        if self.written is not None:
+            self.written(value, by_token=True)
+
     def write_range(self, start: int, value: torch.Tensor) -> None:
         """Rows [start, start + len(value)) := value (an eager step's, below `end`)."""
         value, stop = value.to(self.storage.dtype), start + value.shape[0]

@@ -136,6 +136,9 @@ class StepBatch:
     def put(self, logs, value: torch.Tensor) -> None:
         """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
         the transaction, `value` [T, *row] the rows of this step's."""
+        if self.tables is not None and len(self.lengths) > 1:      # a planned step's lanes: one write
+            logs[self.which[0]].write_lanes(self.tables, self.positions, value)
+            return
         logs = [logs[m] for m in self.which]
         if len(logs) == 1:
             if self.starts is None:

@@ -41,6 +41,7 @@ import torch
 from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceStatusError,
                            NonFiniteError, PageReadError, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
+from hebrus.state.context import InPlace
 from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.pool import Log, PoolFull, first_of_run
@@ -184,6 +185,22 @@ class Transaction:
         self._writes.append((target, None))
         self._value_bytes += self.parts[0].private[name].nbytes
 
+    def in_place(self, name: str) -> InPlace | None:
+        """Where a kernel reads a banked owner's public values and writes its private ones
+        itself, with no gather before and no scatter after (`state.context.InPlace`: the public
+        parities are its sources, the private ones its targets); then the stage calls `wrote`.
+        A planned step of several lanes offers it; any other step None."""
+        if not (self.planned and self._width > 1):
+            return None
+        return InPlace(self.pool.banks[name], self._public, 1 - self._public, self._slots)
+
+    def wrote(self, name: str, check: torch.Tensor) -> None:
+        """A kernel wrote `name`'s private values (`in_place`); `check` [N, ...] is finite
+        exactly where they are (checked with the stage's writes)."""
+        self.written.add(name)
+        self._writes.append((check, None))
+        self._value_bytes += self.parts[0].private[name].nbytes
+
     def write_each(self, name: str, values: torch.Tensor) -> None:
         """A prefix transaction's values of a banked owner after every token of the chunk [T, ...]:
         the last is written as `write` writes, all are kept (and checked) for `keep`."""
@@ -242,9 +259,10 @@ class Transaction:
             logs.append(log)
         return logs
 
-    def _hear(self, session: int, rows: torch.Tensor) -> None:
-        """Rows a stage wrote for `session`: checked (finite) with the rest of what it wrote."""
-        self._writes.append((rows, session))
+    def _hear(self, session: int, rows: torch.Tensor, by_token: bool = False) -> None:
+        """Rows a stage wrote for `session` (`by_token`: for every session, a row per token):
+        checked (finite) with the rest of what it wrote."""
+        self._writes.append((rows, None if by_token else session))
 
     def hold(self, resource) -> None:
         """Commit `resource` with this step's publication, or release it if it aborts (with
