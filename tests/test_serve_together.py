@@ -1,152 +1,98 @@
-"""How the server's decoding requests step together (`serve.together`): one batch, made again
-on any change without graphs; with graphs, an ended request stays as a ghost until a request
-joins or half are ghosts. The rules run here on the CPU (the batch steps eagerly; the CUDA test
-runs it from graphs), against each session stepped alone."""
+"""How the server's decoding requests step together: each turn, one `Batch` of the sessions of
+the requests decoding that turn. A request joins as soon as its prompt is fed and leaves when
+it ends; nothing else is stepped. The engine loop's turns run here by hand on the CPU (fast
+mode from the static step plan, uncaptured: the work a CUDA graph captures), against each
+request run alone."""
 from __future__ import annotations
-
-import itertools
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from conftest import tokens
-from hebrus.serve.together import GHOST_TOKEN, Together
+from hebrus.sampling import Sampling
+from hebrus.serve.scheduler import Request, Scheduler
 
-_ids = itertools.count()
-
-
-@dataclass
-class Asking:
-    session: object
-    id: int = field(default_factory=_ids.__next__)
-    ended: bool = False
+# (prompt length, new tokens, turn it arrives at): prompts of 8 a turn are fed while others decode
+ARRIVALS = [(3, 4, 0), (12, 9, 1), (20, 3, 1), (5, 6, 4), (9, 2, 6)]
 
 
-def _asking(model, n, seed):
-    out = []
-    for i in range(n):
-        s = model.session(decode="eager")
-        s.feed(tokens(5 + i, seed=seed + i))
-        out.append(Asking(s))
-    return out
+def _asking(i: int, prompt: int, new: int, got: dict, key: str = "") -> Request:
+    got[i] = []
+    return Request(key=key, prompt=tokens(prompt, seed=prompt), max_tokens=new, sampling=Sampling(temperature=0.8),
+                   seed=i, stop_ids=frozenset(), emit=lambda kind, value: got[i].append(value) if kind == "token" else None,
+                   keep=bool(key))
 
 
-def _twin(model, request):  # noqa: ARG001
-    """A session at the same state as `request`'s, to step alone."""
-    return request.session.fork(copy_rows=True)
+def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> list[Request]:
+    """Run the loop's turns by hand, the requests of ARRIVALS arriving at their turns, until all
+    have ended; `each_turn(requests)` is called after every turn."""
+    requests = []
+    for turn in range(100):
+        requests += [_asking(i, p, n, got, key) for i, (p, n, at) in enumerate(ARRIVALS) if at == turn]
+        scheduler.running += [r for r in requests if r.session is None and r not in scheduler.running]
+        if not scheduler.running and len(requests) == len(ARRIVALS):
+            return requests
+        scheduler._turn()
+        if each_turn is not None:
+            each_turn(requests)
+    raise AssertionError("the requests did not end")
 
 
-def _step_and_compare(together, model, live, twins, step):
-    chosen = {r.id: (7 * step + r.id) % model.spec.vocab_size for r in live}
-    got = together.step(live, chosen)
-    assert set(got) == {r.id for r in live}
-    for r in live:
-        want = twins[r.id].feed([chosen[r.id]])
-        assert torch.allclose(got[r.id], want, atol=1e-5, rtol=1e-5), (step, r.id)
+def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny):
+    """Exact mode: every request's tokens are bit for bit what its session generates alone,
+    whoever decodes beside it, turn after turn."""
+    got = {}
+    requests = _turns(Scheduler(tiny, chunk_size=8, prefill_tokens=8), got)
+    for i, request in enumerate(requests):
+        alone = tiny.session().generate(request.prompt, max_new_tokens=request.max_tokens, temperature=0.8, seed=i)
+        assert got[i] == list(alone), i
 
 
-def test_ended_requests_stay_as_ghosts_until_one_joins_and_each_gets_what_it_gets_alone(tiny_fast):
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tolerance: float = 2e-5) -> None:
+    scale = max(float(b.abs().max()), 1.0)
+    assert float((a - b).abs().max()) <= tolerance * scale, what
+
+
+def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_fast):
+    """Fast mode from the plan: each turn with a request decoding runs one planned step, of the
+    requests decoding that turn; a request that ended is never stepped again (its state stays
+    as it left it), and its kept conversation is its own session. Each request's state is what
+    an eager session fed the same tokens holds."""
     model = tiny_fast
-    together = Together(model, graphs=True)
-    first = _asking(model, 4, seed=0)
-    twins = {r.id: _twin(model, r) for r in first}
-    live = list(first)
-    _step_and_compare(together, model, live, twins, 0)
-    assert len(together.members) == 4 and together.made == 1
+    runner = model.steps(capture=False)
+    scheduler = Scheduler(model, chunk_size=8, prefill_tokens=8, decode="planned")
+    got, ended, widths = {}, {}, []
 
-    first[1].ended = True                            # one of four ends: a ghost, the batch stays
-    live.remove(first[1])
-    frontier = first[1].session.frontier
-    _step_and_compare(together, model, live, twins, 1)
-    assert together.made == 1 and together.holds(first[1])
-    assert first[1].session.frontier == frontier + 1          # the ghost stepped (its dummy token)
-
-    newcomer = _asking(model, 1, seed=20)            # one joins: made again of the live ones
-    twins.update({r.id: _twin(model, r) for r in newcomer})
-    live += newcomer
-    _step_and_compare(together, model, live, twins, 2)
-    assert together.made == 2 and len(together.members) == 4 and not together.holds(first[1])
-
-    for r in first[2:]:                              # two of four end: half are ghosts, made again
-        r.ended = True
-    live = [r for r in live if not r.ended]
-    _step_and_compare(together, model, live, twins, 3)
-    assert together.made == 3 and len(together.members) == 2
-    for step in range(4, 8):
-        _step_and_compare(together, model, live, twins, step)
-    assert together.made == 3
+    def each_turn(requests):
+        decoding = [r for r in requests if r.session is not None and len(r.produced) + (r not in scheduler.running) > 0]
+        widths.append(runner.uncaptured)
+        for r in requests:
+            if r.session is not None and r not in scheduler.running and r.id not in ended:
+                ended[r.id] = (r.session.frontier, r.session.digest())
+            if r.id in ended:
+                assert (r.session.frontier, r.session.digest()) == ended[r.id], r.id
+        del decoding
+    ran = runner.uncaptured
+    requests = _turns(scheduler, got, key="key", each_turn=each_turn)
+    turns_decoding = sum(1 for i in range(len(widths)) if widths[i] > (widths[i - 1] if i else ran))
+    assert runner.uncaptured - ran == turns_decoding
+    assert scheduler.widest == 3
+    for i, request in enumerate(requests):
+        session = request.session
+        assert session.frontier == len(request.prompt) + len(got[i]) and got[i] == request.produced
+        assert scheduler.kept.find("key", request.prompt + request.produced)[0] is session
+        twin = model.session(decode="eager")
+        _close(session.logits, twin.feed(request.prompt + request.produced), f"request {i}")
 
 
-def test_a_request_still_running_but_stepping_alone_is_never_a_ghost(tiny_fast):
-    """A request left out of a turn while it still runs (the fault hook steps it alone) must not
-    be stepped by its cohort too: its cohort is made again without it."""
-    model = tiny_fast
-    together = Together(model, graphs=True)
-    asking = _asking(model, 4, seed=40)
-    together.step(asking, {r.id: 1 for r in asking})
-    alone = asking[2]
-    frontier = alone.session.frontier
-    together.step([r for r in asking if r is not alone], {r.id: 2 for r in asking})
-    assert alone.session.frontier == frontier and not together.holds(alone)
-
-
-def test_a_ghost_that_cannot_step_in_place_is_let_go(tiny_fast):
-    model = tiny_fast
-    together = Together(model, graphs=True)
-    asking = _asking(model, 2, seed=50)
-    together.step(asking, {r.id: 1 for r in asking})
-    ghost = asking[0]
-    ghost.ended = True
-    held = ghost.session.fork()                     # its rows now shared: a step would copy them
-    assert not ghost.session.image.room()
-    together.step(asking[1:], {asking[1].id: 3})
-    assert not together.holds(ghost) and held.frontier == ghost.session.frontier
-
-
-def test_without_graphs_one_batch_is_made_again_on_any_change(tiny_fast):
-    model = tiny_fast
-    together = Together(model, graphs=False)
-    asking = _asking(model, 3, seed=60)
-    together.step(asking, {r.id: 1 for r in asking})
-    together.step(asking, {r.id: 2 for r in asking})
-    assert together.made == 1
-    asking[0].ended = True
-    together.step(asking[1:], {r.id: 3 for r in asking[1:]})
-    assert together.made == 2 and len(together.members) == 2
-    together.let_go()
-    assert together.batch is None and not together.holds(asking[1])
-
-
-def test_a_batch_that_cannot_step_is_let_go_with_no_request_stepped(tiny_fast):
-    """Something other than one session's abort (here a session already at its context limit)
-    raises out of the step; no request has been stepped, so the caller may step each alone."""
-    model = tiny_fast
-    together = Together(model, graphs=True)
-    asking = _asking(model, 2, seed=70)
-    full = model.session(decode="eager")
-    full.feed(tokens(model.spec.max_context, seed=71))
-    asking.append(type(asking[0])(full))
-    frontiers = [r.session.frontier for r in asking]
-    with pytest.raises(Exception):
-        together.step(asking, {r.id: 1 for r in asking})
-    assert together.batch is None and [r.session.frontier for r in asking] == frontiers
-
-
-def test_the_ghost_token_is_in_every_vocabulary():
-    assert GHOST_TOKEN == 0
-
-
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_alone(tiny_fast, graphs):
-    """Requests of different lengths arriving together, so they end at different turns (ghosts,
-    merges); each greedy answer is what its session gives alone, and a later turn from a kept
-    conversation (copied out of a ghost) too."""
+def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_alone(tiny_fast):
+    """Requests of different lengths arriving together, so they end at different turns; each
+    greedy answer is what its session gives alone, and a later turn from a kept conversation
+    too."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_serve import KEYS, Server, _greedy
     server = Server(tiny_fast, max_sessions=8)
-    server.scheduler.together = Together(tiny_fast, graphs=graphs)
     try:
         client = server.client()
 
@@ -157,7 +103,7 @@ def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_
             answers = list(pool.map(ask, range(8)))
         for i, text in enumerate(answers):
             assert text == _greedy(tiny_fast, f"Speak {i}, speak".encode(), 3 + 4 * i, temperature=0.0), i
-        assert server.scheduler.together.widest > 1
+        assert server.scheduler.widest > 1
         opening = list(b"Speak 2, speak")             # token ids: a random model's bytes are not always text
         follow = opening + list(tiny_fast.session().generate(opening, max_new_tokens=11)) + list(b" more")
         again = server.client(KEYS[0]).completions.create(model="tiny", prompt=follow, max_tokens=6, temperature=0)
@@ -167,37 +113,7 @@ def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_
         server.close()
 
 
-@pytest.mark.parametrize("join_turns", [16, 1])
-def test_with_graphs_requests_wait_to_join_while_prompts_are_fed_and_answer_as_alone(tiny_fast, join_turns):
-    """The engine loop's turns by hand, with the graph rules: a request whose prompt is fed sends
-    its first token at once but joins the batch only when no prompt is left to feed (one remade
-    batch for the burst) or after `join_turns` turns; each greedy answer is its session's alone."""
-    from hebrus.sampling import Sampling
-    from hebrus.serve.scheduler import Request, Scheduler
-    model = tiny_fast
-    scheduler = Scheduler(model, chunk_size=8, prefill_tokens=8, join_turns=join_turns)
-    scheduler.together = Together(model, graphs=True)
-    got = {}
-
-    def asking(n, tag):
-        got[tag] = []
-        return Request(key="", prompt=tokens(n, seed=n), max_tokens=8, sampling=Sampling(temperature=0.0),
-                       seed=0, stop_ids=frozenset(),
-                       emit=lambda kind, value: got[tag].append(value) if kind == "token" else None, keep=False)
-    running, first, second = asking(3, "running"), asking(12, "first"), asking(20, "second")
-    scheduler.running = [running]
-    scheduler._turn()
-    scheduler.running += [first, second]
-    made = []
-    for turn in range(12):
-        scheduler._turn()
-        made.append(scheduler.together.made)
-    # turn 1 feeds the first prompt's 8, turn 2 its last 4 (its first token goes out), turns 2-4
-    # the second's; with 16 turns to wait, both join at turn 4, when no prompt is left to feed
-    if join_turns == 16:
-        assert made[:5] == [1, 1, 1, 2, 2] and first.held == 2 and second.held == 0
-    else:
-        assert made[:5] == [1, 1, 2, 3, 3] and first.held == 1
-    for tag, request in (("running", running), ("first", first), ("second", second)):
-        assert request.ended and request.pending is None
-        assert got[tag] == list(model.session().generate(request.prompt, max_new_tokens=8, temperature=0.0)), tag
+def test_a_route_the_model_cannot_take_is_refused(tiny):
+    from hebrus.errors import InvalidInput
+    with pytest.raises(InvalidInput, match="planned"):
+        Scheduler(tiny, decode="planned")

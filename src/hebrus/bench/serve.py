@@ -158,15 +158,11 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             first = offline(model, clients, prompt, tokens)
             scheduler.prefills.clear()
             scheduler.clock_reset()
-            together = scheduler.together
-            if together is not None:
-                together.timed.clear()
-            made, compiled = _made(together), _compiled()
+            scheduler.timed.clear()
+            compiled = _compiled()
             point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
             point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
-                               "batches_made": _made(together) - made,
-                               "steps": dict(together.timed) if together is not None else {},
-                               "compiled": _compiled() - compiled}
+                               "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
             # the same requests' prefills as the engine timed them: TTFT less this is what the
             # server adds (queueing, the loop, HTTP), paired within one run
             point["engine_prefill_ms_p50"] = _percentile(list(scheduler.prefills), 0.5) * 1e3
@@ -198,11 +194,6 @@ def _settled(scheduler, seconds: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def _made(together) -> int:
-    """Batches the server's engine has made so far (none without one)."""
-    return together.made if together is not None else 0
-
-
 def _compiled() -> int:
     """Graphs the compiler has made in this process so far (fused ops: CUDA only)."""
     try:
@@ -229,12 +220,12 @@ def table(report: dict) -> str:
                      f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['offline']['prefill_ms']:.1f} | "
                      f"{p['engine_prefill_ms_p50']:.1f} | {p['ttft_minus_engine_prefill_ms']:+.1f} | "
                      f"{itl50} | {itl99} |")
-    lines += ["", "where the server's engine thread spent each point's wall time (seconds), the batches it made "
-              "and the steps they took (replayed from graphs, or not: uncaptured or captured), and graphs "
-              "compiled during the point; offline first: offline run once before the server (tok/s)", "",
+    lines += ["", "where the server's engine thread spent each point's wall time (seconds), its steps together "
+              "(replayed from graphs, or not: uncaptured or captured), and graphs compiled during the "
+              "point; offline first: offline run once before the server (tok/s)", "",
               "| clients | wall | idle | admit | prefill | sample + send | replayed steps | steps not replayed | alone "
-              "| finish | batches made | compiled (server / offline) | offline first tok/s |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| finish | compiled (server / offline) | offline first tok/s |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in report["points"]:
         e = p.get("engine")
         if e is None:
@@ -244,6 +235,6 @@ def table(report: dict) -> str:
                      f"{spent.get('prefill', 0):.2f} | {spent.get('sample', 0):.2f} | "
                      f"{steps.get('replayed', 0)} in {steps.get('replayed_s', 0):.2f} | "
                      f"{steps.get('slow', 0)} in {steps.get('slow_s', 0):.2f} | {spent.get('alone', 0):.2f} | "
-                     f"{spent.get('finish', 0):.2f} | {e['batches_made']} | "
+                     f"{spent.get('finish', 0):.2f} | "
                      f"{e['compiled']} / {p['offline']['compiled']} | {p['offline_first']['tokens_per_s']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -3,15 +3,13 @@
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
 at least one chunk, so a long prompt cannot stall), and then one decode step of every request
-that is decoding. Fast mode steps those together (`Together`: one `Batch`, one pass, one
-transaction per session; on CUDA from graphs, kept valid while no request joins by stepping the
-ones that ended as ghosts); exact mode steps them one after another. With graphs, a request
-whose prompt is fed waits to join the batch (its first token already sent) while other prompts
-are still being fed, up to `join_turns` turns: a burst of arrivals then costs one remade batch,
-not one per arrival. A transaction that
-aborts fails its own request only: its session publishes nothing, and every other request goes
-on as if it had never been there. A request samples from its own generator, so what it produces
-does not depend on what runs beside it (exact mode: bit for bit what `Session.generate` gives).
+that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
+Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
+session; on CUDA it replays the model's graphs, which any set of sessions shares); exact mode
+steps them one after another. A transaction that aborts fails its own request only: its session
+publishes nothing, and every other request goes on as if it had never been there. A request
+samples from its own generator, so what it produces does not depend on what runs beside it
+(exact mode: bit for bit what `Session.generate` gives).
 
 While it has nothing to do, the loop makes up to `spare_sessions` new sessions, so that
 admitting a request takes one instead of waiting for one to be made.
@@ -33,9 +31,9 @@ import torch
 from hebrus import faults
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling, penalise, sample_many
-from hebrus.serve.kept import Kept
-from hebrus.serve.together import Together
+from hebrus.batching import Batch
 from hebrus.engine.graphs import decode_route
+from hebrus.serve.kept import Kept
 
 
 @dataclass
@@ -62,10 +60,7 @@ class Request:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None    # the ids a repetition penalty counts (prompt and output), as a mask
     admitted_at: float = 0.0
-    ended: bool = False                 # finished, failed or dropped
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
-    pending: int | None = None          # a token sampled and sent, its step not yet committed
-    held: int = 0                       # turns it has waited to join the batch
 
 
 class Overloaded(Exception):
@@ -75,7 +70,7 @@ class Overloaded(Exception):
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, kept_bytes: int = 1 << 30, kept_per_key: int | None = None,
-                 join_turns: int = 16, spare_sessions: int = 4, fault: Callable[[Request], str | None] | None = None,
+                 spare_sessions: int = 4, decode: str = "auto", fault: Callable[[Request], str | None] | None = None,
                  metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
@@ -84,13 +79,18 @@ class Scheduler:
         # for one to be made (on a GPU, allocating its banks takes milliseconds)
         self.spare_sessions, self.spares = spare_sessions, []
         self._spares_refused = False    # making one failed: none is made until a request is admitted
-        self.chunk_size, self.prefill_tokens, self.join_turns = chunk_size, prefill_tokens, join_turns
-        graphs = model.kernels.whole_chunk and decode_route(model, "auto") == "graph"
-        self.together = Together(model, graphs) if model.kernels.whole_chunk else None
+        self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
+        # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
+        # is graphs on CUDA); exact mode steps them one after another
+        self.decode = decode_route(model, decode)
+        self.widest = 0                 # the most requests one step has stepped together (tests, bench)
+        # steps together and their seconds, replayed from graphs or not (bench): "replayed",
+        # "replayed_s", "slow", "slow_s"
+        self.timed: collections.Counter[str] = collections.Counter()
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
         # where the engine thread's time goes (bench): seconds idle (making spare sessions
-        # included), admitting, feeding prompts, sampling and sending tokens, stepping together
-        # (making batches included), stepping alone, and the rest of a turn
+        # included), admitting, feeding prompts, sampling and sending tokens, stepping together,
+        # stepping alone, and the rest of a turn
         self.spent: collections.Counter[str] = collections.Counter()
         self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
@@ -110,17 +110,16 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Run once, on throwaway sessions, what serving runs: prompt chunks, a step alone and
-        the batches of one and of two sessions (from graphs where the server uses them), so
-        that the fused ops compile here, before the first request, and in the caller's thread."""
-        from hebrus.batching import Batch
+        the steps together of one and of two sessions (from graphs where the server uses them),
+        so that the fused ops compile here, before the first request, and in the caller's thread."""
         vocab = self.model.spec.vocab_size
         sessions = [self.model.session(decode="eager") for _ in range(2)]
         for i, session in enumerate(sessions):
             session.feed([(7 * j + i) % vocab for j in range(9)])
             session.feed([1 % vocab])
-        if self.together is not None:
+        if self.model.kernels.whole_chunk:
             for width in (1, 2):
-                batch = Batch(sessions[:width], decode="graph" if self.together.graphs else "eager")
+                batch = Batch(sessions[:width], decode=self.decode)
                 for _ in range(3):          # the third step replays what the second captured
                     batch.feed([1 % vocab] * width)
 
@@ -188,8 +187,6 @@ class Scheduler:
                 for request in self.running:
                     request.emit("error", exc)
                 self.running = []
-                if self.together is not None:
-                    self.together.let_go()
 
     def _turn(self) -> None:
         clock = time.perf_counter()
@@ -209,27 +206,12 @@ class Scheduler:
         clock = self._spend("prefill", clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
-            self._decode_step(*self._joining(decoding))
-        elif self.together is not None:
-            self.together.let_go()      # their graphs and the sessions they hold go with them
+            self._decode_step(decoding)
 
     def _spend(self, part: str, since: float) -> float:
         now = time.perf_counter()
         self.spent[part] += now - since
         return now
-
-    def _joining(self, decoding: list[Request]) -> tuple[list[Request], list[Request]]:
-        """(the requests to step this turn, those that wait to join the batch). With graphs a
-        join remakes the batch, two slow steps of all of it: while prompts are still being fed,
-        requests whose prompt is fed wait (their first token is sent meanwhile) and join
-        together once none is, or once the eldest has waited `join_turns` turns."""
-        together = self.together
-        if together is None or not together.graphs or all(r.fed >= len(r.prompt) for r in self.running):
-            return decoding, []
-        new = [r for r in decoding if not together.holds(r)]
-        if not new or max(r.held for r in new) >= self.join_turns:
-            return decoding, []
-        return [r for r in decoding if together.holds(r)], new
 
     def _admit(self, request: Request) -> None:
         request.admitted_at = time.monotonic()
@@ -261,37 +243,20 @@ class Scheduler:
             self.prefills.append(request.prefill_s)
         return len(chunk)
 
-    def _decode_step(self, requests: list[Request], holding: list[Request] | None = None) -> None:
+    def _decode_step(self, requests: list[Request]) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
-        commits it only makes the state catch up), then commit those of `requests`; a request
-        whose step aborts ends with an error after the token it was committing. A request of
-        `holding` keeps its token pending, to commit when it steps."""
-        holding = holding if holding is not None else []
+        commits it only makes the state catch up), then step them; a request whose step aborts
+        ends with an error after the token it was committing."""
         clock = time.perf_counter()
-        choosing = [(group, r) for group in (requests, holding) for r in group if r.pending is None]
-        logits = [penalise(r.logits, r.seen, r.sampling.repetition_penalty) for _, r in choosing]
-        chosen = sample_many(logits, [r.sampling for _, r in choosing], [r.generator for _, r in choosing])
-        for (group, request), token in zip(choosing, chosen):
-            if isinstance(token, BaseException):    # nothing left to sample from: it alone fails
-                group.remove(request)
-                self._fail(request, token)
-                continue
-            request.pending = token
-            if request.seen is not None:
-                request.seen[token] = True
-            request.emit("token", token)
-        for request in holding:
-            request.held += 1
+        tokens = self._choose(requests)
+        requests = [r for r in requests if r.id in tokens]
         clock = self._spend("sample", clock)
-        if not requests:
-            return
-        tokens = {r.id: r.pending for r in requests}
-        alone = [r for r in requests if self.together is None or (self.fault and self.fault(r))]
+        alone = [r for r in requests if not self.model.kernels.whole_chunk or (self.fault and self.fault(r))]
         together = [r for r in requests if r not in alone]
         results = {}
         if together:
             try:
-                results = self.together.step(together, tokens)
+                results = self._step_together(together, tokens)
             except Exception:                       # not one session's abort: step them one by one
                 alone = requests
         clock = self._spend("together", clock)
@@ -302,20 +267,50 @@ class Scheduler:
                 results[request.id] = exc
         clock = self._spend("alone", clock)
         for request in requests:
-            result = results[request.id]
-            if isinstance(result, BaseException):
-                self._fail(request, result)
-                continue
-            token = tokens[request.id]
-            request.logits, request.pending = result, None
-            request.produced.append(token)
-            if token in request.stop_ids:
-                self._finish(request, "stop")
-            elif len(request.produced) >= request.max_tokens:
-                self._finish(request, "length")
-            elif request.session.frontier >= self.model.spec.max_context:
-                self._finish(request, "length")
+            self._stepped(request, tokens[request.id], results[request.id])
         self._spend("finish", clock)
+
+    def _choose(self, requests: list[Request]) -> dict[int, int]:
+        """Request id -> the token it samples, sent at once; a request with nothing left to
+        sample from fails, alone."""
+        logits = [penalise(r.logits, r.seen, r.sampling.repetition_penalty) for r in requests]
+        chosen = sample_many(logits, [r.sampling for r in requests], [r.generator for r in requests])
+        tokens = {}
+        for request, token in zip(requests, chosen):
+            if isinstance(token, BaseException):
+                self._fail(request, token)
+                continue
+            tokens[request.id] = token
+            if request.seen is not None:
+                request.seen[token] = True
+            request.emit("token", token)
+        return tokens
+
+    def _step_together(self, requests: list[Request], tokens: dict) -> dict:
+        """One step of each of `requests` in one pass -> request id -> its logits or the
+        `ChunkAborted` that aborted it. Anything else raised steps no request."""
+        runner = self.model.steps(capture=True) if self.decode == "graph" else None
+        replays, started = runner.replays if runner is not None else 0, time.perf_counter()
+        step = Batch([r.session for r in requests], decode=self.decode).feed([tokens[r.id] for r in requests])
+        kind = "replayed" if runner is not None and runner.replays > replays else "slow"
+        self.timed[kind] += 1
+        self.timed[kind + "_s"] += time.perf_counter() - started
+        self.widest = max(self.widest, len(requests))
+        return {r.id: result for r, result in zip(requests, step)}
+
+    def _stepped(self, request: Request, token: int, result) -> None:
+        """Take in a request's step of `token`: its logits, or the exception that failed it."""
+        if isinstance(result, BaseException):
+            self._fail(request, result)
+            return
+        request.logits = result
+        request.produced.append(token)
+        if token in request.stop_ids:
+            self._finish(request, "stop")
+        elif len(request.produced) >= request.max_tokens:
+            self._finish(request, "length")
+        elif request.session.frontier >= self.model.spec.max_context:
+            self._finish(request, "length")
 
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
         stage = self.fault(request) if self.fault else None
@@ -327,14 +322,11 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         self._end(request)
         request.emit("done", reason)
-        if request.keep and self.kept.keeps:   # a ghost goes on stepping: what is kept is a copy
-            session = request.session
-            kept = session.fork(copy_rows=True) if self.together and self.together.holds(request) else session
-            self.kept.put(request.key, request.prompt + request.produced, kept)
+        if request.keep and self.kept.keeps:   # nothing steps its session again: it is kept itself
+            self.kept.put(request.key, request.prompt + request.produced, request.session)
 
     def _end(self, request: Request) -> None:
         self.running.remove(request)
-        request.ended = True
 
     def _fail(self, request: Request, exc: BaseException) -> None:
         self._end(request)
