@@ -42,12 +42,13 @@ def test_info_reports_the_state_pool_carved_from_the_bytes_given(capsys):
     from hebrus.state.pool import Pool
     model = hebrus.load("tiny")
     slot, block = Pool.slot_bytes(model.owners), Pool.block_bytes(model.owners, 16)
-    assert main(["info", "--model", "tiny", "--pool-bytes", str(3 * slot + 10 * block)]) == 0
+    padding = slot + 2 * block                                  # the planned steps' padding lanes
+    assert main(["info", "--model", "tiny", "--pool-bytes", str(3 * slot + 10 * block + padding)]) == 0
     out = capsys.readouterr().out
     slots = (3 * slot + 10 * block) // 2 // slot                # half the bytes for slots, the rest in blocks
     assert slots == 3 and re.search(rf"^  slots +3 \({slot:,} bytes each", out, re.M)
     assert re.search(rf"^  blocks +10 of 16 rows \({block:,} bytes each", out, re.M)
-    assert main(["info", "--model", "tiny", "--pool-bytes", str(slot - 1)]) == 1
+    assert main(["info", "--model", "tiny", "--pool-bytes", str(slot + padding - 1)]) == 1
     assert "do not fit a pool" in capsys.readouterr().err
 
 

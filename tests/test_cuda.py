@@ -356,8 +356,8 @@ def test_batch_graphs_match_eager_batches(tmp_path):
     model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
     vocab = model.spec.vocab_size
     groups = []
-    for _ in range(2):
-        sessions = [model.session() for _ in range(4)]
+    for decode in ("graph", "eager"):
+        sessions = [model.session(decode=decode) for _ in range(4)]
         for i, s in enumerate(sessions):
             s.feed(_ids(5 + 3 * i, vocab, i))
         groups.append(sessions)
@@ -500,7 +500,7 @@ def test_the_server_decodes_from_graphs_on_cuda_and_a_failure_stays_alone():
         assert isinstance(results[7], openai.InternalServerError) and results[7].code == "aborted_nonfinite"
         for prompt, text in zip(prompts[:7], results[:7]):
             assert text == _greedy(model, prompt.encode(), 24, temperature=0.0), prompt
-        assert server.scheduler.together.widest > 1 and server.scheduler.together.replays > 0, server.scheduler.together.replays
+        assert server.scheduler.widest > 1 and server.scheduler.timed["replayed"] > 0, server.scheduler.timed
     finally:
         server.close()
 

@@ -379,3 +379,16 @@ def test_sparse_attention_equals_dense_attention_masked_to_the_selection(ties):
     weights = torch.softmax(logits.masked_fill(~chosen[:, None, :], float("-inf")), -1)
     want = torch.einsum("ths,shd->thd", weights, v.repeat_interleave(hq // hkv, dim=1))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_dense_attention_of_lanes_is_each_lane_alone():
+    """N sessions' single queries over N row sets at once against `dense_attention` of each."""
+    from hebrus.ops.qsa import dense_attention, dense_attention_lanes
+    g = torch.Generator().manual_seed(0)
+    N, hq, hkv, dh, S = 5, 8, 2, 16, 40
+    q = torch.randn(N, hq, dh, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(N, S, hkv, dh, generator=g, dtype=torch.float64) for _ in range(2))
+    positions = torch.tensor([0, 5, 39, 20, 7])
+    got = dense_attention_lanes(q, k, v, positions)
+    want = torch.stack([dense_attention(q[i:i + 1], k[i], v[i], positions[i:i + 1])[0] for i in range(N)])
+    assert float((got - want).abs().max()) <= 1e-12

@@ -64,7 +64,7 @@ def test_planned_steps_over_a_scattered_table_match_eager(models):
     are not runs of consecutive blocks: the plan gathers their rows through the table (not one
     view of the storage), and still steps as the eager runner does."""
     from hebrus.state.pool import first_of_run
-    model = models["tiny"]
+    model = models["tiny"].with_kv_cache(None)      # a pool of its own: the same blocks taken on any run
     vocab = model.spec.vocab_size
     pair = [model.session(decode="planned") for _ in range(2)]
     eager = [model.session(decode="eager") for _ in range(2)]

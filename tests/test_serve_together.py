@@ -14,13 +14,19 @@ from hebrus.serve.scheduler import Request, Scheduler
 
 # (prompt length, new tokens, turn it arrives at): prompts of 8 a turn are fed while others decode
 ARRIVALS = [(3, 4, 0), (12, 9, 1), (20, 3, 1), (5, 6, 4), (9, 2, 6)]
+# requests decoding each turn (of ARRIVALS, by index): 0; 0; 0 1; 0 1 (0 ends); 1 2 3; 1 2 3;
+# 1 2 3 (2 ends); 1 3 4; 1 3 4 (4 ends); 1 3 (3 ends); 1 (ends)
+WIDTHS = [1, 1, 2, 2, 3, 3, 3, 3, 3, 2, 1]
 
 
 def _asking(i: int, prompt: int, new: int, got: dict, key: str = "") -> Request:
     got[i] = []
+
+    def emit(kind, value):
+        if kind == "token":
+            got[i].append(value)
     return Request(key=key, prompt=tokens(prompt, seed=prompt), max_tokens=new, sampling=Sampling(temperature=0.8),
-                   seed=i, stop_ids=frozenset(), emit=lambda kind, value: got[i].append(value) if kind == "token" else None,
-                   keep=bool(key))
+                   seed=i, stop_ids=frozenset(), emit=emit, keep=bool(key))
 
 
 def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> list[Request]:
@@ -28,8 +34,9 @@ def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> li
     have ended; `each_turn(requests)` is called after every turn."""
     requests = []
     for turn in range(100):
-        requests += [_asking(i, p, n, got, key) for i, (p, n, at) in enumerate(ARRIVALS) if at == turn]
-        scheduler.running += [r for r in requests if r.session is None and r not in scheduler.running]
+        arriving = [_asking(i, p, n, got, key) for i, (p, n, at) in enumerate(ARRIVALS) if at == turn]
+        requests += arriving
+        scheduler.running += arriving
         if not scheduler.running and len(requests) == len(ARRIVALS):
             return requests
         scheduler._turn()
@@ -54,35 +61,35 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, tolerance: float = 2e-5)
 
 
 def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_fast):
-    """Fast mode from the plan: each turn with a request decoding runs one planned step, of the
-    requests decoding that turn; a request that ended is never stepped again (its state stays
-    as it left it), and its kept conversation is its own session. Each request's state is what
-    an eager session fed the same tokens holds."""
+    """Fast mode from the plan: each turn with a request decoding runs one planned step, as
+    wide as the requests decoding that turn; a request that ended is never stepped again (its
+    state stays as it left it), and its kept conversation is its own session. Each request's
+    state is what an eager session fed the same tokens holds."""
     model = tiny_fast
     runner = model.steps(capture=False)
     scheduler = Scheduler(model, chunk_size=8, prefill_tokens=8, decode="planned")
-    got, ended, widths = {}, {}, []
+    got, counts, left = {}, [], {}
 
     def each_turn(requests):
-        decoding = [r for r in requests if r.session is not None and len(r.produced) + (r not in scheduler.running) > 0]
-        widths.append(runner.uncaptured)
+        counts.append((runner.uncaptured, sum(map(len, got.values()))))   # planned steps, tokens sent
         for r in requests:
-            if r.session is not None and r not in scheduler.running and r.id not in ended:
-                ended[r.id] = (r.session.frontier, r.session.digest())
-            if r.id in ended:
-                assert (r.session.frontier, r.session.digest()) == ended[r.id], r.id
-        del decoding
-    ran = runner.uncaptured
+            if r.session is not None and r not in scheduler.running:
+                left.setdefault(r.id, (r.session.frontier, r.session.digest()))
+    steps, sent = runner.uncaptured, 0
     requests = _turns(scheduler, got, key="key", each_turn=each_turn)
-    turns_decoding = sum(1 for i in range(len(widths)) if widths[i] > (widths[i - 1] if i else ran))
-    assert runner.uncaptured - ran == turns_decoding
-    assert scheduler.widest == 3
+    widths = []
+    for now_steps, now_sent in counts:
+        assert now_steps - steps == (now_sent > sent)       # one pass a turn, for all its decoders
+        widths.append(now_sent - sent)
+        steps, sent = now_steps, now_sent
+    assert scheduler.widest == max(widths) and widths == WIDTHS
     for i, request in enumerate(requests):
         session = request.session
+        assert (session.frontier, session.digest()) == left[request.id], i
         assert session.frontier == len(request.prompt) + len(got[i]) and got[i] == request.produced
         assert scheduler.kept.find("key", request.prompt + request.produced)[0] is session
-        twin = model.session(decode="eager")
-        _close(session.logits, twin.feed(request.prompt + request.produced), f"request {i}")
+        alone = model.session(decode="eager").feed(request.prompt + request.produced)
+        _close(session.logits, alone, f"request {i}")
 
 
 def test_the_server_with_requests_ending_at_different_times_answers_as_sessions_alone(tiny_fast):

@@ -3,6 +3,8 @@ place (no second bank, no seal, no validation, no status word). Measurement only
 product path."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from hebrus.engine.graphs import Inputs, step_key
@@ -97,6 +99,7 @@ class InPlaceBatch:
             for name, storage in zip(s.names, s.storages):
                 pool.write_rows(name, table, 0, storage[:s.frontier])
             self.tables.append(table)
+        weakref.finalize(self, _release, pool, self.tables)      # the blocks go back with the batch
         self.inputs: dict[tuple, Inputs] = {}
         self.captured: dict[tuple, _Captured] = {}
 
@@ -127,6 +130,11 @@ class InPlaceBatch:
         _run(self.model, ctx, inputs.step)
         after = inputs.step.positions + 1
         ctx.write("frontier", after if ctx.lanes > 1 else after[0])
+
+
+def _release(pool, tables: list) -> None:
+    for table in tables:
+        pool.release(table)
 
 
 class _Unchecked:

@@ -59,7 +59,10 @@ def _shared_pass(txn: Transaction, work, sessions, outs) -> list:
         try:
             with deferred_signals():        # a signal lands after every session has published
                 for j, failure in enumerate(results):
-                    results[j] = failure or _publish(txn, j, sessions[j], outs[j])
+                    results[j] = failure or _publish(txn, j, outs[j])
+                fresh = [j for j, r in enumerate(results) if r is None]     # published, no `out`: new tensors
+                for j, row in zip(fresh, _published_logits(txn, [sessions[j] for j in fresh])):
+                    results[j] = row
         except BaseException as exc:
             _attach(exc, results)
             raise
@@ -78,12 +81,24 @@ def run_alone(model, session, chunk: torch.Tensor, out):
     return out if out is not None else session.image.read(OUTPUT).clone()
 
 
-def _publish(txn: Transaction, j: int, session, out):
+def _publish(txn: Transaction, j: int, out):
+    """Publish session j -> its `ChunkAborted`, or `out` (None: its logits are read afterwards)."""
     try:
         txn.publish(out, j)
     except ChunkAborted as exc:
         return exc
-    return out if out is not None else session.image.read(txn.output).clone()
+    return out
+
+
+def _published_logits(txn: Transaction, sessions: list) -> list[torch.Tensor]:
+    """These sessions' published logits, gathered from the pool in one copy: a row each of one
+    new tensor."""
+    if not sessions:
+        return []
+    records = [s.image.public for s in sessions]
+    bank = txn.pool.banks[txn.output]
+    index = torch.tensor([[r.bank for r in records], [r.slot for r in records]], device=bank.device)
+    return list(bank[index[0], index[1]].unbind(0))
 
 
 def _attach(exc: BaseException, results: list) -> None:

@@ -111,11 +111,15 @@ def dense_attention_lanes(q, k_rows, v_rows, positions) -> torch.Tensor:
     S, hkv = k_rows.shape[1], k_rows.shape[2]
     group = hq // hkv
     qg = q.view(N, hkv, group, dh)
-    logits = torch.matmul(qg, k_rows.permute(0, 2, 3, 1)) * dh ** -0.5                # [N, Hkv, g, S]
+    # a batched product per K/V head, over the rows where they lie ([N, S, dh] with a stride between
+    # rows): no copy of the rows into another layout
+    logits = torch.stack([torch.bmm(qg[:, h], k_rows[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    logits = logits * dh ** -0.5                                                      # [N, Hkv, g, S]
     future = torch.arange(S, device=q.device)[None, :] > positions[:, None]           # [N, S]
     logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
     weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
-    o = torch.matmul(weights.to(q.dtype), v_rows.permute(0, 2, 1, 3))                 # [N, Hkv, g, dh]
+    weights = weights.to(q.dtype)
+    o = torch.stack([torch.bmm(weights[:, h], v_rows[:, :, h]) for h in range(hkv)], 1)   # [N, Hkv, g, dh]
     return o.reshape(N, hq, dh)
 
 
