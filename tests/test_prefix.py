@@ -191,17 +191,17 @@ def test_planned_prefix_transactions_match_eager(fast_models, name):
     torch.testing.assert_close(planned.feed([3]), eager.feed([3]), rtol=2e-5, atol=2e-5)
 
 
-def test_speculation_on_a_planned_session_pads_its_chunks_to_one_length(tiny_fast):
+def test_speculation_on_a_planned_session_pads_its_chunks_to_one_length():
+    model = hebrus.load("tiny").with_mode("fast")  # its own runner: no other test's keys
     prompt = list(b"abcabcabcabcabcabc")
-    plain = tiny_fast.session(decode="planned", reserve=128)
+    plain = model.session(decode="planned", reserve=128)
     want = list(plain.generate(prompt, max_new_tokens=24))
-    spec = tiny_fast.session(decode="planned", reserve=128)
+    spec = model.session(decode="planned", reserve=128)
     runner, ran = spec._steps, spec._steps.uncaptured
-    known = set(runner.warm)
     got = list(spec.generate(prompt, max_new_tokens=24, speculate="lookup", draft_tokens=4))
     assert got == want and spec.frontier == plain.frontier
-    assert {key[1] for key in runner.warm - known if key[3]} <= {5} and runner.uncaptured > ran
-    assert all(key[1] == 5 for key in runner.warm if key[3])
+    assert runner.uncaptured > ran
+    assert {key[1] for key in runner.warm if key[3]} == {5}
 
 
 class _Liar(int):
