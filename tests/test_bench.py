@@ -245,3 +245,17 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--serve", "--model", "tiny", "--clients", "0"]) == 2
     assert "--clients takes" in err.getvalue()
+
+
+def test_a_batch_point_needs_slots_for_one_rounds_sessions_only():
+    """Each round of a batch point lets the last round's sessions go before it makes its own: a
+    pool of nine slots measures three sessions (three transactional, three in place, one joining)
+    over any number of rounds."""
+    from hebrus.bench.timing import _batch_point
+    from hebrus.state.pool import Pool
+    specs = hebrus.load("tiny").owners
+    per_slot, per_block = Pool.slot_bytes(specs), Pool.block_bytes(specs, 16)
+    model = hebrus.load("tiny", pool_bytes=per_slot + 2 * per_block + 2 * 9 * per_slot).with_mode("fast")
+    assert model.pool.slots == 9
+    point = _batch_point(model, list(range(1, 17)), steps=2, rounds=3, chunk=16, batch=3, how="planned")
+    assert set(point.decode_s_per_step) == {"transactional", "in-place"}

@@ -2,6 +2,7 @@
 the same checkpoint."""
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
 import time
@@ -95,6 +96,8 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
     decode: dict[str, list[float]] = {"transactional": [], "in-place": []}
     captured = _captures(model)
     for r in range(rounds + 1):
+        together = group = steppers = last = None       # the last round's sessions give back
+        gc.collect()                                    # their slots before this round's take theirs
         first, inplace = model.session(decode="eager"), InPlaceSession(model)
         for begin in range(0, len(prompt), chunk):
             logits = first.feed(prompt[begin:begin + chunk])
