@@ -98,8 +98,8 @@ class Session:
         The two then diverge independently: a chunk that writes into a shared block writes a
         copy of it (one block, `block_rows` rows), so neither ever sees the other's later rows.
         `copy_rows`: the fork gets blocks of its own holding a copy of the rows instead, and
-        this session's blocks stay its own alone (it goes on stepping in place, from the graphs
-        it has). The fork's budget counts the blocks its table holds. The fork has this
+        this session's blocks stay its own alone (neither copies a block on its next write).
+        The fork's budget counts the blocks its table holds. The fork has this
         session's memory budget limit, decode route and reservation, and no journal.
         AllocationError when the pool has no slot (or, copying, no blocks) for it."""
         with self._exclusive():
