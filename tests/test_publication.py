@@ -292,3 +292,27 @@ def test_every_held_signal_is_delivered_even_if_one_handler_raises():
     finally:
         signal.signal(signal.SIGUSR1, old1)
         signal.signal(signal.SIGUSR2, old2)
+
+
+def test_a_block_inside_another_holds_signals_until_the_outer_one_ends():
+    """A step publishes each session in a block of its own inside one around them all: the inner
+    blocks swap no handler, and a signal that lands in one is delivered once the outer ends."""
+    from hebrus.state.interrupts import deferred_signals
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: seen.append("usr1"))
+    try:
+        with deferred_signals():
+            held = signal.getsignal(signal.SIGUSR1)
+            for _ in range(3):
+                with deferred_signals():
+                    assert signal.getsignal(signal.SIGUSR1) is held      # nothing swapped
+                    signal.raise_signal(signal.SIGUSR1)
+                assert seen == []                                      # still held after an inner block
+        assert seen == ["usr1"] * 3
+        assert signal.getsignal(signal.SIGUSR1) is not held           # the outer put the handler back
+        with deferred_signals():                                       # and a later block holds again
+            signal.raise_signal(signal.SIGUSR1)
+            assert seen == ["usr1"] * 3
+        assert seen == ["usr1"] * 4
+    finally:
+        signal.signal(signal.SIGUSR1, old)

@@ -19,15 +19,19 @@ DEFERRED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP
 
 class deferred_signals:
     """Context manager: hold the Python-level handlers of `DEFERRED` for the block (main
-    thread only); deliver what arrived, in order, when it ends."""
+    thread only); deliver what arrived, in order, when it ends. A block inside another swaps no
+    handler: the outer one holds every signal until it ends (so a step's publications, each in
+    its own block, cost one swap in all)."""
 
     __slots__ = ("_originals", "_held", "_active")
+    _outer: "deferred_signals | None" = None         # the main thread's outermost open block
 
     def __enter__(self) -> "deferred_signals":
         self._originals, self._held, self._active = {}, [], True
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread() or deferred_signals._outer is not None:
             return self
         try:
+            deferred_signals._outer = self
             for signum in DEFERRED:
                 handler = signal.getsignal(signum)
                 if callable(handler):
@@ -35,6 +39,7 @@ class deferred_signals:
                     signal.signal(signum, self._hold)
         except BaseException:                        # a handler ran (and raised) while installing
             self._active = False
+            deferred_signals._outer = None
             self._restore()
             raise
         return self
@@ -47,9 +52,12 @@ class deferred_signals:
 
     def __exit__(self, *exc_info) -> bool:
         self._active = False
+        if deferred_signals._outer is not self:      # nested, or another thread's: nothing held
+            return False
         try:
             self._restore()
         finally:
+            deferred_signals._outer = None
             self._deliver()
         return False
 

@@ -1,0 +1,96 @@
+"""The host's share of a replayed step, on any machine: what the runner, the transactions and
+publication cost in Python when the device work costs nothing.
+
+A CUDA graph's replay launches the step's device work in one call; what is left on the host is
+staging the inputs, beginning a transaction per session, reading the checks back, publishing each
+session and reading the logits. Here the runner's graph is a no-op that stands for the replay
+(the plan runs once, as a capture would run it, so the checks it folds and the records it keeps
+are the real ones) and completion records are not kept. Reported: milliseconds of host work per
+step and microseconds per session, through `Batch.feed` at each batch and `Session.feed` alone,
+medians over rounds, at one table width (no step changes its graph's key).
+
+    python benchmarks/host_cost.py [--model tiny] [--batch 1,8,64] [--steps 50] [--rounds 5] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import hebrus
+from hebrus.engine import graphs
+from hebrus.state import status
+
+
+class _NoReplay:
+    def replay(self) -> None:
+        pass
+
+
+def _capture_nothing(plan, pool=None):
+    plan()                                  # what a capture records, run once
+    return _NoReplay(), None
+
+
+def _rounds(feed, steps: int, rounds: int) -> float:
+    spent = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            feed()
+        spent.append((time.perf_counter() - t) / steps)
+    return statistics.median(spent)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="a preset or checkpoint (fast mode; default tiny)")
+    parser.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    graphs.capture = _capture_nothing
+    torch.cuda.graph_pool_handle = lambda: None
+    status.Completion.record_replay = lambda self: None
+    model = hebrus.load(args.model, device="cpu").with_mode("fast")
+    rows = []
+    if 4 + 5 + 2 * args.rounds * args.steps > graphs.width_for(1) * model.pool.block_rows:
+        parser.error("--steps x --rounds would cross a table width (a new graph key): fewer, please")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        sessions = [model.session(decode="planned") for _ in range(batch)]
+        for s in sessions:
+            s.feed([1, 2, 3, 4])
+        runner = sessions[0]._steps
+        runner.capture = True
+        together = hebrus.Batch(sessions, decode="planned")
+        ids = [5] * batch
+        for _ in range(5):
+            together.feed(ids)
+        replays = runner.replays
+        per_step = _rounds(lambda: together.feed(ids), args.steps, args.rounds)
+        assert runner.replays - replays == args.steps * args.rounds, "a step left the replayed graph"
+        row = {"route": "Batch.feed", "batch": batch, "host_ms_per_step": per_step * 1e3,
+               "host_us_per_session": per_step / batch * 1e6}
+        if batch == 1:
+            alone = sessions[0]
+            one = _rounds(lambda: alone.feed([5]), args.steps, args.rounds)
+            rows.append({"route": "Session.feed", "batch": 1, "host_ms_per_step": one * 1e3,
+                         "host_us_per_session": one * 1e6})
+        rows.append(row)
+        del together, sessions
+    print(f"host work of a replayed step: {args.model}, {torch.get_num_threads()} threads, "
+          f"medians of {args.rounds} rounds of {args.steps} steps")
+    print("| route | batch | host ms / step | host µs / session |\n| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['route']} | {r['batch']} | {r['host_ms_per_step']:.3f} | {r['host_us_per_session']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "rounds": args.rounds, "steps": args.steps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
