@@ -106,6 +106,7 @@ def test_bench_measures_sessions_decoding_together(tmp_path):
     assert "prefill_tokens_per_s" in one and "prefill_tokens_per_s" not in three
     assert three["decode_tokens_per_s"] > 0 and three["decode_ratio_transactional_over_in_place"] > 0
     assert three["decode_floor_ms_per_step"] > one["decode_floor_ms_per_step"]      # three sessions' state
+    assert one["ops_per_step"] > 0 and three["ops_per_step"] > 0
 
 
 def test_the_in_place_batch_computes_what_a_planned_batch_computes(tiny_fast):
@@ -259,3 +260,22 @@ def test_a_batch_point_needs_slots_for_one_rounds_sessions_only():
     assert model.pool.slots == 9
     point = _batch_point(model, list(range(1, 17)), steps=2, rounds=3, chunk=16, batch=3, how="planned")
     assert set(point.decode_s_per_step) == {"transactional", "in-place"}
+
+
+def test_ops_per_step_counts_what_a_step_dispatches_and_no_view(tiny_fast):
+    """The count is of operations that compute (a view launches nothing): one operation more in
+    a stage's work is one more in the count."""
+    import unittest.mock
+    from hebrus.bench.timing import ops_per_step
+    session = tiny_fast.session()
+    session.feed([1, 2, 3])
+    plain = ops_per_step(tiny_fast, [session])
+    head = tiny_fast.stages[-1]
+    real = head.run
+
+    def one_more(txn, step):
+        step.streams = step.streams.clone().view(-1).view_as(step.streams)     # a copy and two views
+        return real(txn, step)
+    with unittest.mock.patch.object(head, "run", one_more):
+        more = ops_per_step(tiny_fast, [session])
+    assert plain > 0 and more == plain + 1

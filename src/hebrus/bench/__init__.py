@@ -56,7 +56,7 @@ def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: 
             "decode_tokens_per_s": batch / tx_decode,
             "decode_ratio_transactional_over_in_place": tx_decode / ip_decode,
             "decode_floor_ms_per_step": floor * 1e3, "decode_fraction_of_floor": floor / tx_decode,
-            "graph_captures": point.captures,
+            "graph_captures": point.captures, "ops_per_step": point.ops,
         }
         if point.join_leave_captures is not None:
             entry["join_leave_captures"] = point.join_leave_captures
@@ -113,7 +113,7 @@ def table(report: dict) -> str:
     ]
     compared = any("transformers" in p for p in report["points"])
     head = ("| context | batch | prefill tok/s | tx / in-place | of roofline | decode ms/step | decode tok/s "
-            "| tx / in-place | floor ms | of floor | captures | on join/leave |")
+            "| tx / in-place | floor ms | of floor | ops/step | captures | on join/leave |")
     if compared:
         head += " transformers prefill tok/s | decode ms/step | speed-up prefill | decode |"
     lines += [head, "|" + " ---: |" * (head.count("|") - 1)]
@@ -124,7 +124,7 @@ def table(report: dict) -> str:
                 f"{p.get('decode_tokens_per_s', p['batch'] * 1e3 / p['decode_ms_per_step']):,.0f} | "
                 f"{p['decode_ratio_transactional_over_in_place']:.3f} | "
                 f"{p['decode_floor_ms_per_step']:.3f} | {p['decode_fraction_of_floor']:.1%} | "
-                f"{p.get('graph_captures', '–')} | {p.get('join_leave_captures', '–')} |")
+                f"{p.get('ops_per_step') or '–'} | {p.get('graph_captures', '–')} | {p.get('join_leave_captures', '–')} |")
         hf = p.get("transformers")
         if hf is not None and "error" not in hf:
             line += (f" {1 / hf['prefill_s_per_token']:,.0f} | {hf['decode_s_per_step'] * 1e3:.2f} | "

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hebrus.bench.inplace import InPlaceBatch, InPlaceSession, copies
 from hebrus.bench.limits import sync
+from hebrus.engine.graphs import decode_route
+from hebrus.errors import InvalidInput
 
 @dataclass
 class Point:
@@ -21,6 +24,7 @@ class Point:
     decode_s_per_step: dict[str, float]
     captures: int = 0                                # graphs the transactional variant captured at this point
     join_leave_captures: int | None = None           # ... when a session left its batch and one joined
+    ops: int | None = None                           # operations one transactional decode step dispatches
 
 
 # untimed decode steps before the timed ones: the first runs each step's plan uncaptured, the
@@ -64,8 +68,10 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
         if r:
             for name in names:
                 decode[name].append(spent[name] / max(steps, 1))
+    captures = _captures(model) - captured
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
-                 {n: statistics.median(v) for n, v in decode.items()}, _captures(model) - captured)
+                 {n: statistics.median(v) for n, v in decode.items()}, captures,
+                 ops=ops_per_step(model, [sessions["transactional"]]))
 
 
 def _captures(model) -> int:
@@ -121,8 +127,39 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
     before = _captures(model)
     for group in (members[1:], members[1:] + [joining], members[2:] + [joining], members):
         Batch(group, decode=how).feed(torch.argmax(last["transactional"][:len(group)], dim=-1).tolist())
-    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()}, timed,
-                 _captures(model) - before)
+    joined = _captures(model) - before
+    return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()}, timed, joined,
+                 ops_per_step(model, members))
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operations dispatched, views aside (they launch nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(model, sessions) -> int:
+    """Operations one more decode step of these sessions dispatches (views aside; untimed, after
+    the timed ones): from the step plan uncaptured where the model has one (on CUDA, near enough
+    the kernels a replay of it launches), else eagerly. The step before it, not counted, warms
+    the plan and takes any block the counted step would otherwise take."""
+    from hebrus.batching import Batch
+    try:
+        route = decode_route(model, "planned")
+    except InvalidInput:
+        route = "eager"
+    together, ids = Batch(sessions, decode=route), [0] * len(sessions)
+    together.feed(ids)
+    with _Ops() as ops:
+        together.feed(ids)
+    return ops.count
 
 
 def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int, device: torch.device,
