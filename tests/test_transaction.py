@@ -286,3 +286,32 @@ def test_every_step_context_offers_what_stages_use(tiny_fast):
     assert all(isinstance(c, StepContext) for c in contexts)
     txn.abort()
     several.abort()
+
+
+@pytest.mark.parametrize("fold_rows", [False, True])
+@pytest.mark.parametrize("defer", [False, True])
+def test_several_sessions_checks_say_each_sessions_own(defer, fold_rows):
+    """The checks of a step of four sessions, folded (with `fold_rows`, a row per session read
+    with every other row in one multi-tensor reduction; both bounds of a range in one reduction;
+    without, a sum per tensor): each session hears of
+    its own non-finite value or index out of range, and of nothing in another's row, whichever
+    way a tensor comes (a row per session, a token's rows, a tensor named for one session)."""
+    from hebrus.state.status import DeviceChecks
+    checks = DeviceChecks(defer=defer, lengths=[1, 1, 1, 1], fold_rows=fold_rows)
+    per_session = torch.zeros(4, 3, 5)
+    per_session[2, 1, 4] = float("nan")                                        # session 2's row
+    tokens = torch.zeros(4, 7, dtype=torch.bfloat16)
+    tokens[3, 0] = float("inf")                                                # session 3's token
+    strided = torch.zeros(5, 4).t()                                            # rows not contiguous
+    strided[0, 2] = float("-inf")                                              # session 0's
+    named = torch.zeros(6)
+    named[1] = float("nan")                                                    # named for session 1
+    checks.finite(0, [(per_session, None), (tokens, None)])
+    checks.finite(1, [(strided, None), (named, 1)])
+    indices = torch.tensor([[0, 1], [2, 9], [3, -1], [4, 4]])                   # session 1 past, 2 below
+    checks.check_range(2, indices, 9, 1 << 3)
+    checks.check_range(3, torch.tensor([8, 0, 0, 0]), 9, 1 << 4, lower=None)   # a row each, no lower bound
+    checks.flag(4, torch.tensor([False, False, False, True]), 1 << 5)
+    read = checks.read()
+    assert [nonfinite for _, nonfinite in read] == [{1}, {1}, {0}, {0}]
+    assert [words for words, _ in read] == [{}, {2: 1 << 3}, {2: 1 << 3}, {4: 1 << 5}]
