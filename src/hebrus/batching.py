@@ -111,15 +111,16 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
     with ExitStack() as held:
         for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
             held.enter_context(s._exclusive())
+        lengths = [c.shape[0] for c in chunks]
         for i, s in enumerate(sessions):
             try:
-                s._check_room(len(chunks[i]))
+                s._check_room(lengths[i])
             except InvalidInput as exc:
                 raise InvalidInput(f"session {i}: {exc}") from None
         with torch.inference_mode():
             if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
                 return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
-            if steps is not None and all(len(c) == 1 for c in chunks) and steps.accepts(1):
+            if steps is not None and max(lengths) == 1 and steps.accepts(1):
                 def conclude(txn, work) -> list:
                     return batch.conclude(model, txn, work, sessions, chunks, outs)
                 return steps.run([s.image for s in sessions], [s.budget for s in sessions], torch.cat(chunks), 1,

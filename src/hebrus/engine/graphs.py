@@ -136,21 +136,22 @@ class Inputs:
         """Lane i from `ids` [n * length] and lanes[i]: (frontier, parity, slot, table), or
         None for padding (a session that failed already); the lanes past them are padding."""
         host_ids, positions, parities, slots, tables = self._views
-        pool, L = self.pool, self.length
+        pool, width, n = self.pool, self.width, len(lanes)
+        live = [lane if lane is not None else (0, 0, pool.spare_slot, None) for lane in lanes]
         host_ids[:] = 0
         host_ids[:len(ids)] = ids
-        positions.reshape(self.lanes, L)[:] = self._steps
+        frontiers = np.zeros(self.lanes, dtype=np.int64)
+        frontiers[:n] = [lane[0] for lane in live]
+        positions.reshape(self.lanes, self.length)[:] = frontiers[:, None] + self._steps
         parities[:] = 0
+        parities[:n] = [lane[1] for lane in live]
         slots[:] = pool.spare_slot
+        slots[:n] = [lane[2] for lane in live]
         tables[:] = pool.scratch_block
-        for i, lane in enumerate(lanes):
-            if lane is None:
-                continue
-            frontier, parities[i], slots[i], table = lane
-            positions[i * L:(i + 1) * L] = frontier + self._steps
-            held = table[:self.width]
-            tables[i, :len(held)] = held
-            tables[i, len(held):] = pool.zero_block
+        if n:   # each table's blocks, then the zero block up to the width (padding: the scratch block)
+            tables[:n] = [[pool.scratch_block] * width if table is None else
+                          (list(table[:width]) + [pool.zero_block] * (width - len(table)))
+                          for _, _, _, table in live]
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
 
