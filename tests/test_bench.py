@@ -269,7 +269,7 @@ def test_ops_per_step_counts_what_a_step_dispatches_and_no_view(tiny_fast):
     from hebrus.bench.timing import ops_per_step
     session = tiny_fast.session()
     session.feed([1, 2, 3])
-    plain = ops_per_step(tiny_fast, [session])
+    plain = ops_per_step(tiny_fast, [session], "auto")
     head = tiny_fast.stages[-1]
     real = head.run
 
@@ -277,5 +277,5 @@ def test_ops_per_step_counts_what_a_step_dispatches_and_no_view(tiny_fast):
         step.streams = step.streams.clone().view(-1).view_as(step.streams)     # a copy and two views
         return real(txn, step)
     with unittest.mock.patch.object(head, "run", one_more):
-        more = ops_per_step(tiny_fast, [session])
+        more = ops_per_step(tiny_fast, [session], "auto")
     assert plain > 0 and more == plain + 1

@@ -95,7 +95,10 @@ def _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode
         "decode": model.session(decode=decode).decode,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": _commit(),
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops, "decode_steps": steps,
-        "rounds": rounds, "prefill_chunk": chunk, "warm_decode_steps": WARM_STEPS, "points": list(points),
+        "rounds": rounds, "prefill_chunk": chunk, "warm_decode_steps": WARM_STEPS,
+        "ops_counted": ("kernels the profiler sees in one step" if device.type == "cuda"
+                        else "operations one step dispatches, views aside"),
+        "points": list(points),
     }
 
 
@@ -108,7 +111,8 @@ def table(report: dict) -> str:
         f"{report['date']}, commit {report['commit']}, torch {report['torch']}; copy bandwidth "
         f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write), matrix "
         f"{report['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; medians of {report['rounds']} rounds, "
-        f"{report['decode_steps']} decode steps, prefill in chunks of {report['prefill_chunk']}.",
+        f"{report['decode_steps']} decode steps, prefill in chunks of {report['prefill_chunk']}"
+        f"{'; ops/step: ' + report['ops_counted'] if 'ops_counted' in report else ''}.",
         "",
     ]
     compared = any("transformers" in p for p in report["points"])

@@ -24,7 +24,7 @@ class Point:
     decode_s_per_step: dict[str, float]
     captures: int = 0                                # graphs the transactional variant captured at this point
     join_leave_captures: int | None = None           # ... when a session left its batch and one joined
-    ops: int | None = None                           # operations one transactional decode step dispatches
+    ops: int | None = None                           # what one transactional decode step launches (`ops_per_step`)
 
 
 # untimed decode steps before the timed ones: the first runs each step's plan uncaptured, the
@@ -71,7 +71,7 @@ def _point(model, prompt: list[int], steps: int, rounds: int, chunk: int, how: s
     captures = _captures(model) - captured
     return Point(len(prompt), {n: statistics.median(v) for n, v in prefill.items()},
                  {n: statistics.median(v) for n, v in decode.items()}, captures,
-                 ops=ops_per_step(model, [sessions["transactional"]]))
+                 ops=ops_per_step(model, [sessions["transactional"]], how))
 
 
 def _captures(model) -> int:
@@ -129,7 +129,7 @@ def _batch_point(model, prompt, steps, rounds, chunk, batch, how) -> Point:
         Batch(group, decode=how).feed(torch.argmax(last["transactional"][:len(group)], dim=-1).tolist())
     joined = _captures(model) - before
     return Point(len(prompt), None, {n: statistics.median(v) for n, v in decode.items()}, timed, joined,
-                 ops_per_step(model, members))
+                 ops_per_step(model, members, how))
 
 
 class _Ops(TorchDispatchMode):
@@ -145,12 +145,23 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(model, sessions) -> int:
-    """Operations one more decode step of these sessions dispatches (views aside; untimed, after
-    the timed ones): from the step plan uncaptured where the model has one (on CUDA, near enough
-    the kernels a replay of it launches), else eagerly. The step before it, not counted, warms
-    the plan and takes any block the counted step would otherwise take."""
+def ops_per_step(model, sessions, how: str) -> int:
+    """What one more decode step of these sessions launches (untimed, after the timed ones), on
+    the route `how` the point timed. On CUDA: the kernels (and device copies and fills) the
+    profiler sees in the step, a graph's replay included. Elsewhere: the operations it
+    dispatches, views aside, from the step plan where the model has one (the plan a graph would
+    capture), else eagerly. The step before it, not counted, warms the route and takes any block
+    the counted step would otherwise take."""
     from hebrus.batching import Batch
+    if model.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        together, ids = Batch(sessions, decode=how), [0] * len(sessions)
+        together.feed(ids)
+        sync(model.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            together.feed(ids)
+            sync(model.device)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     try:
         route = decode_route(model, "planned")
     except InvalidInput:
