@@ -382,13 +382,17 @@ def test_sparse_attention_equals_dense_attention_masked_to_the_selection(ties):
 
 
 def test_dense_attention_of_lanes_is_each_lane_alone():
-    """N sessions' single queries over N row sets at once against `dense_attention` of each."""
+    """N sessions' single queries, each over its rows read through its own block table (blocks
+    scattered through a pool, one shared by two lanes), against `dense_attention` of each."""
     from hebrus.ops.qsa import dense_attention, dense_attention_lanes
     g = torch.Generator().manual_seed(0)
-    N, hq, hkv, dh, S = 5, 8, 2, 16, 40
+    N, hq, hkv, dh, R, W = 5, 8, 2, 16, 8, 5
+    k_blocks, v_blocks = (torch.randn(30, R, hkv, dh, generator=g, dtype=torch.float64) for _ in range(2))
+    tables = torch.randperm(30, generator=g)[:N * W].view(N, W)
+    tables[3, 0] = tables[1, 0]                                        # a block two lanes share
     q = torch.randn(N, hq, dh, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(N, S, hkv, dh, generator=g, dtype=torch.float64) for _ in range(2))
     positions = torch.tensor([0, 5, 39, 20, 7])
-    got = dense_attention_lanes(q, k, v, positions)
+    got = dense_attention_lanes(q, k_blocks, v_blocks, tables, positions)
+    k, v = (b[tables].flatten(1, 2) for b in (k_blocks, v_blocks))    # each lane's rows [N, W * R, ...]
     want = torch.stack([dense_attention(q[i:i + 1], k[i], v[i], positions[i:i + 1])[0] for i in range(N)])
     assert float((got - want).abs().max()) <= 1e-12

@@ -199,3 +199,25 @@ def test_one_plan_serves_any_sessions(models):
         a, b = _state(p), _state(e)
         for owner in b:
             _close(a[owner], b[owner], owner)
+
+
+@pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
+def test_lanes_over_a_quantized_cache_match_eager(models, kv_cache):
+    """A quantized cache's rows reach the lanes' attention gathered and made dense (their copy's
+    blocks named by tables of its own): several sessions of different lengths step as each does
+    eagerly. (A K or V value a rounding apart in the two routes may take the next code, which
+    moves a logit by a fraction of one code's step: the bound allows for that, and no more.)"""
+    import hebrus
+    model = models["qwen3_5"].with_kv_cache(kv_cache)
+    vocab = model.spec.vocab_size
+    planned = [model.session(decode="planned") for _ in range(3)]
+    eager = [model.session(decode="eager") for _ in range(3)]
+    for i, (p, e) in enumerate(zip(planned, eager)):
+        prompt = tokens(4 + 9 * i, seed=i, vocab=vocab)
+        p.feed(prompt)
+        e.feed(prompt)
+    together = hebrus.Batch(planned, decode="planned")
+    for step in range(12):
+        ids = tokens(3, seed=70 + step, vocab=vocab)
+        for i, (g, t) in enumerate(zip(together.feed(ids), ids)):
+            _close(g, eager[i].feed([t]), f"session {i}, step {step}", tolerance=1e-2)

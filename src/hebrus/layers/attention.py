@@ -27,7 +27,8 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
 DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
-LANES = "attention.lanes"               # (q, k_rows, v_rows, positions) -> o: N sessions' single queries, N row sets
+LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions) -> o: N sessions' single
+                                        # queries, each over its rows through its block table
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 
@@ -138,12 +139,19 @@ class Attention:
         return linear(gated.flatten(1), w["o_proj.weight"])
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
-        """A planned step of one token per lane: every lane's rows at once, gathered through the
-        step's tables [N, width * block_rows, ...], each masked past its lane's position."""
+        """A planned step of one token per lane: every lane's rows at once, read through the
+        step's tables, each masked past its lane's position. A quantized cache's rows are
+        gathered and made dense first: that copy's blocks, lane after lane, are the blocks its
+        tables name."""
         logs = [r[0] for r in rows]             # any lane's log: the storage is the same
-        k_rows, v_rows = (dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype))
-                          for part in (0, 1))
-        return self.attend_lanes(q, k_rows, v_rows, span.positions)
+        if self.cache is None:
+            blocks, tables = [logs[part].storage for part in (0, 1)], span.tables
+        else:
+            N, W = span.tables.shape
+            blocks = [dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype)).unflatten(1, (W, -1))
+                      .flatten(0, 1) for part in (0, 1)]
+            tables = torch.arange(N * W, device=q.device).view(N, W)
+        return self.attend_lanes(q, *blocks, tables, span.positions)
 
     def _put(self, span, rows, part: int, value: torch.Tensor) -> None:
         """Write the chunk's rows of row log `part` (0 k, 1 v, 2 index): as they are, or, with a

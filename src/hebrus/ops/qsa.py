@@ -103,10 +103,14 @@ def dense_attention_rows(q, k_rows, v_rows, positions) -> torch.Tensor:
     return o.view(hkv, T, group, dh).permute(1, 0, 2, 3).reshape(T, hq, dh)
 
 
-def dense_attention_lanes(q, k_rows, v_rows, positions) -> torch.Tensor:
-    """`dense_attention` of N sessions' single queries at once, each over its own rows: q [N, Hq,
-    dh]; k_rows, v_rows [N, S, Hkv, dh]; positions [N] (row s of session i is visible when
-    s <= positions[i]). Two batched matrix products per K/V head group, as `dense_attention_rows`."""
+def dense_attention_lanes(q, k_blocks, v_blocks, tables, positions) -> torch.Tensor:
+    """`dense_attention` of N sessions' single queries at once, each over its own rows, read
+    through its row of block tables: q [N, Hq, dh]; k_blocks, v_blocks [B, R, Hkv, dh] (blocks of
+    R rows); tables [N, W] (row s of session i is row s % R of block tables[i, s // R], visible
+    when s <= positions[i]; positions [N]). The rows are gathered, then two batched matrix
+    products per K/V head group, as `dense_attention_rows` (the readable twin of the kernels
+    that read the blocks where they lie)."""
+    k_rows, v_rows = k_blocks[tables].flatten(1, 2), v_blocks[tables].flatten(1, 2)     # [N, W * R, Hkv, dh]
     N, hq, dh = q.shape
     S, hkv = k_rows.shape[1], k_rows.shape[2]
     group = hq // hkv
