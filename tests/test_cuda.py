@@ -551,3 +551,24 @@ def test_the_gdn_lanes_kernel_matches_its_twin():
     assert torch.equal(seen, torch.isfinite(got_bank)) and _rel(got_bank[seen], want_bank[seen]) <= 1e-5
     assert torch.equal(torch.isnan(got_check), torch.isnan(want_check))
     assert torch.isnan(got_check[3, 2]) and int(torch.isnan(got_check).sum()) == 1
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hkv, dh, R", [(16, 2, 256, 16), (6, 2, 24, 8), (8, 8, 64, 16)])
+def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R):
+    """One query per lane over its rows read through its block table where they lie (blocks
+    scattered, one shared by two lanes, lanes at row 0, mid-block and the table's last row),
+    against `ops.qsa.dense_attention_lanes` in float64 on the same values."""
+    from hebrus.ops.cuda.attention_lanes import attention_lanes_cuda
+    from hebrus.ops.qsa import dense_attention_lanes
+    g = torch.Generator(device="cuda").manual_seed(hq + dh)
+    N, W = 7, 5
+    k_blocks, v_blocks = (torch.randn(N * W + 4, R, hkv, dh, generator=g, device="cuda").to(dtype) for _ in range(2))
+    tables = torch.randperm(N * W + 4, generator=g, device="cuda")[:N * W].view(N, W)
+    tables[5, 0] = tables[2, 0]
+    q = torch.randn(N, hq, dh, generator=g, device="cuda").to(dtype)
+    positions = torch.tensor([0, 1, R - 1, R, W * R - 1, 2 * R + 3, 17], device="cuda")
+    got = attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions)
+    want = dense_attention_lanes(q.double(), k_blocks.double(), v_blocks.double(), tables, positions)
+    assert got.dtype == dtype and _rel(got.double(), want) <= 1e-2

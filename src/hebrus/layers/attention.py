@@ -275,12 +275,17 @@ class DenseAttention(Kind):
 
     def ops(self, mode, device, dtype):
         """Dense attention as written, or in fast mode through torch's fused scaled-dot-product
-        attention for a chunk and two matrix products for a few queries; sparse attention over
-        the picked rows; the indexer reads the layer's input as it is."""
+        attention for a chunk and two matrix products for a few queries, and one query per lane
+        over rows read through block tables (for a 16-bit model on CUDA, a kernel reading them
+        where they lie: `hebrus.ops.cuda.attention_lanes`); sparse attention over the picked
+        rows; the indexer reads the layer's input as it is."""
         dense = dense_attention_fast if mode == "fast" else dense_attention
         ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
         if mode == "fast":                    # exact mode runs each session alone
             ops[LANES] = dense_attention_lanes
+            if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+                from hebrus.ops.cuda.attention_lanes import attention_lanes_cuda
+                ops[LANES] = attention_lanes_cuda        # the rows read where they lie
         return ops
 
 
