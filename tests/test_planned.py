@@ -221,3 +221,21 @@ def test_lanes_over_a_quantized_cache_match_eager(models, kv_cache):
         ids = tokens(3, seed=70 + step, vocab=vocab)
         for i, (g, t) in enumerate(zip(together.feed(ids), ids)):
             _close(g, eager[i].feed([t]), f"session {i}, step {step}", tolerance=1e-2)
+
+
+def test_widths_grow_in_powers_of_two_where_no_stage_reads_to_the_width(models):
+    """Sparse attention gathers its lanes' rows up to the tables' width: its widths come in
+    quarter steps. A model whose stages work to each lane's position (the lanes' attention
+    kernel) takes powers of two: a session growing to 4,000 rows (250 blocks) runs in 6 widths
+    instead of 21."""
+    from hebrus.engine import graphs
+    assert graphs.fine_widths(models["tiny"])                             # QSA
+    assert [graphs.width_for(b, fine=False) for b in (1, 8, 9, 16, 17, 100, 129)] == [8, 8, 16, 16, 32, 128, 256]
+    assert [graphs.width_for(b) for b in (1, 8, 9, 11, 16, 17, 100, 129)] == [8, 8, 10, 12, 16, 20, 112, 160]
+    coarse = {graphs.width_for(b, fine=False) for b in range(1, 251)}
+    fine = {graphs.width_for(b) for b in range(1, 251)}
+    assert len(coarse) == 6 and len(fine) == 21
+    model = models["qwen3_5"]
+    stage = next(s for s in model.stages if getattr(s, "attn", None) is not None)
+    assert stage.reads_to_width == (not getattr(stage.attn.attend_lanes, "reads_to_position", False))
+    assert graphs.fine_widths(model) == stage.reads_to_width           # on the CPU: the gathering twin

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from hebrus.engine.graphs import Inputs, step_key
+from hebrus.engine.graphs import Inputs, fine_widths, step_key
 from hebrus.state.context import InPlace
 from hebrus.state.image import Image
 from hebrus.state.pool import Log
@@ -93,6 +93,7 @@ class InPlaceBatch:
     def __init__(self, sessions: list[InPlaceSession], graphs: bool = False):
         self.sessions, self.model, self.graphs = sessions, sessions[0].model, graphs
         pool = self.pool = self.model.pool
+        self.fine = fine_widths(self.model)          # the runner's widths
         self.tables = []
         for s in sessions:
             table = pool.writable((), 0, s.frontier).table
@@ -109,7 +110,7 @@ class InPlaceBatch:
             table, held = self.tables[i], len(self.tables[i]) * pool.block_rows
             if held <= s.frontier:
                 self.tables[i] = table + pool.extend(table, max(s.frontier + 1, 2 * held, pool.block_rows))
-        key = step_key(pool, [s.frontier for s in self.sessions], 1, False)
+        key = step_key(pool, [s.frontier for s in self.sessions], 1, False, self.fine)
         inputs = self.inputs.get(key)
         if inputs is None:
             inputs = self.inputs[key] = Inputs(pool, key[0], 1, key[2], False)

@@ -8,9 +8,12 @@ each run the runner writes them from the host in one copy; n sessions run in the
 bucket of lanes that holds them (`lanes_for`), the other lanes padding over the pool's scratch
 slot and block, whose results nobody reads. So a graph is kept per (lanes, tokens per lane,
 table width, prefix or not): sessions joining, leaving, flipping banks or taking blocks replay
-the same graph. The table width (`width_for`, in blocks, in steps of a quarter of a power of
-two) bounds how many rows attention looks at; past a session's table it reads the pool's zero
-block, past a position it masks.
+the same graph. The table width (`width_for`, in blocks) bounds how many rows attention looks
+at; past a session's table it reads the pool's zero block, past a position it masks. Where a
+stage's work grows with the width (rows gathered up to it: sparse attention, a quantized cache,
+the gathering twin), widths come in steps of a quarter of a power of two; where none does (the
+lanes' attention kernel reads to each lane's position), in powers of two, so a session growing
+through thousands of rows changes graphs a few times.
 
 Blocks are taken on the host when the step's transaction begins, never inside a graph. A replay
 is still one transaction per session: its checks are folded into one tensor inside the graph
@@ -91,20 +94,27 @@ def lanes_for(sessions: int) -> int:
     return 1 << (sessions - 1).bit_length() if sessions <= 256 else -(-sessions // 128) * 128
 
 
-def width_for(blocks: int) -> int:
+def width_for(blocks: int, fine: bool = True) -> int:
     """The table width (in blocks) a step whose sessions need `blocks` runs with: at least 8,
-    else the next multiple of a quarter of the power of two below (≤ 25% more than asked for)."""
+    else the next multiple of a quarter of the power of two below (≤ 25% more than asked for),
+    or, not `fine` (where no stage's work grows with the width), the next power of two (fewer
+    graphs as sessions grow)."""
     if blocks <= 8:
         return 8
-    step = 1 << max((blocks - 1).bit_length() - 3, 0)
+    step = 1 << max((blocks - 1).bit_length() - (3 if fine else 0), 0)
     return -(-blocks // step) * step
 
 
+def fine_widths(model) -> bool:
+    """Whether `model`'s planned steps take widths in quarter steps (some stage's work grows with
+    the width) or in powers of two (none does)."""
+    return any(getattr(stage, "reads_to_width", False) for stage in model.stages)
 
-def step_key(pool, frontiers: list[int], length: int, each: bool) -> tuple:
+
+def step_key(pool, frontiers: list[int], length: int, each: bool, fine: bool = True) -> tuple:
     """What a planned step's graph is kept by: (lanes, tokens per lane, table width, prefix)."""
     need = max(frontiers) + length
-    width = min(width_for(pool.blocks_for(need)), pool.blocks_for(pool.max_rows))
+    width = min(width_for(pool.blocks_for(need), fine), pool.blocks_for(pool.max_rows))
     return lanes_for(len(frontiers)), length, width, each
 
 
@@ -173,6 +183,7 @@ class Steps:
         self.refused: str | None = None          # why capture failed, if it did: plan runs uncaptured
         self._lock = threading.Lock()
         self._memory = None                      # the graphs' one memory pool
+        self.fine = fine_widths(model)
 
     @staticmethod
     def accepts(length: int) -> bool:
@@ -180,7 +191,7 @@ class Steps:
         return length >= 1 and not faults.armed()
 
     def key(self, images, length: int, each: bool) -> tuple:
-        return step_key(self.model.pool, [image.public.frontier for image in images], length, each)
+        return step_key(self.model.pool, [image.public.frontier for image in images], length, each, self.fine)
 
     def run(self, images, budgets, ids, length: int, each: bool, conclude):
         """One step: `conclude(txn, work)` runs `work()` (the step's device work) and finishes

@@ -210,6 +210,10 @@ class AttentionMixer(Sublayer):
         if s.kv_cache is not None:               # a quantized cache: each log's scales after the codes
             self.parts += tuple(part + "_scale" for part in self.parts)
         self.attn = Attention(s, params, self.name + ".", rotary, kernels, indexed=kind == "qsa")
+        # sparse attention and a quantized cache gather the lanes' rows up to the width; the
+        # lanes' dense attention reads to each lane's position where its op says so
+        self.reads_to_width = (self.attn.indexed or self.attn.cache is not None
+                               or not getattr(self.attn.attend_lanes, "reads_to_position", False))
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]

@@ -62,6 +62,10 @@ class Sublayer:
     """Shared shape of the mixer and ffn stages: the residual's pre, RMSNorm, the sublayer, the
     residual's post."""
 
+    # whether a planned step of lanes does work here up to its tables' width (rows gathered up to
+    # it), not only up to each lane's position: then the runner keys its graphs by finer widths
+    reads_to_width = False
+
     def __init__(self, s, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
         self.layer, self.kernels, self.eps = layer, kernels, s.rms_norm_eps

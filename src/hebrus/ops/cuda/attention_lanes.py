@@ -66,3 +66,6 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions) -> torch.Tens
                      HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
                      R=R, RP=max(16, triton.next_power_of_2(R)))
     return o
+
+
+attention_lanes_cuda.reads_to_position = True      # its work ends at each lane's position, not the tables' width
