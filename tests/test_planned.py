@@ -30,6 +30,17 @@ def _decode(model, decode, prompt, steps, vocab):
     return s, [s.feed([t]) for t in ids]
 
 
+def _pairs(model, lengths: list[int]):
+    """A planned and an eager session for each length, each pair fed the same prompt."""
+    planned = [model.session(decode="planned") for _ in lengths]
+    eager = [model.session(decode="eager") for _ in lengths]
+    for i, (p, e, n) in enumerate(zip(planned, eager, lengths)):
+        prompt = tokens(n, seed=i, vocab=model.spec.vocab_size)
+        p.feed(prompt)
+        e.feed(prompt)
+    return planned, eager
+
+
 def _close(a, b, name, tolerance=2e-5):
     if not a.is_floating_point():
         assert torch.equal(a, b), name
@@ -180,12 +191,7 @@ def test_one_plan_serves_any_sessions(models):
     model = models["qwen3_5"]
     vocab = model.spec.vocab_size
     runner = model.steps(capture=False)
-    planned = [model.session(decode="planned") for _ in range(4)]
-    eager = [model.session(decode="eager") for _ in range(4)]
-    for i, (p, e) in enumerate(zip(planned, eager)):
-        prompt = tokens(3 + 5 * i, seed=i, vocab=vocab)
-        p.feed(prompt)
-        e.feed(prompt)
+    planned, eager = _pairs(model, [3 + 5 * i for i in range(4)])
     keys = set()
     for step, members in enumerate([(0, 1, 2), (0, 1, 2), (0, 1, 2, 3), (1, 2, 3), (1, 3)] * 4):
         ids = tokens(len(members), seed=50 + step, vocab=vocab)
@@ -210,12 +216,7 @@ def test_lanes_over_a_quantized_cache_match_eager(models, kv_cache):
     import hebrus
     model = models["qwen3_5"].with_kv_cache(kv_cache)
     vocab = model.spec.vocab_size
-    planned = [model.session(decode="planned") for _ in range(3)]
-    eager = [model.session(decode="eager") for _ in range(3)]
-    for i, (p, e) in enumerate(zip(planned, eager)):
-        prompt = tokens(4 + 9 * i, seed=i, vocab=vocab)
-        p.feed(prompt)
-        e.feed(prompt)
+    planned, eager = _pairs(model, [4 + 9 * i for i in range(3)])
     together = hebrus.Batch(planned, decode="planned")
     for step in range(12):
         ids = tokens(3, seed=70 + step, vocab=vocab)
