@@ -230,7 +230,8 @@ def test_a_reservation_never_makes_a_chunk_fail():
 
 
 def test_sampling_many_at_once_equals_sampling_each_alone(monkeypatch):
-    """`sample_many` (the greedy ones chosen by one argmax over their stack) gives what `sample`
+    """`sample_many` (the greedy ones chosen by one argmax over their stack, the sampled ones by
+    one distribution and one draw over theirs, each from its own generator) gives what `sample`
     gives each alone, ties to the smaller id included, and leaves each generator where `sample`
     leaves it; one it cannot sample from fails alone, the stack it would have joined too."""
     import hebrus.sampling
@@ -248,9 +249,28 @@ def test_sampling_many_at_once_equals_sampling_each_alone(monkeypatch):
     gens_many = [torch.Generator().manual_seed(i) for i in range(7)]
     many = sample_many(logits, hows, gens_many)
     monkeypatch.undo()
-    assert many == alone and many[2] == 5 and stacked == [4]   # the four greedy ones, together
+    assert many == alone and many[2] == 5 and stacked == [4, 3]   # the greedy ones together, the sampled ones
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens_alone, gens_many))
     empty = torch.empty(0)
     broken = sample_many([logits[0], None, empty, empty, logits[1]], [Sampling()] * 5, [None] * 5)
     assert broken[0] == alone[0] and broken[4] == sample(logits[1], Sampling(), None)
     assert all(isinstance(b, Exception) for b in broken[1:4])
+
+
+def test_distributions_and_draws_of_many_rows_are_each_rows_alone():
+    """Every row of `distributions` and `draws` is what that row gets alone, bit for bit, for
+    any mix of temperatures, top_k, top_p and min_p (each row's operations are its own)."""
+    from hebrus.sampling import Sampling, distribution, distributions, draw, draws
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(12, 300, generator=gen) * 4
+    logits[3, 7:] = float("-inf")                              # seven ids left
+    hows = [Sampling(temperature=t, top_p=p, top_k=k, min_p=m)
+            for t, p, k, m in zip([0.2, 1.0, 3.0] * 4, [1.0, 0.9, 0.3, 1.0] * 3, [0, 0, 3, 50] * 3,
+                                  [0.0, 0.1, 0.0] * 4)]
+    together = distributions(logits, hows)
+    for b in range(12):
+        assert torch.equal(together[b], distribution(logits[b], hows[b])), b
+    seeds = range(100, 112)
+    many = draws(together, [torch.Generator().manual_seed(s) for s in seeds])
+    assert many == [draw(together[b], torch.Generator().manual_seed(s)) for b, s in enumerate(seeds)]
+    assert many[3] < 7 and all(together[b, many[b]] > 0 for b in range(12))

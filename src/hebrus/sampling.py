@@ -38,21 +38,24 @@ def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> i
 def sample_many(logits: list[torch.Tensor], hows: list[Sampling],
                 generators: list[torch.Generator | None]) -> list:
     """`sample` for each of several logits [V], in order: an id, or the exception its sampling
-    raised (the others are sampled all the same). The greedy ones are chosen together, one
-    argmax over the stack of those of one shape, dtype and device (one transfer to the host
-    instead of one each: on a GPU, one wait instead of many); every other one, and any whose
-    stack fails, is `sample`d alone. A greedy choice draws nothing from its generator (it may
-    be None)."""
+    raised (the others are sampled all the same). Those of one shape, dtype and device are
+    chosen together: the greedy ones by one argmax over their stack, the others by one
+    `distributions` and one `draws` over theirs, each from its own generator; so a step of many
+    requests waits for the device once per group instead of once each, and every choice is the
+    one `sample` makes alone (each row is computed as it is alone). Any whose group fails is
+    `sample`d alone. A greedy choice draws nothing from its generator (it may be None)."""
     out: list = [None] * len(logits)
     groups: dict[tuple, list[int]] = {}
     for i, (x, how) in enumerate(zip(logits, hows)):
-        if how.temperature == 0 and isinstance(x, torch.Tensor) and x.dim() == 1:
-            groups.setdefault((x.shape, x.dtype, x.device), []).append(i)
-    for members in groups.values():
+        if isinstance(x, torch.Tensor) and x.dim() == 1:
+            groups.setdefault((x.shape, x.dtype, x.device, how.temperature == 0), []).append(i)
+    for (*_, greedy), members in groups.items():
         if len(members) < 2:
             continue
         try:
-            chosen = torch.argmax(torch.stack([logits[i] for i in members]), dim=-1).tolist()
+            stacked = torch.stack([logits[i] for i in members])
+            chosen = (torch.argmax(stacked, dim=-1).tolist() if greedy else
+                      draws(distributions(stacked, [hows[i] for i in members]), [generators[i] for i in members]))
         except Exception:                           # each alone below: its own error, its alone
             continue
         for i, token in zip(members, chosen):
@@ -67,34 +70,50 @@ def sample_many(logits: list[torch.Tensor], hows: list[Sampling],
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One id with probability weights[i] / Σ weights (float64, not negative, any device), by
-    the inverse of the cumulative sum at one float64 uniform. (torch.multinomial, drawn first
-    after seeding, favoured some ids: 0.5901 of 200,000 freshly seeded draws where the
-    probability is 0.5864, 3.4 standard deviations.)"""
-    cdf = weights.detach().to("cpu", torch.float64).cumsum(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
-    i = int(torch.searchsorted(cdf, u, right=True))         # the first id whose cdf passes u
-    if i >= len(cdf):                                        # u rounded up to the total
-        i = int(torch.nonzero(weights).max())
-    return i
+    """One id with probability weights[i] / Σ weights (float64, not negative, any device): `draws`
+    of one row."""
+    return draws(weights[None], [generator])[0]
+
+
+def draws(weights: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """An id per row of weights [B, V] (float64, not negative, any device) with probability
+    weights[b, i] / Σ weights[b], by the inverse of the row's cumulative sum at one float64
+    uniform from its own generator (a CPU generator); the rows' ids come to the host in one
+    transfer. (torch.multinomial, drawn first after seeding, favoured some ids: 0.5901 of
+    200,000 freshly seeded draws where the probability is 0.5864, 3.4 standard deviations.)"""
+    weights = weights.detach().to(torch.float64)
+    cdf = weights.cumsum(-1)
+    u = torch.tensor([torch.rand((), dtype=torch.float64, generator=g).item() for g in generators],
+                     dtype=torch.float64, device=cdf.device)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]    # the first id past u
+    last = torch.where(weights != 0, torch.arange(weights.shape[1], device=weights.device), -1).amax(-1)
+    return torch.where(picked < weights.shape[1], picked, last).tolist()      # u rounded up to the total
 
 
 def distribution(logits: torch.Tensor, how: Sampling) -> torch.Tensor:
     """What `sample` draws from at a temperature above 0, as weights [V] in float64 (not
-    normalised): the softmax at `temperature`, restricted to the top_k ids, then to the smallest
-    set holding top_p of the mass, then to ids with at least min_p times the largest probability."""
-    temperature, top_p, top_k, min_p = how.temperature, how.top_p, how.top_k, how.min_p
+    normalised): `distributions` of one row."""
+    return distributions(logits[None], [how])[0]
+
+
+def distributions(logits: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
+    """Weights [B, V] in float64 (not normalised), row b what `hows[b]` draws from: the softmax
+    at its temperature (above 0), restricted to its top_k ids, then to the smallest set holding
+    its top_p of the mass, then to ids with at least min_p times the largest probability. Every
+    operation works row by row, so a row's weights are what it gets alone."""
+    B, V = logits.shape
+    device = logits.device
+    column = lambda values: torch.tensor(values, dtype=torch.float64, device=device)[:, None]   # noqa: E731
+    temperature = column([h.temperature for h in hows])
+    top_p, min_p = column([h.top_p for h in hows]), column([h.min_p for h in hows])
+    top_k = torch.tensor([h.top_k or V for h in hows], device=device)[:, None]
     scaled = logits.double()
-    scaled = (scaled - scaled.max()) / temperature          # <= 0, so no temperature overflows it
+    scaled = (scaled - scaled.amax(-1, keepdim=True)) / temperature     # <= 0, so no temperature overflows it
     probs = torch.softmax(scaled, dim=-1)
-    sorted_p, order = torch.sort(probs, descending=True, stable=True)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        before = sorted_p.cumsum(0) - sorted_p                 # mass strictly before each token
-        keep &= before < top_p
-    if min_p > 0.0:
-        keep &= sorted_p >= min_p * sorted_p[0]
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = torch.arange(V, device=device)[None, :] < top_k
+    before = sorted_p.cumsum(-1) - sorted_p                             # mass strictly before each token
+    keep &= (before < top_p) | (top_p >= 1.0)
+    keep &= (min_p <= 0.0) | (sorted_p >= min_p * sorted_p[:, :1])
     sorted_p = torch.where(keep, sorted_p, 0.0)
-    return torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
