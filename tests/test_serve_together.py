@@ -124,3 +124,32 @@ def test_a_route_the_model_cannot_take_is_refused(tiny):
     from hebrus.errors import InvalidInput
     with pytest.raises(InvalidInput, match="planned"):
         Scheduler(tiny, decode="planned")
+
+
+def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alone(tiny_fast, monkeypatch):
+    """Fast mode feeds the prompt chunks of a turn together (one `feed_many` of every request
+    still prefilling, up to the budget); a request whose chunk aborts (the test-only fault hook:
+    it is fed alone, under its fault) fails alone, and every other request's state is what a
+    session fed its prompt alone holds."""
+    import hebrus.serve.scheduler as scheduling
+    passes = []
+    real = scheduling.feed_many
+    monkeypatch.setattr(scheduling, "feed_many", lambda sessions, chunks: passes.append(len(sessions)) or
+                        real(sessions, chunks))
+    doomed = tokens(13, seed=99)
+    scheduler = Scheduler(tiny_fast, chunk_size=8, prefill_tokens=64, decode="planned",
+                          fault=lambda r: "head" if r.prompt == doomed else None)
+    got, ends = {}, {}
+    requests = [_asking(i, n, 1, got) for i, n in enumerate([5, 12, 20])]
+    requests.append(Request(key="", prompt=doomed, max_tokens=1, sampling=Sampling(), seed=0,
+                            stop_ids=frozenset(), emit=lambda kind, value: ends.setdefault(kind, value)))
+    scheduler.running += requests
+    scheduler._turn()                       # the four prompts' first chunks: three in one pass
+    assert passes == [3] and "error" in ends and requests[3] not in scheduler.running
+    scheduler._turn()                       # the two longer ones' second chunks (request 0 decodes)
+    scheduler._turn()                       # the longest one's third chunk
+    assert passes == [3, 2]
+    for request in requests[:3]:            # each fed its prompt, then its one token
+        assert request not in scheduler.running and len(request.produced) == 1
+        alone = tiny_fast.session(decode="eager").feed(request.prompt + request.produced)
+        _close(request.session.logits, alone, f"request {request.id}")

@@ -2,7 +2,8 @@
 
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
-at least one chunk, so a long prompt cannot stall), and then one decode step of every request
+at least one chunk, so a long prompt cannot stall; in fast mode the turn's chunks in one pass,
+each request its own transaction), and then one decode step of every request
 that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
 Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
 session; on CUDA it replays the model's graphs, which any set of sessions shares); exact mode
@@ -31,7 +32,7 @@ import torch
 from hebrus import faults
 from hebrus.errors import ChunkAborted
 from hebrus.sampling import Sampling, penalise, sample_many
-from hebrus.batching import Batch
+from hebrus.batching import Batch, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.serve.kept import Kept
 
@@ -199,10 +200,13 @@ class Scheduler:
                 except Exception as exc:            # its session could not be made: it alone fails
                     self._fail(request, exc)
         clock = self._spend("admit", clock)
-        budget = self.prefill_tokens
-        for request in list(self.running):
+        budget, feeding = self.prefill_tokens, []
+        for request in self.running:
             if budget > 0 and request.fed < len(request.prompt):
-                budget -= self._prefill(request)
+                feeding.append((request, request.prompt[request.fed:request.fed + self.chunk_size]))
+                budget -= len(feeding[-1][1])
+        if feeding:
+            self._prefill(feeding)
         clock = self._spend("prefill", clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
@@ -228,20 +232,35 @@ class Scheduler:
         else:
             request.session = self.spares.pop() if self.spares else self.model.session(decode="eager")
 
-    def _prefill(self, request: Request) -> int:
-        """Feed the request's next prompt chunk -> its length (what it took of the turn's budget)."""
-        chunk = request.prompt[request.fed:request.fed + self.chunk_size]
+    def _prefill(self, feeding: list[tuple[Request, list[int]]]) -> None:
+        """Feed each request its next prompt chunk: in fast mode in one pass (`feed_many`: each
+        its own transaction, so one that aborts fails alone), else one after another."""
         started = time.perf_counter()
-        try:
-            request.logits = self._feed(request, chunk)
-        except Exception as exc:                    # an abort, or anything else: this request's alone
-            self._fail(request, exc)
-            return len(chunk)
-        request.prefill_s += time.perf_counter() - started     # a feed returns once validated: synced
-        request.fed += len(chunk)
-        if request.fed == len(request.prompt):
-            self.prefills.append(request.prefill_s)
-        return len(chunk)
+        together = [(r, c) for r, c in feeding if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
+        results = {}
+        if len(together) > 1:
+            try:
+                fed = feed_many([r.session for r, _ in together], [c for _, c in together])
+                results = {r.id: result for (r, _), result in zip(together, fed)}
+            except Exception:                       # not one session's abort: feed them one by one
+                results = {}
+        for request, chunk in feeding:
+            if request.id not in results:
+                try:
+                    results[request.id] = self._feed(request, chunk)
+                except Exception as exc:            # an abort, or anything else: this request's alone
+                    results[request.id] = exc
+        spent = time.perf_counter() - started       # a feed returns once validated: synced
+        for request, chunk in feeding:
+            result = results[request.id]
+            if isinstance(result, BaseException):
+                self._fail(request, result)
+                continue
+            request.logits = result
+            request.prefill_s += spent
+            request.fed += len(chunk)
+            if request.fed == len(request.prompt):
+                self.prefills.append(request.prefill_s)
 
     def _decode_step(self, requests: list[Request]) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
