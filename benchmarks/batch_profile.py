@@ -4,7 +4,6 @@ validation and publication) against the replay, and the top kernels of a profile
     python benchmarks/batch_profile.py [--model qwen3.5-1.7b] [--context 1024] [--batch 64] [--out DIR]"""
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 from pathlib import Path
@@ -12,22 +11,11 @@ from pathlib import Path
 import torch
 
 import hebrus
-from hebrus import bench
+from gpu_model import model_and_prompt, options
 from hebrus.engine import graphs
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="qwen3.5-1.7b")
-parser.add_argument("--context", type=int, default=1024)
-parser.add_argument("--batch", default="64")
-parser.add_argument("--steps", type=int, default=30)
-parser.add_argument("--out", default="/tmp")
-parser.add_argument("--cache", default="/tmp/shapes")
-args = parser.parse_args()
-name = args.model
-if name in bench.SHAPES:
-    name = str(bench.random_checkpoint(name, Path(args.cache) / name))
-model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
-prompt = torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()
+args = options("qwen3.5-1.7b", 30, batch=(str, "64"))
+model, prompt = model_and_prompt(args)
 first = model.session()
 first.prefill(prompt, chunk_size=2048)
 lines = []
@@ -84,4 +72,4 @@ for batch in [int(b) for b in args.batch.split(",")]:
     print(table[:6000], flush=True)
     del sessions, group
 Path(args.out).mkdir(parents=True, exist_ok=True)
-(Path(args.out) / f"batch-profile-{Path(name).name}.txt").write_text("\n".join(lines) + "\n")
+(Path(args.out) / f"batch-profile-{Path(args.model).name}.txt").write_text("\n".join(lines) + "\n")

@@ -3,27 +3,14 @@ runner's counters, and a profile of a few steps (top kernels and host ops).
     python benchmarks/decode_profile.py [--model small] [--context 1024] [--out DIR]"""
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
+from gpu_model import model_and_prompt, options
 
-import hebrus
-from hebrus import bench
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="small")
-parser.add_argument("--context", type=int, default=1024)
-parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--out", default="/tmp")
-parser.add_argument("--cache", default="/tmp/shapes")
-args = parser.parse_args()
-name = args.model
-if name in bench.SHAPES:
-    name = str(bench.random_checkpoint(name, Path(args.cache) / name))
-model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
-prompt = torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()
+args = options("small", 40)
+model, prompt = model_and_prompt(args)
 lines = []
 for decode in ("graph", "planned", "eager"):
     s = model.session(decode=decode)

@@ -1,0 +1,34 @@
+"""What the GPU profiling scripts share: their common options, and the model and prompt they
+profile (a random-weight shape written under --cache the first time, in bfloat16, fast mode)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import hebrus
+from hebrus import bench
+
+
+def options(model: str, steps: int, **more) -> argparse.Namespace:
+    """--model (default `model`), --context, --steps (default `steps`), --out, --cache, and
+    `more`: option name -> (type, default)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--context", type=int, default=1024)
+    for name, (kind, default) in more.items():
+        parser.add_argument(f"--{name}", type=kind, default=default)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--out", default="/tmp")
+    parser.add_argument("--cache", default="/tmp/shapes")
+    return parser.parse_args()
+
+
+def model_and_prompt(args: argparse.Namespace):
+    """The model on CUDA (bfloat16, fast mode) and a random prompt of --context tokens."""
+    name = args.model
+    if name in bench.SHAPES:
+        name = str(bench.random_checkpoint(name, Path(args.cache) / name))
+    model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
+    return model, torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()
