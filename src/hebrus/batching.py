@@ -100,8 +100,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
         raise InvalidInput(f"outs must be None or a list of {len(sessions)} tensors or Nones")
     outs = list(outs)                           # checked and used from this copy only
     for s, out in zip(sessions, outs):
-        if out is not None:
-            s._check_out(out)
+        s._check_out(out)
     spans = sorted((o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()) for o in outs if o is not None)
     if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
         raise InvalidInput("outs must not overlap: each session's logits need their own memory")

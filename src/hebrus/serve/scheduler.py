@@ -236,20 +236,7 @@ class Scheduler:
         """Feed each request its next prompt chunk: in fast mode in one pass (`feed_many`: each
         its own transaction, so one that aborts fails alone), else one after another."""
         started = time.perf_counter()
-        together = [(r, c) for r, c in feeding if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
-        results = {}
-        if len(together) > 1:
-            try:
-                fed = feed_many([r.session for r, _ in together], [c for _, c in together])
-                results = {r.id: result for (r, _), result in zip(together, fed)}
-            except Exception:                       # not one session's abort: feed them one by one
-                results = {}
-        for request, chunk in feeding:
-            if request.id not in results:
-                try:
-                    results[request.id] = self._feed(request, chunk)
-                except Exception as exc:            # an abort, or anything else: this request's alone
-                    results[request.id] = exc
+        results = self._each_or_together(feeding, self._prefill_together)
         spent = time.perf_counter() - started       # a feed returns once validated: synced
         for request, chunk in feeding:
             result = results[request.id]
@@ -262,6 +249,14 @@ class Scheduler:
             if request.fed == len(request.prompt):
                 self.prefills.append(request.prefill_s)
 
+    @staticmethod
+    def _prefill_together(joint: list[tuple[Request, list[int]]]) -> dict:
+        """Two or more requests' chunks in one pass -> request id -> outcome; one is left alone."""
+        if len(joint) < 2:
+            return {}
+        fed = feed_many([r.session for r, _ in joint], [c for _, c in joint])
+        return {r.id: result for (r, _), result in zip(joint, fed)}
+
     def _decode_step(self, requests: list[Request]) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
         commits it only makes the state catch up), then step them; a request whose step aborts
@@ -270,24 +265,35 @@ class Scheduler:
         tokens = self._choose(requests)
         requests = [r for r in requests if r.id in tokens]
         clock = self._spend("sample", clock)
-        alone = [r for r in requests if not self.model.kernels.whole_chunk or (self.fault and self.fault(r))]
-        together = [r for r in requests if r not in alone]
-        results = {}
-        if together:
-            try:
-                results = self._step_together(together, tokens)
-            except Exception:                       # not one session's abort: step them one by one
-                alone = requests
-        clock = self._spend("together", clock)
-        for request in alone:
-            try:
-                results[request.id] = self._feed(request, [tokens[request.id]])
-            except Exception as exc:
-                results[request.id] = exc
-        clock = self._spend("alone", clock)
+        together = self.spent["together"]
+        results = self._each_or_together([(r, [tokens[r.id]]) for r in requests],
+                                         lambda joint: self._step_together([r for r, _ in joint], tokens))
+        now = time.perf_counter()
+        self.spent["alone"] += now - clock - (self.spent["together"] - together)
         for request in requests:
             self._stepped(request, tokens[request.id], results[request.id])
-        self._spend("finish", clock)
+        self._spend("finish", now)
+
+    def _each_or_together(self, chunks: list[tuple[Request, list[int]]], together) -> dict:
+        """Request id -> its logits, or the exception that failed it, after feeding it its
+        chunk: in fast mode those under no fault first in one call `together(their (request,
+        chunk) pairs)` -> request id -> outcome (it may take none), then every request it did
+        not take alone; all of them alone when that call fails as a whole (no one session's
+        abort)."""
+        joint = [(r, c) for r, c in chunks if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
+        results = {}
+        if joint:
+            try:
+                results = together(joint)
+            except Exception:                       # not one session's abort: each alone
+                results = {}
+        for request, chunk in chunks:
+            if request.id not in results:
+                try:
+                    results[request.id] = self._feed(request, chunk)
+                except Exception as exc:            # an abort, or anything else: this request's alone
+                    results[request.id] = exc
+        return results
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
         """Request id -> the token it samples, sent at once; a request with nothing left to
@@ -310,7 +316,10 @@ class Scheduler:
         `ChunkAborted` that aborted it. Anything else raised steps no request."""
         runner = self.model.steps(capture=True) if self.decode == "graph" else None
         replays, started = runner.replays if runner is not None else 0, time.perf_counter()
-        step = Batch([r.session for r in requests], decode=self.decode).feed([tokens[r.id] for r in requests])
+        try:
+            step = Batch([r.session for r in requests], decode=self.decode).feed([tokens[r.id] for r in requests])
+        finally:
+            self.spent["together"] += time.perf_counter() - started
         kind = "replayed" if runner is not None and runner.replays > replays else "slow"
         self.timed[kind] += 1
         self.timed[kind + "_s"] += time.perf_counter() - started

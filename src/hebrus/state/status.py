@@ -79,20 +79,18 @@ class DeviceChecks:
             raise TypeError(f"range checks take integer indices, not {values.dtype}")
         if not values.numel():
             return
-        if lower is None:
-            self._status.append(self._each(values, "max"))
-        elif self.sessions == 1 or (values.dim() and values.shape[0] == self.sessions):
+        if lower is not None:
             if self.sessions == 1:
                 low, high = torch.aminmax(values)
-            else:                               # a row per session: both bounds of each in one reduction
+            elif values.dim() and values.shape[0] == self.sessions:   # a row each: both bounds in one reduction
                 low, high = torch.aminmax(values.reshape(self.sessions, -1), dim=1)
+            else:
+                low, high = self._each(values, "min"), self._each(values, "max")
             self._status.append(low)
             self._tests.append((cell, int(bit), ("below", lower)))
-            self._status.append(high)
         else:
-            self._status.append(self._each(values, "min"))
-            self._tests.append((cell, int(bit), ("below", lower)))
-            self._status.append(self._each(values, "max"))
+            high = self._each(values, "max")
+        self._status.append(high)
         self._tests.append((cell, int(bit), ("at_least", upper)))
 
     def finite(self, cell: int, written: list[tuple[torch.Tensor, int | None]]) -> None:
