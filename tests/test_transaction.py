@@ -288,16 +288,14 @@ def test_every_step_context_offers_what_stages_use(tiny_fast):
     several.abort()
 
 
-@pytest.mark.parametrize("fold_rows", [False, True])
 @pytest.mark.parametrize("defer", [False, True])
-def test_several_sessions_checks_say_each_sessions_own(defer, fold_rows):
-    """The checks of a step of four sessions, folded (with `fold_rows`, a row per session read
-    with every other row in one multi-tensor reduction; both bounds of a range in one reduction;
-    without, a sum per tensor): each session hears of
-    its own non-finite value or index out of range, and of nothing in another's row, whichever
-    way a tensor comes (a row per session, a token's rows, a tensor named for one session)."""
+def test_several_sessions_checks_say_each_sessions_own(defer):
+    """The checks of a step of four sessions, folded (both bounds of a range in one reduction, a
+    sum per tensor): each session hears of its own non-finite value or index out of range, and of
+    nothing in another's row, whichever way a tensor comes (a row per session, a token's rows, a
+    tensor named for one session)."""
     from hebrus.state.status import DeviceChecks
-    checks = DeviceChecks(defer=defer, lengths=[1, 1, 1, 1], fold_rows=fold_rows)
+    checks = DeviceChecks(defer=defer, lengths=[1, 1, 1, 1])
     per_session = torch.zeros(4, 3, 5)
     per_session[2, 1, 4] = float("nan")                                        # session 2's row
     tokens = torch.zeros(4, 7, dtype=torch.bfloat16)

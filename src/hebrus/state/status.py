@@ -40,18 +40,12 @@ class DeviceChecks:
     check's tensor also by the session named beside it (a session's rows). A finite check by
     first dimension is then the float64 sum of each session's part, one launch a tensor (a sum
     is non-finite exactly when a value is, and float64 does not overflow on finite 16- or 32-bit
-    values), except that while a CUDA graph captures (`fold_rows`) a tensor of a row per session
-    is read as those rows, named for their sessions, in one launch with every other: the graph
-    launches one reduction where it would launch one a tensor. `read` gives each session its own.
+    values). `read` gives each session its own. (Reading a tensor's rows as tensors of their own
+    instead, all in one multi-tensor launch, costs more: each row's result is a launch of its own.)
     """
 
-    def __init__(self, defer: bool = False, lengths: list[int] | None = None, device: torch.device | None = None,
-                 fold_rows: bool | None = None):
+    def __init__(self, defer: bool = False, lengths: list[int] | None = None, device: torch.device | None = None):
         self.defer = defer
-        # several sessions' tensors of a row each: read as rows named for their sessions, with
-        # every other such row in one multi-tensor launch (True), or a sum per tensor (False);
-        # None: rows while a CUDA graph captures (each row a view made on the host, once), else sums
-        self.fold_rows = fold_rows
         self.lengths = lengths or [1]
         self.sessions, self.tokens, self.device = len(self.lengths), sum(self.lengths), device
         self._of_token: torch.Tensor | None = None     # each token's session (a ragged step's)
@@ -106,25 +100,19 @@ class DeviceChecks:
 
     def _magnitudes(self, written: list[tuple[torch.Tensor, int | None]], cells: list[int]) -> None:
         """One session's: the largest magnitude of each tensor, one multi-tensor launch per
-        dtype. Several sessions': a tensor of a row per session counts as each session's row
-        named for it; a tensor named for a session, its largest magnitude (all of these together,
-        one multi-tensor launch per dtype); any other tensor by its first dimension (a token's
-        rows) gives a value per session, the float64 sum of its rows (a sum is non-finite exactly
-        when a value is: float64 does not overflow on finite 16- or 32-bit values), one launch."""
+        dtype. Several sessions': a tensor named for a session, its largest magnitude (all of
+        these together, one multi-tensor launch per dtype); any other tensor by its first
+        dimension (a session's row, or a token's rows) gives a value per session, the float64 sum
+        of its rows (a sum is non-finite exactly when a value is: float64 does not overflow on
+        finite 16- or 32-bit values), one launch."""
         if self.sessions == 1:
             self._finite += _norms([t for t, _ in written])
             self._finite_cells += cells
             return
-        device = written[0][0].device
-        rows = _norm_keeps_nan(device) and (self.fold_rows if self.fold_rows is not None else
-                                            device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        N = self.sessions
         named = []
         for (t, i), cell in zip(written, cells):
             if i is not None:
                 named.append((t, i, cell))
-            elif rows and t.dim() and t.shape[0] == N and t.is_contiguous():
-                named += [(row, j, cell) for j, row in enumerate(t.unbind(0))]
             else:
                 self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)

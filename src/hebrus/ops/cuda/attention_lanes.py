@@ -1,12 +1,19 @@
 """Dense attention of one query per session over its rows, read through its block table where
 they lie in the state pool: no gather of the rows before (`hebrus.ops.qsa.dense_attention_lanes`
-is its readable twin, and the contract). One program per (session, K/V head): the group of query
-heads that share the K/V head against each block of rows up to the session's position in turn,
-with a running softmax (maximum and sum kept in float32), so a session reads its own rows and
-no more, whatever the table's width. The products take their 16-bit operands as float32 (on
-Hopper TF32, which holds a bfloat16 or float16 value exactly) and add in float32.
+is its readable twin, and the contract).
+
+A session's rows are split into runs of blocks, so that a few sessions at a long context still
+spread over every multiprocessor: one program per (session, K/V head, run) takes the group of
+query heads that share the K/V head against each block of its run up to the session's position
+in turn, with a running softmax (maximum and sum kept in float32), and leaves its partial result;
+a second kernel weighs each session's runs together. A session reads its own rows and no more,
+whatever the table's width: a run past its position does nothing. The products take their
+16-bit operands as float32 (on Hopper TF32, which holds a bfloat16 or float16 value exactly) and
+add in float32.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -14,10 +21,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _lanes(q, k, v, tables, positions, o, W, scale, k_block, k_row, k_head, v_block, v_row, v_head,
-           HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           R: tl.constexpr, RP: tl.constexpr):
-    n, h = tl.program_id(0), tl.program_id(1)
+def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, RUN, scale,
+          k_block, k_row, k_head, v_block, v_row, v_head,
+          HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+          R: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr):
+    n, h, run = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(positions + n)
     rg, rd, rr = tl.arange(0, GP), tl.arange(0, DP), tl.arange(0, RP)
     mg, md = rg < G, rd < D
@@ -27,7 +35,7 @@ def _lanes(q, k, v, tables, positions, o, W, scale, k_block, k_row, k_head, v_bl
     top = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    for b in range(0, position // R + 1):
+    for b in range(run * RUN, tl.minimum(run * RUN + RUN, position // R + 1)):
         block = tl.load(tables + n * W + b)
         visible = (rr < R) & (b * R + rr <= position)
         rows = visible[:, None] & md[None, :]
@@ -43,28 +51,67 @@ def _lanes(q, k, v, tables, positions, o, W, scale, k_block, k_row, k_head, v_bl
                      other=0.0).to(tl.float32)
         acc = acc * fade[:, None] + tl.dot(weights, bv)
         top = new_top
-    tl.store(o + (n * HQ + heads)[:, None] * D + rd[None, :], (acc / total[:, None]).to(o.dtype.element_ty),
-             mask=mg[:, None] & md[None, :])
+    at = (n * HQ + heads) * RUNS + run                                                   # [GP]
+    tl.store(acc_out + at[:, None] * D + rd[None, :], acc, mask=mg[:, None] & md[None, :])
+    tl.store(top_out + at, top, mask=mg)
+    tl.store(total_out + at, total, mask=mg)
 
 
-def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions) -> torch.Tensor:
+@triton.jit
+def _weigh(acc, top, total, o, D: tl.constexpr, DP: tl.constexpr, RUNS: tl.constexpr, SP: tl.constexpr):
+    """One (session, query head): its runs' partial results in the proportion of their sums
+    against the largest maximum (a run that saw no row has maximum -inf and weighs nothing)."""
+    i = tl.program_id(0)
+    rs, rd = tl.arange(0, SP), tl.arange(0, DP)
+    ms, md = rs < RUNS, rd < D
+    tops = tl.load(top + i * RUNS + rs, mask=ms, other=float("-inf"))
+    scale = tl.exp(tops - tl.max(tops, 0))
+    scale = tl.where(ms & (tops > float("-inf")), scale, 0.0)
+    sums = tl.sum(tl.load(total + i * RUNS + rs, mask=ms, other=0.0) * scale, 0)
+    parts = tl.load(acc + (i * RUNS + rs)[:, None] * D + rd[None, :], mask=ms[:, None] & md[None, :], other=0.0)
+    out = tl.sum(parts * scale[:, None], 0) / sums
+    tl.store(o + i * D + rd, out.to(o.dtype.element_ty), mask=md)
+
+
+@functools.cache
+def _processors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def runs_for(sessions: int, kv_heads: int, width: int, processors: int) -> int:
+    """How many runs a session's table of `width` blocks is split into: enough programs to fill
+    the multiprocessors about four times over, never more runs than blocks."""
+    return max(1, min(width, -(-4 * processors // (sessions * kv_heads))))
+
+
+def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs: int | None = None) -> torch.Tensor:
     """q [N, Hq, dh]; k_blocks, v_blocks [B, R, Hkv, dh] (each row's heads and values dense);
-    tables [N, W]; positions [N] -> o [N, Hq, dh] in q's dtype."""
+    tables [N, W]; positions [N] -> o [N, Hq, dh] in q's dtype. `runs`: how many runs a table is
+    split into (default `runs_for` this device)."""
     N, HQ, D = q.shape
     R, HKV = k_blocks.shape[1], k_blocks.shape[2]
-    G = HQ // HKV
+    G, W = HQ // HKV, tables.shape[1]
     for blocks in (k_blocks, v_blocks):
         if blocks.stride(3) != 1 or blocks.stride(2) != D:
             raise ValueError("the lanes' attention kernel reads rows whose heads and values are dense")
     q, tables, positions = q.contiguous(), tables.contiguous(), positions.contiguous()
-    o = torch.empty_like(q)
+    if runs is None:
+        runs = runs_for(N, HKV, W, _processors(q.device.index or 0))
+    run = -(-W // min(max(runs, 1), W))
+    runs = -(-W // run)                     # no run left empty by the rounding
+    acc = torch.empty((N, HQ, runs, D), dtype=torch.float32, device=q.device)
+    top = torch.empty((N, HQ, runs), dtype=torch.float32, device=q.device)
+    total = torch.empty_like(top)
     # tl.dot multiplies tiles of at least 16 along each side: the group, the rows and the values
     # are padded to that (and to a power of two), the padding masked off
-    _lanes[(N, HKV)](q, k_blocks, v_blocks, tables, positions, o, tables.shape[1], D ** -0.5,
-                     k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-                     v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
-                     HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=max(16, triton.next_power_of_2(D)),
-                     R=R, RP=max(16, triton.next_power_of_2(R)))
+    DP = max(16, triton.next_power_of_2(D))
+    _runs[(N, HKV, runs)](q, k_blocks, v_blocks, tables, positions, acc, top, total, W, run, D ** -0.5,
+                          k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+                          v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
+                          HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
+                          R=R, RP=max(16, triton.next_power_of_2(R)), RUNS=runs)
+    o = torch.empty_like(q)
+    _weigh[(N * HQ,)](acc, top, total, o, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs))
     return o
 
 
