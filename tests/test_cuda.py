@@ -554,32 +554,41 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
 
 
 @cuda
-def test_the_gdn_lanes_kernel_matches_its_twin():
-    """The delta rule of one token per lane, states read from and written to the pool's banks
-    where they lie, against `ops.gdn.gdn_lanes`: outputs, both banks after, and the check (zero,
-    NaN for the one lane whose state is not finite)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hk, dk, hv, dv, Kc", [(16, 128, 16, 128, 4), (2, 64, 4, 96, 4), (1, 16, 2, 40, 2)])
+def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
+    """The conv and the delta rule of one token per lane, both states read from and written to
+    the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64 on the same values:
+    outputs, both banks after (either parity), and the checks (NaN exactly for the lane whose
+    written conv window holds a NaN, and for the one whose recurrent state does)."""
     from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
     from hebrus.ops.gdn import gdn_lanes
-    g = torch.Generator(device="cuda").manual_seed(3)
-    N, H, K, V, slots = 6, 4, 128, 96, 9
-    bank = torch.randn(2, slots, H, K, V, generator=g, device="cuda") * 0.1
-    q, k = (torch.nn.functional.normalize(torch.randn(N, H, K, generator=g, device="cuda"), dim=-1) for _ in range(2))
-    v = torch.randn(N, H, V, generator=g, device="cuda").bfloat16()
-    decay, beta = -torch.rand(N, H, generator=g, device="cuda"), torch.rand(N, H, generator=g, device="cuda")
-    source = torch.tensor([0, 1, 1, 0, 0, 1], device="cuda")
-    chosen = torch.tensor([3, 0, 8, 5, 1, 6], device="cuda")
-    bank[1, 5, 2, 7, 11] = float("nan")           # lane 3 reads it
-    source[3] = 1
-    want_bank, got_bank = bank.clone(), bank.clone()
-    want_o, want_check = gdn_lanes(q, k, v, decay, beta, want_bank, source, 1 - source, chosen)
-    got_o, got_check = gdn_lanes_cuda(q, k, v, decay, beta, got_bank, source, 1 - source, chosen)
-    finite = torch.isfinite(want_o).all(-1)
-    assert torch.equal(finite, torch.isfinite(got_o).all(-1)) and not finite[3, 2] and finite.sum() == N * H - 1
-    assert _rel(got_o[finite], want_o[finite]) <= 1e-5
-    seen = torch.isfinite(want_bank)
-    assert torch.equal(seen, torch.isfinite(got_bank)) and _rel(got_bank[seen], want_bank[seen]) <= 1e-5
-    assert torch.equal(torch.isnan(got_check), torch.isnan(want_check))
-    assert torch.isnan(got_check[3, 2]) and int(torch.isnan(got_check).sum()) == 1
+    from hebrus.state.context import InPlace
+    g = torch.Generator(device="cuda").manual_seed(hk + dv)
+    N, slots, C = 6, 9, 2 * hk * dk + hv * dv
+    projected = torch.randn(N, C, generator=g, device="cuda").to(dtype)
+    b, a = (torch.randn(N, hv, generator=g, device="cuda").to(dtype) for _ in range(2))
+    conv_w = (torch.randn(C, Kc, generator=g, device="cuda") * 0.5).to(dtype)
+    neg_a, dt_bias = -4 * torch.rand(hv, generator=g, device="cuda"), 0.1 * torch.randn(hv, generator=g, device="cuda")
+    conv_bank = torch.randn(2, slots, C, Kc - 1, generator=g, device="cuda").to(dtype)
+    rec_bank = torch.randn(2, slots, hv, dk, dv, generator=g, device="cuda") * 0.1
+    source = torch.tensor([0, 1, 1, 0, 1, 1], device="cuda")
+    chosen = torch.tensor([3, 0, 8, 1, 5, 6], device="cuda")
+    projected[3, 3] = float("nan")                              # lane 3's new q input: in its window after, not in its state
+    rec_bank[1, 5, hv - 1, 7, 11] = float("nan")                 # lane 4's state
+    got_c, got_r = conv_bank.clone(), rec_bank.clone()
+    want_c, want_r = conv_bank.double(), rec_bank.double()
+    heads = (hk, dk, hv, dv)
+    want = gdn_lanes(projected.double(), b.double(), a.double(), conv_w.double(), neg_a.double(), dt_bias.double(),
+                     heads, InPlace(want_c, source, 1 - source, chosen), InPlace(want_r, source, 1 - source, chosen))
+    got = gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads,
+                         InPlace(got_c, source, 1 - source, chosen), InPlace(got_r, source, 1 - source, chosen))
+    for x, y in [(got[0], want[0]), (got_c, want_c), (got_r, want_r)]:
+        seen = torch.isfinite(y)
+        assert torch.equal(seen, torch.isfinite(x)) and _rel(x[seen], y[seen]) <= 1e-4
+    for x, y, lane in [(got[1], want[1], 3), (got[2], want[2], 4)]:
+        bad = torch.isnan(y).any(-1)
+        assert torch.equal(torch.isnan(x).any(-1), bad) and bad.tolist() == [i == lane for i in range(N)]
 
 
 @cuda

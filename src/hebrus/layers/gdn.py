@@ -21,7 +21,7 @@ from hebrus.state.owners import OwnerSpec
 
 DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
-DELTA_RULE_LANES = "gdn.delta_rule_lanes"     # (..., bank, source, target, slots) -> (o, check): N tokens, states in place
+DELTA_RULE_LANES = "gdn.lanes"     # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent) -> (o, checks): N tokens, states in place
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
@@ -70,17 +70,17 @@ class GatedDeltaNet:
         In a step of several sessions (`at`), conv_state and S are [N, ...], session i's i: the
         projections run over every token at once, the conv per session, and the delta rule over
         every session's tokens in one call (a varlen kernel on CUDA; N single tokens when each
-        feeds one). With `each`, both states after every token ([T, ...]:
-        a prefix transaction)."""
+        feeds one). N single tokens may also find both states where they lie (`InPlace`): then
+        the conv and the delta rule are one op that writes them, and their checks come back in
+        their place. With `each`, both states after every token ([T, ...]: a prefix
+        transaction)."""
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
         if at is None or at.sessions == 1:
             o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
         elif at.one_each and isinstance(S, InPlace):      # N tokens, their states read and written where they lie
-            q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
-                projected[:, None], b[:, None], a[:, None], conv_state, self.conv_w, self.neg_a, self.dt_bias,
-                (self.hk, self.dk, self.hv, self.dv))
-            o, S = kernels.ops[DELTA_RULE_LANES](q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], *S)
+            o, conv_state, S = kernels.ops[DELTA_RULE_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
+                                                             (self.hk, self.dk, self.hv, self.dv), conv_state, S)
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
             o = o[:, 0]
@@ -119,14 +119,16 @@ class GDNMixer(Sublayer):
 
         in_place = getattr(txn, "in_place", None)      # a planned step of several lanes: states where they lie
         lanes = in_place(rec) if in_place is not None and batch.one_each and DELTA_RULE_LANES in self.kernels.ops else None
+        if lanes is not None:                # the op wrote both states; what it gives back are their checks
+            batch.streams, checks = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), (in_place(conv), lanes))
+            txn.wrote(conv, checks[0])
+            txn.wrote(rec, checks[1])
+            return
         batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
-                                              (txn.read(conv).transpose(-1, -2), lanes or txn.read(rec)), ragged=True)
+                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
         write = txn.write_each if batch.each else txn.write
         write(conv, conv_state.transpose(-1, -2))
-        if lanes is not None:
-            txn.wrote(rec, S)               # the kernel wrote the states; S is their check
-        else:
-            write(rec, S)
+        write(rec, S)
 
 
 class GDN(Kind):

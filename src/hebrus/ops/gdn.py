@@ -156,12 +156,20 @@ def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)
 
 
-def gdn_lanes(q, k, v, g, beta, bank, source, target, slots):
-    """One token of each of N sessions whose states live in a bank of the state pool: session i
-    reads its state from bank[source[i], slots[i]] and writes the new one to bank[target[i],
-    slots[i]] (q, k [N, H, dk], v [N, H, dv], g, beta [N, H]; bank [2, slots, H, dk, dv]) ->
-    (o [N, H, dv], check [N, H]: zero where the written state is finite, NaN where it is not).
-    The readable twin of the CUDA kernel that reads and writes the banks where they lie."""
-    o, S = gdn_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], bank[source, slots])
-    bank.index_put_((target, slots), S.to(bank.dtype))
-    return o[:, 0], (S * 0).sum((-2, -1))
+def gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int], conv, recurrent):
+    """One token of each of N sessions through the conv and the delta rule, both states living
+    in banks of the state pool: `conv` and `recurrent` are `state.context.InPlace` (session i
+    reads bank[source[i], slots[i]] and writes the new state to bank[target[i], slots[i]]; the
+    conv bank [2, slots, C, Kc-1], the recurrent one [2, slots, Hv, dk, dv]). projected [N, C];
+    b, a [N, hv] -> (o [N, hv, dv], conv_check [N, C], recurrent_check [N, hv]: zero where the
+    written state is finite, NaN where it is not). `gdn_inputs` and the recurrence as written:
+    the readable twin of the CUDA kernels that read and write the banks where they lie."""
+    window = conv.bank[conv.source, conv.slots].transpose(-1, -2)                    # [N, Kc-1, C]
+    q, k, v, g, beta, window = gdn_inputs(projected[:, None], b[:, None], a[:, None], window, conv_w, neg_a,
+                                          dt_bias, heads)
+    window = window.transpose(-1, -2).to(conv.bank.dtype)
+    conv.bank.index_put_((conv.target, conv.slots), window)
+    o, S = gdn_recurrent(q, k, v, g, beta, recurrent.bank[recurrent.source, recurrent.slots])
+    S = S.to(recurrent.bank.dtype)
+    recurrent.bank.index_put_((recurrent.target, recurrent.slots), S)
+    return o[:, 0], (window * 0).sum(-1), (S * 0).sum((-2, -1))

@@ -1,55 +1,97 @@
-"""The gated delta rule for one token of each of N sessions, reading each state from the state
-pool's bank where it lies and writing the new state into the other bank: no gather of the
-states before, no scatter after (`hebrus.ops.gdn.gdn_lanes` is its readable twin, and the
-contract). One program per (block of value columns, session, head); the state tile is held in
-float32; the check of the written state (zero when finite, NaN when not) comes out beside o."""
+"""One token of each of N sessions through a Gated DeltaNet's conv and delta rule, both states
+read from the state pool's banks where they lie and the new ones written into the other bank: no
+gather before, no scatter after (`hebrus.ops.gdn.gdn_lanes` is the readable twin, and the
+contract). Two kernels:
+
+- the conv: one program per (session, block of channels) takes each channel's window (its last
+  Kc-1 inputs) and the new input, writes the shifted window and leaves SiLU of the convolution in
+  float32;
+- the delta rule: one program per (block of value columns, session, value head) L2-normalises
+  its key head's q and k, forms the gates from a and b, and steps the state tile (held in
+  float32).
+
+Each writes a check beside its state: zero where the written values are finite, NaN where not.
+"""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+BC = 128                # conv channels per program
 BV = 32                 # value columns per program
 
 
 @triton.jit
-def _lanes(q, k, v, g, beta, bank, source, target, slots, o, check, parity_stride, slot_stride,
-           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-           NV: tl.constexpr):
+def _conv(x, weight, bank, source, target, slots, mixed, check, parity_stride, slot_stride,
+          C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr):
+    n, ic = tl.program_id(0), tl.program_id(1)
+    parity, written, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
+    rc, rk = ic * BC + tl.arange(0, BC), tl.arange(0, KP)
+    mc, mk = rc < C, rk < K - 1
+    at = slot * slot_stride + rc[:, None] * (K - 1) + rk[None, :]                      # [BC, KP]
+    window = tl.load(bank + parity * parity_stride + at, mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    new = tl.load(x + n * C + rc, mask=mc, other=0.0).to(tl.float32)
+    taps = tl.load(weight + rc[:, None] * K + rk[None, :], mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    last = tl.load(weight + rc * K + K - 1, mask=mc, other=0.0).to(tl.float32)
+    y = tl.sum(window * taps, 1) + new * last
+    tl.store(mixed + n * C + rc, y / (1.0 + tl.exp(-y)), mask=mc)
+    # the window shifted by one: tap j takes tap j+1's input, the last the new one
+    later = tl.load(bank + parity * parity_stride + at + 1, mask=mc[:, None] & (rk[None, :] < K - 2),
+                    other=0.0).to(tl.float32)
+    shifted = tl.where(rk[None, :] == K - 2, new[:, None], later).to(bank.dtype.element_ty)
+    tl.store(bank + written * parity_stride + at, shifted, mask=mc[:, None] & mk[None, :])
+    zeros = tl.where(mc[:, None] & mk[None, :], shifted.to(tl.float32) * 0.0, 0.0)
+    tl.store(check + n * NC + ic, tl.sum(tl.sum(zeros, 1), 0))
+
+
+@triton.jit
+def _rule(mixed, b, a, neg_a, dt_bias, bank, source, target, slots, o, check, parity_stride, slot_stride, scale,
+          C: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
     iv, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
-    parity, written = tl.load(source + n), tl.load(target + n)
-    slot = tl.load(slots + n)
+    hk = h // (H // HK)                                                  # the key head it shares
+    parity, written, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
     rk, rv = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
+    bq = tl.load(mixed + n * C + hk * K + rk, mask=mk, other=0.0)
+    bk = tl.load(mixed + n * C + HK * K + hk * K + rk, mask=mk, other=0.0)
+    bv = tl.load(mixed + n * C + 2 * HK * K + h * V + rv, mask=mv, other=0.0)
+    bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
+    bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
+    shift = tl.load(a + nh).to(tl.float32) + tl.load(dt_bias + h)
+    softplus = tl.where(shift > 20.0, shift, tl.log(1.0 + tl.exp(tl.minimum(shift, 20.0))))
+    decay = tl.exp(tl.load(neg_a + h) * softplus)
+    rate = 1.0 / (1.0 + tl.exp(-tl.load(b + nh).to(tl.float32)))
     tile = h * K * V + rk[:, None] * V + rv[None, :]
     mask = mk[:, None] & mv[None, :]
     S = tl.load(bank + parity * parity_stride + slot * slot_stride + tile, mask=mask, other=0.0).to(tl.float32)
-    bq = tl.load(q + nh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    bk = tl.load(k + nh * K + rk, mask=mk, other=0.0).to(tl.float32)
-    bv = tl.load(v + nh * V + rv, mask=mv, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g + nh).to(tl.float32))
-    rate = tl.load(beta + nh).to(tl.float32)
     S = S * decay
     recalled = tl.sum(S * bk[:, None], 0)
     u = rate * (bv - recalled)
     S = S + bk[:, None] * u[None, :]
     out = tl.sum(S * bq[:, None], 0)
-    tl.store(bank + written * parity_stride + slot * slot_stride + tile,
-             S.to(bank.dtype.element_ty), mask=mask)
-    tl.store(o + nh * V + rv, out.to(o.dtype.element_ty), mask=mv)
+    tl.store(bank + written * parity_stride + slot * slot_stride + tile, S.to(bank.dtype.element_ty), mask=mask)
+    tl.store(o + nh * V + rv, out, mask=mv)
     zeros = tl.where(mask, S * 0.0, 0.0)
     tl.store(check + nh * NV + iv, tl.sum(tl.sum(zeros, 1), 0))
 
 
-def gdn_lanes_cuda(q, k, v, g, beta, bank, source, target, slots):
-    N, H, K = q.shape
-    V = v.shape[-1]
-    NV = triton.cdiv(V, BV)
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    o = torch.empty((N, H, V), dtype=torch.float32, device=v.device)
-    check = torch.empty((N, H, NV), dtype=torch.float32, device=v.device)
-    _lanes[(NV, N * H)](q, k, v, g, beta, bank, source, target, slots, o, check, bank.stride(0), bank.stride(1),
-                        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NV=NV)
-    return o, check.sum(-1)
+def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent):
+    HK, K, H, V = heads
+    N, C = projected.shape
+    Kc = conv_w.shape[1]
+    projected, b, a = projected.contiguous(), b.contiguous(), a.contiguous()
+    mixed = torch.empty((N, C), dtype=torch.float32, device=projected.device)
+    NC, NV = triton.cdiv(C, BC), triton.cdiv(V, BV)
+    conv_check = torch.empty((N, NC), dtype=torch.float32, device=projected.device)
+    _conv[(N, NC)](projected, conv_w.contiguous(), conv.bank, conv.source, conv.target, conv.slots, mixed, conv_check,
+                   conv.bank.stride(0), conv.bank.stride(1), C=C, K=Kc, KP=triton.next_power_of_2(Kc - 1), BC=BC, NC=NC)
+    o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
+    check = torch.empty((N, H * NV), dtype=torch.float32, device=projected.device)
+    _rule[(NV, N * H)](mixed, b, a, neg_a.float().contiguous(), dt_bias.float().contiguous(), recurrent.bank,
+                       recurrent.source, recurrent.target, recurrent.slots, o, check,
+                       recurrent.bank.stride(0), recurrent.bank.stride(1), K ** -0.5,
+                       C=C, HK=HK, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NV=NV)
+    return o, conv_check, check
