@@ -373,37 +373,34 @@ def test_ragged_steps_on_cuda_match_the_sessions_fed_alone(tmp_path):
 
 @cuda
 def test_batch_graphs_match_eager_batches(tmp_path):
-    """`hebrus.Batch` from CUDA graphs against `feed_many` (eager) on the same device, both
-    against the checkpoint in float32: the graphs' kernels round differently from the eager ops
-    (attention in float32 throughout), never worse than twice as far from float32; a NaN in one
-    session inside a replay aborts it alone."""
-    from foreign import build
+    """`hebrus.Batch` from CUDA graphs against the same plan launched op by op ("planned"): the
+    same kernels, so the same logits within rounding, whichever sessions step together (a
+    16-bit random model amplifies any other difference of rounding far past a fixed bound: the
+    kernels themselves are tested against their twins); a NaN in one session inside a replay
+    aborts it alone."""
     from hebrus.errors import NonFiniteError
-    folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
-    model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
-    exact = hebrus.load(folder, device="cuda", mode="fast")
+    model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
     vocab = model.spec.vocab_size
     groups = []
-    for m, decode in ((model, "graph"), (model, "eager"), (exact, "eager")):
-        sessions = [m.session(decode=decode) for _ in range(4)]
+    for decode in ("graph", "planned"):
+        sessions = [model.session(decode=decode) for _ in range(4)]
         for i, s in enumerate(sessions):
             s.feed(_ids(5 + 3 * i, vocab, i))
         groups.append(sessions)
-    together = hebrus.Batch(groups[0])
+    together, planned = hebrus.Batch(groups[0]), hebrus.Batch(groups[1], decode="planned")
     assert together.decode == "graph"
     for step in range(12):
         ids = _ids(4, vocab, 100 + step)
-        for a, b, r in zip(together.feed(ids), hebrus.feed_many(groups[1], ids), hebrus.feed_many(groups[2], ids)):
-            assert _as_close(a, b, r), step
+        for a, b in zip(together.feed(ids), planned.feed(ids)):
+            assert _rel(a.float(), b.float()) <= 1e-3, step
     steps = together._steps
     assert steps.captures >= 1 and steps.replays >= 6, (steps.captures, steps.replays, steps.refused)
     captured, replays = steps.captures, steps.replays       # sessions leave and join: the same graphs
     for step, members in enumerate([(0, 1, 2), (1, 2, 3), (0, 1, 2, 3), (3, 0, 2)]):
         ids = _ids(len(members), vocab, 200 + step)
         got = hebrus.Batch([groups[0][m] for m in members]).feed(ids)
-        want = hebrus.feed_many([groups[1][m] for m in members], ids)
-        reference = hebrus.feed_many([groups[2][m] for m in members], ids)
-        assert all(_as_close(a, b, r) for a, b, r in zip(got, want, reference)), step
+        want = hebrus.Batch([groups[1][m] for m in members], decode="planned").feed(ids)
+        assert all(_rel(a.float(), b.float()) <= 1e-3 for a, b in zip(got, want)), step
     assert steps.captures == captured and steps.replays == replays + 4
     poisoned = with_nan_row(model, 5)
     sessions = [poisoned.session() for _ in range(3)]
