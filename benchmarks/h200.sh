@@ -2,8 +2,9 @@
 # The CUDA route's measurements, run on the device machine from the repository root:
 #   bash benchmarks/h200.sh PART...       (writes under $OUT, default /tmp/hebrus-out)
 # PARTs: tests (GPU tests; HEBRUS_TESTS, if set, is pytest's -k), small (bench of the small preset), qwen (bench of the 1.68B
-# Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 8 and 64
-# at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), eager (the 1.68B
+# Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 1, 8, 64
+# and 256 at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), kernels (the
+# decode step's kernels alone, and a profiled step of 64 sessions), eager (the 1.68B
 # shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), pages (bench
 # --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
@@ -33,7 +34,7 @@ for part in "$@"; do
             --compare-transformers --cache /tmp/shapes \
             --json "$out/bench-qwen3.5-1.7b.json" --table "$out/bench-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
     batch)
-        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --batch 8,64 --rounds 2 \
+        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --batch 1,8,64,256 --rounds 5 \
             --decode-steps 16 --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-batch-1k.json" \
             --table "$out/bench-qwen3.5-1.7b-batch-1k.md" 2>&1 | grep -v '^bench'
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 32768 --batch 8 --rounds 2 \
@@ -65,6 +66,9 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    kernels)
+        timeout 300 python3 benchmarks/decode_kernels.py --out "$out" 2>&1 | grep -v Warn
+        timeout 120 python3 benchmarks/batch_profile.py --batch 64 --steps 10 --out "$out" 2>&1 | grep '^batch' ;;
     eager)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \

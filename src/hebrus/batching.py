@@ -3,7 +3,6 @@ token, or a prompt's tokens), the stages run once for all of them, each session 
 transaction."""
 from __future__ import annotations
 
-from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -12,7 +11,7 @@ from hebrus import arguments, faults
 from hebrus.engine import batch
 from hebrus.errors import InvalidInput
 from hebrus.engine.graphs import decode_route
-from hebrus.session import Session
+from hebrus.session import Session, exclusive
 
 
 def feed_many(sessions, tokens, outs=None) -> list:
@@ -68,8 +67,9 @@ def _batch_sessions(sessions) -> tuple[list, object]:
     return sessions, model
 
 
-def _chunks(tokens, sessions: list, model) -> list[torch.Tensor]:
-    """Each session's token ids as a 1-D tensor, checked: one id each, or a chunk each."""
+def _chunks(tokens, sessions: list, model):
+    """Each session's token ids as a 1-D tensor, checked: a chunk each (a list), or one id each
+    (a tensor [N, 1]: row i session i's chunk)."""
     vocab, limit = model.spec.vocab_size, model.spec.max_context
     sequence = (list, tuple, range, np.ndarray, torch.Tensor)
     if isinstance(tokens, (list, tuple)) and any(isinstance(t, sequence) for t in tokens):
@@ -89,7 +89,7 @@ def _chunks(tokens, sessions: list, model) -> list[torch.Tensor]:
     ids = arguments.in_vocabulary(arguments.token_ids(tokens, limit), vocab)
     if len(ids) != len(sessions):
         raise InvalidInput(f"tokens must hold {len(sessions)} token ids, one per session; got {len(ids)}")
-    return list(ids.split(1))
+    return ids[:, None]
 
 
 def _feed_together(sessions, model, tokens, outs, steps) -> list:
@@ -107,10 +107,8 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
     if faults.armed():
         for s in sessions:
             s._check_faults()
-    with ExitStack() as held:
-        for s in sorted(sessions, key=id):      # one order for every caller: no deadlock
-            held.enter_context(s._exclusive())
-        lengths = [c.shape[0] for c in chunks]
+    with exclusive(sessions):
+        lengths = [1] * len(sessions) if isinstance(chunks, torch.Tensor) else [c.shape[0] for c in chunks]
         for i, s in enumerate(sessions):
             try:
                 s._check_room(lengths[i])
@@ -122,6 +120,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
             if steps is not None and max(lengths) == 1 and steps.accepts(1):
                 def conclude(txn, work) -> list:
                     return batch.conclude(model, txn, work, sessions, chunks, outs)
-                return steps.run([s.image for s in sessions], [s.budget for s in sessions], torch.cat(chunks), 1,
+                ids = chunks[:, 0] if isinstance(chunks, torch.Tensor) else torch.cat(chunks)
+                return steps.run([s.image for s in sessions], [s.budget for s in sessions], ids, 1,
                                  False, conclude)
             return batch.run_step(model, sessions, chunks, outs)

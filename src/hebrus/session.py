@@ -61,20 +61,11 @@ class Session:
         self._lock = threading.RLock()          # one call at a time per session (see _exclusive)
         self._inside: int | None = None         # the thread running a call on this session
 
-    @contextmanager
     def _exclusive(self):
         """Hold the session lock. Another thread waits; the thread already inside (a signal
         handler or a hook that calls back into the session) is refused, not left waiting for
         itself forever."""
-        with self._lock:
-            if self._inside is not None:        # only this thread can hold the lock here
-                raise InvalidInput("session busy: a call on this session is already running in this thread "
-                                   "(a re-entrant call from a signal handler or a hook); call it afterwards")
-            try:
-                self._inside = threading.get_ident()
-                yield
-            finally:
-                self._inside = None
+        return exclusive([self])
 
     # ---- reading the public image ----------------------------------------------------------
     @property
@@ -359,6 +350,27 @@ class Session:
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))
+
+
+@contextmanager
+def exclusive(sessions: list[Session]):
+    """Hold each session's lock (`Session._exclusive`), taken in one order for every caller (no
+    deadlock between two callers of overlapping sessions), given back in reverse."""
+    held: list[Session] = []
+    try:
+        for s in sorted(sessions, key=id) if len(sessions) > 1 else sessions:
+            s._lock.acquire()
+            if s._inside is not None:           # only this thread can hold the lock here
+                s._lock.release()
+                raise InvalidInput("session busy: a call on this session is already running in this thread "
+                                   "(a re-entrant call from a signal handler or a hook); call it afterwards")
+            s._inside = threading.get_ident()
+            held.append(s)
+        yield
+    finally:
+        for s in reversed(held):
+            s._inside = None
+            s._lock.release()
 
 
 def _kept(k, length: int) -> int:

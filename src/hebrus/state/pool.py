@@ -187,9 +187,9 @@ class Pool:
 
     def release(self, blocks) -> None:
         """Hold each block once less; a block no one holds is free."""
-        blocks = np.fromiter(blocks, dtype=np.int64)
-        if not blocks.size:
+        if not blocks:
             return
+        blocks = np.fromiter(blocks, dtype=np.int64)
         with self._lock:
             held = self._references[blocks]
             if (held <= 0).any():
@@ -258,11 +258,15 @@ class Pool:
 
     def exclusive(self, table: tuple[int, ...], start: int, stop: int) -> bool:
         """Whether `table` holds rows [start, stop) in blocks no other table holds."""
-        if self.blocks_for(stop) > len(table):
+        end = self.blocks_for(stop)
+        if end > len(table):
             return False
+        references = self._references
         with self._lock:
-            return all(self._references[table[i]] == 1
-                       for i in range(start // self.block_rows, self.blocks_for(stop)))
+            for i in range(start // self.block_rows, end):
+                if references[table[i]] != 1:
+                    return False
+        return True
 
     def log(self, name: str, table: torch.Tensor, host: tuple[int, ...] | None = None,
             end: int | None = None, first: int | None = -1) -> "Log":

@@ -61,6 +61,7 @@ class DeviceChecks:
         self._named: list[torch.Tensor] = []                 # several sessions': magnitudes of tensors named for one
         self._named_at: list[tuple[int, int]] = []           # (cell, session) of each
         self._folded: torch.Tensor | None = None
+        self._bounds: tuple[np.ndarray, np.ndarray] | None = None     # each test's kind and bound, as arrays
 
     def flag(self, cell: int, bad: torch.Tensor, bit: int) -> None:
         self._status.append(self._each(bad, "any"))
@@ -161,8 +162,10 @@ class DeviceChecks:
         N, k, f = self.sessions, len(self._tests), len(self._finite_cells)
         out: list[tuple[dict[int, int], set[int]]] = [({}, set()) for _ in range(N)]
         if k:
-            kinds = np.array([0 if t is None else 1 if t[0] == "below" else 2 for _, _, t in self._tests])[:, None]
-            bounds = np.array([0 if t is None else t[1] for _, _, t in self._tests], dtype=np.float64)[:, None]
+            if self._bounds is None or len(self._bounds[0]) != k:      # a replay's tests are the captured ones
+                self._bounds = (np.array([0 if t is None else 1 if t[0] == "below" else 2 for _, _, t in self._tests])[:, None],
+                                np.array([0 if t is None else t[1] for _, _, t in self._tests], dtype=np.float64)[:, None])
+            kinds, bounds = self._bounds
             status = values[:k * N].reshape(k, N)
             failed = np.where(kinds == 0, status != 0, np.where(kinds == 1, status < bounds, status >= bounds))
             for j, i in zip(*np.nonzero(failed)):

@@ -69,6 +69,9 @@ class _Session:
     """One session's share of a step: its public record and chunk, the table its flip publishes
     and the blocks taken for it, its memory budget, what it holds, and its failure, once it has
     failed alone."""
+    __slots__ = ("image", "record", "budget", "reserve", "frontier", "length", "chunk_length", "public", "private",
+                 "table", "device_table", "first", "taken", "dropped", "held", "working", "accounts", "peak",
+                 "failure", "done")
 
     def __init__(self, image: Image, length: int, budget: MemoryBudget, reserve: int):
         record = image.public

@@ -2,12 +2,13 @@
 they lie in the state pool: no gather of the rows before (`hebrus.ops.qsa.dense_attention_lanes`
 is its readable twin, and the contract).
 
-A session's rows are split into runs of blocks, so that a few sessions at a long context still
-spread over every multiprocessor: one program per (session, K/V head, run) takes the group of
-query heads that share the K/V head against each block of its run up to the session's position
-in turn, with a running softmax (maximum and sum kept in float32), and leaves its partial result;
-a second kernel weighs each session's runs together. A session reads its own rows and no more,
-whatever the table's width: a run past its position does nothing. The products take their
+A session's rows are read in tiles of whole blocks (`TILE` rows), dealt in turn to runs, so
+that a few sessions at a long context still spread over every multiprocessor and every run has
+work whatever the position: one program per (session, K/V head, run) takes the group of query
+heads that share the K/V head against each of its tiles up to the session's position, with a
+running softmax (maximum and sum kept in float32), and leaves its partial result; a second
+kernel weighs each session's runs together. A session reads its own rows and no more, whatever
+the table's width. The products take their
 16-bit operands as float32 (on Hopper TF32, which holds a bfloat16 or float16 value exactly) and
 add in float32.
 """
@@ -20,11 +21,16 @@ import triton
 import triton.language as tl
 
 
+WARPS = 4               # warps per program of the runs' kernel
+SPREAD = 4              # programs per multiprocessor the runs aim for
+TILE = 32               # rows a program takes at a time (whole blocks: at least one)
+
+
 @triton.jit
-def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, RUN, scale,
+def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
           k_block, k_row, k_head, v_block, v_row, v_head,
           HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-          R: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr):
+          R: tl.constexpr, BB: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr):
     n, h, run = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(positions + n)
     rg, rd, rr = tl.arange(0, GP), tl.arange(0, DP), tl.arange(0, RP)
@@ -35,11 +41,13 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, RUN, scale
     top = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    for b in range(run * RUN, tl.minimum(run * RUN + RUN, position // R + 1)):
-        block = tl.load(tables + n * W + b)
-        visible = (rr < R) & (b * R + rr <= position)
+    within, inner = rr // R, rr % R                     # each row's block in the tile, and row in it
+    # tiles of BB blocks dealt to the runs in turn: every run has work whatever the position
+    for t in range(run, position // (BB * R) + 1, RUNS):
+        visible = (rr < BB * R) & (t * BB * R + rr <= position)
+        block = tl.load(tables + n * W + t * BB + within, mask=visible, other=0)
         rows = visible[:, None] & md[None, :]
-        bk = tl.load(k + block * k_block + rr[:, None] * k_row + h * k_head + rd[None, :], mask=rows,
+        bk = tl.load(k + block[:, None] * k_block + inner[:, None] * k_row + h * k_head + rd[None, :], mask=rows,
                      other=0.0).to(tl.float32)
         scores = tl.dot(bq, tl.trans(bk)) * scale                                        # [GP, RP]
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -47,7 +55,7 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, RUN, scale
         weights = tl.exp(scores - new_top[:, None])
         fade = tl.exp(top - new_top)
         total = total * fade + tl.sum(weights, 1)
-        bv = tl.load(v + block * v_block + rr[:, None] * v_row + h * v_head + rd[None, :], mask=rows,
+        bv = tl.load(v + block[:, None] * v_block + inner[:, None] * v_row + h * v_head + rd[None, :], mask=rows,
                      other=0.0).to(tl.float32)
         acc = acc * fade[:, None] + tl.dot(weights, bv)
         top = new_top
@@ -78,10 +86,10 @@ def _processors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def runs_for(sessions: int, kv_heads: int, width: int, processors: int) -> int:
-    """How many runs a session's table of `width` blocks is split into: enough programs to fill
-    the multiprocessors about four times over, never more runs than blocks."""
-    return max(1, min(width, -(-4 * processors // (sessions * kv_heads))))
+def runs_for(sessions: int, kv_heads: int, tiles: int, processors: int) -> int:
+    """How many runs a session's table of `tiles` tiles is dealt to: enough programs to fill the
+    multiprocessors `SPREAD` times over, never more runs than tiles."""
+    return max(1, min(tiles, -(-SPREAD * processors // (sessions * kv_heads))))
 
 
 def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs: int | None = None) -> torch.Tensor:
@@ -95,21 +103,22 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs: int | N
         if blocks.stride(3) != 1 or blocks.stride(2) != D:
             raise ValueError("the lanes' attention kernel reads rows whose heads and values are dense")
     q, tables, positions = q.contiguous(), tables.contiguous(), positions.contiguous()
+    BB = max(1, TILE // R)                  # blocks a tile
+    tiles = -(-W // BB)
     if runs is None:
-        runs = runs_for(N, HKV, W, _processors(q.device.index or 0))
-    run = -(-W // min(max(runs, 1), W))
-    runs = -(-W // run)                     # no run left empty by the rounding
+        runs = runs_for(N, HKV, tiles, _processors(q.device.index or 0))
+    runs = min(max(runs, 1), tiles)
     acc = torch.empty((N, HQ, runs, D), dtype=torch.float32, device=q.device)
     top = torch.empty((N, HQ, runs), dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
     # tl.dot multiplies tiles of at least 16 along each side: the group, the rows and the values
     # are padded to that (and to a power of two), the padding masked off
     DP = max(16, triton.next_power_of_2(D))
-    _runs[(N, HKV, runs)](q, k_blocks, v_blocks, tables, positions, acc, top, total, W, run, D ** -0.5,
+    _runs[(N, HKV, runs)](q, k_blocks, v_blocks, tables, positions, acc, top, total, W, D ** -0.5,
                           k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
                           v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
                           HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
-                          R=R, RP=max(16, triton.next_power_of_2(R)), RUNS=runs)
+                          R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS)
     o = torch.empty_like(q)
     _weigh[(N * HQ,)](acc, top, total, o, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs))
     return o
