@@ -172,8 +172,6 @@ class _InPlaceLanes(_Unchecked):
 
     def in_place(self, name):
         """As a transaction's kernels read and write the banks where they lie: here the same bank."""
-        if self.lanes == 1:
-            return None
         return InPlace(self.pool.banks[name], self.step.parities, self.step.parities, self.step.slots)
 
     def wrote(self, name, check):

@@ -76,11 +76,11 @@ class GatedDeltaNet:
         transaction)."""
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
-        if at is None or at.sessions == 1:
-            o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
-        elif at.one_each and isinstance(S, InPlace):      # N tokens, their states read and written where they lie
+        if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
             o, conv_state, S = kernels.ops[DELTA_RULE_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
                                                              (self.hk, self.dk, self.hv, self.dv), conv_state, S)
+        elif at is None or at.sessions == 1:
+            o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
             o = o[:, 0]
@@ -117,8 +117,9 @@ class GDNMixer(Sublayer):
             y, conv_state, S = self.gdn(h, *state, self.kernels, at=at, each=each)
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
-        in_place = getattr(txn, "in_place", None)      # a planned step of several lanes: states where they lie
-        lanes = in_place(rec) if in_place is not None and batch.one_each and DELTA_RULE_LANES in self.kernels.ops else None
+        in_place = getattr(txn, "in_place", None)      # a planned step: states where they lie
+        one_each = all(n == 1 for n in batch.lengths) and not batch.each
+        lanes = in_place(rec) if in_place is not None and one_each and DELTA_RULE_LANES in self.kernels.ops else None
         if lanes is not None:                # the op wrote both states; what it gives back are their checks
             batch.streams, checks = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), (in_place(conv), lanes))
             txn.wrote(conv, checks[0])

@@ -192,8 +192,8 @@ class Transaction:
         """Where a kernel reads a banked owner's public values and writes its private ones
         itself, with no gather before and no scatter after (`state.context.InPlace`: the public
         parities are its sources, the private ones its targets); then the stage calls `wrote`.
-        A planned step of several lanes offers it; any other step None."""
-        if not (self.planned and self._width > 1):
+        A planned step offers it (its lanes' states, one lane or several); any other step None."""
+        if not self.planned:
             return None
         return InPlace(self.pool.banks[name], self._public, 1 - self._public, self._slots)
 
