@@ -557,7 +557,8 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
     """The conv and the delta rule of one token per lane, both states read from and written to
     the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64 on the same values:
     outputs, both banks after (either parity), and the checks (NaN exactly for the lane whose
-    written conv window holds a NaN, and for the one whose recurrent state does)."""
+    written conv window holds a NaN, and for those whose recurrent state does: one read so, one
+    with a NaN gate input)."""
     from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
     from hebrus.ops.gdn import gdn_lanes
     from hebrus.state.context import InPlace
@@ -573,6 +574,7 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
     chosen = torch.tensor([3, 0, 8, 1, 5, 6], device="cuda")
     projected[3, 3] = float("nan")                              # lane 3's new q input: in its window after, not in its state
     rec_bank[1, 5, hv - 1, 7, 11] = float("nan")                 # lane 4's state
+    a[0, hv - 1] = float("nan")                                  # lane 0's gate: its state not finite
     got_c, got_r = conv_bank.clone(), rec_bank.clone()
     want_c, want_r = conv_bank.double(), rec_bank.double()
     heads = (hk, dk, hv, dv)
@@ -583,9 +585,9 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
     for x, y in [(got[0], want[0]), (got_c, want_c), (got_r, want_r)]:
         seen = torch.isfinite(y)
         assert torch.equal(seen, torch.isfinite(x)) and _rel(x[seen], y[seen]) <= 1e-4
-    for x, y, lane in [(got[1], want[1], 3), (got[2], want[2], 4)]:
+    for x, y, lanes in [(got[1], want[1], {3}), (got[2], want[2], {0, 4})]:
         bad = torch.isnan(y).any(-1)
-        assert torch.equal(torch.isnan(x).any(-1), bad) and bad.tolist() == [i == lane for i in range(N)]
+        assert torch.equal(torch.isnan(x).any(-1), bad) and bad.tolist() == [i in lanes for i in range(N)]
 
 
 @cuda

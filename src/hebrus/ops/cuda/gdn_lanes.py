@@ -49,7 +49,7 @@ def _conv(x, weight, bank, source, target, slots, mixed, check, parity_stride, s
 def _rule(mixed, b, a, neg_a, dt_bias, bank, source, target, slots, o, check, parity_stride, slot_stride, scale,
           C: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
           BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
-    iv, nh = tl.program_id(0), tl.program_id(1)
+    nh, iv = tl.program_id(0), tl.program_id(1)         # sessions x heads on the axis without a 65,535 cap
     n, h = nh // H, nh % H
     hk = h // (H // HK)                                                  # the key head it shares
     parity, written, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
@@ -61,7 +61,7 @@ def _rule(mixed, b, a, neg_a, dt_bias, bank, source, target, slots, o, check, pa
     bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
     bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
     shift = tl.load(a + nh).to(tl.float32) + tl.load(dt_bias + h)
-    softplus = tl.where(shift > 20.0, shift, tl.log(1.0 + tl.exp(tl.minimum(shift, 20.0))))
+    softplus = tl.where(shift > 20.0, shift, tl.log(1.0 + tl.exp(tl.where(shift > 20.0, 20.0, shift))))   # a NaN stays NaN
     decay = tl.exp(tl.load(neg_a + h) * softplus)
     rate = 1.0 / (1.0 + tl.exp(-tl.load(b + nh).to(tl.float32)))
     tile = h * K * V + rk[:, None] * V + rv[None, :]
@@ -90,7 +90,7 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
                    conv.bank.stride(0), conv.bank.stride(1), C=C, K=Kc, KP=triton.next_power_of_2(Kc - 1), BC=BC, NC=NC)
     o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
     check = torch.empty((N, H * NV), dtype=torch.float32, device=projected.device)
-    _rule[(NV, N * H)](mixed, b, a, neg_a.float().contiguous(), dt_bias.float().contiguous(), recurrent.bank,
+    _rule[(N * H, NV)](mixed, b, a, neg_a.float().contiguous(), dt_bias.float().contiguous(), recurrent.bank,
                        recurrent.source, recurrent.target, recurrent.slots, o, check,
                        recurrent.bank.stride(0), recurrent.bank.stride(1), K ** -0.5,
                        C=C, HK=HK, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NV=NV)
