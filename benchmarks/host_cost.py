@@ -7,7 +7,9 @@ session and reading the logits. Here the runner's graph is a no-op that stands f
 (the plan runs once, as a capture would run it, so the checks it folds and the records it keeps
 are the real ones) and completion records are not kept. Reported: milliseconds of host work per
 step and microseconds per session, through `Batch.feed` at each batch and `Session.feed` alone,
-medians over rounds, at one table width (no step changes its graph's key).
+medians over rounds, at one table width (no step changes its graph's key); beside them the time
+the published logits' gather took, which on a CPU is device work (a copy of a row of the
+vocabulary per session) that a GPU's host only launches.
 
     python benchmarks/host_cost.py [--model tiny] [--batch 1,8,64] [--steps 50] [--rounds 5] [--json FILE]
 """
@@ -21,7 +23,7 @@ import time
 import torch
 
 import hebrus
-from hebrus.engine import graphs
+from hebrus.engine import batch as batch_step, graphs
 from hebrus.state import status
 
 
@@ -35,14 +37,31 @@ def _capture_nothing(plan, pool=None):
     return _NoReplay(), None
 
 
-def _rounds(feed, steps: int, rounds: int) -> float:
-    spent = []
+_gathers = [0.0]                            # seconds spent gathering published logits
+
+
+def _timed_gather(gather):
+    """The logits gather timed apart: on a CPU it is device work (a copy of N rows of the
+    vocabulary), which a GPU's host only launches."""
+    def timed(*args):
+        t = time.perf_counter()
+        out = gather(*args)
+        _gathers[0] += time.perf_counter() - t
+        return out
+    return timed
+
+
+def _rounds(feed, steps: int, rounds: int) -> tuple[float, float]:
+    """Medians over rounds of (seconds a step, of which the logits gather)."""
+    spent, gathered = [], []
     for _ in range(rounds):
+        _gathers[0] = 0.0
         t = time.perf_counter()
         for _ in range(steps):
             feed()
         spent.append((time.perf_counter() - t) / steps)
-    return statistics.median(spent)
+        gathered.append(_gathers[0] / steps)
+    return statistics.median(spent), statistics.median(gathered)
 
 
 def main() -> None:
@@ -56,6 +75,7 @@ def main() -> None:
     graphs.capture = _capture_nothing
     torch.cuda.graph_pool_handle = lambda: None
     status.Completion.record_replay = lambda self: None
+    batch_step._published_logits = _timed_gather(batch_step._published_logits)
     model = hebrus.load(args.model, device="cpu").with_mode("fast")
     rows = []
     if 4 + 5 + 2 * args.rounds * args.steps > graphs.width_for(1) * model.pool.block_rows:
@@ -71,22 +91,24 @@ def main() -> None:
         for _ in range(5):
             together.feed(ids)
         replays = runner.replays
-        per_step = _rounds(lambda: together.feed(ids), args.steps, args.rounds)
+        per_step, gather = _rounds(lambda: together.feed(ids), args.steps, args.rounds)
         assert runner.replays - replays == args.steps * args.rounds, "a step left the replayed graph"
         row = {"route": "Batch.feed", "batch": batch, "host_ms_per_step": per_step * 1e3,
-               "host_us_per_session": per_step / batch * 1e6}
+               "host_us_per_session": per_step / batch * 1e6, "logits_gather_ms_per_step": gather * 1e3}
         if batch == 1:
             alone = sessions[0]
-            one = _rounds(lambda: alone.feed([5]), args.steps, args.rounds)
+            one, _ = _rounds(lambda: alone.feed([5]), args.steps, args.rounds)
             rows.append({"route": "Session.feed", "batch": 1, "host_ms_per_step": one * 1e3,
-                         "host_us_per_session": one * 1e6})
+                         "host_us_per_session": one * 1e6, "logits_gather_ms_per_step": 0.0})
         rows.append(row)
         del together, sessions
     print(f"host work of a replayed step: {args.model}, {torch.get_num_threads()} threads, "
           f"medians of {args.rounds} rounds of {args.steps} steps")
-    print("| route | batch | host ms / step | host µs / session |\n| --- | ---: | ---: | ---: |")
+    print("| route | batch | host ms / step | host µs / session | of which the logits gather, ms |\n"
+          "| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['route']} | {r['batch']} | {r['host_ms_per_step']:.3f} | {r['host_us_per_session']:.1f} |")
+        print(f"| {r['route']} | {r['batch']} | {r['host_ms_per_step']:.3f} | {r['host_us_per_session']:.1f} | "
+              f"{r['logits_gather_ms_per_step']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "rounds": args.rounds, "steps": args.steps, "rows": rows}, f, indent=1)
