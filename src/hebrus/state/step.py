@@ -136,7 +136,7 @@ class StepBatch:
     def put(self, logs, value: torch.Tensor) -> None:
         """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
         the transaction, `value` [T, *row] the rows of this step's."""
-        if self.tables is not None and len(self.lengths) > 1:      # a planned step's lanes: one write
+        if self.tables is not None:                 # a planned step's lanes (one or several): one write
             logs[self.which[0]].write_lanes(self.tables, self.positions, value)
             return
         logs = [logs[m] for m in self.which]
