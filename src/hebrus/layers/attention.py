@@ -116,8 +116,7 @@ class Attention:
             qi, ki = (self.fused(apply_rope)(x, icos, isin) for x in (qi, ki))
             self._put(span, rows, 2, ki)
             iw = linear(hi, w["index_w.weight"])
-        one_each = span.tables is not None and all(n == 1 for n in span.lengths)    # a planned step, a token a lane
-        if one_each and not self.indexed and self.attend_lanes is not None:
+        if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
             o = self._lanes(span, q, rows)
             gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
             return linear(gated.flatten(1), w["o_proj.weight"])

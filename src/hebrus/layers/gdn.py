@@ -21,7 +21,7 @@ from hebrus.state.owners import OwnerSpec
 
 DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
-DELTA_RULE_LANES = "gdn.lanes"     # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent) -> (o, checks): N tokens, states in place
+GDN_LANES = "gdn.lanes"   # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent) -> (o, conv check, recurrent check): a token a lane, states in place
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
@@ -77,7 +77,7 @@ class GatedDeltaNet:
         T = h.shape[0]
         projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
         if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
-            o, conv_state, S = kernels.ops[DELTA_RULE_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
+            o, conv_state, S = kernels.ops[GDN_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
                                                              (self.hk, self.dk, self.hv, self.dv), conv_state, S)
         elif at is None or at.sessions == 1:
             o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
@@ -118,8 +118,8 @@ class GDNMixer(Sublayer):
             return self.mix_out(X, y, post, comb), (conv_state, S)
 
         in_place = getattr(txn, "in_place", None)      # a planned step: states where they lie
-        one_each = all(n == 1 for n in batch.lengths) and not batch.each
-        lanes = in_place(rec) if in_place is not None and one_each and DELTA_RULE_LANES in self.kernels.ops else None
+        takes = in_place is not None and batch.token_a_lane and not batch.each and GDN_LANES in self.kernels.ops
+        lanes = in_place(rec) if takes else None
         if lanes is not None:                # the op wrote both states; what it gives back are their checks
             batch.streams, checks = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), (in_place(conv), lanes))
             txn.wrote(conv, checks[0])
@@ -187,4 +187,4 @@ class GDN(Kind):
             if cuda_gdn.available():
                 from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
                 rule, ragged, lanes = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged, gdn_lanes_cuda
-        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, DELTA_RULE_LANES: lanes}
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes}

@@ -86,6 +86,11 @@ class StepBatch:
         return len(self.lengths) > 1 and all(n == 1 for n in self.lengths)
 
     @cached_property
+    def token_a_lane(self) -> bool:
+        """A planned step of one token per lane (one lane or several): what the lanes' kernels take."""
+        return self.tables is not None and all(n == 1 for n in self.lengths)
+
+    @cached_property
     def bounds(self) -> tuple[int, ...]:
         """Session i's tokens are rows bounds[i]..bounds[i+1] (host)."""
         out = [0]
