@@ -121,8 +121,9 @@ def _ids(n, vocab, seed):
 def test_graph_decode_matches_eager(tmp_path):
     """Graph replays against eager steps on the same device: logits and every owner within the
     dtype's fast tolerance (a 16-bit model's: as close to its float32 twin as the eager steps,
-    within a factor of two), discrete state equal, storage growth (rows 16 and 32) replayed from
-    the same graph."""
+    within a factor of two, the logits' worst step over the run against eager's worst: on a random
+    16-bit model one step's distance swings with the rounding of every step before it), discrete
+    state equal, storage growth (rows 16 and 32) replayed from the same graph."""
     models = _graph_models(tmp_path, references=True)
     for name, model in models.items():
         if name.endswith("-reference"):
@@ -138,8 +139,13 @@ def test_graph_decode_matches_eager(tmp_path):
             runs[decode] = (s, [s.feed([t]) for t in _ids(30, vocab, 2)])
         (graph, got), (eager, want), (reference, exact) = runs["graph"], runs["eager"], runs["reference"]
         steps = graph._steps
-        for step, (a, b, r) in enumerate(zip(got, want, exact)):
-            assert _as_close(a, b, r, tolerance), (name, step, _rel(a.float(), b.float()))
+        if exact[0] is None:
+            for step, (a, b) in enumerate(zip(got, want)):
+                assert _as_close(a, b, None, tolerance), (name, step, _rel(a.float(), b.float()))
+        else:                                        # over the whole run: one step's ratio is noise
+            far = [(_rel(a.float(), r.float()), _rel(b.float(), r.float())) for a, b, r in zip(got, want, exact)]
+            worst, eager_worst = max(f[0] for f in far), max(f[1] for f in far)
+            assert worst <= max(tolerance, 2 * eager_worst), (name, far)
         assert steps.captures >= 1 and steps.replays >= 20, (name, steps.captures, steps.replays, steps.refused)
         for spec in graph.image.specs:
             a, b = graph.image.value(spec.name), eager.image.value(spec.name)
@@ -216,11 +222,18 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
     for cell, t in enumerate(values):
         checks.finite(cell, [(t, None)])
     assert checks.read()[0][1] == {0, 1}
+    several = DeviceChecks(defer=True, lengths=[1] * 4)      # rows of a session each, reduced together
+    rows = [torch.randn(4, 3000, device="cuda", dtype=dtype) for dtype in (torch.float32, torch.bfloat16,
+                                                                            torch.float16, torch.bfloat16)]
+    rows[0][1, 2999], rows[1][3, 0], rows[3][3, 7] = float("nan"), float("-inf"), float("nan")
+    for cell, t in enumerate(rows):
+        several.finite(cell, [(t, None)])
+    assert [nonfinite for _, nonfinite in several.read()] == [set(), {0}, set(), {1, 3}]
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("T", [1, 37, 64])
 def test_fused_ops_equal_their_twins(dtype, T):
     """Each op the CUDA fast table compiles, against the op as written on the same inputs."""
     from hebrus.ops.cuda.fuse import fused
@@ -280,14 +293,15 @@ def test_a_fused_op_gives_the_same_bits_whatever_it_compiled_before():
     torch._dynamo.reset()          # compiled code lives on the op's code object: start from none
     for op, make in ((rms_norm, lambda T: (r(T, D), r(D), 1e-6)),
                      (hc_pre, lambda T: (r(T, n, D), *weights, 20, 1e-6, 1e-6))):
-        fresh, first = _Fused(op), make(7)
-        with torch.inference_mode():
-            before = fresh(*first)
-            for T in (9, 300, 2, 1):
-                fresh(*make(T))
-            after = fresh(*first)
-        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (before, after))):
-            assert torch.equal(a, b), op.__name__
+        for rows in (7, 64):                      # a length of the shared kernel, a lanes' length
+            fresh, first = _Fused(op), make(rows)
+            with torch.inference_mode():
+                before = fresh(*first)
+                for T in (9, 300, 2, 1, 64, 2048):
+                    fresh(*make(T))
+                after = fresh(*first)
+            for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (before, after))):
+                assert torch.equal(a, b), (op.__name__, rows)
 
 
 @cuda

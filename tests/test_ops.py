@@ -396,3 +396,13 @@ def test_dense_attention_of_lanes_is_each_lane_alone():
     k, v = (b[tables].flatten(1, 2) for b in (k_blocks, v_blocks))    # each lane's rows [N, W * R, ...]
     want = torch.stack([dense_attention(q[i:i + 1], k[i], v[i], positions[i:i + 1])[0] for i in range(N)])
     assert float((got - want).abs().max()) <= 1e-12
+
+
+def test_fused_ops_specialise_exactly_the_lanes_shapes():
+    """A compiled op gets a kernel of its own for a power of two of rows up to STATIC_ROWS (a
+    planned step's lanes) and shares one for every other length; decided by the shapes alone."""
+    from hebrus.ops.cuda.fuse import STATIC_ROWS, static_shape
+    lanes = [1, 2, 8, 64, 256, STATIC_ROWS]
+    assert all(static_shape((torch.zeros(n, 3), 1e-6)) for n in lanes)
+    assert not any(static_shape((torch.zeros(n, 3),)) for n in (0, 3, 63, 100, 2 * STATIC_ROWS, 2048))
+    assert not static_shape((torch.tensor(1.0),)) and not static_shape((1.0, torch.zeros(64)))

@@ -38,10 +38,15 @@ class DeviceChecks:
     session: a tensor is reduced per session by its first dimension (T rows: each session its
     own tokens'; N rows: row i session i's; anything else concerns every session), a finite
     check's tensor also by the session named beside it (a session's rows). A finite check by
-    first dimension is then the float64 sum of each session's part, one launch a tensor (a sum
-    is non-finite exactly when a value is, and float64 does not overflow on finite 16- or 32-bit
-    values). `read` gives each session its own. (Reading a tensor's rows as tensors of their own
-    instead, all in one multi-tensor launch, costs more: each row's result is a launch of its own.)
+    first dimension is then a float64 sum of each session's part (a sum is non-finite exactly
+    when a value is, and float64 does not overflow on finite 16- or 32-bit values). Tensors of N
+    rows are reduced together instead: those of one dtype side by side, the least and largest
+    value of each row in one reduction (both finite exactly when every value is; a step of a
+    token each writes a hundred such tensors, and a launch each, with float64's cast, cost more
+    than the step's attention); a non-finite result is then traced to its tensors by `read`,
+    from the tensors themselves, which the checks keep. `read` gives each session its own. (Reading a tensor's rows as tensors of
+    their own instead, all in one multi-tensor launch, costs more: each row's result is a launch
+    of its own.)
     """
 
     def __init__(self, defer: bool = False, lengths: list[int] | None = None, device: torch.device | None = None):
@@ -60,6 +65,8 @@ class DeviceChecks:
         self._pending_cells: list[int] = []
         self._named: list[torch.Tensor] = []                 # several sessions': magnitudes of tensors named for one
         self._named_at: list[tuple[int, int]] = []           # (cell, session) of each
+        self._rows: list[tuple[torch.Tensor, int]] = []      # (tensor of N rows, cell): summed together
+        self._row_groups: list[list[tuple[torch.Tensor, int]]] = []   # the same, by dtype, once folded
         self._folded: torch.Tensor | None = None
         self._bounds: tuple[np.ndarray, np.ndarray] | None = None     # each test's kind and bound, as arrays
 
@@ -114,6 +121,8 @@ class DeviceChecks:
         for (t, i), cell in zip(written, cells):
             if i is not None:
                 named.append((t, i, cell))
+            elif t.dim() and t.shape[0] == self.sessions:
+                self._rows.append((t, cell))
             else:
                 self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)
@@ -149,8 +158,15 @@ class DeviceChecks:
             if self._pending:
                 self._magnitudes(self._pending, self._pending_cells)
                 self._pending, self._pending_cells = [], []
+            groups: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
+            for t, cell in self._rows:
+                groups.setdefault(t.dtype, []).append((t, cell))
+            self._row_groups = list(groups.values())
+            N = self.sessions
+            rows = [torch.stack(torch.aminmax(torch.cat([t.reshape(N, -1) for t, _ in group], 1), dim=1))
+                    for group in self._row_groups]
             parts = [torch.stack(group).to(torch.float64).reshape(-1)
-                     for group in (self._status, self._finite, self._named) if group]
+                     for group in (self._status, self._finite, rows, self._named) if group]
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
@@ -174,11 +190,23 @@ class DeviceChecks:
         finite = values[k * N:k * N + f * N].reshape(f, N)
         for j, i in zip(*np.nonzero(~np.isfinite(finite))):
             out[i][1].add(self._finite_cells[j])
-        named = values[(k + f) * N:]
+        g = len(self._row_groups)
+        rows = values[(k + f) * N:(k + f + 2 * g) * N].reshape(g, 2, N)      # each group's lows, highs
+        for j, i in zip(*np.nonzero(~np.isfinite(rows).all(1))):
+            out[i][1].update(self._located(j, i))
+        named = values[(k + f + 2 * g) * N:]
         for j in np.nonzero(~np.isfinite(named))[0]:
             cell, i = self._named_at[j]
             out[i][1].add(cell)
         return out
+
+    def _located(self, group: int, session: int) -> set[int]:
+        """The cells whose tensors in row group `group` hold a non-finite value in `session`'s
+        row (a failure's second look, one transfer a tensor); every cell of the group if none
+        does any longer."""
+        members = self._row_groups[group]
+        cells = {cell for t, cell in members if not bool(torch.isfinite(t[session]).all())}
+        return cells or {cell for _, cell in members}
 
 
 _REDUCE = {                     # each row of a [rows, values] tensor -> [rows]
