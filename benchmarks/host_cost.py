@@ -11,7 +11,7 @@ medians over rounds, at one table width (no step changes its graph's key); besid
 the published logits' gather took, which on a CPU is device work (a copy of a row of the
 vocabulary per session) that a GPU's host only launches.
 
-    python benchmarks/host_cost.py [--model tiny] [--batch 1,8,64] [--steps 50] [--rounds 5] [--json FILE]
+    python benchmarks/host_cost.py [--model tiny] [--batch 1,8,64] [--prompt 4] [--steps 50] [--rounds 5] [--json FILE]
 """
 from __future__ import annotations
 
@@ -68,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="a preset or checkpoint (fast mode; default tiny)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
+    parser.add_argument("--prompt", type=int, default=4,
+                        help="tokens each session holds before the steps (its table's width; default 4)")
     parser.add_argument("--steps", type=int, default=10, help="steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
     parser.add_argument("--json", help="write the results here")
@@ -77,13 +79,15 @@ def main() -> None:
     status.Completion.record_replay = lambda self: None
     batch_step._published_logits = _timed_gather(batch_step._published_logits)
     model = hebrus.load(args.model, device="cpu").with_mode("fast")
-    rows = []
-    if 4 + 5 + 2 * args.rounds * args.steps > graphs.width_for(1) * model.pool.block_rows:
-        parser.error("--steps x --rounds would cross a table width (a new graph key): fewer, please")
+    rows, block = [], model.pool.block_rows
+    first, last = args.prompt + 1, args.prompt + 5 + 2 * args.rounds * args.steps      # rows a step needs
+    if graphs.width_for(-(-first // block)) != graphs.width_for(-(-last // block)):
+        parser.error("the steps would cross a table width (a new graph key): fewer steps or rounds, "
+                     "or another --prompt, please")
     for batch in [int(b) for b in args.batch.split(",")]:
         sessions = [model.session(decode="planned") for _ in range(batch)]
         for s in sessions:
-            s.feed([1, 2, 3, 4])
+            s.feed([1 + i % 50 for i in range(args.prompt)])
         runner = sessions[0]._steps
         runner.capture = True
         together = hebrus.Batch(sessions, decode="planned")
@@ -102,8 +106,8 @@ def main() -> None:
                          "host_us_per_session": one * 1e6, "logits_gather_ms_per_step": 0.0})
         rows.append(row)
         del together, sessions
-    print(f"host work of a replayed step: {args.model}, {torch.get_num_threads()} threads, "
-          f"medians of {args.rounds} rounds of {args.steps} steps")
+    print(f"host work of a replayed step: {args.model}, {torch.get_num_threads()} threads, {args.prompt}-token "
+          f"sessions, medians of {args.rounds} rounds of {args.steps} steps")
     print("| route | batch | host ms / step | host µs / session | of which the logits gather, ms |\n"
           "| --- | ---: | ---: | ---: | ---: |")
     for r in rows:

@@ -240,3 +240,25 @@ def test_widths_grow_in_powers_of_two_where_no_stage_reads_to_the_width(models):
     stage = next(s for s in model.stages if getattr(s, "attn", None) is not None)
     assert stage.reads_to_width == (not getattr(stage.attn.attend_lanes, "reads_to_position", False))
     assert graphs.fine_widths(model) == stage.reads_to_width           # on the CPU: the gathering twin
+
+
+def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
+    """The host buffer of a key's inputs rewrites a lane's table row only when its table is
+    another object; after any sequence of fills (tables growing, lanes swapped, padding lanes,
+    a lane failed) it holds exactly what a fresh buffer filled once holds."""
+    import random
+    from hebrus.engine.graphs import Inputs
+    pool, width, lanes = tiny_fast.pool, 6, 4
+    rng = random.Random(5)
+    tables = [tuple(rng.sample(range(pool.blocks), rng.randint(1, width))) for _ in range(6)]
+    kept = Inputs(pool, lanes, 1, width, False)
+    for _ in range(40):
+        n = rng.randint(0, lanes)
+        live = [None if rng.random() < 0.2 else (rng.randint(0, 99), rng.randint(0, 1), rng.randint(0, 3),
+                                                  rng.choice(tables + [tables[0] + (1,)]))   # equal, not the same
+                for _ in range(n)]
+        ids = [rng.randint(0, 50) for _ in range(n)]
+        fresh = Inputs(pool, lanes, 1, width, False)
+        kept.fill(live, ids)
+        fresh.fill(live, ids)
+        assert torch.equal(kept.host, fresh.host)

@@ -315,9 +315,9 @@ def test_several_sessions_checks_say_each_sessions_own(defer):
     assert [words for words, _ in read] == [{}, {2: 1 << 3}, {2: 1 << 3}, {4: 1 << 5}]
 
 
-def test_rows_summed_together_are_traced_to_their_stages():
-    """Tensors of a row per session, of one dtype, are summed side by side in one reduction; a
-    non-finite sum is traced to the stages whose tensors hold the value in that session's row
+def test_rows_reduced_together_are_traced_to_their_stages():
+    """Tensors of a row per session, of one dtype and row length, are reduced together; a
+    non-finite result is traced to the stages whose tensors hold the value in that session's row
     (two stages at once, when both do), and to every stage of the reduction if the values are
     gone by the time they are read."""
     from hebrus.state.status import DeviceChecks
@@ -327,9 +327,9 @@ def test_rows_summed_together_are_traced_to_their_stages():
     c[2, 5] = float("nan")
     checks.finite(0, [(a, None)])
     checks.finite(1, [(b, None), (c, None)])
-    checks.finite(2, [(torch.zeros(3, 1), None)])
+    checks.finite(2, [(torch.zeros(3, 4), None), (torch.zeros(3, 5), None)])
     checks.fold()
-    assert len(checks._row_groups) == 2                      # float32 and bfloat16: a reduction each
+    assert len(checks._row_groups) == 3                      # float32 rows of 4 and of 5, bfloat16 rows of 6
     assert [nonfinite for _, nonfinite in checks.read()] == [set(), {0, 1}, {1}]
     a[1, 3] = b[1, 0, 1] = 0.0                                 # gone before the second look
     assert [nonfinite for _, nonfinite in checks.read()][1] == {0, 1, 2}

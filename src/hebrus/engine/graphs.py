@@ -124,6 +124,9 @@ class _Graph:
     captured: Captured               # the captured step's device work: checks, completion, peak
 
 
+_UNFILLED = object()         # a lane's row of tables before its first fill
+
+
 class Inputs:
     """The device buffers of one key's planned step, and the pinned host buffer they are copied
     from in one transfer: ids and positions [lanes * length], parities and slots [lanes],
@@ -141,6 +144,7 @@ class Inputs:
         self._views = [v.numpy() for v in self.host.split(sizes)]
         self._views[4] = self._views[4].reshape(lanes, width)
         self._steps = np.arange(length)
+        self._rows: list = [_UNFILLED] * lanes     # the table each lane's row of `tables` holds now
 
     def fill(self, lanes: list, ids) -> None:
         """Lane i from `ids` [n * length] and lanes[i]: (frontier, parity, slot, table), or
@@ -157,11 +161,20 @@ class Inputs:
         parities[:n] = [lane[1] for lane in live]
         slots[:] = pool.spare_slot
         slots[:n] = [lane[2] for lane in live]
-        tables[:] = pool.scratch_block
-        if n:   # each table's blocks, then the zero block up to the width (padding: the scratch block)
-            tables[:n] = [[pool.scratch_block] * width if table is None else
-                          (list(table[:width]) + [pool.zero_block] * (width - len(table)))
-                          for _, _, _, table in live]
+        # each table's blocks, then the zero block up to the width (padding: the scratch block);
+        # a lane's row is rewritten only when its table is another (tables are tuples, replaced
+        # when they change, and held here, so the same object is the same blocks)
+        for i in range(self.lanes):
+            table = live[i][3] if i < n else None
+            if self._rows[i] is table:
+                continue
+            if table is None:
+                tables[i] = pool.scratch_block
+            else:
+                k = min(len(table), width)
+                tables[i, :k] = table[:k]
+                tables[i, k:] = pool.zero_block
+            self._rows[i] = table if table is None or type(table) is tuple else _UNFILLED
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
 

@@ -28,7 +28,7 @@ class deferred_signals:
 
     def __enter__(self) -> "deferred_signals":
         self._originals, self._held, self._active = {}, [], True
-        if threading.current_thread() is not threading.main_thread() or deferred_signals._outer is not None:
+        if deferred_signals._outer is not None or threading.current_thread() is not threading.main_thread():
             return self
         try:
             deferred_signals._outer = self
