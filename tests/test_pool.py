@@ -144,3 +144,29 @@ def test_carving_a_pool_from_bytes():
     assert short.blocks == 10 * 2                           # no more than every slot's table at 32 rows
     with pytest.raises(PoolFull, match="do not fit"):
         Pool.carve(SPECS, torch.device("cpu"), per_slot + padding, 1024, slots=2)
+
+
+def test_blocks_taken_together_are_zeroed_together_and_never_after_they_are_given_back():
+    """Inside `zeroing_together` the blocks a thread takes are zeroed when it ends (one fill per
+    storage), nested blocks leaving it to the outermost; a block given back meanwhile and taken
+    by another thread, which wrote into it, keeps what that thread wrote."""
+    import threading
+    pool = Pool(SPECS, torch.device("cpu"), slots=2, blocks=8, block_rows=4)
+    storage = pool.rows["rows"]
+    storage.fill_(7.0)                                       # whatever earlier owners left
+    with pool.zeroing_together():
+        kept = pool.writable((), 0, 6).table                 # two blocks
+        with pool.zeroing_together():
+            more = pool.extend(kept, 12)                     # a third, from the nested block
+        given = pool.writable((), 0, 1).table                # one more, given back below
+        assert bool((storage[list(kept + more)] == 7.0).all())      # not zeroed yet
+        pool.release(given)
+        other = []
+        thread = threading.Thread(target=lambda: other.append(pool.writable((), 0, 1).table))
+        thread.start()
+        thread.join()
+        assert other[0] == given                             # the same block, taken by another thread:
+        assert bool((storage[list(given)] == 0).all())       # zeroed there, at once
+        storage[list(given)] = 5.0                           # and written by it
+    assert bool((storage[list(kept + more)] == 0).all())
+    assert bool((storage[list(given)] == 5.0).all())

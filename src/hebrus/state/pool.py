@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,6 +126,7 @@ class Pool:
         self._fills = {s.name: s.fill for s in specs if s.kind == BANKED}
         self.slot_nbytes, self.block_nbytes = self.slot_bytes(specs), self.block_bytes(specs, block_rows)
         self._lock = threading.RLock()
+        self._zeroing = threading.local()           # .blocks: this thread's blocks to zero together
 
     @staticmethod
     def slot_bytes(specs: list[OwnerSpec]) -> int:
@@ -198,6 +200,10 @@ class Pool:
             freed = blocks[held == 1].tolist()
             self._free_blocks += freed
             self._free += len(freed)
+        waiting = getattr(self._zeroing, "blocks", None)
+        if waiting and freed:                       # free again: whoever takes them next zeroes them
+            gone = set(freed)
+            self._zeroing.blocks = [b for b in waiting if b not in gone]
 
     def writable(self, table: tuple[int, ...], frontier: int, rows: int) -> Rows:
         """What a step that writes rows [frontier, frontier + rows) needs: the blocks past the
@@ -249,8 +255,30 @@ class Pool:
         self._free -= 1
         return block
 
+    @contextmanager
+    def zeroing_together(self):
+        """Blocks this thread takes inside the block are zeroed together when it ends: one fill
+        of each row storage for all of them (a step whose sessions all grow takes blocks for each:
+        zeroed one session at a time, that was a fill per storage per session, hundreds of
+        launches in one step). A block given back before the end is not zeroed then (whoever
+        takes it next zeroes it). Nested, the outermost block zeroes."""
+        if getattr(self._zeroing, "blocks", None) is not None:
+            yield
+            return
+        self._zeroing.blocks = []
+        try:
+            yield
+        finally:
+            blocks, self._zeroing.blocks = self._zeroing.blocks, None
+            self._zero(blocks)
+
     def _zero(self, blocks) -> None:
-        """Rows past a frontier read as zeros (a planned step reads them, masked)."""
+        """Rows past a frontier read as zeros (a planned step reads them, masked); inside
+        `zeroing_together`, once it ends."""
+        waiting = getattr(self._zeroing, "blocks", None)
+        if waiting is not None:
+            waiting += blocks
+            return
         if blocks:
             index = torch.tensor(blocks, dtype=torch.long, device=self.device)
             for storage in self.rows.values():

@@ -141,12 +141,13 @@ class Transaction:
             self.completion = Completion(self.device)
             self.written: set[str] = set()
             self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
-        for p in self.parts:
-            p.budget.begin()
-            if self.planned:
-                self._begin_planned(p, template)
-            elif frontier_owner in p.private:
-                p.private[frontier_owner].fill_(p.frontier + p.length)
+        with self.pool.zeroing_together():          # blocks the sessions take: zeroed in one go
+            for p in self.parts:
+                p.budget.begin()
+                if self.planned:
+                    self._begin_planned(p, template)
+                elif frontier_owner in p.private:
+                    p.private[frontier_owner].fill_(p.frontier + p.length)
         if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
@@ -474,9 +475,10 @@ class Transaction:
         the pool has them free and the budget grants them. Asked for only once every stage has
         made its own requests, so a reservation never takes what the chunk needed, and one that
         is refused is skipped, never an abort."""
-        for p in self.parts:
-            if p.reserve and p.failure is None:
-                self._extend(p, p.reserve)
+        with self.pool.zeroing_together():
+            for p in self.parts:
+                if p.reserve and p.failure is None:
+                    self._extend(p, p.reserve)
 
     def _blocks(self, count: int) -> str:
         return f"{count} block{'s' if count != 1 else ''} of {self.pool.block_rows} rows"
