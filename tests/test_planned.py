@@ -255,10 +255,36 @@ def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
     for _ in range(40):
         n = rng.randint(0, lanes)
         live = [None if rng.random() < 0.2 else (rng.randint(0, 99), rng.randint(0, 1), rng.randint(0, 3),
-                                                  rng.choice(tables + [tables[0] + (1,)]))   # equal, not the same
+                                                  rng.choice(tables + [tables[0] + (1,)]))   # a new tuple each time
                 for _ in range(n)]
         ids = [rng.randint(0, 50) for _ in range(n)]
         fresh = Inputs(pool, lanes, 1, width, False)
         kept.fill(live, ids)
         fresh.fill(live, ids)
         assert torch.equal(kept.host, fresh.host)
+
+
+def test_blocks_that_cannot_be_zeroed_fail_the_step_and_leak_nothing(models, monkeypatch):
+    """When the blocks a planned step's sessions take cannot be zeroed (zeroed together once
+    every session has begun), no session publishes and every block goes back to the pool."""
+    import hebrus
+    from hebrus.errors import ChunkAborted
+    model = models["qwen3_5"]
+    vocab, pool = model.spec.vocab_size, model.pool
+    sessions = [model.session(decode="planned") for _ in range(3)]
+    for s in sessions:
+        s.feed(tokens(pool.block_rows, seed=7, vocab=vocab))      # a full block: the next token takes one
+    before, free = [s.digest() for s in sessions], pool.free_blocks
+    real = type(pool)._zero
+
+    def refuse(self, blocks):
+        if blocks and getattr(self._zeroing, "blocks", None) is None:
+            raise RuntimeError("zeroing refused")
+        return real(self, blocks)
+
+    monkeypatch.setattr(type(pool), "_zero", refuse)
+    got = hebrus.Batch(sessions, decode="planned").feed(tokens(3, seed=8, vocab=vocab))
+    assert all(isinstance(g, ChunkAborted) for g in got)
+    assert [s.digest() for s in sessions] == before and pool.free_blocks == free
+    monkeypatch.undo()
+    assert all(isinstance(g, torch.Tensor) for g in hebrus.Batch(sessions, decode="planned").feed([1, 2, 3]))

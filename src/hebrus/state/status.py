@@ -168,9 +168,10 @@ class DeviceChecks:
             self._folded = torch.cat(parts) if parts else None
         return self._folded
 
-    def read(self) -> list[tuple[dict[int, int], set[int]]]:
+    def read(self, live: int | None = None) -> list[tuple[dict[int, int], set[int]]]:
         """One device-to-host transfer -> per session ({cell: status word}, {cells with a
-        non-finite write})."""
+        non-finite write}). `live`: how many sessions (lanes) come first whose results are read
+        (a planned step's padding lanes after them: a non-finite value there is not traced)."""
         folded = self.fold()
         values = folded.cpu().numpy() if folded is not None else np.zeros(0)
         N, k, f = self.sessions, len(self._tests), len(self._finite_cells)
@@ -191,7 +192,8 @@ class DeviceChecks:
         g = len(self._row_groups)
         rows = values[(k + f) * N:(k + f + 2 * g) * N].reshape(g, 2, N)      # each group's lows, highs
         for j, i in zip(*np.nonzero(~np.isfinite(rows).all(1))):
-            out[i][1].update(self._located(j, i))
+            if live is None or i < live:
+                out[i][1].update(self._located(j, i))
         named = values[(k + f + 2 * g) * N:]
         for j in np.nonzero(~np.isfinite(named))[0]:
             cell, i = self._named_at[j]

@@ -141,13 +141,22 @@ class Transaction:
             self.completion = Completion(self.device)
             self.written: set[str] = set()
             self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
-        with self.pool.zeroing_together():          # blocks the sessions take: zeroed in one go
+        try:
+            with self.pool.zeroing_together():      # blocks the sessions take: zeroed in one go
+                for p in self.parts:
+                    p.budget.begin()
+                    if self.planned:
+                        self._begin_planned(p, template)
+                    elif frontier_owner in p.private:
+                        p.private[frontier_owner].fill_(p.frontier + p.length)
+        except Exception as exc:
+            if not self.planned:
+                raise
+            # the blocks taken could not be zeroed (each session's own failures are its own):
+            # every session fails, and its blocks go back when the step is finished
             for p in self.parts:
-                p.budget.begin()
-                if self.planned:
-                    self._begin_planned(p, template)
-                elif frontier_owner in p.private:
-                    p.private[frontier_owner].fill_(p.frontier + p.length)
+                if p.failure is None:
+                    self._fail(p, exc, stop=False)
         if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
@@ -383,7 +392,7 @@ class Transaction:
             self.pass_failed = True
             return [p.failure or error for p in self.parts]
         try:
-            checks = self.checks.read()                    # the one host sync
+            checks = self.checks.read(self.sessions)       # the one host sync
         except Exception as exc:
             cls = AllocationError if out_of_memory(exc) else CommandError
             error = cls("validate", f"{type(exc).__name__}: {exc}" if cls is AllocationError

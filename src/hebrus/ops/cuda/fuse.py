@@ -23,8 +23,9 @@ import torch._dynamo
 _fused: dict[Callable, "_Fused"] = {}
 
 # Each op is compiled once per shape signature and model dtype, and a process may hold several
-# models: allow more than the compiler's default eight versions per op before it gives up.
-RECOMPILES = 128
+# models: allow more than the compiler's default eight versions per op before it gives up (both
+# forms below count against it: every lanes' row count is a version of its own).
+RECOMPILES = 256
 
 # A kernel made for every length is tuned for the first one it meets: after a prefill of 2048 rows,
 # a reduction over 64 rows ran in one block of the whole GPU (13.9 us against 1.8 us for a kernel
@@ -50,6 +51,8 @@ class _Fused:
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), RECOMPILES))
+        if hasattr(config, "accumulated_recompile_limit"):        # the compiler's cap over all of them
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILES)
         self.op = op
         # dynamic from the first call: one kernel per op for every chunk length (lengths 0 and 1
         # aside), never a kernel for the first length seen and another for the rest. With the
