@@ -141,22 +141,12 @@ class Transaction:
             self.completion = Completion(self.device)
             self.written: set[str] = set()
             self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
-        try:
-            with self.pool.zeroing_together():      # blocks the sessions take: zeroed in one go
-                for p in self.parts:
-                    p.budget.begin()
-                    if self.planned:
-                        self._begin_planned(p, template)
-                    elif frontier_owner in p.private:
-                        p.private[frontier_owner].fill_(p.frontier + p.length)
-        except Exception as exc:
-            if not self.planned:
-                raise
-            # the blocks taken could not be zeroed (each session's own failures are its own):
-            # every session fails, and its blocks go back when the step is finished
-            for p in self.parts:
-                if p.failure is None:
-                    self._fail(p, exc, stop=False)
+        for p in self.parts:
+            p.budget.begin()
+            if not self.planned and frontier_owner in p.private:
+                p.private[frontier_owner].fill_(p.frontier + p.length)
+        if self.planned:
+            self._begin_lanes(template)
         if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
@@ -332,6 +322,19 @@ class Transaction:
         if self.frontier_owner in self.parts[0].private:
             last = self.lanes.positions.view(self._width, -1)[:, -1] + 1
             self.write(self.frontier_owner, last if self._width > 1 else last[0])
+
+    def _begin_lanes(self, template: "Captured | None") -> None:
+        """Every session's `_begin_planned`, the blocks they take zeroed in one go. If those
+        cannot be zeroed, every session fails (each one's own failures are its own), and its
+        blocks go back when the step is finished."""
+        try:
+            with self.pool.zeroing_together():
+                for p in self.parts:
+                    self._begin_planned(p, template)
+        except Exception as exc:
+            for p in self.parts:
+                if p.failure is None:
+                    self._fail(p, exc, stop=False)
 
     def _begin_planned(self, p: _Session, template: "Captured | None") -> None:
         """Take the blocks `p`'s chunk writes (on the host: a graph takes none); a replay asks
