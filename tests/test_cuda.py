@@ -458,13 +458,10 @@ def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format):
     model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", quantize=format)
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, [(r.name, r.detail) for r in failed]
-    ids = list(range(3, 40))
-    graph, eager = model.session(decode="graph"), model.session(decode="eager")
-    for s in (graph, eager):
-        s.feed(ids)
-    for t in range(12):
-        a, b = graph.feed([t]), eager.feed([t])
-        assert _rel(a.float(), b.float()) <= 2e-2
+    reference = hebrus.load("tiny", device="cuda", mode="fast", quantize=format)
+    graph = model.session(decode="graph")
+    worst, eager_worst = _worst_steps(graph, model.session(decode="eager"), reference.session(decode="eager"))
+    assert worst <= max(2e-2, 2 * eager_worst), (worst, eager_worst)
     assert graph._steps.replays > 0
 
 
@@ -472,12 +469,25 @@ def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format):
 @pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
 def test_a_quantized_cache_decodes_from_graphs_on_cuda(kv_cache):
     model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", kv_cache=kv_cache)
-    graph, eager = model.session(decode="graph"), model.session(decode="eager")
-    for s in (graph, eager):
-        s.feed(list(range(3, 40)))
-    for t in range(12):
-        assert _rel(graph.feed([t]).float(), eager.feed([t]).float()) <= 2e-2
+    reference = hebrus.load("tiny", device="cuda", mode="fast", kv_cache=kv_cache)
+    graph = model.session(decode="graph")
+    worst, eager_worst = _worst_steps(graph, model.session(decode="eager"), reference.session(decode="eager"))
+    assert worst <= max(2e-2, 2 * eager_worst), (worst, eager_worst)
     assert graph._steps.replays > 0
+
+
+def _worst_steps(graph, eager, reference) -> tuple[float, float]:
+    """A 16-bit model's graph and eager sessions against its float32 twin over a prompt and 12
+    steps -> the largest distance of each one's logits from the twin's (a random 16-bit model's
+    logits at one step swing with the rounding of every step before it: the graph's worst step is
+    held to the eager one's, as in `test_graph_decode_matches_eager`)."""
+    for s in (graph, eager, reference):
+        s.feed(list(range(3, 40)))
+    far = []
+    for t in range(12):
+        r = reference.feed([t]).float()
+        far.append((_rel(graph.feed([t]).float(), r), _rel(eager.feed([t]).float(), r)))
+    return max(f[0] for f in far), max(f[1] for f in far)
 
 
 @cuda
