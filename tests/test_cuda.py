@@ -577,7 +577,8 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hk, dk, hv, dv, Kc", [(16, 128, 16, 128, 4), (2, 64, 4, 96, 4), (1, 16, 2, 40, 2)])
-def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
+@pytest.mark.parametrize("laid", [False, True])
+def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid):
     """The conv and the delta rule of one token per lane, both states read from and written to
     the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64 on the same values:
     outputs, both banks after (either parity), and the checks (NaN exactly for the lane whose
@@ -588,8 +589,11 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc):
     from hebrus.state.context import InPlace
     g = torch.Generator(device="cuda").manual_seed(hk + dv)
     N, slots, C = 6, 9, 2 * hk * dk + hv * dv
-    projected = torch.randn(N, C, generator=g, device="cuda").to(dtype)
-    b, a = (torch.randn(N, hv, generator=g, device="cuda").to(dtype) for _ in range(2))
+    if laid:                    # slices of one product's columns, as a fast model's projections give them
+        projected, _, b, a = torch.randn(N, C + 3 * hv, generator=g, device="cuda").to(dtype).split([C, hv, hv, hv], 1)
+    else:
+        projected = torch.randn(N, C, generator=g, device="cuda").to(dtype)
+        b, a = (torch.randn(N, hv, generator=g, device="cuda").to(dtype) for _ in range(2))
     conv_w = (torch.randn(C, Kc, generator=g, device="cuda") * 0.5).to(dtype)
     neg_a, dt_bias = -4 * torch.rand(hv, generator=g, device="cuda"), 0.1 * torch.randn(hv, generator=g, device="cuda")
     conv_bank = torch.randn(2, slots, C, Kc - 1, generator=g, device="cuda").to(dtype)

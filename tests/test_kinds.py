@@ -90,8 +90,69 @@ def test_declared_weights_are_weights_the_kind_has():
                 leaves.setdefault(w.kind.name, set()).add(w.leaf)
     for name, kind in KINDS.items():
         if name in leaves:
-            for declared in (kind.quantized, kind.wide, kind.integer, kind.outputs):
+            for declared in (kind.quantized, kind.wide, kind.integer, kind.outputs, *kind.side_by_side):
                 assert set(declared) <= leaves[name], name
+
+
+def _groups(model):
+    """(names, weights) of each group of a model's weights its kinds lay side by side."""
+    params = dict(model.named_parameters())
+    for layer, kinds in model.spec.layer_kinds():
+        for kind in kinds:
+            for group in kind.side_by_side:
+                names = [f"layers.{layer}.{kind.name}.{leaf}" for leaf in group]
+                if all(n in params for n in names):
+                    yield names, [params[n] for n in names]
+
+
+def test_a_fast_model_lays_each_group_of_projections_in_one_tensor_held_once(fast_models):
+    """Fast mode: each group a kind multiplies by one input lies in one storage, in the group's
+    order, and that storage holds the group and nothing else (no weight is held twice); the
+    same weights again in fast mode are not copied; exact mode keeps what it is given."""
+    from hebrus.ops.quant import laid_together
+    for name, model in fast_models.items():
+        groups = list(_groups(model))
+        assert groups, name
+        for names, weights in groups:
+            whole = laid_together(weights)
+            assert whole is not None, (name, names)
+            assert whole.untyped_storage().nbytes() == sum(w.numel() * w.element_size() for w in weights)
+        again = dict(model.with_mode("fast").named_parameters())
+        assert all(again[n].data_ptr() == w.data_ptr() for names, ws in groups for n, w in zip(names, ws))
+    exact = hebrus.load("tiny")
+    assert all(laid_together(ws) is None for _, ws in _groups(exact))
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+def test_projections_side_by_side_equal_their_twin_apart(fast_models, name, monkeypatch):
+    """One product over a group's weights against one product each (the same float64 weights
+    kept apart): logits and every owner's final state within 1e-12 over a prompt and steps."""
+    import hebrus.runtime
+    laid = fast_models[name].with_dtype(torch.float64)
+    monkeypatch.setattr(hebrus.runtime, "side_by_side", lambda spec, params: None)
+    apart = laid.with_dtype(torch.float64)
+    assert all(w.untyped_storage().nbytes() == w.numel() * 8 for _, ws in _groups(apart) for w in ws)
+    sessions = [m.session() for m in (laid, apart)]
+    ids = list(range(3, 40))
+    for chunk in (ids, [5], [7], ids[:3]):
+        a, b = (s.feed(chunk) for s in sessions)
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), float((a - b).abs().max())
+    for spec in sessions[0].image.specs:
+        a, b = (s.image.value(spec.name) for s in sessions)
+        if a.is_floating_point():
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), spec.name
+        else:
+            assert torch.equal(a, b), spec.name
+
+
+def test_a_group_with_a_quantized_member_runs_a_product_each():
+    """The delta rule's b and a stay float in a quantized model while qkv and z are quantized:
+    that group is left apart, and its layer multiplies by each weight."""
+    model = hebrus.load("tiny", mode="fast", quantize="int8")
+    gdn = next(stage for stage in model.stages if hasattr(stage, "gdn")).gdn
+    assert gdn.project.together is None and len(gdn.project.weights) == 4
+    s = model.session()
+    assert torch.isfinite(s.feed(list(range(3, 20)))).all()
 
 
 def _mlp(inner):

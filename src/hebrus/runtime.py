@@ -13,6 +13,7 @@ from hebrus.arguments import count
 from hebrus.errors import CheckpointError, InvalidInput
 from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
+from hebrus.layers.layout import side_by_side
 from hebrus.layers.owners import owner_specs
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of, layout
@@ -63,6 +64,8 @@ class Model:
         self.paged = paged_tables(params, paging, device) if paging is not None else {}
         if paging is not None and not self.paged:
             raise InvalidInput(f"ple_cache_bytes pages per-layer-embedding tables; this {spec.family} model has none")
+        if mode == "fast":                  # each kind's projections of one input in one tensor
+            side_by_side(spec, params)
         # a table read from its file is no parameter in memory; one in host memory stays one
         self._params = {name: (self.paged[name].source.tensor if name in self.paged else p)
                         for name, p in params.items()

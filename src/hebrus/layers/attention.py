@@ -18,7 +18,7 @@ from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import (dense_attention, dense_attention_fast, dense_attention_lanes, index_scores, select,
                             sigmoid_gated, sparse_attention)
-from hebrus.ops.quant import CACHE_DTYPES, QuantizedRows, dense, linear, quantize_rows
+from hebrus.ops.quant import CACHE_DTYPES, Products, QuantizedRows, dense, linear, quantize_rows
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
@@ -31,6 +31,8 @@ LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positi
                                         # queries, each over its rows through its block table
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
+PROJECTED = ("q_proj.weight", "gate_proj.weight", "k_proj.weight", "v_proj.weight")     # of h, side by side
+INDEXED = ("index_q.weight", "index_k.weight", "index_w.weight")                         # of the indexer's input
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ class Attention:
         a = s.section(AttentionSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
+        self.project = Products(*(w[name] for name in PROJECTED))        # -> q, gate, k, v
+        self.index_project = Products(*(w[name] for name in INDEXED)) if indexed else None    # -> qi, ki, iw
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
         self.attend_lanes = kernels.ops.get(LANES)
         self.index_input = kernels.ops[INDEX_INPUT]
@@ -104,21 +108,22 @@ class Attention:
         T, w = h.shape[0], self.w
         cos, sin = (span.take(t) for t in self.rope)
         rotate = self.fused(normed_rotated)
-        q = rotate(linear(h, w["q_proj.weight"]).view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
-        k = rotate(linear(h, w["k_proj.weight"]).view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
+        q, gate, k, v = self.project(h)
+        q = rotate(q.view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
+        k = rotate(k.view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
         self._put(span, rows, 0, k)
-        self._put(span, rows, 1, linear(h, w["v_proj.weight"]).view(T, self.hkv, self.dh))
+        self._put(span, rows, 1, v.view(T, self.hkv, self.dh))
         if self.indexed:
             hi = self.index_input(h)
-            qi = linear(hi, w["index_q.weight"]).view(T, self.hi, self.di)
-            ki = layer_norm(linear(hi, w["index_k.weight"]), w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
+            qi, ki, iw = self.index_project(hi)
+            qi = qi.view(T, self.hi, self.di)
+            ki = layer_norm(ki, w["index_k_norm.weight"], w["index_k_norm.bias"], self.eps)
             icos, isin = (span.take(t) for t in self.index_rope)
             qi, ki = (self.fused(apply_rope)(x, icos, isin) for x in (qi, ki))
             self._put(span, rows, 2, ki)
-            iw = linear(hi, w["index_w.weight"])
         if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
             o = self._lanes(span, q, rows)
-            gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+            gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
             return linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
@@ -135,7 +140,7 @@ class Attention:
             check_range(torch.cat([F.pad(p, (0, width - p.shape[1])) for p in past]), 1, Check.INDEX_RANGE,
                         lower=None)
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
-        gated = self.fused(sigmoid_gated)(o, linear(h, w["gate_proj.weight"]).view(T, self.hq, self.dh))
+        gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
         return linear(gated.flatten(1), w["o_proj.weight"])
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
@@ -233,6 +238,7 @@ class DenseAttention(Kind):
     quantized = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight")
     outputs = ("o_proj.weight",)
     keeps_rows = True
+    side_by_side = (PROJECTED,)
     logs = ("k", "v")                     # its row logs
 
     def weights(self, s, prefix):
@@ -297,6 +303,7 @@ class SparseAttention(DenseAttention):
     """Gated attention over the top_k rows an indexer scores highest."""
     name = "qsa"
     logs = ("k", "v", "index")
+    side_by_side = (PROJECTED, INDEXED)
 
     def weights(self, s, prefix):
         a, D = s.section(AttentionSection), s.hidden_size

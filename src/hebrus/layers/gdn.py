@@ -12,7 +12,7 @@ from hebrus.layers.sublayer import Sublayer, scan
 from hebrus.ops.gdn import (gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
-from hebrus.ops.quant import linear
+from hebrus.ops.quant import Products, linear
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 from hebrus.state.context import InPlace
@@ -55,8 +55,8 @@ class GatedDeltaNet:
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str):
         g = s.section(DeltaNetSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
-        self.w_qkv, self.w_z = w["in_proj_qkv.weight"], w["in_proj_z.weight"]
-        self.w_b, self.w_a, self.w_out = w["in_proj_b.weight"], w["in_proj_a.weight"], w["out_proj.weight"]
+        self.project = Products(*(w[name] for name in GDN.side_by_side[0]))      # -> qkv, z, b, a
+        self.w_out = w["out_proj.weight"]
         self.conv_w, self.norm_w = w["conv.weight"], w["norm.weight"]
         state = accum_dtype(self.conv_w.dtype)       # the recurrent state's dtype (the model's, widened)
         self.neg_a = (-w["A_log"].exp()).to(state)    # widening is exact: the same values as before
@@ -75,7 +75,7 @@ class GatedDeltaNet:
         their place. With `each`, both states after every token ([T, ...]: a prefix
         transaction)."""
         T = h.shape[0]
-        projected, b, a = linear(h, self.w_qkv), linear(h, self.w_b), linear(h, self.w_a)
+        projected, z, b, a = self.project(h)
         if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
             o, conv_state, S = kernels.ops[GDN_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
                                                              (self.hk, self.dk, self.hv, self.dv), conv_state, S)
@@ -91,8 +91,7 @@ class GatedDeltaNet:
             columns = list(zip(*parts))
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[DELTA_RULE_RAGGED](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
-        z = linear(h, self.w_z).view(T, self.hv, self.dv)
-        o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z, self.norm_w, self.eps)
+        o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, kernels, each: bool = False):
@@ -139,6 +138,7 @@ class GDN(Kind):
     quantized = ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
     wide = ("A_log", "dt_bias")
     outputs = ("out_proj.weight",)
+    side_by_side = (("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),)
 
     def weights(self, s, prefix):
         g, D = s.section(DeltaNetSection), s.hidden_size

@@ -83,7 +83,9 @@ class Kind:
     (training starts them small); `keeps_rows`, whether its owners are K/V rows a kv-cache format
     applies to; `rotary_widths(s)`; `ops(mode, device, dtype)`, ops of its own, a fast one or its
     twin chosen once with the model and reaching its stage as `kernels.ops[name]`. A range check
-    of its own is a bit of `layers.checks.Check`.
+    of its own is a bit of `layers.checks.Check`. `side_by_side`: groups of its weights (leaf
+    names) multiplied by one input, which a fast-mode model lays in one tensor so that a token
+    makes one product for each group (`layers.layout.side_by_side`, `ops.quant.Products`).
 
     The section is a frozen dataclass with `key` (its name in `hebrus info`) and
     `problems(spec)` (what is wrong, as text), optionally `unused(spec)` (fields not in use).
@@ -98,6 +100,7 @@ class Kind:
     integer: ClassVar[tuple[str, ...]] = ()
     outputs: ClassVar[tuple[str, ...]] = ()
     keeps_rows: ClassVar[bool] = False
+    side_by_side: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     def __init_subclass__(cls, register: bool = True, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -17,6 +17,7 @@ import torch
 from hebrus.layers import hyper
 from hebrus.layers.kind import CPU32, KINDS, Kind, check_unique, normal
 from hebrus.layers.spec import ModelSpec
+from hebrus.ops.quant import laid_together
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,32 @@ def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
     if outside:
         raise TypeError(f"layer kind {kind.name!r} names model-wide weights outside {kind.name}.*: {outside[:3]}")
     return [Weight(name, shape, kind, name.removeprefix(kind.name + ".")) for name, shape in weights.items()]
+
+
+def side_by_side(s: ModelSpec, params: dict) -> None:
+    """Lay each group of weights that a kind multiplies by one input (`Kind.side_by_side`) in one
+    tensor, in place in `params`: rows one group member after another, each member's entry a
+    view of its rows, so a token makes one product for the group (`ops.quant.Products`) and no
+    weight is held twice (each is copied once, and its own tensor let go). A group with a
+    member that is not a float matrix like the others (a quantized weight's parts, a weight
+    missing) is left as it is; one laid so already is not copied again."""
+    for layer, kinds in s.layer_kinds():
+        for kind in kinds:
+            for group in kind.side_by_side:
+                names = [f"layers.{layer}.{kind.name}.{leaf}" for leaf in group]
+                weights = [params.get(name) for name in names]
+                if not _joinable(weights) or laid_together(weights) is not None:
+                    continue
+                whole, at = torch.cat(weights), 0
+                for name, w in zip(names, weights):
+                    params[name], at = whole[at:at + w.shape[0]], at + w.shape[0]
+                del weights
+
+
+def _joinable(weights: list) -> bool:
+    first = weights[0]
+    return all(type(w) is torch.Tensor and w.dim() == 2 and w.is_floating_point() and w.dtype == first.dtype
+               and w.device == first.device and w.shape[1] == first.shape[1] for w in weights)
 
 
 def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:

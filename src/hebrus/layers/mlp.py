@@ -9,7 +9,7 @@ import torch
 from hebrus.layers.kernels import unfused
 from hebrus.layers.kind import Cost, Kind
 from hebrus.ops.moe import silu_mul
-from hebrus.ops.quant import linear
+from hebrus.ops.quant import Products, linear
 
 PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
@@ -23,8 +23,9 @@ class MLPSection:
         return ()
 
 
-def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fused=unfused) -> torch.Tensor:
-    return linear(fused(silu_mul)(linear(h, gate), linear(h, up)), down)
+def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused) -> torch.Tensor:
+    """`gate_up`: the gate and up projections (one product where they lie side by side)."""
+    return linear(fused(silu_mul)(*gate_up(h)), down)
 
 
 def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -34,11 +35,11 @@ def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]
 
 class MLPFeed:
     def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels):
-        self.weights = tuple(params[prefix + name] for name in PROJECTIONS)
-        self.fused = kernels.fused
+        gate, up, down = (params[prefix + name] for name in PROJECTIONS)
+        self.gate_up, self.down, self.fused = Products(gate, up), down, kernels.fused
 
     def bind(self, txn):
-        return lambda h, step: swiglu(h, *self.weights, self.fused)
+        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused)
 
 
 class MLP(Kind):
@@ -47,6 +48,7 @@ class MLP(Kind):
     section = MLPSection
     quantized = PROJECTIONS
     outputs = ("down_proj.weight",)
+    side_by_side = (PROJECTIONS[:2],)
 
     def weights(self, s, prefix):
         return swiglu_shapes(s.hidden_size, s.section(MLPSection).intermediate, prefix)

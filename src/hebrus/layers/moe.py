@@ -14,7 +14,7 @@ from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route)
-from hebrus.ops.quant import linear
+from hebrus.ops.quant import Products, linear
 from hebrus.state.owners import APPENDED, OwnerSpec
 
 
@@ -47,7 +47,8 @@ class MixtureOfExperts:
         self.router, self.gate_up, self.down = w["router.weight"], w["experts.gate_up"], w["experts.down"]
         self.shared = None
         if e.shared_intermediate:
-            self.shared = tuple(w["shared." + name] for name in PROJECTIONS)
+            gate, up, down = (w["shared." + name] for name in PROJECTIONS)
+            self.shared = (Products(gate, up), down)
             self.shared_gate = w["shared_gate.weight"]
         self.top_k, self.normalize, self.kernels, self.site = e.top_k, e.normalize, kernels, site
 
@@ -88,6 +89,7 @@ class MoE(Kind):
     section = ExpertsSection
     quantized = ("experts.gate_up", "experts.down") + tuple("shared." + name for name in PROJECTIONS)
     outputs = ("experts.down", "shared.down_proj.weight")
+    side_by_side = (tuple("shared." + name for name in PROJECTIONS[:2]),)
 
     def weights(self, s, prefix):
         e, D = s.section(ExpertsSection), s.hidden_size

@@ -85,6 +85,37 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
     return F.linear(x, w)
 
 
+class Products:
+    """x Wᵢᵀ for several weights of one input x. Where the weights lie one after another in one
+    tensor (rows of one storage, in order: `layers.layout.side_by_side` lays a fast-mode model's
+    so), one product over all of them, each result a slice of its columns; otherwise one product
+    each, the readable twin (a quantized weight's, an exact-mode model's)."""
+
+    def __init__(self, *weights):
+        self.weights, self.together = weights, laid_together(weights)
+        self.sizes = [w.shape[0] for w in weights] if self.together is not None else None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.together is None:
+            return tuple(linear(x, w) for w in self.weights)
+        return linear(x, self.together).split(self.sizes, dim=-1)
+
+
+def laid_together(weights) -> torch.Tensor | None:
+    """The one matrix whose rows are `weights` [out_i, in] one after another, when they lie so
+    in one storage (dense, one dtype and device); else None."""
+    first = weights[0] if weights else None
+    if len(weights) < 2 or not all(type(w) is torch.Tensor and w.dim() == 2 for w in weights):
+        return None
+    at = first.storage_offset()
+    for w in weights:
+        if (w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.storage_offset() != at
+                or w.dtype != first.dtype or w.shape[1] != first.shape[1] or not w.is_contiguous()):
+            return None
+        at += w.numel()
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+
+
 def rebuilt_linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     """W rebuilt in x's dtype, then F.linear: the readable twin of every quantized kernel."""
     return F.linear(x, w.dequantize(x.dtype))

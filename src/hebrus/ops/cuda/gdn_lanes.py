@@ -23,7 +23,7 @@ BV = 32                 # value columns per program
 
 
 @triton.jit
-def _conv(x, weight, bank, source, target, slots, mixed, check, parity_stride, slot_stride,
+def _conv(x, x_stride, weight, bank, source, target, slots, mixed, check, parity_stride, slot_stride,
           C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, NC: tl.constexpr):
     n, ic = tl.program_id(0), tl.program_id(1)
     parity, written, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
@@ -31,7 +31,7 @@ def _conv(x, weight, bank, source, target, slots, mixed, check, parity_stride, s
     mc, mk = rc < C, rk < K - 1
     at = slot * slot_stride + rc[:, None] * (K - 1) + rk[None, :]                      # [BC, KP]
     window = tl.load(bank + parity * parity_stride + at, mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
-    new = tl.load(x + n * C + rc, mask=mc, other=0.0).to(tl.float32)
+    new = tl.load(x + n * x_stride + rc, mask=mc, other=0.0).to(tl.float32)
     taps = tl.load(weight + rc[:, None] * K + rk[None, :], mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
     last = tl.load(weight + rc * K + K - 1, mask=mc, other=0.0).to(tl.float32)
     y = tl.sum(window * taps, 1) + new * last
@@ -46,7 +46,7 @@ def _conv(x, weight, bank, source, target, slots, mixed, check, parity_stride, s
 
 
 @triton.jit
-def _rule(mixed, b, a, neg_a, dt_bias, bank, source, target, slots, o, check, parity_stride, slot_stride, scale,
+def _rule(mixed, b, a, ab_stride, neg_a, dt_bias, bank, source, target, slots, o, check, parity_stride, slot_stride, scale,
           C: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
           BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
     nh, iv = tl.program_id(0), tl.program_id(1)         # sessions x heads on the axis without a 65,535 cap
@@ -60,10 +60,10 @@ def _rule(mixed, b, a, neg_a, dt_bias, bank, source, target, slots, o, check, pa
     bv = tl.load(mixed + n * C + 2 * HK * K + h * V + rv, mask=mv, other=0.0)
     bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
     bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
-    shift = tl.load(a + nh).to(tl.float32) + tl.load(dt_bias + h)
+    shift = tl.load(a + n * ab_stride + h).to(tl.float32) + tl.load(dt_bias + h)
     softplus = tl.where(shift > 20.0, shift, tl.log(1.0 + tl.exp(tl.where(shift > 20.0, 20.0, shift))))   # a NaN stays NaN
     decay = tl.exp(tl.load(neg_a + h) * softplus)
-    rate = 1.0 / (1.0 + tl.exp(-tl.load(b + nh).to(tl.float32)))
+    rate = 1.0 / (1.0 + tl.exp(-tl.load(b + n * ab_stride + h).to(tl.float32)))
     tile = h * K * V + rk[:, None] * V + rv[None, :]
     mask = mk[:, None] & mv[None, :]
     S = tl.load(bank + parity * parity_stride + slot * slot_stride + tile, mask=mask, other=0.0).to(tl.float32)
@@ -82,15 +82,18 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
     HK, K, H, V = heads
     N, C = projected.shape
     Kc = conv_w.shape[1]
-    projected, b, a = projected.contiguous(), b.contiguous(), a.contiguous()
+    # rows may lie apart (slices of one product's columns): each row's own values are dense
+    projected, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (projected, b, a))
+    if b.stride(0) != a.stride(0):
+        b, a = b.contiguous(), a.contiguous()
     mixed = torch.empty((N, C), dtype=torch.float32, device=projected.device)
     NC, NV = triton.cdiv(C, BC), triton.cdiv(V, BV)
     conv_check = torch.empty((N, NC), dtype=torch.float32, device=projected.device)
-    _conv[(N, NC)](projected, conv_w.contiguous(), conv.bank, conv.source, conv.target, conv.slots, mixed, conv_check,
+    _conv[(N, NC)](projected, projected.stride(0), conv_w.contiguous(), conv.bank, conv.source, conv.target, conv.slots, mixed, conv_check,
                    conv.bank.stride(0), conv.bank.stride(1), C=C, K=Kc, KP=triton.next_power_of_2(Kc - 1), BC=BC, NC=NC)
     o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
     check = torch.empty((N, H * NV), dtype=torch.float32, device=projected.device)
-    _rule[(N * H, NV)](mixed, b, a, neg_a.float().contiguous(), dt_bias.float().contiguous(), recurrent.bank,
+    _rule[(N * H, NV)](mixed, b, a, b.stride(0), neg_a.float().contiguous(), dt_bias.float().contiguous(), recurrent.bank,
                        recurrent.source, recurrent.target, recurrent.slots, o, check,
                        recurrent.bank.stride(0), recurrent.bank.stride(1), K ** -0.5,
                        C=C, HK=HK, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, NV=NV)
