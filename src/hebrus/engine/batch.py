@@ -51,6 +51,9 @@ def _shared_pass(txn: Transaction, work, sessions, outs) -> list:
     try:
         try:
             work()
+            # the logits of sessions with no `out` copied now, while the device may still run the
+            # step (the private rows the flip publishes; a failed session's row is let go)
+            rows = _private_logits(txn) if any(out is None for out in outs) else None
         except Exception:
             return [p.failure for p in txn.parts]
         results: list = txn.failures()
@@ -60,9 +63,8 @@ def _shared_pass(txn: Transaction, work, sessions, outs) -> list:
             with deferred_signals():        # a signal lands after every session has published
                 for j, failure in enumerate(results):
                     results[j] = failure or _publish(txn, j, outs[j])
-                fresh = [j for j, r in enumerate(results) if r is None]     # published, no `out`: new tensors
-                for j, row in zip(fresh, _published_logits(txn, [sessions[j] for j in fresh])):
-                    results[j] = row
+                    if results[j] is None:  # published, no `out`: its row of the new tensor
+                        results[j] = rows[j]
         except BaseException as exc:
             _attach(exc, results)
             raise
@@ -90,14 +92,12 @@ def _publish(txn: Transaction, j: int, out):
     return out
 
 
-def _published_logits(txn: Transaction, sessions: list) -> list[torch.Tensor]:
-    """These sessions' published logits, gathered from the pool in one copy: a row each of one
-    new tensor."""
-    if not sessions:
-        return []
-    records = [s.image.public for s in sessions]
+def _private_logits(txn: Transaction) -> list[torch.Tensor]:
+    """Every session's logits in its private bank, which its flip publishes, gathered from the
+    pool in one copy: a row each of one new tensor."""
     bank = txn.pool.banks[txn.output]
-    index = torch.tensor([[r.bank for r in records], [r.slot for r in records]], device=bank.device)
+    index = torch.tensor([[1 - p.record.bank for p in txn.parts], [p.record.slot for p in txn.parts]],
+                         device=bank.device)
     return list(bank[index[0], index[1]].unbind(0))
 
 

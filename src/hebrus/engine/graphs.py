@@ -235,6 +235,7 @@ class Steps:
                 self._stage(inputs, txn, ids)
                 held.graph.replay()
                 txn.completion.record_replay()
+                txn.admit_peaks()                   # on the host while the device runs the step
                 self.replays += 1
 
             return conclude(txn, replay)

@@ -28,7 +28,8 @@ rest padding that reads and writes the pool's scratch slot and block. Blocks are
 host when the transaction begins (a graph takes none), so stages find every table holding its
 session's rows. A replay is a new transaction over whichever sessions run it that borrows the
 captured one's device work (`template`): its checks, completion record and values kept per
-token, and the largest request its stages made of a lane's memory budget.
+token, and the largest request its stages made of a lane's memory budget (`admit_peaks` asks
+each session's budget for it, once the replay is on its way).
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ class Transaction:
             if not self.planned and frontier_owner in p.private:
                 p.private[frontier_owner].fill_(p.frontier + p.length)
         if self.planned:
-            self._begin_lanes(template)
+            self._begin_lanes()
         if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
@@ -323,36 +324,42 @@ class Transaction:
             last = self.lanes.positions.view(self._width, -1)[:, -1] + 1
             self.write(self.frontier_owner, last if self._width > 1 else last[0])
 
-    def _begin_lanes(self, template: "Captured | None") -> None:
+    def _begin_lanes(self) -> None:
         """Every session's `_begin_planned`, the blocks they take zeroed in one go. If those
         cannot be zeroed, every session fails (each one's own failures are its own), and its
         blocks go back when the step is finished."""
         try:
             with self.pool.zeroing_together():
                 for p in self.parts:
-                    self._begin_planned(p, template)
+                    self._begin_planned(p)
         except Exception as exc:
             for p in self.parts:
                 if p.failure is None:
                     self._fail(p, exc, stop=False)
 
-    def _begin_planned(self, p: _Session, template: "Captured | None") -> None:
-        """Take the blocks `p`'s chunk writes (on the host: a graph takes none); a replay asks
-        `p`'s budget for the largest request the captured stages made of a lane's (so it refuses
-        exactly when one of them would be refused). A refusal fails `p` alone."""
+    def _begin_planned(self, p: _Session) -> None:
+        """Take the blocks `p`'s chunk writes (on the host: a graph takes none). A refusal fails
+        `p` alone."""
         try:
             p.device_table = self._writable_table(p)
         except Exception as exc:
             self._fail(p, exc, stop=False)
-            return
-        if template is not None:
-            (needed, self.stage), working = self._peak
-            try:
-                self._request(p.budget.admit, needed, f"the intermediates of {self.stage}")
-                p.budget.set_working(working)
-            except ChunkAborted as exc:
-                self._fail(p, exc, stop=False)
-            self.stage = self.stages[0]     # a replay's own failures: a graph cannot say which stage
+
+    def admit_peaks(self) -> None:
+        """A replay's budgets: each session's is asked for the largest request the captured
+        stages made of a lane's (so it refuses exactly when one of them would have refused).
+        Asked once the replay is launched, while the device runs it (a refused session's lane
+        wrote only private places); a refusal fails that session alone."""
+        (needed, stage), working = self._peak
+        what, self.stage = f"the intermediates of {stage}", stage
+        for p in self.parts:
+            if p.failure is None:
+                try:
+                    self._request(p.budget.admit, needed, what)
+                    p.budget.set_working(working)
+                except ChunkAborted as exc:
+                    self._fail(p, exc, stop=False)
+        self.stage = self.stages[0]         # a replay's own failures: a graph cannot say which stage
 
     def captured(self) -> "Captured":
         """What a replay of this (captured) step borrows. The peak: the largest request of a
@@ -439,24 +446,23 @@ class Transaction:
         p = self.parts[session]
         if p.done:
             raise StructuralError("publish", "transaction already finished")
-        released = len(p.dropped) * self.pool.block_nbytes
         record = Published(p.record.slot, 1 - p.record.bank, p.frontier + p.length, p.table)
         with deferred_signals():
-            self._copy_out(p, out)
+            if out is not None:
+                self._copy_out(p, out)
             p.image.publish(record)
-            p.done = True
-            p.taken = []
-            self.pool.release(p.dropped)
+            p.done, p.taken = True, []
+            if p.dropped:
+                self.pool.release(p.dropped)
             if self._cut:                           # the rejected tail's rows, past the frontier
                 p.image.tail_dirty = True
             try:
-                p.budget.commit(released)
+                p.budget.commit(len(p.dropped) * self.pool.block_nbytes)
             finally:
-                _finish_all(p.held, "commit")
+                if p.held:
+                    _finish_all(p.held, "commit")
 
-    def _copy_out(self, p: _Session, out: torch.Tensor | None) -> None:
-        if out is None:
-            return
+    def _copy_out(self, p: _Session, out: torch.Tensor) -> None:
         try:
             out.copy_(p.private[self.output])
         except Exception as exc:
