@@ -105,10 +105,33 @@ def _groups(model):
                     yield names, [params[n] for n in names]
 
 
-def test_a_fast_model_lays_each_group_of_projections_in_one_tensor_held_once(fast_models):
-    """Fast mode: each group a kind multiplies by one input lies in one storage, in the group's
-    order, and that storage holds the group and nothing else (no weight is held twice); the
-    same weights again in fast mode are not copied; exact mode keeps what it is given."""
+def _products(model) -> list:
+    """Every `ops.quant.Products` of a model's stages."""
+    from hebrus.ops.quant import Products
+    found, seen = [], set()
+
+    def walk(x, depth=0):
+        if id(x) in seen or depth > 4:
+            return
+        seen.add(id(x))
+        if isinstance(x, Products):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y, depth + 1)
+        elif hasattr(x, "__dict__") and type(x).__module__.startswith("hebrus.layers"):
+            for y in vars(x).values():
+                walk(y, depth + 1)
+    for stage in model.stages:
+        walk(stage)
+    return found
+
+
+def test_each_group_of_projections_lies_in_one_tensor_held_once_and_fast_mode_multiplies_it_once(fast_models):
+    """Each group a kind multiplies by one input lies in one storage, in the group's order, and
+    that storage holds the group and nothing else (no weight is held twice); the model in the
+    other mode shares it (nothing copied); fast mode makes one product a group, exact mode one
+    a weight (the twin)."""
     from hebrus.ops.quant import laid_together
     for name, model in fast_models.items():
         groups = list(_groups(model))
@@ -117,10 +140,12 @@ def test_a_fast_model_lays_each_group_of_projections_in_one_tensor_held_once(fas
             whole = laid_together(weights)
             assert whole is not None, (name, names)
             assert whole.untyped_storage().nbytes() == sum(w.numel() * w.element_size() for w in weights)
-        again = dict(model.with_mode("fast").named_parameters())
-        assert all(again[n].data_ptr() == w.data_ptr() for names, ws in groups for n, w in zip(names, ws))
-    exact = hebrus.load("tiny")
-    assert all(laid_together(ws) is None for _, ws in _groups(exact))
+        exact = model.with_mode("exact")
+        for other in (exact, exact.with_mode("fast")):
+            shared = dict(other.named_parameters())
+            assert all(shared[n].data_ptr() == w.data_ptr() for names, ws in groups for n, w in zip(names, ws))
+        assert len(_products(model)) >= len(groups) and all(p.together is not None for p in _products(model))
+        assert _products(exact) and all(p.together is None for p in _products(exact))
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
@@ -145,12 +170,17 @@ def test_projections_side_by_side_equal_their_twin_apart(fast_models, name, monk
             assert torch.equal(a, b), spec.name
 
 
-def test_a_group_with_a_quantized_member_runs_a_product_each():
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_group_with_a_quantized_member_runs_a_product_each_and_holds_no_float_copy(quantize):
     """The delta rule's b and a stay float in a quantized model while qkv and z are quantized:
-    that group is left apart, and its layer multiplies by each weight."""
-    model = hebrus.load("tiny", mode="fast", quantize="int8")
+    that group is left apart, its layer multiplies by each weight, and b and a hold storage of
+    their own (not the float group they were laid in before quantizing)."""
+    model = hebrus.load("tiny", mode="fast", quantize=quantize)
     gdn = next(stage for stage in model.stages if hasattr(stage, "gdn")).gdn
     assert gdn.project.together is None and len(gdn.project.weights) == 4
+    for name, w in model.named_parameters():
+        if "gdn.in_proj_" in name:
+            assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), name
     s = model.session()
     assert torch.isfinite(s.feed(list(range(3, 20)))).all()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import poisoned as with_nan_row
 from conftest import tokens
+
+import hebrus
 from hebrus.errors import DeviceStatusError, InvalidInput, NonFiniteError
 
 STEPS = 24
@@ -136,6 +137,40 @@ def test_decode_is_checked(tiny, models):
     with pytest.raises(InvalidInput, match="captures CUDA graphs"):
         models["tiny"].session(decode="graph")
     assert models["tiny"].session().decode == "eager"          # auto on the CPU
+
+
+def test_a_replay_refused_by_one_sessions_budget_fails_that_session_alone(models):
+    """Two sessions replay a captured step; one's budget refuses the captured peak, asked once
+    the replay is launched: that session fails with an allocation error and publishes nothing,
+    the other is untouched by it."""
+    from hebrus.errors import AllocationError
+    model = models["tiny"]
+    runner = model.steps(capture=False)
+    a, b = (model.session(decode="planned") for _ in range(2))
+    for s in (a, b):
+        s.feed(tokens(5))
+    together = hebrus.Batch([a, b], decode="planned")
+    together.feed([2, 3])                           # makes the key's inputs
+    key = runner.key([a.image, b.image], 1, False)
+    inputs = runner.inputs[key]
+    with torch.inference_mode():
+        txn = runner._transaction([a.image, b.image], [a.budget, b.budget], 1, False, inputs)
+        runner._stage(inputs, txn, [3, 4])
+        runner._plan(txn, inputs)
+        captured = txn.captured()
+        txn.abort()
+        (needed, _), _ = captured.peak
+        before = a.digest()
+        a.budget.limit = a.budget.held + needed - 1
+        txn = runner._transaction([a.image, b.image], [a.budget, b.budget], 1, False, inputs, captured)
+        try:
+            txn.admit_peaks()
+            assert isinstance(txn.parts[0].failure, AllocationError) and txn.parts[1].failure is None
+            assert b.budget.working > 0 and a.budget.working == 0
+        finally:
+            txn.abort()
+    a.budget.limit = None
+    assert a.digest() == before and b.budget.working == 0
 
 
 def test_a_replay_asks_the_budget_what_the_stages_asked(models):

@@ -64,8 +64,7 @@ class Model:
         self.paged = paged_tables(params, paging, device) if paging is not None else {}
         if paging is not None and not self.paged:
             raise InvalidInput(f"ple_cache_bytes pages per-layer-embedding tables; this {spec.family} model has none")
-        if mode == "fast":                  # each kind's projections of one input in one tensor
-            side_by_side(spec, params)
+        side_by_side(spec, params)          # each kind's projections of one input in one tensor
         # a table read from its file is no parameter in memory; one in host memory stays one
         self._params = {name: (self.paged[name].source.tensor if name in self.paged else p)
                         for name, p in params.items()

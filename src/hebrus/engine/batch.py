@@ -94,11 +94,10 @@ def _publish(txn: Transaction, j: int, out):
 
 def _private_logits(txn: Transaction) -> list[torch.Tensor]:
     """Every session's logits in its private bank, which its flip publishes, gathered from the
-    pool in one copy: a row each of one new tensor."""
-    bank = txn.pool.banks[txn.output]
-    index = torch.tensor([[1 - p.record.bank for p in txn.parts], [p.record.slot for p in txn.parts]],
-                         device=bank.device)
-    return list(bank[index[0], index[1]].unbind(0))
+    pool in one copy (through index tensors on the device: no host sync): a row each of one new
+    tensor."""
+    public, slots = txn.banks()
+    return list(txn.pool.banks[txn.output][1 - public, slots].unbind(0))
 
 
 def _attach(exc: BaseException, results: list) -> None:

@@ -88,8 +88,9 @@ class Attention:
         a = s.section(AttentionSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
-        self.project = Products(*(w[name] for name in PROJECTED))        # -> q, gate, k, v
-        self.index_project = Products(*(w[name] for name in INDEXED)) if indexed else None    # -> qi, ki, iw
+        self.project = Products(*(w[name] for name in PROJECTED), together=kernels.together)    # -> q, gate, k, v
+        self.index_project = (Products(*(w[name] for name in INDEXED), together=kernels.together)
+                              if indexed else None)                                              # -> qi, ki, iw
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
         self.attend_lanes = kernels.ops.get(LANES)
         self.index_input = kernels.ops[INDEX_INPUT]

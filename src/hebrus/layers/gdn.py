@@ -52,10 +52,10 @@ class DeltaNetSection:
 
 
 class GatedDeltaNet:
-    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, together: bool = False):
         g = s.section(DeltaNetSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
-        self.project = Products(*(w[name] for name in GDN.side_by_side[0]))      # -> qkv, z, b, a
+        self.project = Products(*(w[name] for name in GDN.side_by_side[0]), together=together)   # -> qkv, z, b, a
         self.w_out = w["out_proj.weight"]
         self.conv_w, self.norm_w = w["conv.weight"], w["norm.weight"]
         state = accum_dtype(self.conv_w.dtype)       # the recurrent state's dtype (the model's, widened)
@@ -106,7 +106,7 @@ class GDNMixer(Sublayer):
     def __init__(self, s, params, layer: int, kernels):
         super().__init__(s, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.gdn"
-        self.gdn = GatedDeltaNet(s, params, self.name + ".")
+        self.gdn = GatedDeltaNet(s, params, self.name + ".", kernels.together)
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"

@@ -42,6 +42,7 @@ class Kernels:
     choose: Chooser
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
+    together: bool = False     # projections of one input laid side by side: one product (fast), else each
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
 
 
@@ -67,4 +68,4 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             quantized = cuda_quant.linear
         except ImportError:
             pass
-    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, ops=ops)
+    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, together=True, ops=ops)

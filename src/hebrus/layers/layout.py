@@ -65,16 +65,23 @@ def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
 def side_by_side(s: ModelSpec, params: dict) -> None:
     """Lay each group of weights that a kind multiplies by one input (`Kind.side_by_side`) in one
     tensor, in place in `params`: rows one group member after another, each member's entry a
-    view of its rows, so a token makes one product for the group (`ops.quant.Products`) and no
-    weight is held twice (each is copied once, and its own tensor let go). A group with a
-    member that is not a float matrix like the others (a quantized weight's parts, a weight
-    missing) is left as it is; one laid so already is not copied again."""
+    view of its rows, so fast mode makes one product for the group (`ops.quant.Products`) and
+    no weight is held twice (each is copied once, and its own tensor let go). One laid so
+    already is not copied again (a model in another mode shares them). A group with a member
+    that is not a float matrix like the others (a quantized weight's parts) is left apart: a
+    member that is a view of a larger tensor (the group laid before the others were quantized)
+    gets its own copy, so that tensor is let go."""
     for layer, kinds in s.layer_kinds():
         for kind in kinds:
             for group in kind.side_by_side:
                 names = [f"layers.{layer}.{kind.name}.{leaf}" for leaf in group]
                 weights = [params.get(name) for name in names]
-                if not _joinable(weights) or laid_together(weights) is not None:
+                if laid_together(weights) is not None:
+                    continue
+                if not _joinable(weights):
+                    for name, w in zip(names, weights):
+                        if type(w) is torch.Tensor and w.untyped_storage().nbytes() > w.numel() * w.element_size():
+                            params[name] = w.clone()
                     continue
                 whole, at = torch.cat(weights), 0
                 for name, w in zip(names, weights):

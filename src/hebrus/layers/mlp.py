@@ -36,7 +36,7 @@ def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]
 class MLPFeed:
     def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels):
         gate, up, down = (params[prefix + name] for name in PROJECTIONS)
-        self.gate_up, self.down, self.fused = Products(gate, up), down, kernels.fused
+        self.gate_up, self.down, self.fused = Products(gate, up, together=kernels.together), down, kernels.fused
 
     def bind(self, txn):
         return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused)

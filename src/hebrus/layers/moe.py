@@ -48,7 +48,7 @@ class MixtureOfExperts:
         self.shared = None
         if e.shared_intermediate:
             gate, up, down = (w["shared." + name] for name in PROJECTIONS)
-            self.shared = (Products(gate, up), down)
+            self.shared = (Products(gate, up, together=kernels.together), down)
             self.shared_gate = w["shared_gate.weight"]
         self.top_k, self.normalize, self.kernels, self.site = e.top_k, e.normalize, kernels, site
 

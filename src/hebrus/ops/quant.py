@@ -86,13 +86,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
 
 
 class Products:
-    """x Wᵢᵀ for several weights of one input x. Where the weights lie one after another in one
-    tensor (rows of one storage, in order: `layers.layout.side_by_side` lays a fast-mode model's
-    so), one product over all of them, each result a slice of its columns; otherwise one product
-    each, the readable twin (a quantized weight's, an exact-mode model's)."""
+    """x Wᵢᵀ for several weights of one input x. `together` (fast mode) where the weights lie one
+    after another in one tensor (rows of one storage, in order, as `layers.layout.side_by_side`
+    lays them): one product over all of them, each result a slice of its columns; otherwise one
+    product each, the readable twin (exact mode's, a group with a quantized weight's)."""
 
-    def __init__(self, *weights):
-        self.weights, self.together = weights, laid_together(weights)
+    def __init__(self, *weights, together: bool = False):
+        self.weights, self.together = weights, laid_together(weights) if together else None
         self.sizes = [w.shape[0] for w in weights] if self.together is not None else None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

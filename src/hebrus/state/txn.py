@@ -352,14 +352,24 @@ class Transaction:
         wrote only private places); a refusal fails that session alone."""
         (needed, stage), working = self._peak
         what, self.stage = f"the intermediates of {stage}", stage
-        for p in self.parts:
-            if p.failure is None:
-                try:
-                    self._request(p.budget.admit, needed, what)
-                    p.budget.set_working(working)
-                except ChunkAborted as exc:
-                    self._fail(p, exc, stop=False)
-        self.stage = self.stages[0]         # a replay's own failures: a graph cannot say which stage
+        try:
+            for p in self.parts:
+                if p.failure is None:
+                    try:
+                        self._request(p.budget.admit, needed, what)
+                        p.budget.set_working(working)
+                    except Exception as exc:
+                        self._fail(p, exc, stop=False)
+        finally:
+            self.stage = self.stages[0]     # a replay's own failures: a graph cannot say which stage
+
+    def banks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the public parities, the slots) of the step's sessions as device index tensors: the
+        ones the step reads through where it has them (a planned step's inputs, a step of
+        several sessions), so asking makes no host transfer."""
+        if self.planned or self.sessions > 1:
+            return self._public[:self.sessions], self._slots[:self.sessions]
+        return banks_of([p.record for p in self.parts], self.device)
 
     def captured(self) -> "Captured":
         """What a replay of this (captured) step borrows. The peak: the largest request of a
