@@ -1,6 +1,7 @@
 """Where a batched decode step's time goes on a GPU: N sessions at one context stepping from the
 model's graph runner; wall time per step, the host's share (staging, the transaction's begin,
-validation and publication) against the replay, and the top kernels of a profiled replay.
+validation and publication) against the replay, the step timed as `hebrus bench` times it (rows
+stacked, a sync a step, the next ids by argmax), and the top kernels of a profiled replay.
     python benchmarks/batch_profile.py [--model qwen3.5-1.7b] [--context 1024] [--batch 64] [--out DIR]"""
 from __future__ import annotations
 
@@ -52,13 +53,23 @@ for batch in [int(b) for b in args.batch.split(",")]:
         graph.replay()
     torch.cuda.synchronize()
     replay = (time.perf_counter() - t0) / args.steps * 1e3
+    # as `hebrus bench` times a step: the returned rows stacked and a sync after each step, the
+    # next ids chosen from them by argmax outside the timing
+    last, like_bench = torch.stack(group.feed([1] * batch)), 0.0
+    for t in range(args.steps):
+        ids = torch.argmax(last, dim=-1).tolist()
+        t0 = time.perf_counter()
+        last = torch.stack(group.feed(ids))
+        torch.cuda.synchronize()
+        like_bench += time.perf_counter() - t0
+    like_bench = like_bench / args.steps * 1e3
     graphs.Steps._stage = timed("stage", originals["_stage"])
     graphs.Steps._transaction = timed("begin", originals["_transaction"])
     for t in range(args.steps):
         group.feed([t % 7] * batch)
     graphs.Steps._stage, graphs.Steps._transaction = originals["_stage"], originals["_transaction"]
     lines.append(f"batch {batch} at {args.context}: {wall:.3f} ms a step ({batch / wall * 1e3:,.0f} tok/s); "
-                 f"replay alone {replay:.3f} ms; begin {spent['begin'] / args.steps * 1e3:.3f} ms, "
+                 f"replay alone {replay:.3f} ms; as the bench steps {like_bench:.3f} ms; begin {spent['begin'] / args.steps * 1e3:.3f} ms, "
                  f"stage {spent['stage'] / args.steps * 1e3:.3f} ms; captures={runner.captures} "
                  f"replays={runner.replays} uncaptured={runner.uncaptured} keys={sorted(runner.graphs)}")
     print(lines[-1], flush=True)
