@@ -40,11 +40,11 @@ def conclude(model, txn: Transaction, work, sessions, chunks, outs) -> list:
     the pass itself (an exception no session's own, device work that did not complete) leaves
     every session unchanged; then each session that did not fail on its own runs its chunk
     alone, so only a session that fails again is reported."""
-    results = _shared_pass(txn, work, sessions, outs)
+    results = _shared_pass(txn, work, outs)
     return [r if r is not None else run_alone(model, s, c, o) for r, s, c, o in zip(results, sessions, chunks, outs)]
 
 
-def _shared_pass(txn: Transaction, work, sessions, outs) -> list:
+def _shared_pass(txn: Transaction, work, outs) -> list:
     """The pass, validation and publication of `conclude` -> each session's outcome, None for
     a session that did not fail on its own when the pass itself failed. Every session is
     finished (published or aborted) on the way out."""

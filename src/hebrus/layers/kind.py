@@ -84,8 +84,8 @@ class Kind:
     applies to; `rotary_widths(s)`; `ops(mode, device, dtype)`, ops of its own, a fast one or its
     twin chosen once with the model and reaching its stage as `kernels.ops[name]`. A range check
     of its own is a bit of `layers.checks.Check`. `side_by_side`: groups of its weights (leaf
-    names) multiplied by one input, which a fast-mode model lays in one tensor so that a token
-    makes one product for each group (`layers.layout.side_by_side`, `ops.quant.Products`).
+    names) multiplied by one input, which every model lays in one tensor and fast mode multiplies
+    in one product a group (`layers.layout.side_by_side`, `ops.quant.Products`).
 
     The section is a frozen dataclass with `key` (its name in `hebrus info`) and
     `problems(spec)` (what is wrong, as text), optionally `unused(spec)` (fields not in use).
