@@ -1,10 +1,13 @@
 """Where a batched decode step's time goes on a GPU: N sessions at one context stepping from the
 model's graph runner; wall time per step, the host's share (staging, the transaction's begin,
-validation and publication) against the replay, the step timed as `hebrus bench` times it (rows
+validation and publication) against the replay, the host's functions by their own time, the step timed as `hebrus bench` times it (rows
 stacked, a sync a step, the next ids by argmax), and the top kernels of a profiled replay.
     python benchmarks/batch_profile.py [--model qwen3.5-1.7b] [--context 1024] [--batch 64] [--out DIR]"""
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections import Counter
 from pathlib import Path
@@ -73,6 +76,17 @@ for batch in [int(b) for b in args.batch.split(",")]:
                  f"stage {spent['stage'] / args.steps * 1e3:.3f} ms; captures={runner.captures} "
                  f"replays={runner.replays} uncaptured={runner.uncaptured} keys={sorted(runner.graphs)}")
     print(lines[-1], flush=True)
+    # the host's own time per function, over the same steps (the device's time hidden behind it)
+    host = cProfile.Profile()
+    host.enable()
+    for t in range(args.steps):
+        group.feed([t % 7] * batch)
+    torch.cuda.synchronize()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+    lines.append(f"batch {batch}: host functions over {args.steps} steps, by own time\n{text.getvalue()}")
+    print(lines[-1][:5000], flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for t in range(5):
