@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA route's measurements, run on the device machine from the repository root:
 #   bash benchmarks/h200.sh PART...       (writes under $OUT, default /tmp/hebrus-out)
-# PARTs: tests (GPU tests; HEBRUS_TESTS, if set, is pytest's -k, and HEBRUS_PART names the log), small (bench of the small preset), qwen (bench of the 1.68B
+# PARTs: tests (GPU tests; HEBRUS_TESTS, if set, is pytest's -k, HEBRUS_PART names the log, HEBRUS_TEST_LIMIT cuts it, s), small (bench of the small preset), qwen (bench of the 1.68B
 # Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 1, 8, 64
 # and 256 at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), kernels (the
 # decode step's kernels alone, and a profiled step of 64 sessions), eager (the 1.68B
@@ -25,7 +25,7 @@ for part in "$@"; do
         # failures first, in short form; torch's captured debug logging left out
         # the slowest tests' times after them, to keep each part of the file inside one command
         log="$out/test-cuda${HEBRUS_PART:+-$HEBRUS_PART}.txt"
-        timeout 560 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=12 tests/test_cuda.py \
+        timeout ${HEBRUS_TEST_LIMIT:-560} python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=12 tests/test_cuda.py \
             ${HEBRUS_TESTS:+-k "$HEBRUS_TESTS"} > "$log" 2>&1
         tail -3 "$log" ;;
     small)
