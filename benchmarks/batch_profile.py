@@ -94,7 +94,7 @@ for batch in [int(b) for b in args.batch.split(",")]:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     kernels = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
-    table = averages.table(sort_by="cuda_time_total", row_limit=40)
+    table = averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
     lines.append(f"batch {batch}: {kernels / 5:.0f} device ops a step (5 profiled)\n{table}")
     print(table[:6000], flush=True)
     del sessions, group

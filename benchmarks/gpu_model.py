@@ -11,12 +11,12 @@ import hebrus
 from hebrus import bench
 
 
-def options(model: str, steps: int, **more) -> argparse.Namespace:
-    """--model (default `model`), --context, --steps (default `steps`), --out, --cache, and
+def options(model: str, steps: int, context: int = 1024, **more) -> argparse.Namespace:
+    """--model (default `model`), --context (default `context`), --steps (default `steps`), --out, --cache, and
     `more`: option name -> (type, default)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=model)
-    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=context)
     for name, (kind, default) in more.items():
         parser.add_argument(f"--{name}", type=kind, default=default)
     parser.add_argument("--steps", type=int, default=steps)
