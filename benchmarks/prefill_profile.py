@@ -1,10 +1,14 @@
 """Where a prefill's time goes on a GPU: one session's prompt of --context tokens fed in chunks
 of each --chunks length, wall time and tokens/s of each (after a warm prefill at that length),
 then a profile of one prefill at each: the device's busy time against the wall, kernels a chunk,
-the top kernels by device time and the top host ops.
-    python benchmarks/prefill_profile.py [--model qwen3.5-1.7b] [--context 8192] [--chunks 2048,8192] [--out DIR]"""
+the top kernels by device time and the top host ops; with --host 1, instead, the host's Python
+functions by their own time over one prefill (the device's work hidden behind them).
+    python benchmarks/prefill_profile.py [--model qwen3.5-1.7b] [--context 8192] [--chunks 2048,8192] [--host 1] [--out DIR]"""
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -13,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu_model import model_and_prompt, options
 
-args = options("qwen3.5-1.7b", 3, context=8192, chunks=(str, "2048,8192"))
+args = options("qwen3.5-1.7b", 3, context=8192, chunks=(str, "2048,8192"), host=(int, 0))
 model, prompt = model_and_prompt(args)
 lines = []
 
@@ -34,6 +38,16 @@ for chunk in [int(c) for c in args.chunks.split(",")]:
     lines.append(f"prefill of {args.context} in chunks of {chunk}: {wall * 1e3:.1f} ms "
                  f"({args.context / wall:,.0f} tok/s, median of {args.steps})")
     print(lines[-1], flush=True)
+    if args.host:
+        host = cProfile.Profile()
+        host.enable()
+        prefill(chunk)
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(45)
+        lines.append(text.getvalue())
+        print(lines[-1][:12000], flush=True)
+        continue
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill(chunk)
     averages = prof.key_averages()
