@@ -274,3 +274,28 @@ def test_distributions_and_draws_of_many_rows_are_each_rows_alone():
     many = draws(together, [torch.Generator().manual_seed(s) for s in seeds])
     assert many == [draw(together[b], torch.Generator().manual_seed(s)) for b, s in enumerate(seeds)]
     assert many[3] < 7 and all(together[b, many[b]] > 0 for b in range(12))
+
+
+def test_a_prompt_is_fed_in_the_models_prefill_chunk_unless_told(tiny, monkeypatch):
+    """`prefill`, `generate` and the text API feed a prompt in chunks of `model.prefill_chunk`
+    (512 on a CPU) when no chunk size is named, and in the named one when it is; the state is
+    the same either way (exact mode)."""
+    fed = []
+    original = hebrus.Session._transact
+
+    def spy(self, ids, out):
+        fed.append(len(ids))
+        return original(self, ids, out)
+
+    monkeypatch.setattr(hebrus.Session, "_transact", spy)
+    assert tiny.prefill_chunk == 512
+    prompt = [1 + i % 200 for i in range(600)]
+    default, named = tiny.session(), tiny.session()
+    default.prefill(prompt)
+    assert fed == [512, 88]
+    fed.clear()
+    named.prefill(prompt, chunk_size=250)
+    assert fed == [250, 250, 100] and named.digest() == default.digest()
+    fed.clear()
+    list(tiny.session().generate(prompt, max_new_tokens=2))
+    assert fed == [512, 88, 1, 1]                   # each generated token is committed by its own

@@ -195,11 +195,11 @@ class Session:
             self.image.before_flip = saved
         raise RuntimeError("the transaction reached its flip")          # unreachable: stop always raises
 
-    def prefill(self, ids, chunk_size: int = 64) -> torch.Tensor:
-        """Feed `ids` in chunks of `chunk_size`, one transaction each, with no other caller's
-        chunk in between. If a chunk fails, the error's `.published` says how many tokens of
-        this call were published before it."""
-        chunk_size = arguments.chunk_size(chunk_size)
+    def prefill(self, ids, chunk_size: int | None = None) -> torch.Tensor:
+        """Feed `ids` in chunks of `chunk_size` (default: the model's `prefill_chunk`), one
+        transaction each, with no other caller's chunk in between. If a chunk fails, the error's
+        `.published` says how many tokens of this call were published before it."""
+        chunk_size = self._chunk_size(chunk_size)
         tokens = self._ids(ids)
         self._check_faults()
         with self._exclusive():
@@ -207,7 +207,7 @@ class Session:
             return self._prefill(tokens, chunk_size)
 
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, chunk_size: int = 64, *, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=(),
                  speculate=None, draft_tokens: int = 8) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
@@ -228,7 +228,7 @@ class Session:
         This is the engine-level call (DESIGN §7): token ids in and out, greedy and seed 0
         unless told otherwise, in the model's mode. `generate_text` is the text-level one."""
         prompt = self._ids(ids, allow_empty=True)
-        chunk_size = arguments.chunk_size(chunk_size)
+        chunk_size = self._chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
         sampling = Sampling(arguments.temperature(temperature), arguments.top_p(top_p),
                             arguments.count("top_k", top_k), arguments.min_p(min_p),
@@ -334,6 +334,9 @@ class Session:
         if tokens.numel() == 0 and not allow_empty:
             raise InvalidInput("empty chunk: give at least one token id")
         return arguments.in_vocabulary(tokens, self.spec.vocab_size)
+
+    def _chunk_size(self, value) -> int:
+        return self.model.prefill_chunk if value is None else arguments.chunk_size(value)
 
     def _check_room(self, count: int) -> None:
         limit = self.spec.max_context

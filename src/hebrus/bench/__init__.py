@@ -28,13 +28,15 @@ __all__ = ["SHAPES", "WARM_STEPS", "InPlaceBatch", "InPlaceSession", "_InPlaceCo
            "run", "table"]
 
 
-def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int,
+def run(model, label: str, contexts: list[int], steps: int, rounds: int, chunk: int | None,
         progress=None, decode: str = "auto", compare: Path | None = None, on_point=None,
         batches: tuple[int, ...] = (1,)) -> dict:
-    """The measurement, as a JSON-ready dict: a point per context and batch size. `compare`: a
-    checkpoint folder of the same weights to time transformers on as well (batch 1).
-    `on_point(report)` sees the report after each point."""
+    """The measurement, as a JSON-ready dict: a point per context and batch size, prompts fed
+    in chunks of `chunk` (None: the model's `prefill_chunk`). `compare`: a checkpoint folder of
+    the same weights to time transformers on as well (batch 1). `on_point(report)` sees the
+    report after each point."""
     device = model.device
+    chunk = model.prefill_chunk if chunk is None else chunk
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**27)
     flops = matmul_flops(device, model.dtype, 8192 if device.type == "cuda" else 1024)
     params = sum(p.numel() for _, p in model.named_parameters())

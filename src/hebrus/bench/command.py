@@ -81,7 +81,8 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--rounds", type=int, default=3,
                        help="timed rounds after one untimed warm-up round at each context; medians are reported "
                             "(default 3)")
-    bench.add_argument("--chunk", type=int, default=2048, help="prefill chunk length (default 2048)")
+    bench.add_argument("--chunk", type=int, default=None,
+                       help="prefill chunk length (default: the model's, 8192 on a GPU and 512 on a CPU)")
     bench.add_argument("--decode", choices=DECODE, default="auto",
                        help="how one-token steps run: auto (CUDA graphs for fast mode on a GPU, else eager), "
                             "eager, planned (the graphs' static plan, uncaptured) or graph (default auto); the "
@@ -106,7 +107,7 @@ def run(args, load_model) -> int:
     from hebrus.progress import ProgressBar
     for name in ("decode_steps", "rounds", "chunk", "spec_tokens", "draft_tokens", "requests", "serve_prompt",
                  "serve_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
     try:
         batches = tuple(int(b) for b in args.batch.split(","))

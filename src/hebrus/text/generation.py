@@ -185,17 +185,19 @@ class TextStream:
             self.finish = self.finish or "length"
             self.context_ended = self.finish == "length" and room < self.options.max_new_tokens
 
-    def _prefill(self, chunk: int = 256) -> None:
-        """The prompt, a transaction per 64 tokens, `progress(done, total)` after every `chunk`;
-        a prompt that cannot fit the context is refused before any of it is fed."""
+    def _prefill(self) -> None:
+        """The prompt in chunks of the model's `prefill_chunk`, a transaction each,
+        `progress(done, total)` after every one; a prompt that cannot fit the context is refused
+        before any of it is fed."""
         ids, start = self.prompt, self.session.frontier
+        chunk = self.session.model.prefill_chunk
         limit = self.session.spec.max_context
         if start + len(ids) > limit:
             raise InvalidInput(f"the prompt's {len(ids)} tokens would take the session past the model's context "
                                f"limit of {limit} tokens ({limit - start} left)")
         try:
             for begin in range(0, len(ids), chunk):
-                self.session.prefill(ids[begin:begin + chunk], chunk_size=64)
+                self.session.prefill(ids[begin:begin + chunk], chunk_size=chunk)
                 if self.progress is not None:
                     self.progress(min(begin + chunk, len(ids)), len(ids))
         except BaseException as exc:
