@@ -315,6 +315,26 @@ def test_several_sessions_checks_say_each_sessions_own(defer):
     assert [words for words, _ in read] == [{}, {2: 1 << 3}, {2: 1 << 3}, {4: 1 << 5}]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 3])
+def test_rows_reduced_together_give_each_sessions_least_and_largest_value(dtype, count):
+    """The reduction of a group of row tensors is each session's least and largest value over
+    all of them, exactly as the whole stack reduced at once, with a NaN, an infinity or a
+    lone non-finite tensor in one session's rows."""
+    from hebrus.state.status import _least_largest
+    g = torch.Generator().manual_seed(count)
+    rows = [torch.randn(4, 33, generator=g).to(dtype) for _ in range(count)]
+    rows[-1][1, 32] = float("nan")
+    rows[0][2, 0] = float("-inf")
+    rows[count // 2][3, 5] = float("inf")
+    got = _least_largest(rows)
+    whole = torch.stack(rows)
+    want = torch.stack((whole.amin(dim=(0, 2)), whole.amax(dim=(0, 2))))
+    assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got[:, 1].isnan().all() and got[0, 2] == float("-inf") and got[1, 3] == float("inf")
+
+
 def test_rows_reduced_together_are_traced_to_their_stages():
     """Tensors of a row per session, of one dtype and row length, are reduced together; a
     non-finite result is traced to the stages whose tensors hold the value in that session's row

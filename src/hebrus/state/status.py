@@ -213,11 +213,14 @@ def _least_largest(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Tensors [N, L] of one dtype and L -> [2, N]: the least and the largest value of each row
     over all of them (a NaN in a row makes both NaN). Stacked one after another, each a dense
     block of the copy (side by side, each row's pieces apart, the copy ran at a fiftieth of the
-    bandwidth on an H200)."""
-    if len(tensors) == 1:
-        return torch.stack(torch.aminmax(tensors[0], dim=1))
-    stacked = torch.stack(tensors)
-    return torch.stack((stacked.amin(dim=(0, 2)), stacked.amax(dim=(0, 2))))
+    bandwidth on an H200), then every row of every tensor reduced along its own values, one
+    contiguous row each (reducing the stack over its first and last dimensions at once took 28
+    µs a group of a few MB at 8 sessions on an H200, twice), and the tensors' results last."""
+    stacked = tensors[0] if len(tensors) == 1 else torch.stack(tensors)       # [N, L] or [G, N, L]
+    low, high = torch.aminmax(stacked.reshape(-1, stacked.shape[-1]), dim=1)
+    if len(tensors) > 1:
+        low, high = low.view(len(tensors), -1).amin(0), high.view(len(tensors), -1).amax(0)
+    return torch.stack((low, high))
 
 
 _REDUCE = {                     # each row of a [rows, values] tensor -> [rows]
