@@ -25,7 +25,7 @@ for part in "$@"; do
         # failures first, in short form; torch's captured debug logging left out
         # the slowest tests' times after them, to keep each part of the file inside one command
         log="$out/test-cuda${HEBRUS_PART:+-$HEBRUS_PART}.txt"
-        timeout ${HEBRUS_TEST_LIMIT:-560} python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=12 tests/test_cuda.py \
+        timeout ${HEBRUS_TEST_LIMIT:-560} python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=30 tests/test_cuda.py \
             ${HEBRUS_TESTS:+-k "$HEBRUS_TESTS"} > "$log" 2>&1
         tail -3 "$log" ;;
     small)
