@@ -130,6 +130,7 @@ class Transaction:
             self._public, self._slots = lanes.parities, lanes.slots
         elif self.sessions > 1:
             self._public, self._slots = banks_of([p.record for p in self.parts], self.device)
+        self._private_banks: torch.Tensor | None = None     # 1 - _public, once a stage asks
         # each session's part of a per-token tensor (a planned step's: a lane's)
         self._share = [1 / self._width] * self.sessions if self.planned else [n / sum(lengths) for n in lengths]
         if template is not None:                    # a replay: the captured step's device work
@@ -184,7 +185,7 @@ class Transaction:
         else:
             bank = self.pool.banks[name]
             target = value.to(bank.dtype)
-            bank.index_put_((1 - self._public, self._slots), target.unsqueeze(0) if self._width == 1 else target)
+            bank.index_put_((self._private_parities(), self._slots), target.unsqueeze(0) if self._width == 1 else target)
         self.written.add(name)
         self._writes.append((target, None))
         self._value_bytes += self.parts[0].private[name].nbytes
@@ -196,7 +197,15 @@ class Transaction:
         A planned step offers it (its lanes' states, one lane or several); any other step None."""
         if not self.planned:
             return None
-        return InPlace(self.pool.banks[name], self._public, 1 - self._public, self._slots)
+        return InPlace(self.pool.banks[name], self._public, self._private_parities(), self._slots)
+
+    def _private_parities(self) -> torch.Tensor:
+        """The private bank of each lane or session, as a device tensor: made once a step, by
+        the first stage that writes (so a captured step makes it inside its graph, from the
+        parities each replay is given)."""
+        if self._private_banks is None:
+            self._private_banks = 1 - self._public
+        return self._private_banks
 
     def wrote(self, name: str, check: torch.Tensor) -> None:
         """A kernel wrote `name`'s private values (`in_place`); `check` [N, ...] is finite
