@@ -282,7 +282,8 @@ def test_widths_grow_in_powers_of_two_where_no_stage_reads_to_the_width(models):
 def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
     """The host buffer of a key's inputs rewrites a lane's table row only when its table is
     another object; after any sequence of fills (tables growing, lanes swapped, padding lanes,
-    a lane failed) it holds exactly what a fresh buffer filled once holds."""
+    a lane failed) it holds exactly what a fresh buffer filled once holds, and each token's
+    block and row are its lane's table's at its position."""
     import random
     from hebrus.engine.graphs import Inputs
     pool, width, lanes = tiny_fast.pool, 6, 4
@@ -291,7 +292,8 @@ def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
     kept = Inputs(pool, lanes, 1, width, False)
     for _ in range(40):
         n = rng.randint(0, lanes)
-        live = [None if rng.random() < 0.2 else (rng.randint(0, 99), rng.randint(0, 1), rng.randint(0, 3),
+        live = [None if rng.random() < 0.2 else (rng.randint(0, width * pool.block_rows - 1), rng.randint(0, 1),
+                                                  rng.randint(0, 3),
                                                   rng.choice(tables + [tables[0] + (1,)]))   # a new tuple each time
                 for _ in range(n)]
         ids = [rng.randint(0, 50) for _ in range(n)]
@@ -299,6 +301,10 @@ def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
         kept.fill(live, ids)
         fresh.fill(live, ids)
         assert torch.equal(kept.host, fresh.host)
+        step = kept.step
+        blocks, offsets = step.rows
+        assert torch.equal(blocks, step.tables[torch.arange(lanes), step.positions // pool.block_rows])
+        assert torch.equal(offsets, step.positions % pool.block_rows)
 
 
 def test_blocks_that_cannot_be_zeroed_fail_the_step_and_leak_nothing(models, monkeypatch):

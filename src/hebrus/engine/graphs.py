@@ -130,26 +130,29 @@ _UNFILLED = object()         # a lane's row of tables before its first fill
 class Inputs:
     """The device buffers of one key's planned step, and the pinned host buffer they are copied
     from in one transfer: ids and positions [lanes * length], parities and slots [lanes],
-    tables [lanes, width]."""
+    tables [lanes, width], and each token's block and row in it [lanes * length] (where its rows
+    go: read from the tables here, once, rather than by every owner's write on the device)."""
 
     def __init__(self, pool, lanes: int, length: int, width: int, each: bool):
         self.pool, self.lanes, self.length, self.width = pool, lanes, length, width
         n = lanes * length
-        sizes = (n, n, lanes, lanes, lanes * width)
+        sizes = (n, n, lanes, lanes, lanes * width, n, n)
         cuda = pool.device.type == "cuda"
         self.host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
         self.device = self.host.to(pool.device) if cuda else self.host
-        ids, positions, parities, slots, tables = self.device.split(sizes)
-        self.step = StepBatch.lanes(ids, positions, (length,) * lanes, parities, slots, tables.view(lanes, width), each)
+        ids, positions, parities, slots, tables, blocks, offsets = self.device.split(sizes)
+        self.step = StepBatch.lanes(ids, positions, (length,) * lanes, parities, slots, tables.view(lanes, width),
+                                    (blocks, offsets), each)
         self._views = [v.numpy() for v in self.host.split(sizes)]
         self._views[4] = self._views[4].reshape(lanes, width)
         self._steps = np.arange(length)
+        self._lane_of = np.repeat(np.arange(lanes), length)       # each token's lane
         self._rows: list = [_UNFILLED] * lanes     # the table each lane's row of `tables` holds now
 
     def fill(self, lanes: list, ids) -> None:
         """Lane i from `ids` [n * length] and lanes[i]: (frontier, parity, slot, table), or
         None for padding (a session that failed already); the lanes past them are padding."""
-        host_ids, positions, parities, slots, tables = self._views
+        host_ids, positions, parities, slots, tables, blocks, offsets = self._views
         pool, width, n = self.pool, self.width, len(lanes)
         live = [lane if lane is not None else (0, 0, pool.spare_slot, None) for lane in lanes]
         host_ids[:] = 0
@@ -175,6 +178,9 @@ class Inputs:
                 tables[i, :k] = table[:k]
                 tables[i, k:] = pool.zero_block
             self._rows[i] = table if table is None or type(table) is tuple else _UNFILLED
+        rows = self.pool.block_rows
+        blocks[:] = tables[self._lane_of, positions // rows]
+        offsets[:] = positions % rows
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
 

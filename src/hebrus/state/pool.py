@@ -416,14 +416,11 @@ class Log:
             _bytes(self._seen).index_put_((positions,), _bytes(value))
         self._heard(value)
 
-    def write_lanes(self, tables: torch.Tensor, positions: torch.Tensor, value: torch.Tensor) -> None:
-        """Every lane's rows at once (this log's own table aside): token t of a step of N lanes
-        of T/N tokens each is row positions[t] of lane t // (T/N), through tables [N, width]
-        (a planned step's). What it hears is attributed by token."""
-        lane = torch.arange(len(positions), device=positions.device) // (len(positions) // tables.shape[0])
-        block, offset = tables[lane, positions // self.block_rows], positions % self.block_rows
+    def write_rows(self, blocks: torch.Tensor, offsets: torch.Tensor, value: torch.Tensor) -> None:
+        """Token t's row := value[t], at row offsets[t] of block blocks[t] (a planned step's lanes,
+        through their tables; this log's own table aside). What it hears is attributed by token."""
         value = value.to(self.storage.dtype)
-        _bytes(self.storage).index_put_((block, offset), _bytes(value))
+        _bytes(self.storage).index_put_((blocks, offsets), _bytes(value))
         if self.written is not None:
             self.written(value, by_token=True)
 
