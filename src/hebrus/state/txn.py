@@ -185,7 +185,8 @@ class Transaction:
         else:
             bank = self.pool.banks[name]
             target = value.to(bank.dtype)
-            bank.index_put_((self._private_parities(), self._slots), target.unsqueeze(0) if self._width == 1 else target)
+            rows = target.unsqueeze(0) if self._width == 1 else target
+            bank.index_put_((self._private_parities(), self._slots), rows)
         self.written.add(name)
         self._writes.append((target, None))
         self._value_bytes += self.parts[0].private[name].nbytes
