@@ -289,22 +289,27 @@ def test_a_steps_inputs_equal_a_fresh_fill_whatever_came_before(tiny_fast):
     pool, width, lanes = tiny_fast.pool, 6, 4
     rng = random.Random(5)
     tables = [tuple(rng.sample(range(pool.blocks), rng.randint(1, width))) for _ in range(6)]
-    kept = Inputs(pool, lanes, 1, width, False)
-    for _ in range(40):
-        n = rng.randint(0, lanes)
-        live = [None if rng.random() < 0.2 else (rng.randint(0, width * pool.block_rows - 1), rng.randint(0, 1),
-                                                  rng.randint(0, 3),
-                                                  rng.choice(tables + [tables[0] + (1,)]))   # a new tuple each time
-                for _ in range(n)]
-        ids = [rng.randint(0, 50) for _ in range(n)]
-        fresh = Inputs(pool, lanes, 1, width, False)
-        kept.fill(live, ids)
-        fresh.fill(live, ids)
-        assert torch.equal(kept.host, fresh.host)
-        step = kept.step
-        blocks, offsets = step.rows
-        assert torch.equal(blocks, step.tables[torch.arange(lanes), step.positions // pool.block_rows])
-        assert torch.equal(offsets, step.positions % pool.block_rows)
+    for length in (1, 3):
+        kept = Inputs(pool, lanes, length, width, length > 1)
+        last = width * pool.block_rows - length             # a lane's last token still inside the width
+        for _ in range(40):
+            n = rng.randint(0, lanes)
+            choices = tables + [tables[0] + (1,)]                   # a new tuple each time
+            live = [None if rng.random() < 0.2 else
+                    (rng.randint(0, last), rng.randint(0, 1), rng.randint(0, 3), rng.choice(choices))
+                    for _ in range(n)]
+            ids = [rng.randint(0, 50) for _ in range(n * length)]
+            fresh = Inputs(pool, lanes, length, width, length > 1)
+            kept.fill(live, ids)
+            fresh.fill(live, ids)
+            assert torch.equal(kept.host, fresh.host)
+            step = kept.step
+            lane = torch.arange(lanes).repeat_interleave(length)
+            assert torch.equal(step.blocks, step.tables[lane, step.positions // pool.block_rows])
+            assert torch.equal(step.offsets, step.positions % pool.block_rows)
+            one = step.session(lanes - 1)                    # a lane's own tokens, as a stage slices them
+            assert torch.equal(one.blocks, step.blocks[-length:])
+            assert torch.equal(one.offsets, step.offsets[-length:])
 
 
 def test_blocks_that_cannot_be_zeroed_fail_the_step_and_leak_nothing(models, monkeypatch):

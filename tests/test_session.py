@@ -299,3 +299,6 @@ def test_a_prompt_is_fed_in_the_models_prefill_chunk_unless_told(tiny, monkeypat
     fed.clear()
     list(tiny.session().generate(prompt, max_new_tokens=2))
     assert fed == [512, 88, 1, 1]                   # each generated token is committed by its own
+    fed.clear()
+    list(tiny.session().generate_text("x" * 600, max_new_tokens=1, temperature=0))
+    assert fed[0] == 512 and sum(fed[:-1]) == len(tiny.tokenizer.encode("x" * 600))

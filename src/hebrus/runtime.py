@@ -190,13 +190,13 @@ class Model:
 
     @property
     def prefill_chunk(self) -> int:
-        """The chunk length a prompt is fed in when the caller names none (`Session.prefill`,
-        `generate`, the text API): long on a GPU, where a chunk's launches cost the host about the
-        same at any length (on the H200 an 8K prompt of the 1.68B shape prefilled in 70 ms as one
-        chunk of 8192, in 210 ms as four of 2048: the device was busy 66 and 77 ms of it), short
-        on a CPU, where a longer chunk gains little and a shorter one lets progress and Ctrl-C
-        come sooner. Any chunking publishes the same state (DESIGN §6)."""
-        return 8192 if self.device.type == "cuda" else 512
+        """The chunk a prompt is fed in when the caller names none (`Session.prefill`,
+        `generate`, the text API): 8192 tokens in fast mode on a GPU, where a chunk's launches
+        cost the host about the same at any length; 512 otherwise, where a longer chunk gains
+        little and a shorter one lets progress and Ctrl-C come sooner. A longer chunk needs more
+        working memory (a session with a memory budget may need a smaller `chunk_size`). Exact
+        mode publishes the same bits at any chunking, fast mode the same within its bound."""
+        return 8192 if self.device.type == "cuda" and self.mode == "fast" else 512
 
     def session(self, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0, journal=None):
         """A new conversation. `decode` says how one-token steps run: "auto" (CUDA graphs for a

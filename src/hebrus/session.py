@@ -226,7 +226,8 @@ class Session:
         seed). Not with a repetition penalty.
 
         This is the engine-level call (DESIGN §7): token ids in and out, greedy and seed 0
-        unless told otherwise, in the model's mode. `generate_text` is the text-level one."""
+        unless told otherwise, in the model's mode; the prompt in chunks of `chunk_size` (default:
+        the model's `prefill_chunk`). `generate_text` is the text-level one."""
         prompt = self._ids(ids, allow_empty=True)
         chunk_size = self._chunk_size(chunk_size)
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)

@@ -82,7 +82,7 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="timed rounds after one untimed warm-up round at each context; medians are reported "
                             "(default 3)")
     bench.add_argument("--chunk", type=int, default=None,
-                       help="prefill chunk length (default: the model's, 8192 on a GPU and 512 on a CPU)")
+                       help="prefill chunk length of the speed points (default: the model's prefill_chunk)")
     bench.add_argument("--decode", choices=DECODE, default="auto",
                        help="how one-token steps run: auto (CUDA graphs for fast mode on a GPU, else eager), "
                             "eager, planned (the graphs' static plan, uncaptured) or graph (default auto); the "

@@ -141,8 +141,8 @@ class Inputs:
         self.host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
         self.device = self.host.to(pool.device) if cuda else self.host
         ids, positions, parities, slots, tables, blocks, offsets = self.device.split(sizes)
-        self.step = StepBatch.lanes(ids, positions, (length,) * lanes, parities, slots, tables.view(lanes, width),
-                                    (blocks, offsets), each)
+        self.step = StepBatch.lanes(ids, positions, (length,) * lanes, parities, slots,
+                                    tables.view(lanes, width), blocks, offsets, each)
         self._views = [v.numpy() for v in self.host.split(sizes)]
         self._views[4] = self._views[4].reshape(lanes, width)
         self._steps = np.arange(length)
@@ -178,9 +178,8 @@ class Inputs:
                 tables[i, :k] = table[:k]
                 tables[i, k:] = pool.zero_block
             self._rows[i] = table if table is None or type(table) is tuple else _UNFILLED
-        rows = self.pool.block_rows
-        blocks[:] = tables[self._lane_of, positions // rows]
-        offsets[:] = positions % rows
+        blocks[:] = tables[self._lane_of, positions // pool.block_rows]
+        offsets[:] = positions % pool.block_rows
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
 

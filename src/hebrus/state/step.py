@@ -41,7 +41,8 @@ class StepBatch:
     parities: torch.Tensor | None = None        # a planned step's: each lane's public bank [N] (device)
     slots: torch.Tensor | None = None           # ... its slot [N]
     tables: torch.Tensor | None = None          # ... its block table [N, width]
-    rows: tuple | None = None                   # ... each token's row: (block, row in the block), [T] each
+    blocks: torch.Tensor | None = None          # ... each token's row's block [T]
+    offsets: torch.Tensor | None = None         # ... and its row in that block [T]
     streams: torch.Tensor | None = None         # the residual streams, as the last stage left them
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
 
@@ -51,11 +52,13 @@ class StepBatch:
         return cls(ids, torch.arange(start, start + len(ids), device=ids.device), (len(ids),), (start,), each)
 
     @classmethod
-    def lanes(cls, ids, positions, lengths, parities, slots, tables, rows, each: bool = False) -> "StepBatch":
+    def lanes(cls, ids, positions, lengths, parities, slots, tables, blocks, offsets,
+              each: bool = False) -> "StepBatch":
         """A planned step: N lanes of `lengths` tokens, everything on the device (buffers the
-        runner fills before each run; `rows`: where each token's rows go, from the tables)."""
+        runner fills before each run; `blocks` and `offsets`: where each token's rows go, as
+        the tables say)."""
         return cls(ids, positions, tuple(lengths), None, each, parities=parities, slots=slots, tables=tables,
-                   rows=rows)
+                   blocks=blocks, offsets=offsets)
 
     @classmethod
     def ragged(cls, ids: torch.Tensor, starts, lengths) -> "StepBatch":
@@ -121,9 +124,10 @@ class StepBatch:
         a, b = self.bounds[i], self.bounds[i + 1]
         starts = None if self.starts is None else (self.starts[i],)
         lane = (lambda t: None) if self.tables is None else (lambda t: t[i:i + 1])
-        rows = None if self.rows is None else tuple(r[a:b] for r in self.rows)
+        token = (lambda t: None) if self.blocks is None else (lambda t: t[a:b])
         return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],),
-                         parities=lane(self.parities), slots=lane(self.slots), tables=lane(self.tables), rows=rows)
+                         parities=lane(self.parities), slots=lane(self.slots), tables=lane(self.tables),
+                         blocks=token(self.blocks), offsets=token(self.offsets))
 
     def token(self, t: int) -> "StepBatch":
         """One session's token t alone (exact mode's scan over a chunk)."""
@@ -145,7 +149,7 @@ class StepBatch:
         """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
         the transaction, `value` [T, *row] the rows of this step's."""
         if self.tables is not None:                 # a planned step's lanes (one or several): one write
-            logs[self.which[0]].write_rows(*self.rows, value)
+            logs[self.which[0]].write_rows(self.blocks, self.offsets, value)
             return
         logs = [logs[m] for m in self.which]
         if len(logs) == 1:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
@@ -130,7 +130,6 @@ class Transaction:
             self._public, self._slots = lanes.parities, lanes.slots
         elif self.sessions > 1:
             self._public, self._slots = banks_of([p.record for p in self.parts], self.device)
-        self._private_banks: torch.Tensor | None = None     # 1 - _public, once a stage asks
         # each session's part of a per-token tensor (a planned step's: a lane's)
         self._share = [1 / self._width] * self.sessions if self.planned else [n / sum(lengths) for n in lengths]
         if template is not None:                    # a replay: the captured step's device work
@@ -186,7 +185,7 @@ class Transaction:
             bank = self.pool.banks[name]
             target = value.to(bank.dtype)
             rows = target.unsqueeze(0) if self._width == 1 else target
-            bank.index_put_((self._private_parities(), self._slots), rows)
+            bank.index_put_((self._private_parities, self._slots), rows)
         self.written.add(name)
         self._writes.append((target, None))
         self._value_bytes += self.parts[0].private[name].nbytes
@@ -198,15 +197,14 @@ class Transaction:
         A planned step offers it (its lanes' states, one lane or several); any other step None."""
         if not self.planned:
             return None
-        return InPlace(self.pool.banks[name], self._public, self._private_parities(), self._slots)
+        return InPlace(self.pool.banks[name], self._public, self._private_parities, self._slots)
 
+    @cached_property
     def _private_parities(self) -> torch.Tensor:
         """The private bank of each lane or session, as a device tensor: made once a step, by
         the first stage that writes (so a captured step makes it inside its graph, from the
         parities each replay is given)."""
-        if self._private_banks is None:
-            self._private_banks = 1 - self._public
-        return self._private_banks
+        return 1 - self._public
 
     def wrote(self, name: str, check: torch.Tensor) -> None:
         """A kernel wrote `name`'s private values (`in_place`); `check` [N, ...] is finite
