@@ -1,7 +1,9 @@
 """A Gated DeltaNet's conv over a prefill chunk of the 1.68B shape (C 6144 channels read from the
-projection group's 8224-wide rows, K 4): the compiled `gdn_inputs` (dynamic shapes, as a chunk
-runs today, and made for this length), the compiled conv and SiLU alone, the Triton conv, and
-eager torch; device time per call, and the Triton conv's largest difference from the twin.
+projection group's 8224-wide rows, K 4): the compiled `gdn_inputs` with every size symbolic
+(as a chunk ran until 43af311), made for this length, and in the shared form
+`hebrus.ops.cuda.fuse` now gives every length (the rows symbolic, the rest constant); the compiled conv and SiLU alone, and
+eager torch; device time per call. (A Triton conv tried at 43af311, 189 us against the compiled
+conv's 233, was not kept.)
     python benchmarks/conv_prefill.py [--context 8192] [--out DIR]"""
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from gpu_model import options
 from hebrus.ops.conv import causal_conv
-from hebrus.ops.cuda.conv import conv_silu_cuda
+from hebrus.ops.cuda.fuse import _Fused
 from hebrus.ops.gdn import gdn_inputs
 
 args = options("qwen3.5-1.7b", 20, context=8192)
@@ -49,13 +51,6 @@ def conv_silu(x, s, w):
 
 
 t0 = time.perf_counter()
-want, want_state = conv_silu(projected.double(), state.double(), weight.double())
-got, got_state = conv_silu_cuda(projected, state, weight)
-eager, _ = conv_silu(projected, state, weight)
-lines.append(f"triton conv vs float64 twin: max {(got.double() - want).abs().max().item():.3e}; eager bf16: "
-             f"{(eager.double() - want).abs().max().item():.3e}; state equal: {torch.equal(got_state, want_state.to(bf))}")
-print(lines[-1], flush=True)
-timed("triton conv+silu", conv_silu_cuda, projected, state, weight)
 timed("eager conv+silu", conv_silu, projected, state, weight)
 timed("copy of the rows (a floor: read + write C columns)", lambda x: x.contiguous(), projected)
 for dynamic in (False, True):
@@ -63,6 +58,7 @@ for dynamic in (False, True):
     timed(f"compiled conv+silu, dynamic={dynamic}", c, projected, state, weight)
     g = torch.compile(gdn_inputs, fullgraph=True, dynamic=dynamic)
     timed(f"compiled gdn_inputs, dynamic={dynamic}", g, projected, b, a, state, weight, neg_a, dt_bias, heads)
+timed("fused gdn_inputs, the shared form", _Fused(gdn_inputs), projected, b, a, state, weight, neg_a, dt_bias, heads)
 lines.append(f"(whole run {time.perf_counter() - t0:.0f} s)")
 Path(args.out).mkdir(parents=True, exist_ok=True)
 (Path(args.out) / f"conv-prefill-{args.context}.txt").write_text("\n".join(lines) + "\n")

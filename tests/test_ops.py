@@ -398,6 +398,32 @@ def test_dense_attention_of_lanes_is_each_lane_alone():
     assert float((got - want).abs().max()) <= 1e-12
 
 
+def test_a_fused_ops_shared_kernel_serves_every_length_and_never_the_lanes():
+    """The form shared by every length is made once, with only the rows symbolic, and answers
+    each later length without compiling again; a lanes' shape compiles its own kernel even
+    after the shared one exists (torch.compile shares kernels between compilers that compare
+    equal, which is why the two forms' options differ); the caller's tensors stay unmarked.
+    Compiled here by the CPU's inductor: the same caching as on CUDA."""
+    from torch._dynamo.utils import counters
+
+    from hebrus.ops.cuda.fuse import _Fused
+    from hebrus.ops.moe import silu_mul
+    torch._dynamo.reset()
+    op = _Fused(silu_mul)
+    g = torch.Generator().manual_seed(5)
+    made = []
+    for T in (5, 300, 7, 64, 64, 9):
+        both = torch.randn(T, 2 * 24, generator=g)         # gate and up side by side, as the products give them
+        gate, up = both[:, :24], both[:, 24:]
+        before = counters["stats"]["unique_graphs"]
+        got = op(gate, up)
+        made.append(counters["stats"]["unique_graphs"] - before)
+        assert op.failed is None, op.failed
+        assert torch.allclose(got, silu_mul(gate, up), rtol=1e-6, atol=1e-6)
+        assert not any(hasattr(t, "_dynamo_weak_dynamic_indices") for t in (both, gate, up))
+    assert made == [1, 0, 0, 1, 0, 0]
+
+
 def test_fused_ops_specialise_exactly_the_lanes_shapes():
     """A compiled op gets a kernel of its own for a power of two of rows up to STATIC_ROWS (a
     planned step's lanes) and shares one for every other length; decided by the shapes alone."""

@@ -7,7 +7,8 @@ A decode step is hundreds of small ops; launched one by one, even from a CUDA gr
 count rather than the bytes they move sets its time. An op compiles on first use for each new
 shape signature, which is why a planned step runs uncaptured before it is captured. A step whose
 rows are a power of two up to STATIC_ROWS (the lanes of a planned step) gets a kernel made for
-exactly its shape; any other length shares one kernel made for every length. Set
+exactly its shape; any other length shares one kernel made for every length of rows, and only
+of rows: the model's widths, strides and numbers stay constants in it. Set
 HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op runs
 unfused in this process from then on (the compiled form is shared by every model).
 """
@@ -19,6 +20,7 @@ from typing import Callable
 
 import torch
 import torch._dynamo
+from torch.fx.experimental import _config as fx_config
 
 _fused: dict[Callable, "_Fused"] = {}
 
@@ -32,6 +34,11 @@ RECOMPILES = 256
 # made for 64 rows, on an H200). Steps of a power of two of rows up to this many (a planned step's
 # lanes, a few shapes per op) get a kernel of their own.
 STATIC_ROWS = 512
+
+# The shared form's compiler options: the default, named, because torch.compile lets calls whose
+# compilers compare equal share compiled code, and the shared form's kernel (rows symbolic) would
+# then answer the static form's calls too, or the other way round, by which came first.
+SHARED = {"triton.cudagraphs": False}
 
 
 def enabled() -> bool:
@@ -53,19 +60,25 @@ class _Fused:
         setattr(config, name, max(getattr(config, name), RECOMPILES))
         if hasattr(config, "accumulated_recompile_limit"):        # the compiler's cap over all of them
             config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILES)
+        fx_config.use_duck_shape = False          # each symbolic size its own symbol: `rows_symbolic`
         self.op = op
-        # dynamic from the first call: one kernel per op for every chunk length (lengths 0 and 1
-        # aside), never a kernel for the first length seen and another for the rest. With the
-        # compiler's default, a shape met again after the switch ran the other kernel, rounded
-        # otherwise, so the same chunk on the same state could give other bits.
-        self.compiled = torch.compile(op, fullgraph=True, dynamic=True)
+        # rows symbolic from the first call: one kernel per op for every chunk length (lengths 0
+        # and 1 aside), never a kernel for the first length seen and another for the rest (with
+        # the compiler's default, a shape met again after the switch ran the other kernel, rounded
+        # otherwise, so the same chunk on the same state could give other bits). Only the rows:
+        # with every size and number symbolic (`dynamic=True`) each index was divided by a width
+        # known only at run time, and `gdn_inputs` over 8192 rows of the 1.68B shape took 901 us
+        # on an H200 against 325 us made for that length (benchmarks/conv_prefill.py).
+        self.compiled = torch.compile(op, fullgraph=True, dynamic=False, options=SHARED)
         self.static = torch.compile(op, fullgraph=True, dynamic=False)
         self.failed: str | None = None
 
     def __call__(self, *args):
         if self.failed is None:
             try:
-                return (self.static if static_shape(args) else self.compiled)(*args)
+                if static_shape(args):
+                    return self.static(*args)
+                return self.compiled(*rows_symbolic(args))
             except Exception as exc:
                 # only the compiler's own failures turn fusing off, and never one met while a
                 # CUDA graph is captured (the capture fails and the step runs uncaptured)
@@ -86,6 +99,21 @@ def static_shape(args: tuple) -> bool:
         return False
     rows = first.shape[0]
     return 0 < rows <= STATIC_ROWS and rows & (rows - 1) == 0
+
+
+def rows_symbolic(args: tuple) -> tuple:
+    """`args` with each tensor given as a view whose first dimension the compiler may keep
+    symbolic (the caller's tensors stay unmarked). Every tensor's, whatever its size: which are
+    marked is then a function of the op's arguments alone, never of a size that happens to equal
+    the rows (the compiler keys its kernels on the marks). A weight's first dimension that meets
+    a constant width (a norm's weight against its rows' features) becomes that constant again."""
+    marked = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            arg = arg.view(arg.shape)
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
+        marked.append(arg)
+    return tuple(marked)
 
 
 def _compiler_failure(exc: Exception) -> bool:
