@@ -46,13 +46,13 @@ def decode_point(model, prompt: list[int], new: int, rounds: int, drafters: dict
     for r in range(rounds + 1):                      # round 0 warms up (graphs, compiled ops)
         for name, how in variants.items():
             s = model.session()
-            s.prefill(prompt, 2048)
+            s.prefill(prompt)
             counted = []
             if how is None:
                 tokens = s.generate([], max_new_tokens=new)
             else:                                    # generate's own path, with its chunks recorded
-                drafter = speculate.drafter(how, model, prompt, new + draft_tokens, 2048)
-                tokens = speculate.speculative(s, nothing, new, Sampling(), frozenset(), prompt, None, 2048,
+                drafter = speculate.drafter(how, model, prompt, new + draft_tokens, model.prefill_chunk)
+                tokens = speculate.speculative(s, nothing, new, Sampling(), frozenset(), prompt, None, model.prefill_chunk,
                                                drafter, draft_tokens, record=counted)
             sync(model.device)
             t = time.perf_counter()
@@ -92,7 +92,7 @@ def fork_points(model, contexts: list[int], repeats: int = 50) -> list[dict]:
     for context in contexts:
         s = model.session(decode="eager")
         ids = torch.randint(0, model.spec.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-        s.prefill(ids, 2048)
+        s.prefill(ids)
         forks, firsts, nexts = [], [], []
         for _ in range(repeats):
             sync(model.device)
