@@ -251,11 +251,15 @@ def test_fused_ops_equal_their_twins(dtype, T):
     cos, sin = (t[:T] for t in rope_tables(16, 10000.0, 64, torch.float32, "cuda"))
     n, D, f32 = 3, 32, torch.float32
     X = r(T, n, D)
+    C = 2 * 2 * 16 + 4 * 8
+    projected, _, b, a = r(T, C + 16 + 4 + 4).split([C, 16, 4, 4], dim=1)
     cases = [
         (rms_norm, (r(T, D), r(D, dt=f32), 1e-6)),
         (gated_rms_norm, (r(T, 4, 16), r(T, 4, 16), r(16, dt=f32), 1e-6)),
-        (gdn_inputs, (r(T, 2 * 2 * 16 + 4 * 8), r(T, 4), r(T, 4), r(3, 2 * 2 * 16 + 4 * 8),
-                      r(2 * 2 * 16 + 4 * 8, 4), -r(4, dt=f32).abs(), r(4, dt=f32), (2, 16, 4, 8))),
+        (gdn_inputs, (r(T, C), r(T, 4), r(T, 4), r(3, C), r(C, 4), -r(4, dt=f32).abs(), r(4, dt=f32), (2, 16, 4, 8))),
+        # the same from slices of one product's columns, the conv state transposed as the bank holds it
+        (gdn_inputs, (projected, b, a, r(C, 3).transpose(0, 1), r(C, 4), -r(4, dt=f32).abs(), r(4, dt=f32),
+                      (2, 16, 4, 8))),
         (normed_rotated, (r(T, 4, 16), r(16, dt=f32), cos, sin, 1e-6)),
         (apply_rope, (r(T, 4, 16), cos, sin)),
         (sigmoid_gated, (r(T, 4, 16), r(T, 4, 16))),
