@@ -239,8 +239,9 @@ def test_fused_ops_equal_their_twins(dtype, T):
     from hebrus.ops.cuda.fuse import fused
     from hebrus.ops.gdn import gdn_inputs
     from hebrus.ops.hyper import hc_head, hc_post, hc_pre
-    from hebrus.ops.moe import silu_mul
+    from hebrus.ops.moe import route_weights, router_probs, sigmoid_gated_add, silu_mul
     from hebrus.ops.norm import gated_rms_norm, rms_norm
+    from hebrus.ops.ple import gelu_mul
     from hebrus.ops.qsa import sigmoid_gated
     from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -256,6 +257,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
     cases = [
         (rms_norm, (r(T, D), r(D, dt=f32), 1e-6)),
         (gated_rms_norm, (r(T, 4, 16), r(T, 4, 16), r(16, dt=f32), 1e-6)),
+        (gated_rms_norm, (r(T, 4, 16, dt=f32), r(T, 4, 16), r(16, dt=f32), 1e-6)),     # o as the delta rule gives it
         (gdn_inputs, (r(T, C), r(T, 4), r(T, 4), r(3, C), r(C, 4), -r(4, dt=f32).abs(), r(4, dt=f32), (2, 16, 4, 8))),
         # the same from slices of one product's columns, the conv state transposed as the bank holds it
         (gdn_inputs, (projected, b, a, r(C, 3).transpose(0, 1), r(C, 4), -r(4, dt=f32).abs(), r(4, dt=f32),
@@ -264,6 +266,10 @@ def test_fused_ops_equal_their_twins(dtype, T):
         (apply_rope, (r(T, 4, 16), cos, sin)),
         (sigmoid_gated, (r(T, 4, 16), r(T, 4, 16))),
         (silu_mul, (r(T, 64), r(T, 64))),
+        (gelu_mul, (r(T, 64), r(T, 64))),
+        (sigmoid_gated_add, (r(T, 32), r(T, 1), r(T, 32))),
+        (router_probs, (r(T, 8),)),
+        (route_weights, (r(T, 8, dt=f32).softmax(-1), torch.randint(0, 8, (T, 2), device="cuda"), True)),
         (hc_pre, (X, r((2 + n) * n, n * D, dt=f32), r((2 + n) * n, dt=f32), r(3, dt=f32).abs(), 20, 1e-6, 1e-6)),
         (hc_post, (X, r(T, D), r(T, n, dt=f32), r(T, n, n, dt=f32).softmax(-1))),
         (hc_head, (X, r(n, n * D, dt=f32), r(n, dt=f32), r(3, dt=f32).abs(), 1e-6, 1e-6)),

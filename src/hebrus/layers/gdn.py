@@ -91,7 +91,7 @@ class GatedDeltaNet:
             columns = list(zip(*parts))
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[DELTA_RULE_RAGGED](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
-        o = kernels.fused(gated_rms_norm)(o.to(h.dtype), z.view(T, self.hv, self.dv), self.norm_w, self.eps)
+        o = kernels.fused(gated_rms_norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, kernels, each: bool = False):

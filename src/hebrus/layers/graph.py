@@ -80,7 +80,7 @@ def build_stages(s: ModelSpec, params: Params, kernels: Kernels) -> list:
     stages += [KINDS[name].stage(s, params, None, kernels, shared) for name in s.branches]
     for layer, (mixer, ffn, *branches) in s.layer_kinds():
         stages.append(mixer.stage(s, params, layer, kernels, shared))
-        terms = {s.branches.index(branch.name): branch.layer_term(s, params, layer) for branch in branches}
+        terms = {s.branches.index(branch.name): branch.layer_term(s, params, layer, kernels) for branch in branches}
         stages.append(FeedForward(s, params, layer, kernels, ffn.stage(s, params, layer, kernels, shared), terms))
     stages.append(Head(s, params, kernels))
     return stages

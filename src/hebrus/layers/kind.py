@@ -73,8 +73,8 @@ class Kind:
                                 `step.put`). Values for later stages go in the step's fields
                                 (`streams`, `terms`). It makes no host sync.
     cost(s, position)           a `Cost`
-    layer_term(s, params, layer)   branches only: the term its ffn sublayers add, called as
-                                `term(h, its value's slice for the layer)`
+    layer_term(s, params, layer, kernels)   branches only: the term its ffn sublayers add,
+                                called as `term(h, its value's slice for the layer)`
 
     Optional, with defaults: `model_weights(s)` and `model_owners(s, dtype, state_dtype)` for
     what a kind keeps once per model (weights named under the kind's name, "ple.conv.weight";

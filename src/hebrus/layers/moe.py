@@ -13,7 +13,7 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
-                            grouped_mm_supports, route)
+                            grouped_mm_supports, route, sigmoid_gated_add)
 from hebrus.ops.quant import Products, linear
 from hebrus.state.owners import APPENDED, OwnerSpec
 
@@ -55,13 +55,14 @@ class MixtureOfExperts:
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
         return route(linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
-                     normalize=self.normalize)
+                     normalize=self.normalize, fused=self.kernels.fused)
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
-        return routed + torch.sigmoid(linear(h, self.shared_gate)) * swiglu(h, *self.shared, self.kernels.fused)
+        shared = swiglu(h, *self.shared, self.kernels.fused)
+        return self.kernels.fused(sigmoid_gated_add)(routed, linear(h, self.shared_gate), shared)
 
 
 class RoutedFeed:

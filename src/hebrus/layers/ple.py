@@ -18,7 +18,7 @@ from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.sublayer import scan
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.norm import rms_norm
-from hebrus.ops.ple import ngram_buckets
+from hebrus.ops.ple import gelu_mul, ngram_buckets
 from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
@@ -146,16 +146,17 @@ class PLEStage:
 
 
 class LayerEmbedding:
-    """PLE_l(h) = RMSNorm(W_down (gelu_tanh(W_gate h) ⊙ ple_t[l]))."""
+    """PLE_l(h) = RMSNorm(W_down (gelu_tanh(W_gate h) ⊙ ple_t[l])), its elementwise parts run as
+    the op table's `fused` runs them."""
 
-    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, fused):
         self.gate, self.down = params[prefix + "gate.weight"], params[prefix + "down.weight"]
         self.norm = params[prefix + "norm.weight"]
-        self.eps = s.rms_norm_eps
+        self.eps, self.fused = s.rms_norm_eps, fused
 
     def __call__(self, h: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
-        mixed = F.gelu(linear(h, self.gate), approximate="tanh") * ple
-        return rms_norm(linear(mixed, self.down), self.norm, self.eps)
+        mixed = self.fused(gelu_mul)(linear(h, self.gate), ple)
+        return self.fused(rms_norm)(linear(mixed, self.down), self.norm, self.eps)
 
 
 class PLE(Kind):
@@ -203,8 +204,8 @@ class PLE(Kind):
     def stage(self, s, params, layer, kernels, shared):
         return PLEStage(s, params, kernels)
 
-    def layer_term(self, s, params, layer):
-        return LayerEmbedding(s, params, f"layers.{layer}.ple.")
+    def layer_term(self, s, params, layer, kernels):
+        return LayerEmbedding(s, params, f"layers.{layer}.ple.", kernels.fused)
 
     def cost(self, s, position):
         """A token reads one row of each table."""

@@ -25,12 +25,19 @@ def route_weights(p: torch.Tensor, experts: torch.Tensor, normalize: bool = True
     return w / w.sum(-1, keepdim=True) if normalize else w
 
 
-def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = True,
+          fused=lambda op: op) -> tuple[torch.Tensor, torch.Tensor]:
     """The router softmax's top k, renormalised  -> (weights, experts) [T, k], best first.
-    `choose(p, k)` makes the choice (default: ties to the smaller id)."""
-    p = router_probs(logits)
+    `choose(p, k)` makes the choice (default: ties to the smaller id); `fused`, the op table's
+    (`layers.kernels`), runs the softmax and the weights."""
+    p = fused(router_probs)(logits)
     experts = choose(p, top_k)
-    return route_weights(p, experts, normalize), experts
+    return fused(route_weights)(p, experts, normalize), experts
+
+
+def sigmoid_gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + σ(gate) ⊙ y: a shared expert's output, gated, added to the routed experts'."""
+    return x + torch.sigmoid(gate) * y
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

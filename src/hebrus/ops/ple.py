@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def ngram_buckets(ids: torch.Tensor, history: torch.Tensor, constants: torch.Tensor,
@@ -21,3 +22,8 @@ def ngram_buckets(ids: torch.Tensor, history: torch.Tensor, constants: torch.Ten
             acc = acc ^ (seq[..., n_hist - j:n_hist - j + T] * constants[m - 2, j])
         out.append(torch.remainder(acc, size))
     return out
+
+
+def gelu_mul(gate: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A layer's embedding term's middle: gelu_tanh(gate) ⊙ its rows of the tables."""
+    return F.gelu(gate, approximate="tanh") * table
