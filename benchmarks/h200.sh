@@ -10,7 +10,9 @@
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
-# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline).
+# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline),
+# prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
+# default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk).
 # Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -68,6 +70,14 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    prefill8k)
+        timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 8192 --rounds 5 --compare-transformers \
+            --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-8k.json" --table "$out/bench-qwen3.5-1.7b-8k.md" 2>&1 | grep -v '^bench' ;;
+    shakespeare)
+        timeout 240 python3 -m hebrus bench --model shakespeare --contexts 1024 --batch 1,8 --rounds 5 \
+            --json "$out/bench-shakespeare.json" --table "$out/bench-shakespeare.md" 2>&1 | grep -v '^bench' ;;
+    conv)
+        timeout 120 python3 benchmarks/conv_prefill.py --out "$out" 2>&1 | grep -v Warn ;;
     kernels)
         timeout 300 python3 benchmarks/decode_kernels.py --out "$out" 2>&1 | grep -v Warn
         timeout 120 python3 benchmarks/batch_profile.py --batch 64 --steps 10 --out "$out" 2>&1 | grep '^batch' ;;
