@@ -269,7 +269,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
         (gelu_mul, (r(T, 64), r(T, 64))),
         (sigmoid_gated_add, (r(T, 32), r(T, 1), r(T, 32))),
         (router_probs, (r(T, 8),)),
-        (route_weights, (r(T, 8, dt=f32).softmax(-1), torch.randint(0, 8, (T, 2), device="cuda"), True)),
+        (route_weights, (r(T, 8, dt=f32).softmax(-1), torch.randint(0, 8, (T, 2), generator=g, device="cuda"), True)),
         (hc_pre, (X, r((2 + n) * n, n * D, dt=f32), r((2 + n) * n, dt=f32), r(3, dt=f32).abs(), 20, 1e-6, 1e-6)),
         (hc_post, (X, r(T, D), r(T, n, dt=f32), r(T, n, n, dt=f32).softmax(-1))),
         (hc_head, (X, r(n, n * D, dt=f32), r(n, dt=f32), r(3, dt=f32).abs(), 1e-6, 1e-6)),

@@ -399,7 +399,7 @@ def test_dense_attention_of_lanes_is_each_lane_alone():
 
 
 def test_a_fused_ops_shared_kernel_serves_every_length_and_never_the_lanes():
-    """The form shared by every length is made once, with only the rows symbolic, and answers
+    """The form shared by every length is made once, with the rows symbolic, and answers
     each later length without compiling again; a lanes' shape compiles its own kernel even
     after the shared one exists (torch.compile shares kernels between compilers that compare
     equal, which is why the two forms' options differ); the caller's tensors stay unmarked.

@@ -34,7 +34,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w ⊙ o / sqrt(mean(o²) + eps) ⊙ silu(z), per head (last dim), in z's dtype: `o` (the delta
-    rule's output, in its state's dtype) is rounded to it first."""
+    rule's output, in its state's dtype) is rounded to it first (as written; compiled, inductor
+    reads `o` unrounded, within fast mode's tolerance)."""
     o = o.to(z.dtype)
     of = o.to(accum_dtype(o.dtype))
     y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps) * weight.to(of.dtype)

@@ -7,8 +7,9 @@ A decode step is hundreds of small ops; launched one by one, even from a CUDA gr
 count rather than the bytes they move sets its time. An op compiles on first use for each new
 shape signature, which is why a planned step runs uncaptured before it is captured. A step whose
 rows are a power of two up to STATIC_ROWS (the lanes of a planned step) gets a kernel made for
-exactly its shape; any other length shares one kernel made for every length of rows, and only
-of rows: the model's widths, strides and numbers stay constants in it. Set
+exactly its shape; any other length shares a kernel in which the rows are symbolic and the
+model's widths and numbers are constants (a slice's row stride and storage offset stay
+symbolic too: a few entries apart by layout, and by rows fewer than a conv's taps). Set
 HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op runs
 unfused in this process from then on (the compiled form is shared by every model).
 """
@@ -60,10 +61,13 @@ class _Fused:
         setattr(config, name, max(getattr(config, name), RECOMPILES))
         if hasattr(config, "accumulated_recompile_limit"):        # the compiler's cap over all of them
             config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILES)
-        fx_config.use_duck_shape = False          # each symbolic size its own symbol: `rows_symbolic`
+        # symbolic strides and storage offsets each their own symbol, not tied to an equal size
+        # (process-wide: any other torch.compile in the process sees it too)
+        fx_config.use_duck_shape = False
         self.op = op
-        # rows symbolic from the first call: one kernel per op for every chunk length (lengths 0
-        # and 1 aside), never a kernel for the first length seen and another for the rest (with
+        # rows symbolic from the first call: a kernel per op for every chunk length (lengths 0
+        # and 1, and ranges a guard splits off, aside: each length always meets the same one),
+        # never a kernel for the first length seen and another for the rest (with
         # the compiler's default, a shape met again after the switch ran the other kernel, rounded
         # otherwise, so the same chunk on the same state could give other bits). Only the rows:
         # with every size and number symbolic (`dynamic=True`) each index was divided by a width
