@@ -1,8 +1,8 @@
 """A Gated DeltaNet's conv over a prefill chunk of the 1.68B shape (C 6144 channels read from the
 projection group's 8224-wide rows, K 4): the compiled `gdn_inputs` with every size symbolic
 (as a chunk ran until 43af311), made for this length, and in the shared form
-`hebrus.ops.cuda.fuse` now gives every length (the rows symbolic, the rest constant); the compiled conv and SiLU alone, and
-eager torch; device time per call. (A Triton conv tried at 43af311, 189 us against the compiled
+`hebrus.ops.cuda.fuse` now gives every length (the rows symbolic, the widths constant); the
+compiled conv and SiLU alone, and eager torch; device time per call. (A Triton conv tried at 43af311, 189 us against the compiled
 conv's 233, was not kept.)
     python benchmarks/conv_prefill.py [--context 8192] [--out DIR]"""
 from __future__ import annotations

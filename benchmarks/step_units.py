@@ -24,6 +24,7 @@ import hebrus
 import hebrus.layers.kernels as kernels_table
 import hebrus.layers.kind as kind
 
+SRC = Path(hebrus.__file__).parent
 UNITS: collections.Counter = collections.Counter()
 _inside: list = [None]          # the unit being counted, while its own operations run
 # operations that launch nothing: views, metadata, allocation
@@ -58,8 +59,6 @@ class _Count(TorchDispatchMode):
         UNITS[f"{name} @ {' <- '.join(reversed(calls))}"] += 1
         return out
 
-
-SRC = Path(hebrus.__file__).parent
 
 
 def main() -> None:

@@ -52,8 +52,8 @@ def decode_point(model, prompt: list[int], new: int, rounds: int, drafters: dict
                 tokens = s.generate([], max_new_tokens=new)
             else:                                    # generate's own path, with its chunks recorded
                 drafter = speculate.drafter(how, model, prompt, new + draft_tokens, model.prefill_chunk)
-                tokens = speculate.speculative(s, nothing, new, Sampling(), frozenset(), prompt, None, model.prefill_chunk,
-                                               drafter, draft_tokens, record=counted)
+                tokens = speculate.speculative(s, nothing, new, Sampling(), frozenset(), prompt, None,
+                                               model.prefill_chunk, drafter, draft_tokens, record=counted)
             sync(model.device)
             t = time.perf_counter()
             out = list(tokens)
