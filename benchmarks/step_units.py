@@ -1,8 +1,8 @@
 """What a planned decode step would launch on the CUDA route, counted on any machine: one unit
 for each call of a fused op (`kernels.fused`: inductor makes one kernel of it, or a few), one for
-each call of a kind's own op (`kernels.ops`: the lanes' Triton kernels), one for every other
-torch operation that computes something (views, fresh empties and casts to the same dtype left
-out). Printed: units a step, and the largest groups with where they are called from. The GPU's
+each call of a kind's own op (`kernels.ops`: the lanes' Triton kernels) and of the table's
+Sinkhorn rounds (one Triton kernel), one for every other torch operation that computes something
+(views, fresh empties and casts to the same dtype left out). Printed: units a step, and the largest groups with where they are called from. The GPU's
 own count is `hebrus bench`'s ops column; this finds what to fuse without one.
 
     python benchmarks/step_units.py [--model shakespeare] [--family qwen3_5] [--top 40]
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="groups printed (default 40)")
     args = parser.parse_args()
     kernels_table.unfused = lambda op: _unit("fused " + op.__name__, op)     # what the CUDA fast table fuses
+    kernels_table.sinkhorn = _unit("op sinkhorn", kernels_table.sinkhorn)     # one Triton kernel there
     declared = kind.kind_ops
     kernels_table.kind_ops = lambda mode, device, dtype: {
         name: _unit("op " + name, op) for name, op in declared(mode, device, dtype).items()}

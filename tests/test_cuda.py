@@ -238,7 +238,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
     """Each op the CUDA fast table compiles, against the op as written on the same inputs."""
     from hebrus.ops.cuda.fuse import fused
     from hebrus.ops.gdn import gdn_inputs
-    from hebrus.ops.hyper import hc_head, hc_post, hc_pre
+    from hebrus.ops.hyper import hc_gates, hc_head, hc_post, hc_pre
     from hebrus.ops.moe import route_weights, router_probs, sigmoid_gated_add, silu_mul
     from hebrus.ops.norm import gated_rms_norm, rms_norm
     from hebrus.ops.ple import gelu_mul
@@ -271,6 +271,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
         (router_probs, (r(T, 8),)),
         (route_weights, (r(T, 8, dt=f32).softmax(-1), torch.randint(0, 8, (T, 2), generator=g, device="cuda"), True)),
         (hc_pre, (X, r((2 + n) * n, n * D, dt=f32), r((2 + n) * n, dt=f32), r(3, dt=f32).abs(), 20, 1e-6, 1e-6)),
+        (hc_gates, (X, r((2 + n) * n, n * D, dt=f32), r((2 + n) * n, dt=f32), r(3, dt=f32).abs(), 1e-6, 1e-6)),
         (hc_post, (X, r(T, D), r(T, n, dt=f32), r(T, n, n, dt=f32).softmax(-1))),
         (hc_head, (X, r(n, n * D, dt=f32), r(n, dt=f32), r(3, dt=f32).abs(), 1e-6, 1e-6)),
     ]
@@ -312,6 +313,24 @@ def test_a_fused_op_gives_the_same_bits_whatever_it_compiled_before():
                 after = fresh(*first)
             for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (before, after))):
                 assert torch.equal(a, b), (op.__name__, rows)
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 3, 4, 5])
+def test_the_sinkhorn_kernel_matches_its_twin_and_each_token_alone(n):
+    """The Triton Sinkhorn rounds against `ops.hyper.sinkhorn` (n not a power of two too), and a
+    token's mix the same bits alone as among others (the sums never cross tokens)."""
+    from hebrus.ops.cuda.sinkhorn import sinkhorn
+    from hebrus.ops.hyper import sinkhorn as twin
+    g = torch.Generator(device="cuda").manual_seed(n)
+    logits = 3 * torch.randn(70, n, n, generator=g, device="cuda")
+    got = sinkhorn(logits, 20, 1e-6)
+    assert got.shape == logits.shape and got.dtype == torch.float32
+    assert _rel(got.double(), twin(logits.double(), 20, 1e-6)) <= 1e-5
+    for rows in (slice(5, 6), slice(31, 40)):
+        assert torch.equal(sinkhorn(logits[rows], 20, 1e-6), got[rows])
+    assert sinkhorn(logits[:0], 20, 1e-6).shape == (0, n, n)
+    assert torch.equal(sinkhorn(logits.double(), 20, 1e-6), twin(logits.double(), 20, 1e-6))     # float64: the twin
 
 
 @cuda

@@ -41,7 +41,7 @@ class Head:
 
     def __init__(self, s: ModelSpec, params: Params, kernels: Kernels):
         self.whole_chunk = kernels.whole_chunk
-        self.residual = residual(s, params, "head_hc", kernels.fused)
+        self.residual = residual(s, params, "head_hc", kernels)
         self.norm, self.eps = params["norm.weight"], s.rms_norm_eps
         self.rms_norm = kernels.fused(rms_norm)
         self.out = params["embed.weight"] if s.tie_embeddings else params["lm_head.weight"]

@@ -7,22 +7,23 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.layers.kernels import unfused
+from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import normal, uniform
-from hebrus.ops.hyper import hc_head, hc_post, hc_pre
+from hebrus.ops.hyper import hc_gates, hc_head, hc_post
 
 
 class HyperConnection:
     """n streams mixed by learned gates and a Sinkhorn-projected stream mix (mHC)."""
 
-    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels):
         self.fn, self.base, self.scale = (params[f"{prefix}.{k}"] for k in ("fn", "base", "scale"))
         self.iters, self.hc_eps, self.rms_eps = s.hc_sinkhorn_iters, s.hc_eps, s.rms_norm_eps
-        self.fused = fused
+        self.fused, self.sinkhorn = kernels.fused, kernels.sinkhorn
 
     def pre(self, X: torch.Tensor):
-        """X [T, n, D] -> (c [T, D], post [T, n], comb [T, n, n])."""
-        return self.fused(hc_pre)(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.rms_eps)
+        """X [T, n, D] -> (c [T, D], post [T, n], comb [T, n, n]): `ops.hyper.hc_pre`."""
+        c, post, logits = self.fused(hc_gates)(X, self.fn, self.base, self.scale, self.hc_eps, self.rms_eps)
+        return c, post, self.sinkhorn(logits, self.iters, self.hc_eps)
 
     def post(self, X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return self.fused(hc_post)(X, y, post, comb)
@@ -48,11 +49,11 @@ class PlainResidual:
         return X[:, 0]
 
 
-def residual(s, params: dict[str, torch.Tensor], prefix: str, fused=unfused):
-    """The residual the spec names, reading its parameters under `prefix` (hyper only); `fused`
-    is the op table's (`layers.kernels`)."""
+def residual(s, params: dict[str, torch.Tensor], prefix: str, kernels: Kernels):
+    """The residual the spec names, reading its parameters under `prefix` (hyper only), running
+    the op table's forms of its ops (`layers.kernels`)."""
     if s.residual == "hyper":
-        return HyperConnection(s, params, prefix, fused)
+        return HyperConnection(s, params, prefix, kernels)
     if s.residual == "plain":
         return PlainResidual()
     raise ValueError(f"unknown residual {s.residual!r}")

@@ -17,6 +17,7 @@ import torch
 
 from hebrus.layers.kind import kind_ops
 from hebrus.ops.choose import top_k
+from hebrus.ops.hyper import sinkhorn
 from hebrus.ops.quant import rebuilt_linear
 
 
@@ -43,6 +44,7 @@ class Kernels:
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
+    sinkhorn: Callable = sinkhorn       # (logits, iters, eps) -> the hyper-connection's stream mix
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
 
 
@@ -51,21 +53,23 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`), and
     every kind's ops for that mode, device and dtype (fast mode of a 16-bit model on CUDA runs
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
-    elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), and multiplies by
-    quantized weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`);
-    the ops as written are their twins."""
+    elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), multiplies by quantized
+    weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`) and runs the
+    hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); the ops as written
+    are their twins."""
     choose = top_k_chooser if chooser is None else chooser
     ops = kind_ops(mode, device, dtype)
     if mode != "fast":
         return Kernels(False, choose, ops=ops)
-    fuse, quantized = unfused, rebuilt_linear
+    fuse, quantized, mix = unfused, rebuilt_linear, sinkhorn
     if device is not None and device.type == "cuda":
         from hebrus.ops.cuda import fuse as cuda_fuse
         if cuda_fuse.enabled():
             fuse = cuda_fuse.fused
         try:
             from hebrus.ops.cuda import quant as cuda_quant          # Triton
-            quantized = cuda_quant.linear
+            from hebrus.ops.cuda import sinkhorn as cuda_sinkhorn
+            quantized, mix = cuda_quant.linear, cuda_sinkhorn.sinkhorn
         except ImportError:
             pass
-    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, together=True, ops=ops)
+    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, together=True, sinkhorn=mix, ops=ops)

@@ -69,7 +69,7 @@ class Sublayer:
     def __init__(self, s, params: Params, layer: int, part: str, kernels: Kernels):
         p = f"layers.{layer}."
         self.layer, self.kernels, self.eps = layer, kernels, s.rms_norm_eps
-        self.residual = residual(s, params, f"{p}{part}_hc", kernels.fused)
+        self.residual = residual(s, params, f"{p}{part}_hc", kernels)
         self.norm = params[f"{p}{part}_norm.weight"]
         self.rms_norm = kernels.fused(rms_norm)
 

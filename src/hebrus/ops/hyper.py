@@ -27,14 +27,19 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def hc_pre(X, fn, base, scale, iters: int, hc_eps: float, rms_eps: float):
     """-> c [T, D] (the sublayer input, before its norm), post [T, n], comb [T, n, n]."""
+    c, post, comb_logits = hc_gates(X, fn, base, scale, hc_eps, rms_eps)
+    return c, post, sinkhorn(comb_logits, iters, hc_eps)
+
+
+def hc_gates(X, fn, base, scale, hc_eps: float, rms_eps: float):
+    """`hc_pre` up to the Sinkhorn projection: -> c [T, D], post [T, n], comb's logits [T, n, n]."""
     n = X.shape[1]
     m = _mixes(X, fn, rms_eps)
     pre = torch.sigmoid(scale[0] * m[:, :n] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(scale[1] * m[:, n:2 * n] + base[n:2 * n])
     comb_logits = (scale[2] * m[:, 2 * n:] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = sinkhorn(comb_logits, iters, hc_eps)
     c = (pre.unsqueeze(-1) * X.to(pre.dtype)).sum(1)
-    return c.to(X.dtype), post, comb
+    return c.to(X.dtype), post, comb_logits
 
 
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
