@@ -240,7 +240,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
     from hebrus.ops.gdn import gdn_inputs
     from hebrus.ops.hyper import hc_gates, hc_head, hc_post, hc_pre
     from hebrus.ops.moe import route_weights, router_probs, sigmoid_gated_add, silu_mul
-    from hebrus.ops.norm import gated_rms_norm, rms_norm
+    from hebrus.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
     from hebrus.ops.ple import gelu_mul
     from hebrus.ops.qsa import sigmoid_gated
     from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
@@ -256,6 +256,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
     projected, _, b, a = r(T, C + 16 + 4 + 4).split([C, 16, 4, 4], dim=1)
     cases = [
         (rms_norm, (r(T, D), r(D, dt=f32), 1e-6)),
+        (add_rms_norm, (r(T, 1, D), r(T, D), r(D, dt=f32), 1e-6)),
         (gated_rms_norm, (r(T, 4, 16), r(T, 4, 16), r(16, dt=f32), 1e-6)),
         (gated_rms_norm, (r(T, 4, 16, dt=f32), r(T, 4, 16), r(16, dt=f32), 1e-6)),     # o as the delta rule gives it
         (gdn_inputs, (r(T, C), r(T, 4), r(T, 4), r(3, C), r(C, 4), -r(4, dt=f32).abs(), r(4, dt=f32), (2, 16, 4, 8))),

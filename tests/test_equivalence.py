@@ -131,3 +131,31 @@ def test_a_long_fast_chunk_is_scored_a_block_of_queries_at_a_time(monkeypatch):
     for spec in whole.image.specs:
         a, b = whole.image.value(spec.name), blocked.image.value(spec.name)
         assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_residual_add_left_to_the_next_norm_changes_no_bit(tmp_path, family):
+    """Fast mode with one plain stream adds a sublayer's output in the next norm's op
+    (`StepBatch.pending`, `ops.norm.add_rms_norm`); made where each sublayer ends, its readable
+    twin, the add gives the same logits and state bit for bit on the CPU: a chunk, single
+    tokens, sessions' single tokens together, a ragged step and a prefix transaction."""
+    import hebrus
+    from foreign import build
+    folder, _ = build(family, tmp_path)
+    deferred, twin = (hebrus.load(folder, mode="fast") for _ in range(2))
+    for stage in twin.stages:
+        if getattr(stage, "defer", False):
+            stage.defer = False
+    assert sum(getattr(stage, "defer", False) for stage in deferred.stages) >= 2
+
+    def run(model):
+        a, b = model.session(), model.session()
+        out = [a.feed(list(range(1, 12))), b.feed([3, 4]), a.feed([5]), b.feed([6])]
+        out += hebrus.feed_many([a, b], [[7], [8]])
+        out += hebrus.feed_many([a, b], [[9, 10, 11], [12]])
+        k, logits = a.feed_prefix([13, 14, 15], lambda logits: 2)
+        return out + [logits], [s.digest() for s in (a, b)]
+
+    (got, got_digests), (want, want_digests) = run(deferred), run(twin)
+    assert all(torch.equal(x, y) for x, y in zip(got, want)) and len(got) == len(want) == 9
+    assert got_digests == want_digests

@@ -147,7 +147,7 @@ def forward(spec: ModelSpec, params: dict[str, torch.Tensor], ids: torch.Tensor,
         stage.run(ctx, step)
     head = stages[-1]
     assert isinstance(head, Head)
-    return head.logits(step.streams), record
+    return head.logits(head.streams(step)), record
 
 
 @dataclass

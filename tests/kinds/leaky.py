@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from hebrus.layers.kind import Cost, Kind
-from hebrus.layers.sublayer import Sublayer, scan
+from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.quant import linear
 from hebrus.state.owners import OwnerSpec
 
@@ -41,18 +41,16 @@ class LeakyMixer(Sublayer):
         self.sums = kernels.ops["leaky.sums"]
 
     def run(self, txn, batch) -> None:
-        def step(at, X, state, each=False):
-            h, post, comb = self.mix_in(X)
+        def body(at, h, state, each=False):
             if at.one_each:                  # row i: session i's token and state
                 states = self.decay * state + h
                 last = states
             else:
                 states = self.sums(h, state, self.decay)
                 last = states if each else states[-1]
-            return self.mix_out(X, linear(states, self.w), post, comb), last
+            return linear(states, self.w), last
 
-        batch.streams, state = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
-                                    txn.read(self.name + ".sum"))
+        state = self.framed(batch, body, txn.read(self.name + ".sum"))
         (txn.write_each if batch.each else txn.write)(self.name + ".sum", state)
 
 

@@ -56,8 +56,8 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
 
 def run_stages(model, txn, step: StepBatch) -> None:
     """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
-    fields (the streams, the branches' values) is checked with its writes and counted as the
-    step's working set."""
+    fields (the streams, a pending output, the branches' values) is checked with its writes and
+    counted as the step's working set."""
     txn.step = step
     for index, stage in enumerate(model.stages):
         txn.enter(index)
@@ -70,7 +70,7 @@ def run_stages(model, txn, step: StepBatch) -> None:
 
 
 def _carried(step: StepBatch) -> list[torch.Tensor]:
-    return [v for v in (step.streams, *step.terms.values()) if v is not None]
+    return [v for v in (step.streams, step.pending, *step.terms.values()) if v is not None]
 
 
 def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, normal
-from hebrus.layers.sublayer import Sublayer, scan
+from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import (dense_attention, dense_attention_fast, dense_attention_lanes, index_scores, select,
                             sigmoid_gated, sparse_attention)
@@ -224,11 +224,7 @@ class AttentionMixer(Sublayer):
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         rows = [txn.rows(f"{self.name}.{part}") for part in self.parts]
 
-        def step(at, X, state):
-            h, post, comb = self.mix_in(X)
-            return self.mix_out(X, self.attn(h, at, rows, txn.check_range), post, comb), state
-
-        batch.streams, _ = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), None)
+        self.framed(batch, lambda at, h, state: (self.attn(h, at, rows, txn.check_range), state), None)
 
 
 class DenseAttention(Kind):

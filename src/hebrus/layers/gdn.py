@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from hebrus.layers.kind import Cost, Kind, uniform
-from hebrus.layers.sublayer import Sublayer, scan
+from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.gdn import (gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
@@ -111,21 +111,19 @@ class GDNMixer(Sublayer):
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
 
-        def step(at, X, state, each=False):
-            h, post, comb = self.mix_in(X)
+        def body(at, h, state, each=False):
             y, conv_state, S = self.gdn(h, *state, self.kernels, at=at, each=each)
-            return self.mix_out(X, y, post, comb), (conv_state, S)
+            return y, (conv_state, S)
 
         in_place = getattr(txn, "in_place", None)      # a planned step: states where they lie
         takes = in_place is not None and batch.token_a_lane and not batch.each and GDN_LANES in self.kernels.ops
         lanes = in_place(rec) if takes else None
         if lanes is not None:                # the op wrote both states; what it gives back are their checks
-            batch.streams, checks = scan(step, self.kernels.whole_chunk, batch, (batch.streams,), (in_place(conv), lanes))
+            checks = self.framed(batch, body, (in_place(conv), lanes))
             txn.wrote(conv, checks[0])
             txn.wrote(rec, checks[1])
             return
-        batch.streams, (conv_state, S) = scan(step, self.kernels.whole_chunk, batch, (batch.streams,),
-                                              (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
+        conv_state, S = self.framed(batch, body, (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
         write = txn.write_each if batch.each else txn.write
         write(conv, conv_state.transpose(-1, -2))
         write(rec, S)

@@ -19,7 +19,7 @@ from hebrus.layers.kind import KINDS
 from hebrus.layers.owners import OUTPUT
 from hebrus.layers.spec import ModelSpec
 from hebrus.layers.sublayer import FeedForward, Params
-from hebrus.ops.norm import rms_norm
+from hebrus.ops.norm import add_rms_norm, rms_norm
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 
@@ -34,6 +34,7 @@ class Embed:
         txn.check_range(step.ids, self.vocab, Check.TOKEN_RANGE)
         x = self.table[step.ids.clamp(0, self.vocab - 1)]
         step.streams = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
+        step.pending = None
 
 
 class Head:
@@ -43,7 +44,7 @@ class Head:
         self.whole_chunk = kernels.whole_chunk
         self.residual = residual(s, params, "head_hc", kernels)
         self.norm, self.eps = params["norm.weight"], s.rms_norm_eps
-        self.rms_norm = kernels.fused(rms_norm)
+        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.out = params["embed.weight"] if s.tie_embeddings else params["lm_head.weight"]
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
@@ -55,15 +56,32 @@ class Head:
         each is the bits feeding the chunk up to that position would publish (exact mode)."""
         return torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
 
+    @staticmethod
+    def streams(step: StepBatch) -> torch.Tensor:
+        """The step's streams with a pending sublayer output added (`StepBatch.pending`)."""
+        return step.streams if step.pending is None else step.streams + step.pending.unsqueeze(1)
+
     def run(self, txn: StepContext, step: StepBatch) -> None:
+        X, h = step.streams, None
+        if step.pending is not None:        # the last sublayer's output: added in the norm's kernel
+            if step.each or all(n == 1 for n in step.lengths):      # where every row's logits are wanted
+                X, h = self.add_rms_norm(X, step.pending, self.norm, self.eps)
+            else:
+                X = self.streams(step)
+            step.streams, step.pending = X, None
+
+        def output(X, h):
+            if h is not None:
+                return F.linear(h, self.out)
+            return self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
+
         if step.each:               # a prefix transaction: the values after every position
-            X = step.streams
-            logits = self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
+            logits = output(X, h)
             txn.write_each("residual", X)
             txn.write_each(OUTPUT, logits)
             return
-        X = step.last_rows(step.streams).clone()            # only each session's last position is published
-        logits = self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
+        X = step.last_rows(X).clone()            # only each session's last position is published
+        logits = output(X, None if h is None else step.last_rows(h))
         if step.sessions > 1:                                         # one row per session
             txn.write("residual", X)
             txn.write(OUTPUT, logits)

@@ -8,18 +8,19 @@ from typing import Callable
 
 import torch
 
-from hebrus.layers.hyper import residual
+from hebrus.layers.hyper import PlainResidual, residual
 from hebrus.layers.kernels import Kernels
-from hebrus.ops.norm import rms_norm
+from hebrus.ops.norm import add_rms_norm, rms_norm
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 
 Params = dict[str, torch.Tensor]
 
 
-def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor, ...], state,
+def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torch.Tensor | None, ...], state,
          ragged: bool = False):
-    """`step(batch, *inputs, state) -> (out, state)` over the step. Its two shapes: one
+    """`step(batch, *inputs, state) -> (out, state)` over the step; `out` a tensor or a tuple of
+    tensors, and an input or a part of `out` may be None (taken and given back whole). Its two shapes: one
     session's chunk (state its value), or several sessions' single tokens at once (fast mode,
     `batch.one_each`: state [N, ...]); any other step of several sessions runs session by
     session (state i its value), the states stacked back [N, ...], but in fast mode a step
@@ -33,21 +34,32 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
         outs, states = [], []
         for i in range(batch.sessions):
             mine = None if state is None else _index(state, i)
-            out, mine = scan(step, whole_chunk, batch.session(i), tuple(batch.rows_of(i, x) for x in inputs), mine)
+            out, mine = scan(step, whole_chunk, batch.session(i), tuple(_rows(batch, i, x) for x in inputs), mine)
             outs.append(out)
             states.append(mine)
-        return torch.cat(outs), (None if state is None else _stack(states))
+        return _cat(outs), (None if state is None else _stack(states))
     each = batch.each and state is not None     # a step without state has nothing to keep per token
     if whole_chunk:
         return step(batch, *inputs, state, each=True) if each else step(batch, *inputs, state)
     outs, states = [], []
     for t in range(inputs[0].shape[0]):
-        out, state = step(batch.token(t), *(x[t:t + 1].clone() for x in inputs), state)
+        out, state = step(batch.token(t), *(None if x is None else x[t:t + 1].clone() for x in inputs), state)
         outs.append(out)
         states.append(state)
     if each:
         state = _stack(states)
-    return torch.cat(outs), state
+    return _cat(outs), state
+
+
+def _rows(batch: StepBatch, i: int, x: torch.Tensor | None):
+    return None if x is None else batch.rows_of(i, x)
+
+
+def _cat(outs: list):
+    """The pieces of `scan`'s out put back together (each part of a tuple; None stays None)."""
+    if isinstance(outs[0], tuple):
+        return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
 
 
 def _index(state, i: int):
@@ -60,7 +72,9 @@ def _stack(states: list):
 
 class Sublayer:
     """Shared shape of the mixer and ffn stages: the residual's pre, RMSNorm, the sublayer, the
-    residual's post."""
+    residual's post (`framed`: a kind writes only the sublayer, from its normed input to its
+    output). With one plain stream in fast mode the post's add is left to the next sublayer
+    (`StepBatch.pending`), whose norm takes it in the same kernel (`ops.norm.add_rms_norm`)."""
 
     # whether a planned step of lanes does work here up to its tables' width (rows gathered up to
     # it), not only up to each lane's position: then the runner keys its graphs by finer widths
@@ -71,15 +85,38 @@ class Sublayer:
         self.layer, self.kernels, self.eps = layer, kernels, s.rms_norm_eps
         self.residual = residual(s, params, f"{p}{part}_hc", kernels)
         self.norm = params[f"{p}{part}_norm.weight"]
-        self.rms_norm = kernels.fused(rms_norm)
+        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
+        self.defer = kernels.whole_chunk and isinstance(self.residual, PlainResidual)
 
-    def mix_in(self, X: torch.Tensor):
-        """X [T, n, D] -> (normed sublayer input h [T, D], post, comb)."""
+    def framed(self, batch: StepBatch, body: Callable, state, inputs: tuple = (), ragged: bool = False):
+        """The sublayer over the step, through `scan`: `body(at, h, *inputs, state) -> (y, state)`
+        (called with `each=True` where `scan` says) gets its normed input h [T, D] and gives its
+        output y [T, D]; the residual's pre and the norm run before it, the residual's post after
+        it, and the streams and the pending output move on in `batch`. -> the state `scan` gives
+        back."""
+        def step(at, X, pending, *rest, **each):
+            X, h, post, comb = self.mix_in(X, pending)
+            y, state = body(at, h, *rest, **each)
+            return self.mix_out(X, y, post, comb), state
+
+        (batch.streams, batch.pending), state = scan(step, self.kernels.whole_chunk, batch,
+                                                     (batch.streams, batch.pending, *inputs), state, ragged)
+        return state
+
+    def mix_in(self, X: torch.Tensor, pending: torch.Tensor | None):
+        """Streams X [T, n, D] and the last sublayer's pending output (or None) -> (the streams
+        with it added, normed sublayer input h [T, D], post, comb)."""
+        if pending is not None:
+            X, h = self.add_rms_norm(X, pending, self.norm, self.eps)
+            return X, h, None, None
         c, post, comb = self.residual.pre(X)
-        return self.rms_norm(c, self.norm, self.eps), post, comb
+        return X, self.rms_norm(c, self.norm, self.eps), post, comb
 
-    def mix_out(self, X, y, post, comb) -> torch.Tensor:
-        return self.residual.post(X, y, post, comb)
+    def mix_out(self, X, y, post, comb) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (streams, pending): y left pending where the next sublayer adds it."""
+        if self.defer:
+            return X, y
+        return self.residual.post(X, y, post, comb), None
 
 
 class FeedForward(Sublayer):
@@ -96,13 +133,11 @@ class FeedForward(Sublayer):
         f = self.feed.bind(txn)
         terms = list(self.terms.values())
 
-        def step(pos, X, *rest):
+        def body(at, h, *rest):
             *inputs, state = rest
-            h, post, comb = self.mix_in(X)
-            y = f(h, pos)
+            y = f(h, at)
             for term, x in zip(terms, inputs):
                 y = y + term(h, x)
-            return self.mix_out(X, y, post, comb), state
+            return y, state
 
-        inputs = (batch.streams, *(batch.terms[i][:, self.layer] for i in self.terms))
-        batch.streams, _ = scan(step, self.kernels.whole_chunk, batch, inputs, None)
+        self.framed(batch, body, None, tuple(batch.terms[i][:, self.layer] for i in self.terms))

@@ -20,6 +20,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def add_rms_norm(X: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """A plain residual's add and the next sublayer's norm: streams X [T, 1, D] and a sublayer's
+    output y [T, D] -> (S = X + y [T, 1, D], rms_norm(S's stream)). Fused, one kernel where the
+    two were two."""
+    S = X + y.unsqueeze(1)
+    return S, rms_norm(S[:, 0], weight, eps)
+
+
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σx² + eps) over the last dim."""
     xf = x.to(accum_dtype(x.dtype))

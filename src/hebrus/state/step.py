@@ -19,8 +19,10 @@ several sessions' single tokens at once (`one_each`, row i of every per-token te
 i's); any other step runs session by session.
 
 What the stages hand each other travels in typed fields: `streams` (the residual streams
-[T, n, D] as the last stage left them) and `terms` (each branch's value for the layers'
-feed-forward terms, by the branch's place in the spec). Nothing is looked up by name.
+[T, n, D] as the last stage left them), `pending` (with one plain stream in fast mode, the last
+sublayer's output, which the next sublayer adds to the streams in the kernel of its norm, and the
+head before it reads them) and `terms` (each branch's value for the layers' feed-forward terms,
+by the branch's place in the spec). Nothing is looked up by name.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class StepBatch:
     blocks: torch.Tensor | None = None          # ... each token's row's block [T]
     offsets: torch.Tensor | None = None         # ... and its row in that block [T]
     streams: torch.Tensor | None = None         # the residual streams, as the last stage left them
+    pending: torch.Tensor | None = None         # a sublayer's output [T, D] the next one adds to them
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
 
     @classmethod
