@@ -241,7 +241,7 @@ def test_fused_ops_equal_their_twins(dtype, T):
     from hebrus.ops.hyper import hc_gates, hc_head, hc_post, hc_pre
     from hebrus.ops.moe import route_weights, router_probs, sigmoid_gated_add, silu_mul
     from hebrus.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
-    from hebrus.ops.ple import gelu_mul
+    from hebrus.ops.ple import gelu_mul, ngram_buckets
     from hebrus.ops.qsa import sigmoid_gated
     from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -268,6 +268,9 @@ def test_fused_ops_equal_their_twins(dtype, T):
         (sigmoid_gated, (r(T, 4, 16), r(T, 4, 16))),
         (silu_mul, (r(T, 64), r(T, 64))),
         (gelu_mul, (r(T, 64), r(T, 64))),
+        (ngram_buckets, (torch.randint(0, 256, (T,), generator=g, device="cuda"),
+                         torch.randint(0, 256, (2,), generator=g, device="cuda"),
+                         torch.randint(-2**62, 2**62, (2, 3), generator=g, device="cuda"), (1021, 2039))),
         (sigmoid_gated_add, (r(T, 32), r(T, 1), r(T, 32))),
         (router_probs, (r(T, 8),)),
         (route_weights, (r(T, 8, dt=f32).softmax(-1), torch.randint(0, 8, (T, 2), generator=g, device="cuda"), True)),
@@ -281,9 +284,12 @@ def test_fused_ops_equal_their_twins(dtype, T):
         with torch.inference_mode():
             want, got = op(*args), fused(op)(*args)
         assert fused(op).failed is None, (op.__name__, fused(op).failed)
-        want, got = (w if isinstance(w, tuple) else (w,) for w in (want, got))
+        want, got = (tuple(w) if isinstance(w, (tuple, list)) else (w,) for w in (want, got))
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, op.__name__
+            if not a.is_floating_point():                   # integer ops: the same values
+                assert torch.equal(a, b), op.__name__
+                continue
             assert _rel(a.float(), b.float()) <= tolerance, op.__name__
 
 

@@ -424,6 +424,25 @@ def test_a_fused_ops_shared_kernel_serves_every_length_and_never_the_lanes():
     assert made == [1, 0, 0, 1, 0, 0]
 
 
+def test_the_fused_ngram_hashes_are_the_same_ids():
+    """`ngram_buckets` compiled (here by the CPU's inductor) gives the ids as written, exactly:
+    int64 products that wrap around, XOR, and a remainder of negative values, for a chunk, a
+    lanes' shape and sessions' single tokens with their own histories."""
+    from hebrus.ops.cuda.fuse import _Fused
+    from hebrus.ops.ple import ngram_buckets
+    torch._dynamo.reset()
+    op = _Fused(ngram_buckets)
+    g = torch.Generator().manual_seed(7)
+    constants = torch.randint(-2**62, 2**62, (2, 3), generator=g)
+    for ids, history in ((torch.randint(0, 256, (5,), generator=g), torch.randint(0, 256, (2,), generator=g)),
+                         (torch.randint(0, 256, (8,), generator=g), torch.randint(0, 256, (2,), generator=g)),
+                         (torch.randint(0, 256, (4, 1), generator=g), torch.randint(0, 256, (4, 2), generator=g))):
+        got, want = op(ids, history, constants, (1021, 2039)), ngram_buckets(ids, history, constants, (1021, 2039))
+        assert op.failed is None, op.failed
+        assert len(got) == len(want) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(0 <= int(a.min()) and int(a.max()) < size for a, size in zip(got, (1021, 2039)))
+
+
 def test_fused_ops_specialise_exactly_the_lanes_shapes():
     """A compiled op gets a kernel of its own for a power of two of rows up to STATIC_ROWS (a
     planned step's lanes) and shares one for every other length; decided by the shapes alone."""

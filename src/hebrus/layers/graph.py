@@ -31,6 +31,10 @@ class Embed:
         self.table, self.streams, self.vocab = params["embed.weight"], s.hc_streams, s.vocab_size
 
     def run(self, txn: StepContext, step: StepBatch) -> None:
+        """The first stage of every pass over the stages (whoever runs them): the streams start
+        here, nothing pending, nothing taken (`StepBatch.forget`: a planned step is passed
+        again with its buffers refilled)."""
+        step.forget()
         txn.check_range(step.ids, self.vocab, Check.TOKEN_RANGE)
         x = self.table[step.ids.clamp(0, self.vocab - 1)]
         step.streams = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()

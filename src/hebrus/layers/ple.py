@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.layers.checks import Check
-from hebrus.layers.kernels import Kernels
+from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.sublayer import scan
 from hebrus.ops.conv import causal_conv
@@ -57,8 +57,9 @@ def take(table, index: torch.Tensor, claims: dict) -> torch.Tensor:
 
 
 class PerLayerEmbedding:
-    def __init__(self, s, params: dict[str, torch.Tensor]):
+    def __init__(self, s, params: dict[str, torch.Tensor], fused=unfused):
         p = s.section(PLESection)
+        self.ngram_buckets = fused(ngram_buckets)      # integer arithmetic: any form gives the same ids
         self.unigram = params["ple.unigram.weight"]
         self.tables = [params[f"ple.ngram.{m}.weight"] for m in range(2, p.ngram + 1)]
         self.constants = params["ple.hash_constants"]
@@ -76,7 +77,7 @@ class PerLayerEmbedding:
         return claims
 
     def hashes(self, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
-        return ngram_buckets(ids, history, self.constants, self.buckets)
+        return self.ngram_buckets(ids, history, self.constants, self.buckets)
 
     def __call__(self, ids: torch.Tensor, hashes: list[torch.Tensor], conv_state: torch.Tensor,
                  sessions: bool = False, claims: dict | None = None, each: bool = False):
@@ -99,7 +100,7 @@ class PLEStage:
     name = "ple"
 
     def __init__(self, s, params, kernels: Kernels):
-        self.ple, self.kernels, self.keep = PerLayerEmbedding(s, params), kernels, s.section(PLESection).ngram - 1
+        self.ple, self.kernels, self.keep = PerLayerEmbedding(s, params, kernels.fused), kernels, s.section(PLESection).ngram - 1
         self.vocab = s.vocab_size
         self.index = s.branches.index(PLE.name)      # where its value travels (`StepBatch.terms`)
 

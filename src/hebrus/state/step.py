@@ -48,6 +48,8 @@ class StepBatch:
     streams: torch.Tensor | None = None         # the residual streams, as the last stage left them
     pending: torch.Tensor | None = None         # a sublayer's output [T, D] the next one adds to them
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
+    # the rows `take` gave this pass, with their tables: every layer of one rotary width shares them
+    taken: list = field(default_factory=list, init=False, repr=False)
 
     @classmethod
     def chunk(cls, ids: torch.Tensor, start: int, each: bool = False) -> "StepBatch":
@@ -143,10 +145,22 @@ class StepBatch:
 
     # ---- rows by position ----------------------------------------------------------------------
     def take(self, table: torch.Tensor) -> torch.Tensor:
-        """Rows of a per-position table (rotary cos/sin) at the step's positions."""
+        """Rows of a per-position table (rotary cos/sin) at the step's positions: gathered once a
+        pass over the stages (the embedding's `forget` starts one), whichever layers ask."""
+        for seen, rows in self.taken:
+            if seen is table:
+                return rows
         if self.starts is not None and len(self.lengths) == 1:
-            return table[self.starts[0]:self.starts[0] + len(self.ids)]
-        return table.index_select(0, self.positions)
+            rows = table[self.starts[0]:self.starts[0] + len(self.ids)]
+        else:
+            rows = table.index_select(0, self.positions)
+        self.taken.append((table, rows))
+        return rows
+
+    def forget(self) -> None:
+        """A pass over the stages starts: what `take` gave is gathered again (a planned step's
+        positions are refilled in place between passes)."""
+        self.taken.clear()
 
     def put(self, logs, value: torch.Tensor) -> None:
         """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
