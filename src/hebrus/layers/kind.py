@@ -64,14 +64,17 @@ class Kind:
                                 `step` (`state.step.StepBatch`): N sessions' chunks, their
                                 tokens one tensor [T, ...] (`step.bounds` say whose); banked
                                 state reads as the value for one session, [N, ...] for several;
-                                stateful math goes through `sublayer.scan`, which gives it one
+                                a mixer or ffn is a `sublayer.Sublayer` whose `framed(step,
+                                body, state)` runs its body (normed input h -> output y) inside
+                                the residual frame through `sublayer.scan`, which gives it one
                                 session's chunk (exact mode: token by token) or several
                                 sessions' single tokens (`step.one_each`, row i session i's);
                                 a prefix transaction (`step.each`, the
                                 state after every token written with `write_each`); a planned
                                 step (positions on the device only; rows written through
                                 `step.put`). Values for later stages go in the step's fields
-                                (`streams`, `terms`). It makes no host sync.
+                                (`streams` and `pending`, which `framed` keeps; `terms`). It
+                                makes no host sync.
     cost(s, position)           a `Cost`
     layer_term(s, params, layer, kernels)   branches only: the term its ffn sublayers add,
                                 called as `term(h, its value's slice for the layer)`

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from hebrus.ops.hyper import sinkhorn as sinkhorn_twin
 
-BLOCK = 32
+ELEMENTS = 512           # a program's mixes: 32 tokens' 4 × 4, 2 tokens' 16 × 16
 # One warp a program: the row and column sums then stay within a warp's lanes (no shared memory and
 # no barrier between rounds). At 3858b57, with torch's default four warps, a decode step's call
 # took 4.8 us on an H200 (n = 4, ten rounds); one warp not yet measured.
@@ -35,10 +35,11 @@ def _sinkhorn_kernel(x_ptr, y_ptr, T, eps, ITERS: tl.constexpr, N: tl.constexpr,
     e = tl.exp(x - tl.max(x, axis=2, keep_dims=True))
     e = tl.where(inside, e, 0.0)
     c = tl.where(inside, e / tl.sum(e, axis=2, keep_dims=True) + eps, 0.0)
-    c = c / (tl.sum(c, axis=1, keep_dims=True) + eps)
+    # entries outside divide by 1, never by a sum of zeros (0 / 0 with eps = 0 would spread NaN)
+    c = c / tl.where(inside, tl.sum(c, axis=1, keep_dims=True) + eps, 1.0)
     for _ in tl.static_range(ITERS - 1):
-        c = c / (tl.sum(c, axis=2, keep_dims=True) + eps)
-        c = c / (tl.sum(c, axis=1, keep_dims=True) + eps)
+        c = c / tl.where(inside, tl.sum(c, axis=2, keep_dims=True) + eps, 1.0)
+        c = c / tl.where(inside, tl.sum(c, axis=1, keep_dims=True) + eps, 1.0)
     tl.store(y_ptr + at, c, mask=inside)
 
 
@@ -50,6 +51,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     x = logits.contiguous()
     y = torch.empty_like(x)
     if T:
-        _sinkhorn_kernel[(triton.cdiv(T, BLOCK),)](x, y, T, eps, ITERS=iters, N=n,
-                                                  NP=triton.next_power_of_2(n), BLOCK=BLOCK, num_warps=WARPS)
+        padded = triton.next_power_of_2(n)
+        block = max(1, ELEMENTS // (padded * padded))
+        _sinkhorn_kernel[(triton.cdiv(T, block),)](x, y, T, eps, ITERS=iters, N=n, NP=padded, BLOCK=block,
+                                                  num_warps=WARPS)
     return y
