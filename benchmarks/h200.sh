@@ -12,7 +12,8 @@
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
 # the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
-# default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk).
+# default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
+# gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights).
 # Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -78,6 +79,8 @@ for part in "$@"; do
             --json "$out/bench-shakespeare.json" --table "$out/bench-shakespeare.md" 2>&1 | grep -v '^bench' ;;
     conv)
         timeout 120 python3 benchmarks/conv_prefill.py --out "$out" 2>&1 | grep -v Warn ;;
+    gemv)
+        timeout 300 python3 benchmarks/gemv.py --out "$out" 2>&1 | grep -v Warn ;;
     kernels)
         timeout 300 python3 benchmarks/decode_kernels.py --out "$out" 2>&1 | grep -v Warn
         timeout 120 python3 benchmarks/batch_profile.py --batch 64 --steps 10 --out "$out" 2>&1 | grep '^batch' ;;
