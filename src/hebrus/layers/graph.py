@@ -60,6 +60,12 @@ class Head:
         each is the bits feeding the chunk up to that position would publish (exact mode)."""
         return torch.cat([self.logits(X[t:t + 1].clone()) for t in range(X.shape[0])])
 
+    def _output(self, X: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        """Logits of streams X, or of their normed stream h where the norm has run."""
+        if h is not None:
+            return F.linear(h, self.out)
+        return self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
+
     @staticmethod
     def streams(step: StepBatch) -> torch.Tensor:
         """The step's streams with a pending sublayer output added (`StepBatch.pending`)."""
@@ -74,18 +80,13 @@ class Head:
                 X = self.streams(step)
             step.streams, step.pending = X, None
 
-        def output(X, h):
-            if h is not None:
-                return F.linear(h, self.out)
-            return self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
-
         if step.each:               # a prefix transaction: the values after every position
-            logits = output(X, h)
+            logits = self._output(X, h)
             txn.write_each("residual", X)
             txn.write_each(OUTPUT, logits)
             return
         X = step.last_rows(X).clone()            # only each session's last position is published
-        logits = output(X, None if h is None else step.last_rows(h))
+        logits = self._output(X, None if h is None else step.last_rows(h))
         if step.sessions > 1:                                         # one row per session
             txn.write("residual", X)
             txn.write(OUTPUT, logits)

@@ -100,7 +100,8 @@ class PLEStage:
     name = "ple"
 
     def __init__(self, s, params, kernels: Kernels):
-        self.ple, self.kernels, self.keep = PerLayerEmbedding(s, params, kernels.fused), kernels, s.section(PLESection).ngram - 1
+        self.ple, self.kernels = PerLayerEmbedding(s, params, kernels.fused), kernels
+        self.keep = s.section(PLESection).ngram - 1
         self.vocab = s.vocab_size
         self.index = s.branches.index(PLE.name)      # where its value travels (`StepBatch.terms`)
 

@@ -95,28 +95,20 @@ class Sublayer:
         it, and the streams and the pending output move on in `batch`. -> the state `scan` gives
         back."""
         def step(at, X, pending, *rest, **each):
-            X, h, post, comb = self.mix_in(X, pending)
+            if pending is not None:             # the last sublayer's output, added in the norm's op
+                X, h = self.add_rms_norm(X, pending, self.norm, self.eps)
+                post = comb = None
+            else:
+                c, post, comb = self.residual.pre(X)
+                h = self.rms_norm(c, self.norm, self.eps)
             y, state = body(at, h, *rest, **each)
-            return self.mix_out(X, y, post, comb), state
+            if self.defer:                      # left pending where the next sublayer adds it
+                return (X, y), state
+            return (self.residual.post(X, y, post, comb), None), state
 
         (batch.streams, batch.pending), state = scan(step, self.kernels.whole_chunk, batch,
                                                      (batch.streams, batch.pending, *inputs), state, ragged)
         return state
-
-    def mix_in(self, X: torch.Tensor, pending: torch.Tensor | None):
-        """Streams X [T, n, D] and the last sublayer's pending output (or None) -> (the streams
-        with it added, normed sublayer input h [T, D], post, comb)."""
-        if pending is not None:
-            X, h = self.add_rms_norm(X, pending, self.norm, self.eps)
-            return X, h, None, None
-        c, post, comb = self.residual.pre(X)
-        return X, self.rms_norm(c, self.norm, self.eps), post, comb
-
-    def mix_out(self, X, y, post, comb) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (streams, pending): y left pending where the next sublayer adds it."""
-        if self.defer:
-            return X, y
-        return self.residual.post(X, y, post, comb), None
 
 
 class FeedForward(Sublayer):
