@@ -125,7 +125,10 @@ def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Ver
 
 class _Batch:
     """Three sessions and their chunks for a ragged step, and (computed once, lazily) what each
-    publishes in that step with no fault and fed its chunk alone: (logits, digest) each."""
+    publishes in that step with no fault and fed its chunk alone: (logits, digest) each. The
+    sessions decode eagerly: a session retried alone after its pass failed runs its chunk
+    eagerly (an armed fault keeps graphs out), so `alone` computes what the retry computes;
+    from a graph, a one-token chunk would round differently."""
 
     def __init__(self, model, rng: random.Random):
         vocab = model.spec.vocab_size
@@ -139,7 +142,7 @@ class _Batch:
         if self._bases is None:
             self._bases = []
             for warm in self.warm:
-                s = self.model.session()
+                s = self.model.session(decode="eager")
                 s.feed(warm)
                 self._bases.append(s)
         return [s.fork() for s in self._bases]
