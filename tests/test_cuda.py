@@ -90,27 +90,13 @@ def test_grouped_matmul_experts_on_cuda_match_the_twin(T):
 
 # ---- CUDA-graph decode ------------------------------------------------------------------------
 
-def _graph_models(tmp_path, references: bool = False):
-    """The models the graph tests run; with `references`, each 16-bit one's float32 twin (the same
-    checkpoint loaded in float32) under its name + "-reference"."""
+def _graph_models(tmp_path):
+    """The models the graph tests run."""
     from foreign import build
     folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
-    models = {"tiny-float32": hebrus.load("tiny", device="cuda", mode="fast"),
-              "tiny-bfloat16": hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast"),
-              "qwen3_5-bfloat16": hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")}
-    if references:
-        models["tiny-bfloat16-reference"] = models["tiny-float32"]
-        models["qwen3_5-bfloat16-reference"] = hebrus.load(folder, device="cuda", mode="fast")
-    return models
-
-
-def _as_close(got, eager, reference=None, tolerance: float = 2e-2) -> bool:
-    """A graph's value against the eager one's: within `tolerance`, or, given the float32
-    reference, no more than twice as far from it as the eager value (the graphs' kernels round
-    differently from the eager ops: a 16-bit model's attention in float32 throughout)."""
-    if reference is None:
-        return _rel(got.float(), eager.float()) <= tolerance
-    return _rel(got.float(), reference.float()) <= max(tolerance, 2 * _rel(eager.float(), reference.float()))
+    return {"tiny-float32": hebrus.load("tiny", device="cuda", mode="fast"),
+            "tiny-bfloat16": hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast"),
+            "qwen3_5-bfloat16": hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")}
 
 
 def _ids(n, vocab, seed):
@@ -119,39 +105,45 @@ def _ids(n, vocab, seed):
 
 @cuda
 def test_graph_decode_matches_eager(tmp_path):
-    """Graph replays against eager steps on the same device: logits and every owner within the
-    dtype's fast tolerance (a 16-bit model's: as close to its float32 twin as the eager steps,
-    within a factor of two, the logits' worst step over the run against eager's worst: on a random
-    16-bit model one step's distance swings with the rounding of every step before it), discrete
-    state equal, storage growth (rows 16 and 32) replayed from the same graph."""
-    models = _graph_models(tmp_path, references=True)
-    for name, model in models.items():
-        if name.endswith("-reference"):
-            continue
-        vocab, tolerance = model.spec.vocab_size, 1e-4 if model.dtype == torch.float32 else 2e-2
-        runs = {}
-        for decode, m in (("graph", model), ("eager", model), ("reference", models.get(name + "-reference"))):
-            if m is None:
-                runs[decode] = (None, [None] * 30)
-                continue
-            s = m.session(decode="eager" if decode == "reference" else decode)
-            s.feed(_ids(10, vocab, 1))
-            runs[decode] = (s, [s.feed([t]) for t in _ids(30, vocab, 2)])
-        (graph, got), (eager, want), (reference, exact) = runs["graph"], runs["eager"], runs["reference"]
+    """Graph replays against eager steps on the same device, storage growth (rows 16 and 32)
+    replayed from the same graph. float32: every step's logits and, at the end, every owner
+    within 1e-4 of eager's, discrete state equal. A 16-bit model: the graph's steps are its
+    plan's, bit for bit (logits every step, the digest at the end), and each graph step, taken
+    from the eager session's state, is within 2e-2 of eager's step at three steps in four at
+    least. One step at a time because a random 16-bit model's choices (experts, attended rows)
+    lie near ties at every step (1e-3 to 2e-2 of their site's scale, measured on the H200 and
+    the CPU), so the two routes' rounding flips some of them: a flip moves its own step's logits
+    by up to 0.4, and, run on, every later step; a wrong kernel moves every step."""
+    for name, model in _graph_models(tmp_path).items():
+        vocab, exact_dtype = model.spec.vocab_size, model.dtype == torch.float32
+        prompt, tokens = _ids(10, vocab, 1), _ids(30, vocab, 2)
+        graph, eager = model.session(decode="graph"), model.session(decode="eager")
+        planned = None if exact_dtype else model.session(decode="planned")
+        for s in (graph, eager, planned):
+            if s is not None:
+                s.feed(prompt)
+        near = []                                    # 16-bit: each graph step from eager's state, its distance
+        for step, t in enumerate(tokens):
+            if not exact_dtype:
+                eager.save(tmp_path / f"step{step}.hebrus")
+                one = model.restore(tmp_path / f"step{step}.hebrus", decode="graph")
+            a, b = graph.feed([t]), eager.feed([t])
+            if exact_dtype:
+                assert _rel(a.float(), b.float()) <= 1e-4, (name, step, _rel(a.float(), b.float()))
+            else:
+                assert torch.equal(a, planned.feed([t])), (name, step)
+                near.append(_rel(one.feed([t]).float(), b.float()))
+                del one
         steps = graph._steps
-        if exact[0] is None:
-            for step, (a, b) in enumerate(zip(got, want)):
-                assert _as_close(a, b, None, tolerance), (name, step, _rel(a.float(), b.float()))
-        else:                                        # over the whole run: one step's ratio is noise
-            far = [(_rel(a.float(), r.float()), _rel(b.float(), r.float())) for a, b, r in zip(got, want, exact)]
-            worst, eager_worst = max(f[0] for f in far), max(f[1] for f in far)
-            assert worst <= max(tolerance, 2 * eager_worst), (name, far)
         assert steps.captures >= 1 and steps.replays >= 20, (name, steps.captures, steps.replays, steps.refused)
+        if not exact_dtype:
+            assert graph.digest() == planned.digest(), name
+            assert sum(d <= 2e-2 for d in near) >= 3 * len(near) / 4, (name, near)
+            continue
         for spec in graph.image.specs:
             a, b = graph.image.value(spec.name), eager.image.value(spec.name)
             if a.is_floating_point():
-                r = reference.image.value(spec.name) if reference is not None else None
-                assert _as_close(a, b, r, tolerance) or float(b.abs().max()) == 0, (name, spec.name)
+                assert _rel(a.float(), b.float()) <= 1e-4 or float(b.abs().max()) == 0, (name, spec.name)
             else:
                 assert torch.equal(a, b), (name, spec.name)
 
