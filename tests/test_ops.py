@@ -246,6 +246,28 @@ def test_sinkhorn_is_nearly_doubly_stochastic():
     torch.testing.assert_close(comb.sum(-1), torch.ones(6, 4, dtype=torch.float64), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_sinkhorn_matches_its_twin(dtype):
+    """The CPU fast table's Sinkhorn rounds (numpy, in place) against `ops.hyper.sinkhorn`: one
+    token and many, n a power of two and not, eps 0 too; the logits untouched; a dtype numpy
+    lacks and a tensor that needs gradients take the twin itself."""
+    from hebrus.ops.cpu import sinkhorn as on_cpu
+    g = torch.Generator().manual_seed(3)
+    bound = 1e-5 if dtype == torch.float32 else 1e-13     # 30 seeds here: 4e-7, 6e-16 at most
+    for T, n, eps in itertools.product((1, 5, 300), (2, 3, 4, 8), (1e-6, 0.0)):
+        logits = (3 * torch.randn(T, n, n, generator=g)).to(dtype)
+        kept = logits.clone()
+        got, want = on_cpu(logits, 20, eps), sinkhorn(logits, 20, eps)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert float((got - want).abs().max()) <= bound, (T, n, eps)
+        assert torch.equal(logits, kept)
+    half = torch.randn(2, 4, 4, generator=g).bfloat16()
+    assert torch.equal(on_cpu(half, 20, 1e-6), sinkhorn(half, 20, 1e-6))
+    trained = torch.randn(2, 4, 4, generator=g, requires_grad=True)
+    on_cpu(trained, 20, 1e-6).sum().backward()
+    assert trained.grad is not None
+
+
 def test_hc_pre_and_post_follow_their_formulas():
     g = torch.Generator().manual_seed(8)
     n, D = 4, 6

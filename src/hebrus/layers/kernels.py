@@ -55,14 +55,17 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
     elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), multiplies by quantized
     weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`) and runs the
-    hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); the ops as written
-    are their twins."""
+    hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
+    runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins."""
     choose = top_k_chooser if chooser is None else chooser
     ops = kind_ops(mode, device, dtype)
     if mode != "fast":
         return Kernels(False, choose, ops=ops)
     fuse, quantized, mix = unfused, rebuilt_linear, sinkhorn
-    if device is not None and device.type == "cuda":
+    if device is None or device.type == "cpu":
+        from hebrus.ops import cpu
+        mix = cpu.sinkhorn
+    elif device.type == "cuda":
         from hebrus.ops.cuda import fuse as cuda_fuse
         if cuda_fuse.enabled():
             fuse = cuda_fuse.fused

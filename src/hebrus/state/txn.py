@@ -137,8 +137,11 @@ class Transaction:
             self.written, self.after_each, self._peak = template.written, template.after_each, template.peak
             self.completion.restart()
         else:
-            self.checks = DeviceChecks(defer=self.planned, lengths=list(lanes.lengths) if self.planned else
-                                       list(lengths), device=self.device)
+            # a planned step's or a token each's finite checks wait for the step's end, all in one
+            # reduction (those writes are a few rows each; a longer chunk's are checked stage by stage, so
+            # that none of them is kept past its stage)
+            self.checks = DeviceChecks(defer=self.planned or max(lengths) == 1,
+                                       lengths=list(lanes.lengths) if self.planned else list(lengths), device=self.device)
             self.completion = Completion(self.device)
             self.written: set[str] = set()
             self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
