@@ -333,6 +333,7 @@ def test_the_op_table_picks_kernels_by_device_and_dtype():
     assert kernels("fast", None, cpu, torch.float32).ops[experts].many is experts_grouped_mm
     assert kernels("fast", None, cpu, torch.bfloat16).ops[experts].many is experts_grouped_mm
     assert kernels("fast", None, cpu, torch.float64).ops[experts].many is experts_grouped   # grouped_mm: no float64
+    assert kernels("fast", None, cpu, torch.float32).ops[experts].few is experts_per_token   # a CPU reads routes for free
     assert kernels("exact", None, cpu, torch.float32).ops[experts] is experts_per_token
 
 
