@@ -12,7 +12,7 @@ from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
-from hebrus.ops.moe import (CPU_FEW_ROWS, experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
+from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route, sigmoid_gated_add)
 from hebrus.ops.quant import Products, linear
 from hebrus.state.owners import APPENDED, OwnerSpec
@@ -125,12 +125,12 @@ class MoE(Kind):
     def ops(self, mode, device, dtype):
         """Exact: each token through its experts. Fast: grouped per expert (torch's grouped_mm
         where it runs: no host synchronisation), a decode step's few tokens gathered on a GPU
-        and each through its experts on the CPU (`ops.moe.CPU_FEW_ROWS`)."""
+        and each through its experts on the CPU (`ops.moe.FEW_ROWS`)."""
         if mode != "fast":
             return {EXPERTS: experts_per_token}
         many = experts_grouped
         if device is not None and dtype is not None and grouped_mm_supports(device, dtype):
             many = experts_grouped_mm
         if device is None or device.type == "cpu":
-            return {EXPERTS: experts_few_first(many, experts_per_token, CPU_FEW_ROWS)}
+            return {EXPERTS: experts_few_first(many, experts_per_token)}
         return {EXPERTS: experts_few_first(many)}

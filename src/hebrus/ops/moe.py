@@ -118,19 +118,20 @@ def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
     return y.view(T, k, -1).sum(1)                                           # choices in rank order
 
 
+# At most this many (token, choice) rows run row by row (each row's result its own, whatever the
+# other rows of the step: a padding lane of a planned step changes no session's bits), more go to a
+# grouped runner. On a GPU the rows gather copies of their experts' matrices (no host
+# synchronisation); on a CPU, where the host reads the routes for free, each token runs through its
+# experts in place: at the `shakespeare` model's shapes on two cores, one token's two experts took
+# 83 µs that way against 265 µs gathered, eight tokens' 660 against 1,900
 FEW_ROWS = 16
-# On a CPU the host reads the routes for free, and each token's experts multiplied in place beat
-# both copies: at the `shakespeare` model's shapes on two cores, one token's two experts took 83
-# µs that way, 265 µs gathered and 132 µs grouped in one matmul; at 8 tokens the grouped matmul
-# was fastest (300 µs, per token 660)
-CPU_FEW_ROWS = 4
 
 
-def experts_few_first(many, few=experts_gathered, rows: int = FEW_ROWS):
-    """An expert runner that takes `few` (default `experts_gathered`) for at most `rows`
+def experts_few_first(many, few=experts_gathered):
+    """An expert runner that takes `few` (default `experts_gathered`) for at most FEW_ROWS
     (token, choice) rows and `many` for more (a choice on shapes alone)."""
     def run(h, weights, experts, gate_up, down):
-        if experts.numel() <= rows:
+        if experts.numel() <= FEW_ROWS:
             return few(h, weights, experts, gate_up, down)
         return many(h, weights, experts, gate_up, down)
     run.many, run.few = many, few
