@@ -1,16 +1,16 @@
-"""A bf16 matrix-vector product for one row of x in Triton, a candidate against cuBLAS (F.linear)
-for batch-1 decode: on the H200 at c7ec42d a 1.68B decode step spent 1.17 ms in its products
-against a ~0.75 ms weight floor, and F.linear of one row read 6144 x 2048 at ~71-75% of the copy
-bandwidth (results/cuda-h200/quant-gemv-h200.txt). Each program reduces BLOCK_N outputs over K in
-tiles of BLOCK_K, keeping a [BLOCK_N, BLOCK_K] partial sum and reducing it once at the end. The
-candidate lives here until it wins; its twin is F.linear.
+"""The batch-1 product kernel (`hebrus.ops.cuda.gemv`) against cuBLAS (F.linear), every launch
+shape of it, on the 1.68B Qwen3.5 shape's weights: the measurement its `launch_shape` rule comes
+from. At c7ec42d a 1.68B decode step spent 1.17 ms in its products against a ~0.75 ms weight
+floor, and F.linear of one row read 6144 x 2048 at ~71-75% of the copy bandwidth
+(results/cuda-h200/quant-gemv-h200.txt); at 35fd8b0 the best launch per shape took a step's
+products from 1,032 to 833 µs (results/cuda-h200/gemv-35fd8b0.txt).
 
-For each of the 1.68B shape's products (and its tied head), every launch shape is checked
-against F.linear in float32 (relative error) and timed as 50 calls captured in one CUDA graph,
+For each of the shape's products (and its tied head), every launch shape is checked against
+F.linear in float32 (relative error) and timed as 50 calls captured in one CUDA graph,
 replayed: µs per call and the share of the copy bandwidth its weight bytes are; then a decode
-step's products summed, F.linear against the best launch per shape.
+step's products summed: F.linear, the best launch per shape, and the rule's own launch.
 
-    python benchmarks/gemv.py [--out DIR] [--shapes N:K,...] [--replays 20]"""
+    python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20]"""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from hebrus.ops.cuda.gemv import launch, launch_shape
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
 # the GDN in-projection (qkv, z, b, a side by side), the GDN and attention out-projections,
@@ -28,27 +28,6 @@ import triton.language as tl
 SHAPES = ((8224, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24), (2048, 6144, 24),
           (151936, 2048, 1))
 CONFIGS = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))     # BLOCK_N, BLOCK_K, warps
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, warps: int,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [K] @ w[N, K]ᵀ -> [N] (w contiguous)."""
-    N, K = w.shape
-    y = torch.empty(N, device=w.device, dtype=w.dtype) if out is None else out
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    return y
 
 
 def per_call(call, calls: int = 50, replays: int = 20) -> float:
@@ -88,31 +67,34 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"), 2**30)
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; x: one bf16 row; µs a call (50 a graph), share of it"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    total = {"F.linear": 0.0, "best": 0.0}
+    total = {"F.linear": 0.0, "best": 0.0, "rule": 0.0}
     for N, K, count in shapes:
         w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
-        x = torch.randn(K, device="cuda", generator=g).bfloat16()
-        want = F.linear(x[None].float(), w.float())[0]
+        x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+        want = F.linear(x.float(), w.float())
         weight = N * K * 2
-        t = per_call(lambda: F.linear(x[None], w), replays=args.replays)
+        t = per_call(lambda: F.linear(x, w), replays=args.replays)
         lines.append(f"\n## {N} x {K} ({count} a step)\nF.linear: {t * 1e6:.1f} µs, {weight / t / bandwidth:.0%}")
         total["F.linear"] += count * t
-        out, results = torch.empty(N, device="cuda", dtype=torch.bfloat16), []
+        results = []
         for block_n, block_k, warps in CONFIGS:
-            got = gemv(x, w, block_n, block_k, warps, out)
+            got = launch(x, w, (block_n, block_k, warps))
             error = float((got.float() - want).norm() / want.norm())
             if error > 1e-2:
                 lines.append(f"{block_n}x{block_k}/{warps}: WRONG, relative error {error:.2e}")
                 continue
-            t = per_call(lambda: gemv(x, w, block_n, block_k, warps, out), replays=args.replays)
+            t = per_call(lambda: launch(x, w, (block_n, block_k, warps)), replays=args.replays)
             results.append((t, block_n, block_k, warps))
         results.sort()
         for t, block_n, block_k, warps in results[:3]:
             lines.append(f"triton {block_n}x{block_k}/{warps} warps: {t * 1e6:.1f} µs, {weight / t / bandwidth:.0%}")
         total["best"] += count * results[0][0] if results else float("nan")
-        print("\n".join(lines[-4:]), flush=True)
+        rule = next((t for t, *shape in results if tuple(shape) == launch_shape(N, K)), float("nan"))
+        lines.append(f"the rule's launch {launch_shape(N, K)}: {rule * 1e6:.1f} µs")
+        total["rule"] += count * rule
+        print("\n".join(lines[-5:]), flush=True)
     lines.append(f"\na decode step's products: F.linear {total['F.linear'] * 1e6:.0f} µs, the best Triton "
-                 f"launch per shape {total['best'] * 1e6:.0f} µs")
+                 f"launch per shape {total['best'] * 1e6:.0f} µs, the rule's {total['rule'] * 1e6:.0f} µs")
     print(lines[-1])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gemv.txt").write_text("\n".join(lines) + "\n")

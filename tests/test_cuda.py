@@ -468,6 +468,38 @@ def test_batch_graphs_match_eager_batches(tmp_path):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_one_row_product_matches_f_linear(dtype):
+    """The Triton product of a batch-1 step's row (`ops.cuda.gemv`) against F.linear in float32,
+    at the launch shape it picks and the others it may pick, for widths that are and are not
+    multiples of a tile, and for rows laid inside a wider storage (weights side by side);
+    deterministic; every case it does not take (two rows, float32, a quantized weight) is the
+    twin itself."""
+    import torch.nn.functional as F
+    from hebrus.ops.cuda.gemv import launch, launch_shape, linear, takes
+    from hebrus.ops.quant import quantize
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for N, K in ((37, 300), (2048, 2048), (8224, 2048), (513, 1000), (2048, 6144)):
+        wide = torch.randn(N, K + 8, generator=g, device="cuda").to(dtype)
+        x = torch.randn(1, K, generator=g, device="cuda").to(dtype)
+        for w in (wide[:, :K].contiguous(), wide[:, :K]):
+            assert takes(x, w)
+            want = F.linear(x.float(), w.float())
+            for shape in {launch_shape(N, K), (4, 128, 8), (16, 128, 8), (4, 512, 2), (4, 256, 2)}:
+                got = launch(x, w, shape)
+                assert got.dtype == dtype and got.shape == (1, N)
+                assert _rel(got.float(), want) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), (N, K, shape)
+            assert torch.equal(linear(x, w), linear(x, w))
+    w = torch.randn(64, 32, generator=g, device="cuda").to(dtype)
+    two, wide32 = torch.randn(2, 32, generator=g, device="cuda").to(dtype), w.float()
+    assert not takes(two, w) and torch.equal(linear(two, w), F.linear(two, w))
+    one32 = torch.randn(1, 32, generator=g, device="cuda")
+    assert not takes(one32, wide32) and torch.equal(linear(one32, wide32), F.linear(one32, wide32))
+    q = quantize(w.float(), "int8")
+    assert not takes(one32.to(dtype), q)
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
 def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):

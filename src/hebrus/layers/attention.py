@@ -18,7 +18,7 @@ from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import (dense_attention, dense_attention_fast, dense_attention_lanes, index_scores, select,
                             sigmoid_gated, sparse_attention)
-from hebrus.ops.quant import CACHE_DTYPES, Products, QuantizedRows, dense, linear, quantize_rows
+from hebrus.ops.quant import CACHE_DTYPES, Products, QuantizedRows, dense, quantize_rows
 from hebrus.ops.rope import apply_rope, normed_rotated, rope_tables
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
@@ -88,10 +88,12 @@ class Attention:
         a = s.section(AttentionSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.w, self.choose, self.site, self.indexed = w, kernels.choose, prefix.removesuffix("."), indexed
-        self.project = Products(*(w[name] for name in PROJECTED), together=kernels.together)    # -> q, gate, k, v
-        self.index_project = (Products(*(w[name] for name in INDEXED), together=kernels.together)
+        self.project = Products(*(w[name] for name in PROJECTED), together=kernels.together,
+                                linear=kernels.linear)                                    # -> q, gate, k, v
+        self.index_project = (Products(*(w[name] for name in INDEXED), together=kernels.together, linear=kernels.linear)
                               if indexed else None)                                              # -> qi, ki, iw
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
+        self.linear = kernels.linear
         self.attend_lanes = kernels.ops.get(LANES)
         self.index_input = kernels.ops[INDEX_INPUT]
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
@@ -125,7 +127,7 @@ class Attention:
         if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
             o = self._lanes(span, q, rows)
             gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
-            return linear(gated.flatten(1), w["o_proj.weight"])
+            return self.linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
             mine, logs, cut = span.session(i) if span.sessions > 1 else span, [r[span.which[i]] for r in rows], span.rows_of
@@ -142,7 +144,7 @@ class Attention:
                         lower=None)
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
-        return linear(gated.flatten(1), w["o_proj.weight"])
+        return self.linear(gated.flatten(1), w["o_proj.weight"])
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the

@@ -12,7 +12,7 @@ from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.gdn import (gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
-from hebrus.ops.quant import Products, linear
+from hebrus.ops.quant import Products
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 from hebrus.state.context import InPlace
@@ -52,10 +52,11 @@ class DeltaNetSection:
 
 
 class GatedDeltaNet:
-    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, together: bool = False):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         g = s.section(DeltaNetSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
-        self.project = Products(*(w[name] for name in GDN.side_by_side[0]), together=together)   # -> qkv, z, b, a
+        self.project = Products(*(w[name] for name in GDN.side_by_side[0]), together=kernels.together,
+                                linear=kernels.linear)                                    # -> qkv, z, b, a
         self.w_out = w["out_proj.weight"]
         self.conv_w, self.norm_w = w["conv.weight"], w["norm.weight"]
         state = accum_dtype(self.conv_w.dtype)       # the recurrent state's dtype (the model's, widened)
@@ -92,7 +93,7 @@ class GatedDeltaNet:
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[DELTA_RULE_RAGGED](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
         o = kernels.fused(gated_rms_norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
-        return linear(o.flatten(1), self.w_out), conv_state, S
+        return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, kernels, each: bool = False):
         """The conv and the delta rule over one sequence (leading dims: several) -> (o, conv_state, S)."""
@@ -106,7 +107,7 @@ class GDNMixer(Sublayer):
     def __init__(self, s, params, layer: int, kernels):
         super().__init__(s, params, layer, "mixer", kernels)
         self.name = f"layers.{layer}.gdn"
-        self.gdn = GatedDeltaNet(s, params, self.name + ".", kernels.together)
+        self.gdn = GatedDeltaNet(s, params, self.name + ".", kernels)
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"

@@ -10,7 +10,6 @@ builds from the kind's own module (`layers.kind`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hebrus.layers.checks import Check
 from hebrus.layers.hyper import residual
@@ -50,10 +49,11 @@ class Head:
         self.norm, self.eps = params["norm.weight"], s.rms_norm_eps
         self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.out = params["embed.weight"] if s.tie_embeddings else params["lm_head.weight"]
+        self.linear = kernels.linear
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Streams X [T, n, D] -> logits [T, V]."""
-        return F.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
+        return self.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
 
     def logits_row_by_row(self, X: torch.Tensor) -> torch.Tensor:
         """`logits`, each row computed as a chunk's last is (one row, in a buffer of its own), so
@@ -63,7 +63,7 @@ class Head:
     def _output(self, X: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
         """Logits of streams X, or of their normed stream h where the norm has run."""
         if h is not None:
-            return F.linear(h, self.out)
+            return self.linear(h, self.out)
         return self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
 
     @staticmethod

@@ -18,7 +18,7 @@ import torch
 from hebrus.layers.kind import kind_ops
 from hebrus.ops.choose import top_k
 from hebrus.ops.hyper import sinkhorn
-from hebrus.ops.quant import rebuilt_linear
+from hebrus.ops.quant import linear as product, rebuilt_linear
 
 
 class Chooser(Protocol):
@@ -43,6 +43,7 @@ class Kernels:
     choose: Chooser
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
+    linear: Callable = product          # (x, W dense or quantized) -> x Wᵀ: every projection's product
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
     sinkhorn: Callable = sinkhorn       # (logits, iters, eps) -> the hyper-connection's stream mix
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
@@ -54,14 +55,15 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     every kind's ops for that mode, device and dtype (fast mode of a 16-bit model on CUDA runs
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
     elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), multiplies by quantized
-    weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`) and runs the
+    weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`), a batch-1
+    step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`), and runs the
     hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
     runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins."""
     choose = top_k_chooser if chooser is None else chooser
     ops = kind_ops(mode, device, dtype)
     if mode != "fast":
         return Kernels(False, choose, ops=ops)
-    fuse, quantized, mix = unfused, rebuilt_linear, sinkhorn
+    fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
     if device is None or device.type == "cpu":
         from hebrus.ops import cpu
         mix = cpu.sinkhorn
@@ -70,9 +72,11 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         if cuda_fuse.enabled():
             fuse = cuda_fuse.fused
         try:
-            from hebrus.ops.cuda import quant as cuda_quant          # Triton
+            from hebrus.ops.cuda import gemv as cuda_gemv            # Triton
+            from hebrus.ops.cuda import quant as cuda_quant
             from hebrus.ops.cuda import sinkhorn as cuda_sinkhorn
-            quantized, mix = cuda_quant.linear, cuda_sinkhorn.sinkhorn
+            quantized, mix, linear = cuda_quant.linear, cuda_sinkhorn.sinkhorn, cuda_gemv.linear
         except ImportError:
             pass
-    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, together=True, sinkhorn=mix, ops=ops)
+    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
+                   ops=ops)

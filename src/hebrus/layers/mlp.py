@@ -23,9 +23,10 @@ class MLPSection:
         return ()
 
 
-def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused) -> torch.Tensor:
-    """`gate_up`: the gate and up projections (one product where they lie side by side)."""
-    return linear(fused(silu_mul)(*gate_up(h)), down)
+def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused, product=linear) -> torch.Tensor:
+    """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
+    the op table's (`Kernels.linear`)."""
+    return product(fused(silu_mul)(*gate_up(h)), down)
 
 
 def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -36,10 +37,11 @@ def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]
 class MLPFeed:
     def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels):
         gate, up, down = (params[prefix + name] for name in PROJECTIONS)
-        self.gate_up, self.down, self.fused = Products(gate, up, together=kernels.together), down, kernels.fused
+        self.gate_up = Products(gate, up, together=kernels.together, linear=kernels.linear)
+        self.down, self.fused, self.linear = down, kernels.fused, kernels.linear
 
     def bind(self, txn):
-        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused)
+        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused, self.linear)
 
 
 class MLP(Kind):

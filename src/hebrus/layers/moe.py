@@ -14,7 +14,7 @@ from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route, sigmoid_gated_add)
-from hebrus.ops.quant import Products, linear
+from hebrus.ops.quant import Products
 from hebrus.state.owners import APPENDED, OwnerSpec
 
 
@@ -48,21 +48,21 @@ class MixtureOfExperts:
         self.shared = None
         if e.shared_intermediate:
             gate, up, down = (w["shared." + name] for name in PROJECTIONS)
-            self.shared = (Products(gate, up, together=kernels.together), down)
+            self.shared = (Products(gate, up, together=kernels.together, linear=kernels.linear), down)
             self.shared_gate = w["shared_gate.weight"]
         self.top_k, self.normalize, self.kernels, self.site = e.top_k, e.normalize, kernels, site
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
-        return route(linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
+        return route(self.kernels.linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
                      normalize=self.normalize, fused=self.kernels.fused)
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
-        shared = swiglu(h, *self.shared, self.kernels.fused)
-        return self.kernels.fused(sigmoid_gated_add)(routed, linear(h, self.shared_gate), shared)
+        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear)
+        return self.kernels.fused(sigmoid_gated_add)(routed, self.kernels.linear(h, self.shared_gate), shared)
 
 
 class RoutedFeed:

@@ -19,7 +19,6 @@ from hebrus.layers.sublayer import scan
 from hebrus.ops.conv import causal_conv
 from hebrus.ops.norm import rms_norm
 from hebrus.ops.ple import gelu_mul, ngram_buckets
-from hebrus.ops.quant import linear
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 from hebrus.state.owners import OwnerSpec
@@ -151,14 +150,14 @@ class LayerEmbedding:
     """PLE_l(h) = RMSNorm(W_down (gelu_tanh(W_gate h) ⊙ ple_t[l])), its elementwise parts run as
     the op table's `fused` runs them."""
 
-    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, fused):
+    def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         self.gate, self.down = params[prefix + "gate.weight"], params[prefix + "down.weight"]
         self.norm = params[prefix + "norm.weight"]
-        self.eps, self.fused = s.rms_norm_eps, fused
+        self.eps, self.fused, self.linear = s.rms_norm_eps, kernels.fused, kernels.linear
 
     def __call__(self, h: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
-        mixed = self.fused(gelu_mul)(linear(h, self.gate), ple)
-        return self.fused(rms_norm)(linear(mixed, self.down), self.norm, self.eps)
+        mixed = self.fused(gelu_mul)(self.linear(h, self.gate), ple)
+        return self.fused(rms_norm)(self.linear(mixed, self.down), self.norm, self.eps)
 
 
 class PLE(Kind):
@@ -207,7 +206,7 @@ class PLE(Kind):
         return PLEStage(s, params, kernels)
 
     def layer_term(self, s, params, layer, kernels):
-        return LayerEmbedding(s, params, f"layers.{layer}.ple.", kernels.fused)
+        return LayerEmbedding(s, params, f"layers.{layer}.ple.", kernels)
 
     def cost(self, s, position):
         """A token reads one row of each table."""

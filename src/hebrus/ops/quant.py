@@ -91,14 +91,16 @@ class Products:
     lays them): one product over all of them, each result a slice of its columns; otherwise one
     product each, the readable twin (exact mode's, a group with a quantized weight's)."""
 
-    def __init__(self, *weights, together: bool = False):
+    def __init__(self, *weights, together: bool = False, linear=linear):
+        """`linear(x, W) -> x Wᵀ`: the op table's product (`Kernels.linear`)."""
         self.weights, self.together = weights, laid_together(weights) if together else None
         self.sizes = [w.shape[0] for w in weights] if self.together is not None else None
+        self.linear = linear
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.together is None:
-            return tuple(linear(x, w) for w in self.weights)
-        return linear(x, self.together).split(self.sizes, dim=-1)
+            return tuple(self.linear(x, w) for w in self.weights)
+        return self.linear(x, self.together).split(self.sizes, dim=-1)
 
 
 def laid_together(weights) -> torch.Tensor | None:

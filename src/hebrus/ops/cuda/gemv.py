@@ -1,0 +1,65 @@
+"""A 16-bit matrix-vector product for a batch-1 decode step in Triton: y = x Wᵀ for one row of x
+and a dense weight whose rows are contiguous (a weight of its own, or several laid side by side:
+`ops.quant.Products`). Each program reduces BLOCK_N outputs over the inputs in tiles of BLOCK_K,
+keeping a [BLOCK_N, BLOCK_K] float32 partial sum and reducing it once at the end, in a fixed order:
+the same inputs give the same bits. The twin is F.linear (`ops.quant.linear`), which runs every
+other case (more rows, float32, a quantized weight).
+
+On the H200 at 35fd8b0 (`benchmarks/gemv.py`, `results/cuda-h200/gemv-35fd8b0.txt`), the products
+of a decode step of the 1.68B Qwen3.5 shape took 1,032 µs through F.linear and 833 µs through the
+best launch per shape; `launch_shape` holds those winners (the shapes there: K = 2048 but one).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hebrus.ops.quant import linear as linear_twin
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * row_stride + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def launch_shape(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for a weight [N, K]: the fastest measured at the nearest shape."""
+    if N >= 100_000:                    # a vocabulary's head (151936 x 2048: 4 x 256, 2 warps)
+        return 4, 256, 2
+    if K >= 4096 or N <= 2048:          # 2048 x 6144 and 2048 x 2048: 4 x 128, 8 warps
+        return 4, 128, 8
+    if N >= 10_000:                     # 12288 x 2048: 16 x 128, 8 warps
+        return 16, 128, 8
+    return 4, 512, 2                    # 8224 x 2048 and 5120 x 2048
+
+
+def takes(x: torch.Tensor, w) -> bool:
+    """Whether `linear` runs x Wᵀ here: one contiguous 16-bit row of x on a CUDA device and a
+    dense weight of its dtype with contiguous rows."""
+    return (type(w) is torch.Tensor and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.is_contiguous()
+            and w.stride(1) == 1 and x.shape[1] == w.shape[1] and w.device == x.device)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ w [N, K]ᵀ -> [1, N] with the given (BLOCK_N, BLOCK_K, warps), default
+    `launch_shape` (what `takes` accepts only)."""
+    N, K = w.shape
+    block_n, block_k, warps = shape or launch_shape(N, K)
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                             num_warps=warps)
+    return y
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x Wᵀ: one 16-bit row here (`takes`), anything else through the twin."""
+    return launch(x, w) if takes(x, w) else linear_twin(x, w)
