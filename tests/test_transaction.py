@@ -100,6 +100,28 @@ def test_real_nan_in_a_layer_is_caught_at_that_layer(tiny):
     _assert_held(s, before, 0, sentinel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_finite_checks_largest_magnitudes_are_the_infinity_norm(dtype):
+    """What a finite check reduces each written tensor to (on the CPU the max of the absolute
+    values, elsewhere the ∞-norm): the ∞-norm's value, non-finite exactly when a value is, and a
+    tensor of the dtype's largest finite values finite."""
+    from hebrus.state.status import _norms
+    g = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    cases = [torch.randn(7, 33, generator=g).to(dtype), torch.randn(40, 3, generator=g).to(dtype)[::2],
+             torch.full((5,), big, dtype=dtype), torch.full((5,), -big, dtype=dtype), torch.tensor(-2.5, dtype=dtype)]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(9, generator=g).to(dtype)
+        t[4] = bad
+        cases.append(t)
+    got = _norms(cases)
+    for t, n in zip(cases, got):
+        want = t.double().abs().max()
+        assert bool(torch.isfinite(n)) == bool(torch.isfinite(t).all())
+        if bool(torch.isfinite(t).all()):
+            assert float(n) == float(want)
+
+
 def test_real_exception_inside_a_stage_is_structural(tiny, monkeypatch):
     s = _warm_session(tiny)
     before = s.digest()
