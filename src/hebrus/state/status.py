@@ -248,8 +248,8 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             norms = torch._foreach_max(torch._foreach_abs(group))
         elif _norm_keeps_nan(device):
             norms = torch._foreach_norm(group, math.inf)
-        else:
-            norms = [t.sum() for t in group]
+        else:                           # float64: no finite 16- or 32-bit values overflow it
+            norms = [t.sum(dtype=torch.float64) for t in group]
         for i, n in zip(members, norms):
             out[i] = n
     return out

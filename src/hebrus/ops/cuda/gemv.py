@@ -21,11 +21,12 @@ from hebrus.ops.quant import linear as linear_twin
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = n.to(tl.int64) * row_stride          # a large head's offsets pass 2**31
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * row_stride + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
@@ -43,10 +44,11 @@ def launch_shape(N: int, K: int) -> tuple[int, int, int]:
 
 def takes(x: torch.Tensor, w) -> bool:
     """Whether `linear` runs x Wᵀ here: one contiguous 16-bit row of x on a CUDA device and a
-    dense weight of its dtype with contiguous rows."""
+    dense weight of its dtype with contiguous rows, outside autograd (the kernel has no backward)."""
     return (type(w) is torch.Tensor and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.is_contiguous()
-            and w.stride(1) == 1 and x.shape[1] == w.shape[1] and w.device == x.device)
+            and w.stride(1) == 1 and x.shape[1] == w.shape[1] and w.device == x.device
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
