@@ -55,6 +55,7 @@ class GatedDeltaNet:
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         g = s.section(DeltaNetSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        self.kernels = kernels
         self.project = Products(*(w[name] for name in GDN.side_by_side[0]), together=kernels.together,
                                 linear=kernels.linear)                                    # -> qkv, z, b, a
         self.w_out = w["out_proj.weight"]
@@ -65,7 +66,7 @@ class GatedDeltaNet:
         self.hk, self.hv, self.dk, self.dv = g.key_heads, g.value_heads, g.key_dim, g.value_dim
         self.eps = s.rms_norm_eps
 
-    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor, kernels,
+    def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
                  at: StepBatch | None = None, each: bool = False):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
         In a step of several sessions (`at`), conv_state and S are [N, ...], session i's i: the
@@ -75,15 +76,15 @@ class GatedDeltaNet:
         the conv and the delta rule are one op that writes them, and their checks come back in
         their place. With `each`, both states after every token ([T, ...]: a prefix
         transaction)."""
-        T = h.shape[0]
+        T, kernels = h.shape[0], self.kernels
         projected, z, b, a = self.project(h)
         if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
             o, conv_state, S = kernels.ops[GDN_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
-                                                             (self.hk, self.dk, self.hv, self.dv), conv_state, S)
+                                                      (self.hk, self.dk, self.hv, self.dv), conv_state, S)
         elif at is None or at.sessions == 1:
-            o, conv_state, S = self._recur(projected, b, a, conv_state, S, kernels, each)
+            o, conv_state, S = self._recur(projected, b, a, conv_state, S, each)
         elif at.one_each:                         # N sequences of one token each
-            o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S, kernels)
+            o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S)
             o = o[:, 0]
         else:                                     # the conv per session, the delta rule over all in one call
             parts = [kernels.fused(gdn_inputs)(*(at.rows_of(i, x) for x in (projected, b, a)), conv_state[i], self.conv_w,
@@ -95,8 +96,9 @@ class GatedDeltaNet:
         o = kernels.fused(gated_rms_norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 
-    def _recur(self, projected, b, a, conv_state, S, kernels, each: bool = False):
+    def _recur(self, projected, b, a, conv_state, S, each: bool = False):
         """The conv and the delta rule over one sequence (leading dims: several) -> (o, conv_state, S)."""
+        kernels = self.kernels
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
             projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
         o, S = kernels.ops[DELTA_RULE_EACH if each else DELTA_RULE](q, k, v, g, beta, S)
@@ -113,7 +115,7 @@ class GDNMixer(Sublayer):
         conv, rec = self.name + ".conv", self.name + ".recurrent"
 
         def body(at, h, state, each=False):
-            y, conv_state, S = self.gdn(h, *state, self.kernels, at=at, each=each)
+            y, conv_state, S = self.gdn(h, *state, at=at, each=each)
             return y, (conv_state, S)
 
         in_place = getattr(txn, "in_place", None)      # a planned step: states where they lie

@@ -3,6 +3,7 @@ a number the caller chooses (a transaction's cells are its stages' indices)."""
 from __future__ import annotations
 
 import enum
+import functools
 import math
 
 import numpy as np
@@ -255,17 +256,12 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-_MAX_KEEPS_NAN: list[bool] = []
-
-
+@functools.cache
 def _max_keeps_nan() -> bool:
     """Whether this torch has a multi-tensor max on the CPU that carries a NaN through (probed
     once); else the CPU takes the ∞-norm too."""
-    if not _MAX_KEEPS_NAN:
-        probe = [torch.tensor([1.0, float("nan"), 2.0])]
-        _MAX_KEEPS_NAN.append(hasattr(torch, "_foreach_max")
-                              and bool(torch._foreach_max(torch._foreach_abs(probe))[0].isnan()))
-    return _MAX_KEEPS_NAN[0]
+    probe = [torch.tensor([1.0, float("nan"), 2.0])]
+    return hasattr(torch, "_foreach_max") and bool(torch._foreach_max(torch._foreach_abs(probe))[0].isnan())
 
 
 _KEEPS_NAN: dict[str, bool] = {}
