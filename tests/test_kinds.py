@@ -253,8 +253,9 @@ def test_a_failing_chunk_leaves_the_new_kinds_state_as_it_was(leaky):
 
 
 def test_a_new_kind_meets_every_shape_of_step(leaky, tmp_path):
-    """The four shapes a stage must meet (`Kind.stage`): sessions stepped together (row i is
-    session i's token), a prefix transaction, a planned step, and a snapshot of what it keeps."""
+    """The five shapes a stage must meet (`Kind.stage`): sessions stepped together (row i is
+    session i's token), a prefix transaction, a chunk that keeps its state after marks, a
+    planned step, and a snapshot of what it keeps."""
     from hebrus.batching import Batch, feed_many
     fast = _leaky_model(leaky, "fast")
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
@@ -276,6 +277,12 @@ def test_a_new_kind_meets_every_shape_of_step(leaky, tmp_path):
     k, _ = s.feed_prefix(list(range(1, 9)), lambda logits: 5)
     twin.feed(list(range(1, 6)))
     assert k == 5 and s.digest() == twin.digest()            # the state after token 5, bit for bit
+    marked = exact.session()
+    _, (at_2, at_4) = marked.feed_keeping(list(range(1, 9)), [2, 4])
+    for kept, n in ((at_2, 2), (at_4, 4)):
+        alone = exact.session()
+        alone.feed(list(range(1, n + 1)))
+        assert kept.digest() == alone.digest()
 
     s.save(tmp_path / "s.hs")
     restored = exact.restore(tmp_path / "s.hs")

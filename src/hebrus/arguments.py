@@ -153,6 +153,18 @@ def reserve(value, max_context: int) -> int:
     return number
 
 
+def marks(value, length: int) -> tuple[int, ...]:
+    """Counts of a chunk's tokens after which state is kept: a non-empty sequence of integers,
+    strictly increasing, each in [1, length]."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, range)):
+        raise InvalidInput(f"marks must be a list of token counts, got {shown(value)}")
+    out = tuple(_integer("a mark (a count of the chunk's tokens)", m) for m in value)
+    if not out or any(not 1 <= m <= length for m in out) or any(a >= b for a, b in zip(out, out[1:])):
+        raise InvalidInput(f"marks must be strictly increasing counts from 1 to the chunk's {length} tokens, "
+                           f"at least one; got {shown(list(out))}")
+    return out
+
+
 def count(name: str, value) -> int:
     number = _integer(name, value)
     if number < 0:

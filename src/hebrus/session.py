@@ -136,6 +136,41 @@ class Session:
             self._check_room(len(chunk))
             return self._transact(chunk, out)
 
+    def feed_keeping(self, ids, marks) -> tuple[torch.Tensor, list["Session | None"]]:
+        """`feed(ids)`, and for each count m of `marks` (increasing, from 1 to len(ids)) a new
+        session holding exactly what feeding `ids[:m]` gives this one (exact mode: bit for bit;
+        fast mode: within its bound, the chunk's stateful stages running in pieces that end at
+        the marks): its banked values as they stood after token m, kept as the chunk passed,
+        and this session's rows below it, their blocks shared. Returns (the logits, the
+        sessions); a session the pool has no slot for is None (the chunk is published all the
+        same). What a prefix cache keeps. A journaled session refuses (its journal records whole
+        chunks)."""
+        chunk = self._ids(ids)
+        marks = arguments.marks(marks, len(chunk))
+        self._check_faults()
+        if self.journal is not None:
+            raise InvalidInput("a journaled session feeds whole chunks: feed_keeping keeps no journal record")
+        with self._exclusive():
+            self._check_room(len(chunk))
+            start, every = self.frontier, marks if marks[-1] == len(chunk) else marks + (len(chunk),)
+            with torch.inference_mode():
+                kept = eager.run_marked(self.model, self.image, self.budget, chunk, None, every, self.reserve)
+                logits = self.image.read(eager.OUTPUT).clone()
+                return logits, [self._prefix_at(start + m, {name: values[j] for name, values in kept.items()})
+                                for j, m in enumerate(marks)]
+
+    def _prefix_at(self, frontier: int, banked: dict) -> "Session | None":
+        """A new session at `frontier` of this one's rows with `banked` values, or None when the
+        pool has no slot for it."""
+        banked[eager.FRONTIER] = torch.tensor(frontier, dtype=torch.int64, device=self.model.device)
+        try:
+            kept = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve,
+                           image=lambda: self.image.prefix(frontier, banked))
+        except AllocationError:
+            return None
+        kept.budget.held = kept.image.held_bytes()
+        return kept
+
     def feed_prefix(self, ids, accept) -> tuple[int, torch.Tensor]:
         """Run `ids` [T], decide from the chunk's own logits how many of its tokens to keep, and
         publish only those: `accept(logits)` gets the logits at every position [T, V] and returns

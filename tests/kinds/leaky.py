@@ -51,7 +51,7 @@ class LeakyMixer(Sublayer):
             return linear(states, self.w), last
 
         state = self.framed(batch, body, txn.read(self.name + ".sum"))
-        (txn.write_each if batch.each else txn.write)(self.name + ".sum", state)
+        (txn.write_each if batch.keeps else txn.write)(self.name + ".sum", state)
 
 
 class Leaky(Kind):

@@ -20,7 +20,7 @@ from hebrus.state.interrupts import deferred_signals
 from hebrus.state.step import StepBatch
 from hebrus.state.txn import Transaction, abort_error
 
-__all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_stages", "transaction"]   # the owner names re-exported for session
+__all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
 
 
 def transaction(model, images: list[Image], budgets: list[MemoryBudget], lengths: list[int],
@@ -40,12 +40,26 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
     txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None)
+    return finish(txn, _stages_of(model, ids), out, by_logits(keep))
 
+
+def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None,
+               marks: tuple[int, ...], reserve: int = 0) -> dict[str, torch.Tensor]:
+    """`run_chunk` of the whole chunk that also keeps, for each count of tokens in `marks`
+    (increasing, the last the chunk's length), every banked value the chunk writes as it stood
+    after that many tokens -> those values by owner, [len(marks), ...] each, checked with the
+    chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
+    end at the marks)."""
+    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve)
+    finish(txn, _stages_of(model, ids, marks), out)
+    return txn.after_each
+
+
+def _stages_of(model, ids: torch.Tensor, marks: tuple[int, ...] | None = None):
     def work(txn: Transaction) -> None:
-        run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each))
+        run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each, marks=marks))
         txn.extend_reserved()
-
-    return finish(txn, work, out, by_logits(keep))
+    return work
 
 
 def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transaction], int] | None:

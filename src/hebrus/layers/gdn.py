@@ -127,7 +127,7 @@ class GDNMixer(Sublayer):
             txn.wrote(rec, checks[1])
             return
         conv_state, S = self.framed(batch, body, (txn.read(conv).transpose(-1, -2), txn.read(rec)), ragged=True)
-        write = txn.write_each if batch.each else txn.write
+        write = txn.write_each if batch.keeps else txn.write
         write(conv, conv_state.transpose(-1, -2))
         write(rec, S)
 

@@ -80,7 +80,10 @@ class Head:
                 X = self.streams(step)
             step.streams, step.pending = X, None
 
-        if step.each:               # a prefix transaction: the values after every position
+        if step.keeps:              # the values after every position, or after each mark
+            if step.marks is not None:
+                at = [m - 1 for m in step.marks]
+                X, h = X[at], None if h is None else h[at]
             logits = self._output(X, h)
             txn.write_each("residual", X)
             txn.write_each(OUTPUT, logits)

@@ -69,8 +69,9 @@ class Kind:
                                 the residual frame through `sublayer.scan`, which gives it one
                                 session's chunk (exact mode: token by token) or several
                                 sessions' single tokens (`step.one_each`, row i session i's);
-                                a prefix transaction (`step.each`, the
-                                state after every token written with `write_each`); a planned
+                                a step that keeps values (`step.keeps`: after every token
+                                of a prefix transaction, or after each of `step.marks`;
+                                `scan` hands them back stacked, written with `write_each`); a planned
                                 step (positions on the device only; rows written through
                                 `step.put`). Values for later stages go in the step's fields
                                 (`streams` and `pending`, which `framed` keeps; `terms`). It

@@ -121,7 +121,7 @@ class PLEStage:
         ple, conv = scan(step, self.kernels.whole_chunk, batch, (ids, *hashes), txn.read("ple.conv"))
         batch.terms[self.index] = ple
         self._write_history(txn, batch, ids, history)
-        (txn.write_each if batch.each else txn.write)("ple.conv", conv)
+        (txn.write_each if batch.keeps else txn.write)("ple.conv", conv)
 
     def _hashes(self, batch: StepBatch, ids: torch.Tensor, history: torch.Tensor) -> list[torch.Tensor]:
         """Each token's n-gram buckets, hashed with its own session's history."""
@@ -138,9 +138,10 @@ class PLEStage:
         elif batch.sessions > 1:
             txn.write("ple.history", torch.stack([torch.cat([history[i], batch.rows_of(i, ids)])[-self.keep:]
                                                   for i in range(batch.sessions)]))
-        elif batch.each:                  # after token t: the `keep` ids ending at it
+        elif batch.keeps:                 # after token t (each t, or each mark): the `keep` ids ending at it
             ids = torch.cat([history, ids])
-            after = torch.arange(1, len(ids) - self.keep + 1, device=ids.device)
+            after = (torch.arange(1, len(ids) - self.keep + 1, device=ids.device) if batch.each
+                     else torch.tensor(batch.marks, device=ids.device))
             txn.write_each("ple.history", ids[after[:, None] + torch.arange(self.keep, device=ids.device)])
         else:
             txn.write("ple.history", torch.cat([history, ids])[-self.keep:])

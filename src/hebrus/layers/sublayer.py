@@ -29,7 +29,8 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
     one call with `whole_chunk` (fast mode), else token by token (on fresh copies, with
     `batch.token(t)`). For a prefix transaction (`batch.each`), the state after every token,
     stacked, instead of the last: exact mode keeps each token's, and a whole-chunk step is
-    called with `each=True` to return them itself."""
+    called with `each=True` to return them itself. With `batch.marks`, the chunk runs in
+    pieces that end at them, the state after each piece kept, stacked."""
     if batch.sessions > 1 and not (whole_chunk and (batch.one_each or state is None or ragged)):
         outs, states = [], []
         for i in range(batch.sessions):
@@ -38,6 +39,8 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
             outs.append(out)
             states.append(mine)
         return _cat(outs), (None if state is None else _stack(states))
+    if batch.marks is not None and state is not None:
+        return _by_marks(step, whole_chunk, batch, inputs, state)
     each = batch.each and state is not None     # a step without state has nothing to keep per token
     if whole_chunk:
         return step(batch, *inputs, state, each=True) if each else step(batch, *inputs, state)
@@ -49,6 +52,19 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
     if each:
         state = _stack(states)
     return _cat(outs), state
+
+
+def _by_marks(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple, state):
+    """`scan` of one session's chunk in pieces ending at `batch.marks` -> (out, the state after
+    each piece [len(marks), ...])."""
+    outs, states, start = [], [], 0
+    for end in batch.marks:
+        out, state = scan(step, whole_chunk, batch.span(start, end),
+                          tuple(None if x is None else x[start:end] for x in inputs), state)
+        outs.append(out)
+        states.append(state)
+        start = end
+    return _cat(outs), _stack(states)
 
 
 def _rows(batch: StepBatch, i: int, x: torch.Tensor | None):

@@ -26,7 +26,7 @@ class InPlace(NamedTuple):
 
 @runtime_checkable
 class StepContext(Protocol):
-    # a prefix transaction (`StepBatch.each`) also has `write_each(name, values after every token [T, ...])`;
+    # a step that keeps values (`StepBatch.keeps`) also has `write_each(name, values after every token or mark)`;
     # a transaction may offer `in_place(name)` and `wrote(name, check)`: a banked owner a kernel
     # reads and writes where it lies (`state.txn.Transaction.in_place`)
 

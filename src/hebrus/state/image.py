@@ -131,6 +131,21 @@ class Image:
             other.publish(Published(other.slot, 0, record.frontier, self.pool.share(record.table)))
         return other
 
+    def prefix(self, frontier: int, banked: dict[str, torch.Tensor]) -> "Image":
+        """A new image (another slot) at `frontier`, no further than this one's: this one's rows
+        below it (the blocks that hold them shared, held once more) and the banked values
+        `banked` (an owner it does not name: this one's public value). `PoolFull` (nothing
+        taken) when the pool has no slot."""
+        record = self.public
+        if not 0 <= frontier <= record.frontier:
+            raise ValueError(f"a prefix ends at most at the frontier {record.frontier}, not at {frontier}")
+        other = Image(self.pool)
+        for name, value in self.banks[record.bank].items():
+            other.banks[0][name].copy_(banked.get(name, value))
+        table = self.pool.share(record.table[:self.pool.blocks_for(frontier)])
+        other.publish(Published(other.slot, 0, frontier, table))
+        return other
+
     def install(self, rows: dict[str, torch.Tensor], frontier: int) -> None:
         """A fresh image's rows [0, frontier) of every appended owner (a restore, a copy), into
         blocks it takes (`PoolFull`, nothing taken, when they are not free); the banks are the

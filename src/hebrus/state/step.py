@@ -39,6 +39,7 @@ class StepBatch:
     lengths: tuple[int, ...]                    # tokens per session: N of them, each ≥ 1, summing to T
     starts: tuple[int, ...] | None              # each session's first position (host); None: a planned step
     each: bool = False                          # a prefix transaction (one session): values after every token kept
+    marks: tuple[int, ...] | None = None        # one session's chunk: token counts after which values are kept (last: T)
     members: tuple[int, ...] | None = None      # which of the transaction's sessions these are (None: all)
     parities: torch.Tensor | None = None        # a planned step's: each lane's public bank [N] (device)
     slots: torch.Tensor | None = None           # ... its slot [N]
@@ -52,9 +53,11 @@ class StepBatch:
     taken: list = field(default_factory=list, init=False, repr=False)
 
     @classmethod
-    def chunk(cls, ids: torch.Tensor, start: int, each: bool = False) -> "StepBatch":
-        """One session's chunk at host position `start`."""
-        return cls(ids, torch.arange(start, start + len(ids), device=ids.device), (len(ids),), (start,), each)
+    def chunk(cls, ids: torch.Tensor, start: int, each: bool = False,
+              marks: tuple[int, ...] | None = None) -> "StepBatch":
+        """One session's chunk at host position `start` (`marks`: see `keeps`)."""
+        return cls(ids, torch.arange(start, start + len(ids), device=ids.device), (len(ids),), (start,), each,
+                   marks)
 
     @classmethod
     def lanes(cls, ids, positions, lengths, parities, slots, tables, blocks, offsets,
@@ -88,6 +91,14 @@ class StepBatch:
         """The transaction's sessions this step covers, in order (an index into whatever the
         transaction gives per session: its row logs)."""
         return self.members if self.members is not None else tuple(range(len(self.lengths)))
+
+    @property
+    def keeps(self) -> bool:
+        """Whether banked values after more tokens than the last are kept: after every token (a
+        prefix transaction, `each`), or after each of `marks` (one session's chunk, counts of its
+        tokens ending with all of them: the states a prefix cache keeps). Stages then write
+        them stacked, with `write_each` ([T, ...] or [len(marks), ...])."""
+        return self.each or self.marks is not None
 
     @cached_property
     def one_each(self) -> bool:
@@ -133,6 +144,11 @@ class StepBatch:
         return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],),
                          parities=lane(self.parities), slots=lane(self.slots), tables=lane(self.tables),
                          blocks=token(self.blocks), offsets=token(self.offsets))
+
+    def span(self, a: int, b: int) -> "StepBatch":
+        """One session's tokens a..b alone, nothing kept after them (a piece between marks)."""
+        starts = None if self.starts is None else (self.starts[0] + a,)
+        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, members=self.members)
 
     def token(self, t: int) -> "StepBatch":
         """One session's token t alone (exact mode's scan over a chunk)."""

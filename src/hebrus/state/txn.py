@@ -144,7 +144,7 @@ class Transaction:
                                        lengths=list(lanes.lengths) if self.planned else list(lengths), device=self.device)
             self.completion = Completion(self.device)
             self.written: set[str] = set()
-            self.after_each: dict[str, torch.Tensor] = {}     # a prefix transaction's values after every token
+            self.after_each: dict[str, torch.Tensor] = {}     # values after every token, or each mark (`write_each`)
         for p in self.parts:
             p.budget.begin()
             if not self.planned and frontier_owner in p.private:
@@ -217,8 +217,10 @@ class Transaction:
         self._value_bytes += self.parts[0].private[name].nbytes
 
     def write_each(self, name: str, values: torch.Tensor) -> None:
-        """A prefix transaction's values of a banked owner after every token of the chunk [T, ...]:
-        the last is written as `write` writes, all are kept (and checked) for `keep`."""
+        """A banked owner's values after every token of the chunk [T, ...] (a prefix
+        transaction), or after each of its marks [M, ...] (`StepBatch.marks`): the last, after
+        the whole chunk, is written as `write` writes, all are kept (and checked) for `keep` or
+        for the caller."""
         self.write(name, values[-1])
         self.after_each[name] = values
         self._writes.append((values, 0))
