@@ -165,13 +165,13 @@ def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tin
     (b'{"model": "tiny", "prompt": "hi", "best_of": 0}', 400, "not supported"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
-    kept = dict(server.scheduler.kept.entries)
+    kept = dict(server.scheduler.cache.entries)
     reply = _post(server.url + "/v1/completions", content=body,
                   headers={"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"})
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["type"]
-    assert server.scheduler.depth == (0, 0) and dict(server.scheduler.kept.entries) == kept
+    assert server.scheduler.depth == (0, 0) and dict(server.scheduler.cache.entries) == kept
 
 
 def test_keys_sizes_and_unknown_fields(server):
@@ -289,7 +289,7 @@ def test_a_turn_feeds_prompts_up_to_its_budget_oldest_first_and_steps_every_deco
     the budget, and a turn always feeds one), the oldest request's first; the request already
     decoding makes a token every turn."""
     from hebrus.sampling import Sampling
-    from hebrus.serve.scheduler import Request, Scheduler
+    from hebrus.scheduling.scheduler import Request, Scheduler
     scheduler = Scheduler(tiny, chunk_size=8, prefill_tokens=8)
     events = []
 
@@ -359,7 +359,7 @@ def test_a_request_that_cannot_start_fails_alone(tiny):
     """The engine loop itself: a request whose admission raises (here a seed its generator
     refuses, which the HTTP side would never pass) gets the error; the one beside it finishes."""
     from hebrus.sampling import Sampling
-    from hebrus.serve.scheduler import Request, Scheduler
+    from hebrus.scheduling.scheduler import Request, Scheduler
     scheduler = Scheduler(tiny)
     events = {0: [], 1: []}
     done = threading.Event()
@@ -440,7 +440,7 @@ def test_without_api_keys_nothing_is_kept_for_anyone(tiny):
         client.completions.create(model="tiny", prompt=opening, max_tokens=4, temperature=0)
         said = list(tiny.session().generate(opening, max_new_tokens=4))
         again = client.completions.create(model="tiny", prompt=opening + said + [65], max_tokens=2, temperature=0)
-        assert again.usage.prompt_tokens_details.cached_tokens == 0 and not server.scheduler.kept.entries
+        assert again.usage.prompt_tokens_details.cached_tokens == 0 and not server.scheduler.cache.entries
     finally:
         server.close()
 
@@ -451,7 +451,7 @@ def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
     them (made before it came) and the loop makes another once idle again. A spare is a new
     session like any other: the request's tokens equal `Session.generate`'s."""
     from hebrus.sampling import Sampling
-    from hebrus.serve.scheduler import Request, Scheduler
+    from hebrus.scheduling.scheduler import Request, Scheduler
     scheduler = Scheduler(tiny, spare_sessions=2)
     scheduler.start()
     try:
@@ -534,7 +534,7 @@ def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatc
     request is admitted, the request makes its own session and is served, and after it the
     spares are made again."""
     from hebrus.sampling import Sampling
-    from hebrus.serve.scheduler import Request, Scheduler
+    from hebrus.scheduling.scheduler import Request, Scheduler
     made, real = [], tiny.session
 
     def session(*args, **kwargs):

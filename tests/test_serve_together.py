@@ -10,7 +10,7 @@ import torch
 
 from conftest import tokens
 from hebrus.sampling import Sampling
-from hebrus.serve.scheduler import Request, Scheduler
+from hebrus.scheduling.scheduler import Request, Scheduler
 
 # (prompt length, new tokens, turn it arrives at): prompts of 8 a turn are fed while others decode
 ARRIVALS = [(3, 4, 0), (12, 9, 1), (20, 3, 1), (5, 6, 4), (9, 2, 6)]
@@ -87,7 +87,7 @@ def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_f
         session = request.session
         assert (session.frontier, session.digest()) == left[request.id], i
         assert session.frontier == len(request.prompt) + len(got[i]) and got[i] == request.produced
-        assert scheduler.kept.find("key", request.prompt + request.produced)[0] is session
+        assert scheduler.cache.find(("key", ""), request.prompt + request.produced).session is session
         alone = model.session(decode="eager").feed(request.prompt + request.produced)
         _close(session.logits, alone, f"request {i}")
 
@@ -131,7 +131,7 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
     still prefilling, up to the budget); a request whose chunk aborts (the test-only fault hook:
     it is fed alone, under its fault) fails alone, and every other request's state is what a
     session fed its prompt alone holds."""
-    import hebrus.serve.scheduler as scheduling
+    import hebrus.scheduling.scheduler as scheduling
     passes = []
     real = scheduling.feed_many
     monkeypatch.setattr(scheduling, "feed_many", lambda sessions, chunks: passes.append(len(sessions)) or

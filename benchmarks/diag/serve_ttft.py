@@ -49,7 +49,7 @@ def main():
     marks = {}
     def mark(rid, what):
         marks.setdefault(rid, {})[what] = time.perf_counter()
-    app, scheduler = serve.build(model, name, max_sessions=4, kept_bytes=0)
+    app, scheduler = serve.build(model, name, max_sessions=4, cache_bytes=0)
     S = type(scheduler)
     orig_submit, orig_admit, orig_prefill = S.submit, S._admit, S._prefill
     def submit(self, r):

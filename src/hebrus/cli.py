@@ -130,6 +130,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="prompt tokens fed per turn of the engine loop, between the running requests' "
                             "steps: more starts new requests sooner, fewer keeps the running ones' "
                             "tokens coming (default 512)")
+    serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                       help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
+                            "with cached tokens feeds only the rest (default 1 GiB; 0: off)")
+    serve.add_argument("--prefix-every", type=int, default=64, metavar="K",
+                       help="the prefix cache keeps a prompt's state every K tokens (default 64): a hit "
+                            "recomputes fewer than K tokens")
+    serve.add_argument("--share-prefixes", action="store_true",
+                       help="one prefix cache for every API key (default: each key's own); a hit is faster, "
+                            "so one key can learn by timing what another key's prompts began with")
     serve.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
     serve.set_defaults(handler=_serve)
 
@@ -155,6 +164,10 @@ def _serve(args) -> int:
         raise InvalidInput("--max-sessions must be at least 1")
     if args.prefill_tokens < 1:
         raise InvalidInput("--prefill-tokens must be at least 1")
+    if args.prefix_cache_bytes < 0:
+        raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
+    if args.prefix_every < 1:
+        raise InvalidInput("--prefix-every must be at least 1")
     import importlib
     try:
         for package in ("fastapi", "uvicorn", "prometheus_client"):
@@ -164,7 +177,9 @@ def _serve(args) -> int:
         raise InvalidInput(f"hebrus serve needs its extra: pip install 'hebrus[serve]' ({exc})") from None
     listening = _listening(args.host, args.port)            # before the model loads: a port in use fails now
     model = _load(args)
-    serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens)
+    serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
+              cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every,
+              share_prefixes=args.share_prefixes)
     return 0
 
 

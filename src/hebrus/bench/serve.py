@@ -131,7 +131,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     import uvicorn
 
     from hebrus import serve
-    app, scheduler = serve.build(model, name, max_sessions=max(concurrencies), kept_bytes=0)
+    app, scheduler = serve.build(model, name, max_sessions=max(concurrencies), cache_bytes=0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,20 +1,25 @@
 """`hebrus serve`: an OpenAI-compatible HTTP server where one failing request never touches
-another. `app` holds the routes, `reply` shapes answers, `scheduler` runs the engine loop, `metrics` the Prometheus side.
+another. `app` holds the routes, `reply` shapes answers, `metrics` the Prometheus side; the engine loop they
+feed is `hebrus.scheduling`.
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client)."""
 from __future__ import annotations
 
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
-          kept_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512, fault=None):
+          cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
+          prefix_every: int = 64, share_prefixes: bool = False, fault=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
-    prompt tokens fed per turn of the engine loop before its decode step. `fault` is for
+    prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
+    prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
+    `share_prefixes`: one cache space for every API key (else each key's own). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
+    from hebrus.scheduling.scheduler import Scheduler
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
-    from hebrus.serve.scheduler import Scheduler
     metrics = Metrics()
-    scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, kept_bytes=kept_bytes,
-                          prefill_tokens=prefill_tokens, fault=fault, metrics=metrics)
+    scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, cache_bytes=cache_bytes,
+                          prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
+                          fault=fault, metrics=metrics)
     if model.device.type == "cuda":
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
@@ -31,9 +36,11 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     return app, scheduler
 
 
-def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512) -> None:
+def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512,
+        **cache) -> None:
     """Serve on the socket `listening` (bound; it listens from here on) until SIGTERM or Ctrl-C; in-flight
-    requests are finished first (up to 60 s), then this returns (the command exits 0)."""
+    requests are finished first (up to 60 s), then this returns (the command exits 0). `cache`:
+    the prefix cache's options of `build`."""
     import contextlib
     import signal
     import sys
@@ -62,7 +69,8 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     if model.device.type == "cuda":
         print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",
               file=sys.stderr, flush=True)
-    app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens)
+    app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens,
+                           **cache)
     server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=60))
     try:
         server.run(sockets=[listening])         # returns once open requests have finished

@@ -1,5 +1,5 @@
 """The HTTP side of `hebrus serve`: OpenAI-style routes on FastAPI, every request checked before
-it reaches the engine (`serve.scheduler`), errors in OpenAI's shape.
+it reaches the engine (`hebrus.scheduling`), errors in OpenAI's shape.
 
 Refused with a 4xx and nothing in the engine touched: malformed JSON, a known field of the
 wrong type or out of range, an unknown model, a prompt with no tokens or past the context
@@ -31,7 +31,7 @@ from hebrus.sampling import Sampling
 from hebrus.text.generation import MAX_NEW_TOKENS, TextOptions
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.reply import Reply
-from hebrus.serve.scheduler import Overloaded, Request, Scheduler
+from hebrus.scheduling.scheduler import Overloaded, Request, Scheduler
 
 
 BODY_SECONDS = 30.0             # a body that takes longer to arrive is refused
@@ -58,6 +58,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("temperature", "top_p", "min_p", mode="before")
     @classmethod
@@ -166,7 +167,8 @@ def create_app(model, name: str, scheduler: Scheduler, api_key: str | list[str] 
                max_body_bytes: int = 1 << 20, max_tokens_default: int = MAX_NEW_TOKENS,
                metrics: Metrics | None = None):
     """The app serving `model` as `name`, its text through `model.tokenizer`. `api_key`: one key
-    or several; each key's kept conversations are its own. What a request leaves out takes the
+    or several; each key's cached prefixes are its own unless the scheduler shares them (without
+    keys, nothing is cached unless it does: no one could be told apart). What a request leaves out takes the
     text-level defaults (`hebrus.text.generation`): sampling from the checkpoint's generation
     config, else temperature 1.0; a random seed."""
     text = model.tokenizer
@@ -206,7 +208,8 @@ def create_app(model, name: str, scheduler: Scheduler, api_key: str | list[str] 
         if denied is not None:
             return denied
         running, waiting = scheduler.depth
-        return PlainTextResponse(metrics.render(running, waiting), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(running, waiting, scheduler.cache),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
@@ -272,7 +275,8 @@ def create_app(model, name: str, scheduler: Scheduler, api_key: str | list[str] 
         events: asyncio.Queue = asyncio.Queue()
         job = Request(key=key_of(request), prompt=prompt, max_tokens=wanted, sampling=sampling_of(body),
                       seed=body.seed if body.seed is not None else secrets.randbits(63),
-                      stop_ids=frozenset(text.stop_ids), keep=keys is not None,
+                      stop_ids=frozenset(text.stop_ids), salt=body.cache_salt or "",
+                      keep=keys is not None or scheduler.share_prefixes,
                       emit=lambda kind, value: outbox.put(events, (kind, value)))
         started = time.monotonic()
         try:

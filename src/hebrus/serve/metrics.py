@@ -18,6 +18,16 @@ class Metrics:
                               ["kind", "stage"], registry=registry)
         self.active = Gauge("hebrus_active_sessions", "Requests running in the engine", registry=registry)
         self.queue = Gauge("hebrus_queue_depth", "Requests waiting for the engine", registry=registry)
+        cache = "The prefix cache: "
+        self.cache = {
+            "lookups": Gauge("hebrus_prefix_cache_lookups", cache + "prompts looked up", registry=registry),
+            "hits": Gauge("hebrus_prefix_cache_hits", cache + "prompts that found a cached state", registry=registry),
+            "saved": Gauge("hebrus_prefix_cache_saved_tokens", cache + "prompt tokens not fed again",
+                           registry=registry),
+            "used": Gauge("hebrus_prefix_cache_bytes", cache + "bytes held (slots, and blocks once each)",
+                          registry=registry),
+            "entries": Gauge("hebrus_prefix_cache_entries", cache + "states kept", registry=registry),
+        }
 
     def request(self, chat: bool) -> None:
         self.requests.labels(route="chat" if chat else "completions").inc()
@@ -32,7 +42,12 @@ class Metrics:
     def aborted(self, kind: str, stage: str) -> None:
         self.aborts.labels(kind=kind, stage=stage).inc()
 
-    def render(self, running: int, waiting: int) -> bytes:
+    def render(self, running: int, waiting: int, cache=None) -> bytes:
+        """The metrics now; `cache`: the scheduler's prefix cache, whose counts are read (a
+        moment's values, read from another thread than the engine's)."""
         self.active.set(running)
         self.queue.set(waiting)
+        if cache is not None:
+            for name, gauge in self.cache.items():
+                gauge.set(len(cache.entries) if name == "entries" else getattr(cache, name))
         return generate_latest(self.registry)

@@ -11,7 +11,7 @@ from fastapi import Request as HTTPRequest
 
 from hebrus.errors import ChunkAborted
 from hebrus.serve.metrics import Metrics
-from hebrus.serve.scheduler import Request
+from hebrus.scheduling.scheduler import Request
 from hebrus.text.generation import StopText
 
 

@@ -1,4 +1,5 @@
-"""The server's engine loop: one thread owns the model and runs every request's transactions.
+"""The serving engine loop: one thread owns the model and runs every request's transactions. It
+knows nothing of HTTP (`hebrus.serve` turns requests into `Request`s and events into answers).
 
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
@@ -15,12 +16,18 @@ samples from its own generator, so what it produces does not depend on what runs
 While it has nothing to do, the loop makes up to `spare_sessions` new sessions, so that
 admitting a request takes one instead of waiting for one to be made.
 
-Finished conversations are kept (`Kept`): a later request of the same API key whose prompt
-starts with a kept conversation's tokens forks it and feeds only the rest.
+The prefix cache (`PrefixCache`) keeps states as prompts are fed: every `prefix_every` tokens,
+at each prompt's end, where a prompt left a cached one, and at the end of every finished turn. A
+later request whose prompt begins with cached tokens forks the nearest state kept at or below
+where they part and feeds only the rest; its `cached` says how many tokens it was spared. A
+request sees only its own space's entries: its API key's (and `cache_salt`'s), or every key's
+when `share_prefixes` is on. A chunk that keeps states is fed alone (`Session.feed_keeping`);
+the others are fed together as above.
 """
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import threading
 import time
@@ -30,11 +37,11 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import ChunkAborted
+from hebrus.errors import AllocationError, ChunkAborted
 from hebrus.sampling import Sampling, penalise, sample_many
 from hebrus.batching import Batch, feed_many
 from hebrus.engine.graphs import decode_route
-from hebrus.serve.kept import Kept
+from hebrus.scheduling.prefix import PrefixCache
 
 
 @dataclass
@@ -42,19 +49,21 @@ class Request:
     """One completion: what to feed and how to sample, and where its events go. `emit(kind,
     value)` is called from the engine thread: ("token", id), ("done", finish reason) or
     ("error", exception)."""
-    key: str                            # the API key that owns what the request leaves kept
+    key: str                            # the API key that owns what the request leaves cached
     prompt: list[int]
     max_tokens: int
     sampling: Sampling
     seed: int
     stop_ids: frozenset[int]
     emit: Callable[[str, object], None]
-    keep: bool = True                   # keep the finished conversation for later turns
+    keep: bool = True                   # cache the states its prompt and conversation pass
+    salt: str = ""                      # narrows the prefix cache's space (a request's `cache_salt`)
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # engine-side state
     session: object = None
-    cached: int = 0                     # prompt tokens found kept
+    cached: int = 0                     # prompt tokens found cached
+    cut: int = 0                        # where its prompt left the cached tokens (a state is kept there)
     fed: int = 0                        # prompt tokens fed so far (cached ones included)
     logits: torch.Tensor | None = None
     produced: list[int] = field(default_factory=list)
@@ -70,9 +79,9 @@ class Overloaded(Exception):
 
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
-                 prefill_tokens: int = 512, kept_bytes: int = 1 << 30, kept_per_key: int | None = None,
-                 spare_sessions: int = 4, decode: str = "auto", fault: Callable[[Request], str | None] | None = None,
-                 metrics=None):
+                 prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
+                 prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
+                 fault: Callable[[Request], str | None] | None = None, metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
@@ -95,8 +104,10 @@ class Scheduler:
         self.spent: collections.Counter[str] = collections.Counter()
         self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
-        # evict every other key's conversations
-        self.kept = Kept(kept_bytes, kept_bytes // 4 if kept_per_key is None else kept_per_key)
+        # evict every other key's prefixes
+        self.cache = PrefixCache(cache_bytes, prefix_every,
+                                 cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key)
+        self.share_prefixes = share_prefixes
         self.fault = fault              # tests only: a stage to fail a request's next step at
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
@@ -224,19 +235,44 @@ class Scheduler:
         if request.sampling.repetition_penalty != 1.0:
             request.seen = torch.zeros(self.model.spec.vocab_size, dtype=torch.bool, device=self.model.device)
             request.seen[torch.tensor(request.prompt, device=self.model.device)] = True
-        kept, length = self.kept.find(request.key, request.prompt)
-        if kept is not None:
-            request.session = kept.fork()
-            request.cached = request.fed = length
+        hit = self.cache.find(self._space(request), request.prompt) if self.cache.keeps else None
+        if hit is not None and hit.session is not None:
+            request.session = self._made(hit.session.fork)
+            request.cached = request.fed = hit.length
             request.logits = request.session.logits
         else:
-            request.session = self.spares.pop() if self.spares else self.model.session(decode="eager")
+            request.session = self.spares.pop() if self.spares else self._made(lambda: self.model.session(decode="eager"))
+        request.cut = hit.cut if hit is not None else 0
+
+    def _made(self, make):
+        """`make()`, a session from the pool; while the pool is full, the prefix cache gives back
+        its least recently used entries' slots and blocks first."""
+        while True:
+            try:
+                return make()
+            except AllocationError:
+                if not self.cache.shed():
+                    raise
+                gc.collect()
+
+    def _space(self, request: Request) -> tuple[str, str]:
+        """The prefix cache's space a request sees: its key's, or every key's (shared), narrowed
+        by its salt."""
+        return ("" if self.share_prefixes else request.key, request.salt)
 
     def _prefill(self, feeding: list[tuple[Request, list[int]]]) -> None:
-        """Feed each request its next prompt chunk: in fast mode in one pass (`feed_many`: each
-        its own transaction, so one that aborts fails alone), else one after another."""
+        """Feed each request its next prompt chunk: a chunk that keeps states for the prefix
+        cache alone, the others in fast mode in one pass (`feed_many`: each its own transaction,
+        so one that aborts fails alone), else one after another."""
         started = time.perf_counter()
-        results = self._each_or_together(feeding, self._prefill_together)
+        marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
+        results = self._each_or_together([(r, c) for r, c in feeding if not marked[r.id]], self._prefill_together)
+        for request, chunk in feeding:
+            if marked[request.id]:
+                try:
+                    results[request.id] = self._feed_keeping(request, chunk, marked[request.id])
+                except Exception as exc:            # an abort, or anything else: this request's alone
+                    results[request.id] = exc
         spent = time.perf_counter() - started       # a feed returns once validated: synced
         for request, chunk in feeding:
             result = results[request.id]
@@ -340,18 +376,40 @@ class Scheduler:
         elif request.session.frontier >= self.model.spec.max_context:
             self._finish(request, "length")
 
+    def _marks(self, request: Request, length: int) -> list[int]:
+        """Where a prompt chunk of `length` tokens keeps states for the prefix cache (counts of
+        its tokens; none when the cache is off or the request keeps nothing)."""
+        if not (request.keep and self.cache.keeps):
+            return []
+        start = request.fed
+        stop = len(request.prompt)
+        return [p - start for p in self.cache.marks(start, stop, request.cut) if p <= start + length]
+
+    def _feed_keeping(self, request: Request, ids: list[int], marks: list[int]) -> torch.Tensor:
+        """Feed a prompt chunk, and cache the states after its marks."""
+        logits, kept = self._faulted(request, lambda: request.session.feed_keeping(ids, marks))
+        space, start = self._space(request), request.fed
+        for mark, session in zip(marks, kept):
+            if session is not None:
+                self.cache.put(space, request.prompt[:start + mark], session)
+        return logits
+
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
+        return self._faulted(request, lambda: request.session.feed(ids))
+
+    def _faulted(self, request: Request, feed):
+        """`feed()`, under the fault the tests armed for this request, if any."""
         stage = self.fault(request) if self.fault else None
         if stage is None:
-            return request.session.feed(ids)
+            return feed()
         with faults.inject(stage=stage, kind="nonfinite"):
-            return request.session.feed(ids)
+            return feed()
 
     def _finish(self, request: Request, reason: str) -> None:
         self._end(request)
         request.emit("done", reason)
-        if request.keep and self.kept.keeps:   # nothing steps its session again: it is kept itself
-            self.kept.put(request.key, request.prompt + request.produced, request.session)
+        if request.keep and self.cache.keeps:   # nothing steps its session again: it is kept itself
+            self.cache.put(self._space(request), request.prompt + request.produced, request.session)
 
     def _end(self, request: Request) -> None:
         self.running.remove(request)

@@ -1,0 +1,212 @@
+"""The automatic prefix cache: sessions that hold a prompt's state after its first t tokens, found
+by token content, so that a later prompt beginning with those tokens forks one and feeds only
+the rest (the server's `Scheduler` owns one).
+
+What is kept: a session every `every` tokens of a prompt (k, taken as its chunks pass:
+`Session.feed_keeping`), one at the end of every prompt and every finished turn, and one at each
+point where a prompt left a cached one (a cut inside a block, so that the next prompt sharing
+that much recomputes nothing). A kept session is never fed: a hit forks it. Its rows are the
+prompt's own blocks, shared by reference, so a kept session costs its slot (the banked state)
+and whichever blocks no other entry holds already.
+
+How a prompt is matched: a tree of k-token blocks per space, each node the prefix of its depth
+(dict lookups on the blocks' tokens: hash chains that compare the tokens themselves), then an
+exact match down to the token among the entries that end inside the next block. The nearest
+kept state at or below the longest shared prefix is the hit; how far the prompt runs along the
+cached tokens beyond it is the cut.
+
+Spaces keep users apart: the scheduler names one per API key (and `cache_salt`), or one for all
+keys when sharing is on. Least recently used entries go first: a space's own once its entries
+pass `per_space` bytes, anyone's once all pass `budget`. The bytes counted are what the cache
+holds: each entry's slot, and each block once, however many entries share it.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Node:
+    """The prefix of `depth` tokens: its entry (a state after exactly them), the entries that
+    end inside the next block (by the tokens past `depth`), and the blocks that go on."""
+    depth: int
+    parent: "_Node | None" = None
+    block: tuple = ()
+    entry: "_Entry | None" = None
+    tails: dict = field(default_factory=dict)
+    children: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Entry:
+    space: object
+    tokens: tuple
+    session: object
+    node: _Node
+    blocks: tuple
+    id: int = field(default_factory=itertools.count().__next__)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What `PrefixCache.find` found: the kept session (None: nothing), the tokens it holds, and
+    the cut: how many of the prompt's tokens the cache has seen in a row (at least `length`;
+    the scheduler keeps the state there as it feeds the rest)."""
+    session: object
+    length: int
+    cut: int
+
+
+class PrefixCache:
+    def __init__(self, budget: int, every: int = 64, per_space: int | None = None):
+        per_space = budget if per_space is None else per_space
+        if budget < 0 or per_space < 0:
+            raise ValueError(f"prefix cache byte budgets must be at least 0, got budget {budget}, per space {per_space}")
+        if not 1 <= every:
+            raise ValueError(f"the prefix cache keeps a state every k tokens, k at least 1; got {every}")
+        self.budget, self.per_space, self.every = budget, per_space, every
+        self.roots: dict[object, _Node] = {}
+        self.entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()   # least recently used first
+        self.blocks: collections.Counter = collections.Counter()         # block -> entries holding it
+        self.space_blocks: dict[object, collections.Counter] = {}
+        self.space_slots: collections.Counter = collections.Counter()   # space -> its entries
+        self.slot_bytes = self.block_bytes = 0                            # learnt from the first entry
+        # what /metrics reports: lookups, lookups that found a state, prompt tokens not fed again
+        self.lookups = self.hits = self.saved = 0
+
+    @property
+    def keeps(self) -> bool:
+        return min(self.budget, self.per_space) > 0
+
+    @property
+    def used(self) -> int:
+        return len(self.entries) * self.slot_bytes + len(self.blocks) * self.block_bytes
+
+    def used_by(self, space) -> int:
+        return self.space_slots[space] * self.slot_bytes + len(self.space_blocks.get(space, ())) * self.block_bytes
+
+    def marks(self, start: int, stop: int, cut: int = 0) -> list[int]:
+        """The positions in (start, stop] where a prompt fed from `start` to `stop` (its end)
+        keeps its state: every k-th, the cut, the end."""
+        first = (start // self.every + 1) * self.every
+        out = set(range(first, stop + 1, self.every)) | {stop}
+        if start < cut < stop:
+            out.add(cut)
+        return sorted(out)
+
+    # ---- finding --------------------------------------------------------------------------
+    def find(self, space, prompt) -> Hit:
+        """The kept session of `space` holding the longest prefix of `prompt`, and the cut. The
+        one found becomes the most recently used."""
+        self.lookups += 1
+        node, best, k = self.roots.get(space), None, self.every
+        if node is None:
+            return Hit(None, 0, 0)
+        prompt = tuple(prompt)
+        while True:
+            if node.entry is not None:
+                best = node.entry
+            child = node.children.get(prompt[node.depth:node.depth + k])
+            if child is None:
+                break
+            node = child
+        rest = prompt[node.depth:node.depth + k]
+        for tail, entry in node.tails.items():
+            if len(tail) <= len(rest) and rest[:len(tail)] == tail and (best is None or len(entry.tokens) > len(best.tokens)):
+                best = entry
+        seen = max((_common(rest, other) for other in itertools.chain(node.children, node.tails)), default=0)
+        cut = node.depth + seen
+        if best is None:
+            return Hit(None, 0, cut)
+        self.entries.move_to_end(best.id)
+        self.hits += 1
+        self.saved += len(best.tokens)
+        return Hit(best.session, len(best.tokens), max(cut, len(best.tokens)))
+
+    # ---- keeping --------------------------------------------------------------------------
+    def put(self, space, tokens, session) -> None:
+        """Keep `session`, which holds `tokens` and is never fed again, for `space` (replacing
+        one that holds the same tokens); not kept if it alone is over the space's share or the
+        budget."""
+        if not self.keeps or not len(tokens):
+            return
+        tokens = tuple(tokens)
+        image = session.image
+        if not self.slot_bytes:
+            self.slot_bytes, self.block_bytes = image.pool.slot_nbytes, image.pool.block_nbytes
+        blocks = image.public.table
+        if self.slot_bytes + len(blocks) * self.block_bytes > min(self.budget, self.per_space):
+            return
+        node = self._node(space, tokens)
+        rest = tokens[node.depth:]
+        old = node.tails.get(rest) if rest else node.entry
+        if old is not None:
+            self._drop(old)
+        node = self._node(space, tokens)                # dropping may have pruned it
+        entry = _Entry(space, tokens, session, node, blocks)
+        if rest:
+            node.tails[rest] = entry
+        else:
+            node.entry = entry
+        self.entries[entry.id] = entry
+        self.blocks.update(blocks)
+        self.space_blocks.setdefault(space, collections.Counter()).update(blocks)
+        self.space_slots[space] += 1
+        while self.used_by(space) > self.per_space:     # the new one fits alone: it is never dropped
+            self._drop(next(e for e in self.entries.values() if e.space == space))
+        while self.used > self.budget:
+            self._drop(next(iter(self.entries.values())))
+
+    def shed(self) -> bool:
+        """Drop the least recently used entry (the pool needs its slot): False if none is held."""
+        if not self.entries:
+            return False
+        self._drop(next(iter(self.entries.values())))
+        return True
+
+    def _node(self, space, tokens: tuple) -> _Node:
+        """The node of `tokens`' whole blocks, made where missing."""
+        node, k = self.roots.setdefault(space, _Node(0)), self.every
+        for depth in range(k, len(tokens) + 1, k):
+            block = tokens[depth - k:depth]
+            child = node.children.get(block)
+            if child is None:
+                child = node.children[block] = _Node(depth, node, block)
+            node = child
+        return node
+
+    def _drop(self, entry: _Entry) -> None:
+        del self.entries[entry.id]
+        node, rest = entry.node, entry.tokens[entry.node.depth:]
+        if rest:
+            del node.tails[rest]
+        else:
+            node.entry = None
+        self.blocks.subtract(entry.blocks)
+        own = self.space_blocks[entry.space]
+        own.subtract(entry.blocks)
+        for counter in (self.blocks, own):
+            for block in entry.blocks:
+                if counter[block] <= 0:
+                    del counter[block]
+        self.space_slots[entry.space] -= 1
+        if not self.space_slots[entry.space]:
+            del self.space_slots[entry.space], self.space_blocks[entry.space]
+        while node is not None and node.entry is None and not node.tails and not node.children:
+            if node.parent is None:
+                del self.roots[entry.space]
+                break
+            del node.parent.children[node.block]
+            node = node.parent
+
+
+def _common(a: tuple, b: tuple) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,196 @@
+"""`scheduling.prefix.PrefixCache` on its own, with stand-in sessions whose slot and blocks the
+test names: the nearest kept state at or below where a prompt leaves the cached tokens, the cut,
+each space its own, least recently used evicted per space and overall, the bytes counted exactly
+(a slot each, a block once however many entries share it). And /metrics behind the API key,
+/health open."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import hebrus
+from hebrus.scheduling.prefix import PrefixCache
+
+SLOT, BLOCK = 10, 1
+
+
+def session(*blocks: int, name: str = ""):
+    pool = SimpleNamespace(slot_nbytes=SLOT, block_nbytes=BLOCK)
+    return SimpleNamespace(image=SimpleNamespace(pool=pool, public=SimpleNamespace(table=tuple(blocks))), name=name)
+
+
+def cache(budget: int = 1000, every: int = 4, per_space: int | None = None) -> PrefixCache:
+    return PrefixCache(budget, every, per_space)
+
+
+def held(c: PrefixCache) -> list[tuple[str, list[int]]]:
+    """What `c` holds, least recently used first."""
+    return [(e.space, list(e.tokens)) for e in c.entries.values()]
+
+
+def found(c: PrefixCache, space, prompt) -> tuple:
+    hit = c.find(space, prompt)
+    return hit.session, hit.length, hit.cut
+
+
+def test_the_nearest_kept_state_at_or_below_the_shared_prefix_wins():
+    c = cache(every=4)
+    at4, at8, at10 = session(), session(), session()
+    prompt = list(range(1, 13))
+    c.put("a", prompt[:4], at4)
+    c.put("a", prompt[:8], at8)
+    c.put("a", prompt[:10], at10)
+    assert found(c, "a", prompt) == (at10, 10, 10)              # past every kept state
+    assert found(c, "a", prompt[:9] + [99]) == (at8, 8, 9)      # leaves the cached tokens at 9
+    assert found(c, "a", prompt[:6] + [99, 99]) == (at4, 4, 6)  # inside the second block
+    assert found(c, "a", prompt[:3] + [99]) == (None, 0, 3)     # before the first kept state
+    assert found(c, "a", [99]) == (None, 0, 0)
+    assert found(c, "a", prompt[:10]) == (at10, 10, 10) and found(c, "a", prompt[:8]) == (at8, 8, 8)
+
+
+def test_a_cut_kept_once_is_found_by_the_next_prompt_sharing_as_much():
+    """What the scheduler does on a first hit inside a block: the state at the cut is kept, so
+    the next prompt sharing those tokens recomputes none."""
+    c = cache(every=4)
+    first = list(range(1, 11))
+    c.put("a", first[:8], session())
+    c.put("a", first, session())                # the first prompt's end
+    second = first[:9] + [50, 51]
+    _, length, cut = found(c, "a", second)
+    assert (length, cut) == (8, 9)
+    at9 = session()
+    c.put("a", second[:cut], at9)
+    assert found(c, "a", first[:9] + [60, 61]) == (at9, 9, 9)
+    assert found(c, "a", first)[1:] == (10, 10)
+
+
+def test_another_space_never_sees_an_entry():
+    c = cache()
+    c.put(("a", ""), [1, 2, 3, 4, 5], session())
+    for space in (("b", ""), ("a", "salt"), ("", "")):
+        assert found(c, space, [1, 2, 3, 4, 5, 6]) == (None, 0, 0)
+
+
+def test_find_makes_an_entry_the_most_recently_used_and_counts_it():
+    c = cache(budget=3 * SLOT)
+    first, second, third = session(), session(), session()
+    c.put("a", [1], first)
+    c.put("a", [2], second)
+    c.put("b", [3], third)
+    assert found(c, "a", [1, 5])[0] is first
+    assert held(c) == [("a", [2]), ("b", [3]), ("a", [1])]
+    c.put("b", [4], session())                  # over the budget: the least recently used goes
+    assert held(c) == [("b", [3]), ("a", [1]), ("b", [4])]
+    assert (c.lookups, c.hits, c.saved) == (1, 1, 1)
+
+
+def test_a_space_over_its_share_loses_its_own_oldest_and_no_other_spaces():
+    c = cache(budget=100, per_space=3 * SLOT)
+    c.put("b", [9], session())
+    for i in range(1, 5):
+        c.put("a", [i], session())
+    assert held(c) == [("b", [9]), ("a", [2]), ("a", [3]), ("a", [4])]
+    assert c.used_by("a") == 3 * SLOT and c.used == 4 * SLOT
+
+
+def test_shared_blocks_count_once_and_go_with_their_last_entry():
+    c = cache(budget=1000)
+    c.put("a", [1, 2, 3, 4], session(7, 8))
+    c.put("a", [1, 2, 3, 4, 5, 6], session(7, 8, 9))
+    assert c.used == 2 * SLOT + 3 * BLOCK
+    c.put("b", [1], session(7))
+    assert c.used == 3 * SLOT + 3 * BLOCK and c.used_by("b") == SLOT + BLOCK
+    c._drop(c.entries[next(iter(c.entries))])
+    assert c.used == 2 * SLOT + 3 * BLOCK
+    while c.shed():
+        pass
+    assert c.used == 0 and not c.roots and not c.blocks
+
+
+def test_an_entry_over_its_spaces_share_or_the_budget_is_not_kept():
+    c = cache(budget=100, per_space=30)
+    c.put("a", [1], session())
+    c.put("a", [2], session(*range(21)))
+    c.put("b", [3], session(*range(91)))
+    assert held(c) == [("a", [1])] and c.used == SLOT
+    c = cache(budget=0)
+    c.put("a", [1], session())
+    assert not c.entries and not c.keeps
+
+
+def test_putting_the_same_tokens_again_replaces_without_counting_twice():
+    c = cache(budget=100)
+    old, new = session(1, name="old"), session(2, name="new")
+    c.put("a", [1, 2], old)
+    c.put("a", [1, 2], new)
+    assert held(c) == [("a", [1, 2])] and found(c, "a", [1, 2, 3])[0] is new
+    assert c.used == SLOT + BLOCK
+    c.put("a", [1, 2, 3, 4], old)               # at a block's end: the node's own entry
+    c.put("a", [1, 2, 3, 4], new)
+    assert len(c.entries) == 2 and found(c, "a", [1, 2, 3, 4, 5])[0] is new
+
+
+def test_marks_are_every_kth_position_the_cut_and_the_end():
+    c = cache(every=4)
+    assert c.marks(0, 10) == [4, 8, 10]
+    assert c.marks(5, 10, cut=6) == [6, 8, 10]
+    assert c.marks(8, 8 + 1) == [9]
+    assert c.marks(3, 4, cut=9) == [4]
+
+
+def test_bad_budgets_are_refused():
+    with pytest.raises(ValueError, match="at least 0"):
+        PrefixCache(-1)
+    with pytest.raises(ValueError, match="at least 0"):
+        PrefixCache(10, per_space=-1)
+    with pytest.raises(ValueError, match="at least 1"):
+        PrefixCache(10, every=0)
+
+
+def test_a_real_sessions_bytes_are_its_slot_and_its_blocks():
+    from hebrus.state.pool import Pool
+    model = hebrus.load("tiny")
+    s = model.session()
+    s.feed(list(range(20)))                       # 20 rows: two blocks of 16
+    c = PrefixCache(10 ** 9)
+    c.put("a", list(range(20)), s)
+    assert c.used == Pool.slot_bytes(model.owners) + 2 * Pool.block_bytes(model.owners, model.pool.block_rows)
+
+
+# ---- /metrics behind the API key -----------------------------------------------------------
+
+@pytest.fixture
+def app_of(tiny):
+    pytest.importorskip("httpx")
+    TestClient = pytest.importorskip("fastapi.testclient").TestClient
+    from hebrus import serve
+    schedulers = []
+
+    def client(keys):
+        app, scheduler = serve.build(tiny, "tiny", api_key=keys)
+        schedulers.append(scheduler)
+        return TestClient(app)
+    yield client
+    for scheduler in schedulers:
+        scheduler.stop(drain_seconds=5)
+
+
+def test_metrics_needs_a_key_when_the_server_has_keys(app_of):
+    client = app_of(["key-a", "key-b"])
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-a"}):
+        reply = client.get("/metrics", headers=headers)
+        assert reply.status_code == 401
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+        assert reply.json() == client.get("/v1/models", headers=headers).json()
+    reply = client.get("/metrics", headers={"Authorization": "Bearer key-b"})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    assert "hebrus_requests_total" in reply.text and "hebrus_queue_depth" in reply.text
+    assert "hebrus_prefix_cache_hits" in reply.text and "hebrus_prefix_cache_bytes" in reply.text
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_metrics_is_open_without_keys(app_of):
+    client = app_of(None)
+    reply = client.get("/metrics")
+    assert reply.status_code == 200 and "hebrus_queue_depth" in reply.text

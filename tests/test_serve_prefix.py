@@ -1,0 +1,111 @@
+"""The engine loop's prefix cache: a prompt that begins with cached tokens forks the nearest
+state kept at or below where it leaves them, feeds only the rest, and answers exactly as a cold
+run (exact mode: bit for bit; fast mode: within its bound). The loop's turns run here by hand."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import hebrus
+from conftest import tokens
+from hebrus.sampling import Sampling
+from hebrus.scheduling.scheduler import Request, Scheduler
+
+SHARED = tokens(1000, seed=7)
+
+
+def _ask(prompt: list[int], new: int = 4, key: str = "k", salt: str = "", seed: int = 0) -> Request:
+    got = []
+
+    def emit(kind, value):
+        if kind == "token":
+            got.append(value)
+        elif kind == "error":
+            raise AssertionError(f"the request failed: {value!r}")
+    request = Request(key=key, prompt=prompt, max_tokens=new, sampling=Sampling(temperature=0.8), seed=seed,
+                      stop_ids=frozenset(), emit=emit, salt=salt)
+    request.got = got
+    return request
+
+
+def _run(scheduler: Scheduler, *requests: Request) -> list[Request]:
+    """Each request run to its end through the loop's turns, one after another."""
+    for request in requests:
+        scheduler.running.append(request)
+        for _ in range(10_000):
+            if request not in scheduler.running:
+                break
+            scheduler._turn()
+        assert request.got and request not in scheduler.running
+    return list(requests)
+
+
+def _alone(model, request: Request) -> list[int]:
+    return list(model.session().generate(request.prompt, max_new_tokens=request.max_tokens, temperature=0.8,
+                                         seed=request.seed))
+
+
+@pytest.mark.parametrize("cut", [300, 256, 280, 64, 5])
+def test_a_cached_prefix_answers_bit_for_bit_as_a_cold_run(tiny, cut):
+    """Cuts inside a block of k = 64 and a row block of 16 (300, 280), at the edge of both
+    (256, 64), and before the first kept state (5)."""
+    scheduler = Scheduler(tiny, chunk_size=128, prefill_tokens=512)
+    first, second = _run(scheduler, _ask(SHARED[:300] + [1, 2, 3]), _ask(SHARED[:cut] + [9, 8, 7, 6], seed=1))
+    assert first.cached == 0 and second.cached == (cut // 64) * 64
+    for request in (first, second):
+        assert request.got == _alone(tiny, request)
+    third = _run(scheduler, _ask(SHARED[:cut] + [5, 4], seed=2))[0]
+    assert third.cached == cut and third.got == _alone(tiny, third)   # the cut was kept: nothing recomputed
+
+
+def test_sharing_a_thousand_tokens_recomputes_fewer_than_k_on_the_first_hit_and_none_after(tiny):
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefix_every=64)
+    cold, first, later = _run(scheduler, *(_ask(SHARED + tokens(10, seed=s), seed=s) for s in (1, 2, 3)))
+    assert cold.cached == 0
+    assert 0 < 1000 - first.cached < 64 and later.cached == 1000
+    assert scheduler.cache.hits == 2 and scheduler.cache.saved == first.cached + 1000
+
+
+def test_in_fast_mode_a_cached_prefix_is_within_the_bound_of_a_cold_run(tiny_fast):
+    scheduler = Scheduler(tiny_fast, chunk_size=256, prefill_tokens=512, decode="eager")
+    requests = _run(scheduler, *(_ask(SHARED[:n] + [3, n % 256], seed=n) for n in (1000, 700, 999, 700)))
+    assert [r.cached for r in requests] == [0, 640, 960, 702]
+    for request in requests:
+        alone = tiny_fast.session().feed(request.prompt + request.got)
+        scale = max(float(alone.abs().max()), 1.0)
+        assert float((request.session.logits - alone).abs().max()) <= 1e-3 * scale
+
+
+def test_a_key_or_a_salt_never_sees_anothers_prefixes(tiny):
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512)
+    prompt = SHARED[:150]
+    owner = _run(scheduler, _ask(prompt, key="a"))[0]
+    others = _run(scheduler, _ask(prompt, key="b"), _ask(prompt, key="a", salt="s"), _ask(prompt, key="a"))
+    assert owner.cached == 0 and [r.cached for r in others] == [0, 0, 150]
+    # a miss does the whole work of a cold run: every prompt token fed, none forked from the cache
+    assert all(r.fed == len(prompt) for r in others) and scheduler.cache.hits == 1
+    for request in (owner, *others):
+        assert request.got == _alone(tiny, request)
+
+
+def test_shared_prefixes_are_one_space_for_every_key(tiny):
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, share_prefixes=True)
+    _, other, salted = _run(scheduler, _ask(SHARED[:300], key="a"), _ask(SHARED[:300], key="b"),
+                            _ask(SHARED[:300], key="b", salt="s"))
+    assert (other.cached, salted.cached) == (300, 0)
+
+
+def test_a_full_pool_takes_back_the_caches_slots_for_new_requests(tiny):
+    probe = hebrus.load("tiny").pool
+    model = hebrus.load("tiny", pool_bytes=12 * probe.slot_nbytes + 256 * probe.block_nbytes)
+    scheduler = Scheduler(model, chunk_size=256, prefill_tokens=512, prefix_every=8, spare_sessions=0)
+    kept = 0
+    for seed in range(4):                       # 20 states kept each (every 8th of 150, the end, the turn's end)
+        request = _run(scheduler, _ask(tokens(150, seed=seed), seed=seed))[0]
+        assert request.got == _alone(tiny, request)      # the same preset's weights
+        kept += 20
+        del request
+        gc.collect()
+    assert model.pool.slots < kept and 0 < len(scheduler.cache.entries) <= model.pool.slots
