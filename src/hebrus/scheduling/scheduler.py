@@ -235,7 +235,7 @@ class Scheduler:
         if request.sampling.repetition_penalty != 1.0:
             request.seen = torch.zeros(self.model.spec.vocab_size, dtype=torch.bool, device=self.model.device)
             request.seen[torch.tensor(request.prompt, device=self.model.device)] = True
-        hit = self.cache.find(self._space(request), request.prompt) if self.cache.keeps else None
+        hit = self.cache.find(self._space(request), request.prompt) if request.keep and self.cache.keeps else None
         if hit is not None and hit.session is not None:
             request.session = self._made(hit.session.fork)
             request.cached = request.fed = hit.length
