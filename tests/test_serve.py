@@ -491,7 +491,7 @@ def test_the_outbox_keeps_each_queue_in_order_and_wakes_the_loop_once_for_a_burs
     import asyncio
     import gc
     import weakref
-    from hebrus.serve.app import Outbox
+    from hebrus.serve.outbox import Outbox
 
     async def scenario():
         loop = asyncio.get_running_loop()
