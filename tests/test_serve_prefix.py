@@ -10,13 +10,17 @@ import torch
 
 import hebrus
 from conftest import tokens
+from hebrus.errors import PoolExhausted
 from hebrus.sampling import Sampling
 from hebrus.scheduling.scheduler import Request, Scheduler
 
 SHARED = tokens(1000, seed=7)
 
 
-def _ask(prompt: list[int], new: int = 4, key: str = "k", salt: str = "", seed: int = 0) -> Request:
+def _ask(prompt: list[int], new: int = 4, key: str = "k", salt: str = "", seed: int = 0,
+         let_go: bool = False) -> Request:
+    """A request whose tokens land in `.got`; `let_go`: once it ends, its session is let go, as
+    the server lets a finished request go (its slot and blocks back to the pool)."""
     got = []
 
     def emit(kind, value):
@@ -24,6 +28,9 @@ def _ask(prompt: list[int], new: int = 4, key: str = "k", salt: str = "", seed: 
             got.append(value)
         elif kind == "error":
             raise AssertionError(f"the request failed: {value!r}")
+        elif let_go:                            # its last logits kept for the test
+            request.last = request.session.logits if request.session is not None else None
+            request.session = None
     request = Request(key=key, prompt=prompt, max_tokens=new, sampling=Sampling(temperature=0.8), seed=seed,
                       stop_ids=frozenset(), emit=emit, salt=salt)
     request.got = got
@@ -109,3 +116,88 @@ def test_a_full_pool_takes_back_the_caches_slots_for_new_requests(tiny):
         del request
         gc.collect()
     assert model.pool.slots < kept and 0 < len(scheduler.cache.entries) <= model.pool.slots
+
+
+# ---- preemption and the per-key share ----------------------------------------------------------
+
+def _pool_of(slots: int, blocks: int, mode: str = "exact"):
+    """The tiny preset with a pool of `slots` slots and `blocks` blocks of 16 rows."""
+    from hebrus.state.pool import Pool
+    model = hebrus.load("tiny", mode=mode)
+    model._pool = Pool(model.owners, model.device, slots, blocks, 16, model.spec.max_context)
+    return model
+
+
+def _together(scheduler: Scheduler, requests: list[Request]) -> None:
+    """The requests arriving at once, run through the loop's turns until all have ended."""
+    scheduler.waiting.extend(requests)
+    for _ in range(10_000):
+        if not (scheduler.waiting or scheduler.running or scheduler.preempted):
+            return
+        if not scheduler.preempted:
+            scheduler._take_waiting()
+        scheduler._turn()
+    raise AssertionError("the requests did not end")
+
+
+@pytest.mark.parametrize("host_bytes", [1 << 30, 0])
+def test_preempted_requests_answer_bit_for_bit_as_they_do_alone(tiny, host_bytes):
+    """Four requests of 30 prompt tokens and 40 new ones need 20 blocks of 16 rows; the pool
+    has 12. Requests are preempted (their state to host memory, or recomputed from their tokens
+    when host memory is 0) and come back; each answers exactly as it does alone."""
+    model = _pool_of(slots=8, blocks=12)
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0,
+                          preempt_host_bytes=host_bytes)
+    requests = [_ask(tokens(30, seed=s), new=40, key=f"k{s}", seed=s, let_go=True) for s in range(4)]
+    _together(scheduler, requests)
+    assert scheduler.preemptions > 0 and scheduler.host_held == 0
+    for request in requests:
+        assert len(request.got) == 40 and request.got == _alone(tiny, request)   # the same preset's weights
+    gc.collect()
+    assert model.pool.free_blocks == 12 and model.pool.free_slots == 8
+
+
+def test_in_fast_mode_preempted_requests_stepped_together_stay_within_the_bound(tiny_fast):
+    """The decoding requests step together from the static plan (what a CUDA graph captures);
+    a request refused its block in the shared step is preempted or has room made, and comes
+    back; each one's state is within fast mode's bound of its tokens fed alone."""
+    model = _pool_of(slots=8, blocks=12, mode="fast")
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0,
+                          decode="planned")
+    requests = [_ask(tokens(30, seed=s), new=40, key=f"k{s}", seed=s, let_go=True) for s in range(4)]
+    _together(scheduler, requests)
+    assert scheduler.preemptions > 0 and scheduler.widest > 1
+    for request in requests:
+        assert len(request.got) == 40
+        alone = tiny_fast.session(decode="eager").feed(request.prompt + request.got)
+        scale = max(float(alone.abs().max()), 1.0)
+        assert float((request.last - alone).abs().max()) <= 1e-3 * scale
+
+
+def test_a_request_that_holds_the_pool_alone_and_still_does_not_fit_fails_alone(tiny):
+    model = _pool_of(slots=4, blocks=2)
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0)
+    errors = []
+    big = _ask(tokens(20, seed=1), new=30, seed=1)
+
+    def emit(kind, value):
+        if kind == "error":                     # (its traceback's frames would hold the session)
+            errors.append(type(value))
+            big.session = None                  # let go, as the server lets a failed request go
+        else:
+            big.got.append(value)
+    big.emit = emit
+    small = _ask(tokens(5, seed=2), new=3, seed=2, let_go=True)
+    _together(scheduler, [big, small])
+    assert errors == [PoolExhausted]
+    assert small.got == _alone(tiny, small)
+
+
+def test_a_busy_key_lets_another_keys_later_request_in_first(tiny):
+    scheduler = Scheduler(tiny, max_sessions=4, spare_sessions=0)
+    busy = [_ask([1, 2], key="busy", seed=i) for i in range(6)]
+    late = _ask([3, 4], key="late")
+    scheduler.waiting.extend(busy + [late])
+    scheduler._take_waiting()
+    assert [r.key for r in scheduler.running] == ["busy", "busy", "late", "busy"]
+    assert list(scheduler.waiting) == busy[3:]

@@ -69,6 +69,11 @@ class AllocationError(ChunkAborted):
     kind = "alloc"
 
 
+class PoolExhausted(AllocationError):
+    """The state pool had no free block for the chunk's rows (not a memory budget's refusal):
+    the chunk can run once blocks are given back elsewhere."""
+
+
 class CommandError(ChunkAborted):
     kind = "command"
 

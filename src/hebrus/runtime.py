@@ -217,6 +217,13 @@ class Model:
         s._restore(path)
         return s
 
+    def from_host(self, copy, memory_budget: int | None = None, decode: str = "auto", reserve: int = 0):
+        """A session holding exactly what `copy` (`Session.host_copy` of a session of this model)
+        holds: the same digest. AllocationError when the pool has no slot or blocks for it."""
+        s = self.session(memory_budget=memory_budget, decode=decode, reserve=reserve)
+        s._install(copy, "the copied session")
+        return s
+
     def recover(self, journal, snapshot=None, memory_budget: int | None = None, decode: str = "auto",
                 reserve: int = 0):
         """After a crash: the session of `snapshot` (a file `Session.save` wrote; None: from the

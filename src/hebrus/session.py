@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -32,6 +32,18 @@ from hebrus.state.image import Image
 from hebrus.state.pool import Pool, PoolFull
 from hebrus.show import shown
 from hebrus.text.generation import stream_text
+
+
+class HostCopy(NamedTuple):
+    """A session's published state in host memory (`Session.host_copy`): its frontier, every
+    banked owner's value, and every appended owner's rows below the frontier."""
+    frontier: int
+    banked: dict
+    rows: dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for part in (self.banked, self.rows) for t in part.values())
 
 
 class Session:
@@ -116,15 +128,28 @@ class Session:
         change or go afterwards."""
         from hebrus import snapshot
         frontier, banked, rows = snapshot.read(path, self.image, self.model.fingerprint, self.spec.max_context)
+        self._install(HostCopy(frontier, banked, rows), "the saved session")
+
+    def host_copy(self) -> "HostCopy":
+        """The published state copied to host memory: every banked value and the rows below the
+        frontier. `Model.from_host` makes a session of it, this one exactly (the same digest);
+        what a server does with a session it preempts."""
+        with self._exclusive():
+            record = self.image.public
+            values = {spec.name: self.image.value(spec.name, record).to("cpu", copy=True) for spec in self.image.specs}
+            rows = {spec.name: values.pop(spec.name) for spec in self.image.appended}
+            return HostCopy(record.frontier, values, rows)
+
+    def _install(self, copy: "HostCopy", what: str) -> None:
+        """A fresh session's state from `copy`, whose values are checked to be this model's."""
         pool = self.model.pool
         try:
-            self.budget.hold(pool.blocks_for(frontier) * pool.block_nbytes,
-                             "the saved session's rows")
+            self.budget.hold(pool.blocks_for(copy.frontier) * pool.block_nbytes, f"{what}'s rows")
         except Refused as exc:
-            raise InvalidInput(f"memory_budget too small for the saved session: {exc}") from None
-        for name, value in banked.items():
+            raise InvalidInput(f"memory_budget too small for {what}: {exc}") from None
+        for name, value in copy.banked.items():
             self.image.banks[0][name].copy_(value)
-        _allocate(lambda: self.image.install(rows, frontier), "the saved session's rows in the state pool")
+        _allocate(lambda: self.image.install(copy.rows, copy.frontier), f"{what}'s rows in the state pool")
 
     def feed(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one chunk as one transaction; return the last position's logits (a new tensor,

@@ -16,6 +16,19 @@ samples from its own generator, so what it produces does not depend on what runs
 While it has nothing to do, the loop makes up to `spare_sessions` new sessions, so that
 admitting a request takes one instead of waiting for one to be made.
 
+Admission is first come, first served, with a share per API key: while requests of several keys
+wait or run, a key that holds its share of the `max_sessions` places (an equal part, at least
+one) lets a later request of another key go first, so one busy key cannot starve the others.
+
+When a chunk finds the state pool without a free block (`PoolExhausted`), the loop makes room and
+the chunk runs again next turn: the prefix cache gives back its least recently used entries
+first; else the newest running request is preempted. Its published state (consistent by
+construction) moves to host memory (`Session.host_copy`, up to `preempt_host_bytes` for all
+preempted requests; past that it is recomputed from its tokens), and a token it had chosen but
+not yet committed is kept. Preempted requests come back, oldest first and before any new
+request, once the pool has blocks for their rows and a step more; what they produce is
+unchanged by it (exact mode: bit for bit). Only a request that holds the pool alone fails.
+
 The prefix cache (`PrefixCache`) keeps states as prompts are fed: every `prefix_every` tokens,
 at each prompt's end, where a prompt left a cached one, and at the end of every finished turn. A
 later request whose prompt begins with cached tokens forks the nearest state kept at or below
@@ -37,7 +50,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted
+from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling, penalise, sample_many
 from hebrus.batching import Batch, feed_many
 from hebrus.engine.graphs import decode_route
@@ -71,6 +84,8 @@ class Request:
     seen: torch.Tensor | None = None    # the ids a repetition penalty counts (prompt and output), as a mask
     admitted_at: float = 0.0
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
+    pending: int | None = None          # a token chosen and sent, its step to run again (preempted)
+    host: object = None                 # its state in host memory while preempted (None: recompute)
 
 
 class Overloaded(Exception):
@@ -81,7 +96,8 @@ class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
-                 fault: Callable[[Request], str | None] | None = None, metrics=None):
+                 preempt_host_bytes: int = 4 << 30, fault: Callable[[Request], str | None] | None = None,
+                 metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
@@ -112,6 +128,9 @@ class Scheduler:
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.preempted: collections.deque[Request] = collections.deque()   # oldest first
+        self.preempt_host_bytes, self.host_held = preempt_host_bytes, 0
+        self.preemptions = 0            # requests preempted so far (bench, tests)
         self._wake = threading.Condition()
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="hebrus-engine", daemon=True)
@@ -145,7 +164,7 @@ class Scheduler:
     def stop(self, drain_seconds: float = 30.0) -> None:
         """Let running and waiting requests finish (up to `drain_seconds`), then end the loop."""
         deadline = time.monotonic() + drain_seconds
-        while (self.running or self.waiting) and time.monotonic() < deadline and self.thread.is_alive():
+        while (self.running or self.waiting or self.preempted) and time.monotonic() < deadline and self.thread.is_alive():
             time.sleep(0.01)
         with self._wake:
             self._stop = True
@@ -164,19 +183,19 @@ class Scheduler:
     def settled(self) -> bool:
         """Whether the loop has nothing left to do: no request, and its spare sessions made (or
         refused for now)."""
-        return (not self.running and not self.waiting
+        return (not self.running and not self.waiting and not self.preempted
                 and (len(self.spares) >= self.spare_sessions or self._spares_refused))
 
     @property
     def depth(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.preempted)
 
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._wake:
                 self._idle_since = time.perf_counter()
-                while not self._stop and not self.waiting and not self.running:
+                while not self._stop and not self.waiting and not self.running and not self.preempted:
                     if len(self.spares) < self.spare_sessions and not self._spares_refused:
                         self._wake.release()            # a request may arrive meanwhile
                         try:
@@ -191,17 +210,32 @@ class Scheduler:
                 if self._stop:
                     self.spares.clear()             # their memory goes back with the loop
                     return
-                while self.waiting and len(self.running) < self.max_sessions:
-                    self.running.append(self.waiting.popleft())
+                if not self.preempted:              # they come back first (`_resume`)
+                    self._take_waiting()
             try:
                 self._turn()
             except Exception as exc:                    # a bug here must not strand the requests
-                for request in self.running:
+                for request in self.running + list(self.preempted):
                     request.emit("error", exc)
-                self.running = []
+                self.running, self.host_held = [], 0
+                self.preempted.clear()
+
+    def _take_waiting(self) -> None:
+        """Waiting requests into the free places, first come first served, except that a key
+        holding its share of the places lets a later request of another key go first."""
+        while self.waiting and len(self.running) < self.max_sessions:
+            keys = {r.key for r in self.running} | {r.key for r in self.waiting}
+            share = max(1, self.max_sessions // len(keys))
+            held = collections.Counter(r.key for r in self.running)
+            chosen = next((r for r in self.waiting if held[r.key] < share), self.waiting[0])
+            self.waiting.remove(chosen)
+            self.running.append(chosen)
 
     def _turn(self) -> None:
         clock = time.perf_counter()
+        for request in [r for r in self.preempted if r.cancelled.is_set()]:
+            self._drop(request)
+        self._resume()
         for request in list(self.running):
             if request.cancelled.is_set():
                 self._drop(request)
@@ -277,8 +311,9 @@ class Scheduler:
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
-                self._fail(request, result)
-                continue
+                if not (isinstance(result, PoolExhausted) and self._make_room(request)):
+                    self._fail(request, result)
+                continue                            # (made room: the chunk runs again next turn)
             request.logits = result
             request.prefill_s += spent
             request.fed += len(chunk)
@@ -298,7 +333,10 @@ class Scheduler:
         commits it only makes the state catch up), then step them; a request whose step aborts
         ends with an error after the token it was committing."""
         clock = time.perf_counter()
-        tokens = self._choose(requests)
+        tokens = self._choose([r for r in requests if r.pending is None])
+        for request in requests:                    # chosen and sent before a preemption
+            if request.pending is not None:
+                tokens[request.id], request.pending = request.pending, None
         requests = [r for r in requests if r.id in tokens]
         clock = self._spend("sample", clock)
         together = self.spent["together"]
@@ -365,7 +403,10 @@ class Scheduler:
     def _stepped(self, request: Request, token: int, result) -> None:
         """Take in a request's step of `token`: its logits, or the exception that failed it."""
         if isinstance(result, BaseException):
-            self._fail(request, result)
+            if isinstance(result, PoolExhausted) and self._make_room(request):
+                request.pending = token             # sent already: its step runs again
+            else:
+                self._fail(request, result)
             return
         request.logits = result
         request.produced.append(token)
@@ -373,7 +414,7 @@ class Scheduler:
             self._finish(request, "stop")
         elif len(request.produced) >= request.max_tokens:
             self._finish(request, "length")
-        elif request.session.frontier >= self.model.spec.max_context:
+        elif len(request.prompt) + len(request.produced) >= self.model.spec.max_context:
             self._finish(request, "length")
 
     def _marks(self, request: Request, length: int) -> list[int]:
@@ -408,17 +449,106 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         self._end(request)
         request.emit("done", reason)
-        if request.keep and self.cache.keeps:   # nothing steps its session again: it is kept itself
+        if request.keep and self.cache.keeps and request.session is not None:
+            # nothing steps its session again: it is kept itself
             self.cache.put(self._space(request), request.prompt + request.produced, request.session)
 
     def _end(self, request: Request) -> None:
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:                                       # ended while preempted
+            self.preempted.remove(request)
+            self._let_go(request)
 
-    def _fail(self, request: Request, exc: BaseException) -> None:
-        self._end(request)
+    # ---- preemption -------------------------------------------------------------------------
+    def _make_room(self, failed: Request) -> bool:
+        """After `failed`'s chunk found the pool without a free block, free some so that it runs
+        again next turn: the prefix cache's least recently used entries first, else the newest
+        running request is preempted (`failed` itself, perhaps). False when nothing can be
+        freed: `failed` holds the pool alone."""
+        pool = self.model.pool
+        before = pool.free_blocks
+        while pool.free_blocks == before and self.cache.shed():
+            pass
+        if pool.free_blocks == before:
+            gc.collect()                            # sessions let go in reference cycles give theirs back now
+        if pool.free_blocks > before:
+            return True
+        holding = [r for r in self.running if r.session is not None]
+        if not holding or holding == [failed]:
+            return False
+        self._preempt(max(holding, key=lambda r: r.id))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Move `request`'s published state to host memory (or, past `preempt_host_bytes`, let
+        it go: it is recomputed from its tokens) and give its slot and blocks back."""
+        size = request.session.image.held_bytes()
+        if self.host_held + size <= self.preempt_host_bytes:
+            request.host = request.session.host_copy()
+            self.host_held += request.host.nbytes
+        request.session = None
+        self.running.remove(request)
+        self.preempted.append(request)
+        self.preemptions += 1
+
+    def _resume(self) -> None:
+        """Bring preempted requests back, oldest first, while the pool has blocks for each one's
+        rows and a step more (and one for each running request) and a place is free; one that
+        can never fit fails."""
+        pool = self.model.pool
+        while self.preempted and len(self.running) < self.max_sessions:
+            request = self.preempted[0]
+            rows = request.fed + len(request.produced)
+            # its rows, a step more, and a block for each running request's next rows (else it
+            # would be preempted again at once)
+            def fits() -> bool:
+                return pool.free_blocks >= pool.blocks_for(rows + 1) + len(self.running) and pool.free_slots > 0
+            if not fits():
+                if self.running or self.cache.shed():
+                    return                          # blocks come back as others end
+                gc.collect()                        # sessions let go in reference cycles
+                if not fits():                      # alone, and it still does not fit
+                    self.preempted.popleft()
+                    self._let_go(request)
+                    self._report(request, PoolExhausted("resume", f"{rows} rows do not fit the state pool"))
+                    continue
+            try:
+                request.session = (self.model.from_host(request.host, decode="eager") if request.host is not None
+                                   else self._recomputed(request.prompt[:request.fed] + request.produced))
+            except AllocationError:
+                return
+            except Exception as exc:                # it alone fails
+                self.preempted.popleft()
+                self._let_go(request)
+                self._report(request, exc)
+                continue
+            self.preempted.popleft()
+            self._let_go(request)
+            self.running.append(request)
+
+    def _recomputed(self, tokens: list[int]):
+        """A session fed `tokens` again, holding blocks for them and a step more (no more: the
+        pool is short)."""
+        session = self.model.session(decode="eager", reserve=min(len(tokens) + 1, self.model.spec.max_context))
+        if tokens:
+            session.prefill(tokens, self.chunk_size)
+        return session
+
+    def _let_go(self, request: Request) -> None:
+        if request.host is not None:
+            self.host_held -= request.host.nbytes
+            request.host = None
+
+    def _report(self, request: Request, exc: BaseException) -> None:
+        """Send the exception that failed `request` (counted in the metrics if an abort)."""
         if self.metrics is not None and isinstance(exc, ChunkAborted):
             self.metrics.aborted(exc.kind, exc.stage)
         request.emit("error", exc)
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        self._end(request)
+        self._report(request, exc)
 
     def _drop(self, request: Request) -> None:
         self._end(request)

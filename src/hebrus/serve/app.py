@@ -238,7 +238,8 @@ async def health():
 @routes.get("/metrics")
 async def prometheus(server: Server = Depends(admitted)):
     running, waiting = server.scheduler.depth
-    return PlainTextResponse(server.metrics.render(running, waiting, server.scheduler.cache),
+    return PlainTextResponse(server.metrics.render(running, waiting, server.scheduler.cache,
+                                                    server.scheduler.preemptions),
                              media_type="text/plain; version=0.0.4")
 
 

@@ -18,6 +18,8 @@ class Metrics:
                               ["kind", "stage"], registry=registry)
         self.active = Gauge("hebrus_active_sessions", "Requests running in the engine", registry=registry)
         self.queue = Gauge("hebrus_queue_depth", "Requests waiting for the engine", registry=registry)
+        self.preemptions = Gauge("hebrus_preemptions", "Requests preempted for want of state-pool blocks",
+                                 registry=registry)
         cache = "The prefix cache: "
         self.cache = {
             "lookups": Gauge("hebrus_prefix_cache_lookups", cache + "prompts looked up", registry=registry),
@@ -42,11 +44,12 @@ class Metrics:
     def aborted(self, kind: str, stage: str) -> None:
         self.aborts.labels(kind=kind, stage=stage).inc()
 
-    def render(self, running: int, waiting: int, cache=None) -> bytes:
+    def render(self, running: int, waiting: int, cache=None, preemptions: int = 0) -> bytes:
         """The metrics now; `cache`: the scheduler's prefix cache, whose counts are read (a
         moment's values, read from another thread than the engine's)."""
         self.active.set(running)
         self.queue.set(waiting)
+        self.preemptions.set(preemptions)
         if cache is not None:
             for name, gauge in self.cache.items():
                 gauge.set(len(cache.entries) if name == "entries" else getattr(cache, name))

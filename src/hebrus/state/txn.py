@@ -40,7 +40,7 @@ from functools import cached_property, partial
 import torch
 
 from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceStatusError,
-                           NonFiniteError, PageReadError, StructuralError)
+                           NonFiniteError, PageReadError, PoolExhausted, StructuralError)
 from hebrus.state.budget import MemoryBudget, Refused, out_of_memory
 from hebrus.state.context import InPlace
 from hebrus.state.image import Image, Published
@@ -535,7 +535,7 @@ class Transaction:
         try:
             plan = self.pool.writable(p.record.table, p.frontier, p.length)
         except PoolFull as exc:
-            raise AllocationError(self.stage, str(exc)) from None
+            raise PoolExhausted(self.stage, str(exc)) from None
         if plan.taken:
             try:
                 self._request(p.budget.grow, len(plan.taken) * self.pool.block_nbytes, self._blocks(len(plan.taken)))
