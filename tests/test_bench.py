@@ -248,6 +248,27 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
     assert "--clients takes" in err.getvalue()
 
 
+@pytest.mark.parametrize("workload", ["shared", "mixed"])
+def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, workload):
+    pytest.importorskip("uvicorn")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--serve", "--workload", workload, "--model", "tiny", "--clients", "3", "--requests", "4",
+            "--system", "130", "--own", "4", "--serve-prompt", "8", "--serve-tokens", "3",
+            "--json", str(tmp_path / "w.json"), "--table", str(tmp_path / "w.md")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "w.json").read_text())
+    if workload == "shared":                    # the cache on: the clients and the last request hit
+        assert report["off"]["clients"]["hit_rate"] == 0 and report["on"]["clients"]["hit_rate"] == 1.0
+        assert report["on"]["after"]["hit_rate"] == 1.0 and report["cached_over_cold_ttft"] > 0
+    else:
+        assert report["on"]["output_tokens_per_s"] > 0 and report["off"]["output_tokens_per_s"] > 0
+    assert (tmp_path / "w.md").read_text() == out.getvalue()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        assert main(["bench", "--serve", "--workload", "shared", "--model", "tiny", "--system", "5000"]) == 2
+    assert "max_context" in err.getvalue()
+
+
 def test_a_batch_point_needs_slots_for_one_rounds_sessions_only():
     """Each round of a batch point lets the last round's sessions go before it makes its own: a
     pool of nine slots measures three sessions (three transactional, three in place, one joining)

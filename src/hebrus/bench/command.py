@@ -56,7 +56,16 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
                             "--clients concurrent streaming requests against the same engine decoding offline: "
                             "requests/s, output tokens/s, time to first token, inter-token latency")
-    bench.add_argument("--clients", default="1,16,64", help="concurrencies for --serve (default 1,16,64)")
+    bench.add_argument("--workload", default="uniform", choices=["uniform", "shared", "mixed"],
+                       help="--serve's workload: uniform (every request --serve-prompt tokens, against offline; "
+                            "the default), shared (clients sharing a --system-token system prompt, the prefix "
+                            "cache on against off), mixed (lognormal prompt and output lengths, cache on and off)")
+    bench.add_argument("--system", type=int, default=2000,
+                       help="shared system-prompt tokens for --workload shared (default 2000)")
+    bench.add_argument("--own", type=int, default=64,
+                       help="each client's own prompt tokens for --workload shared (default 64)")
+    bench.add_argument("--clients", default="1,16,64", help="concurrencies for --serve (default 1,16,64; "
+                                                            "shared and mixed take the largest)")
     bench.add_argument("--requests", type=int, default=64, help="requests per concurrency for --serve (default 64)")
     bench.add_argument("--serve-prompt", type=int, default=128, help="prompt tokens per --serve request (default 128)")
     bench.add_argument("--serve-tokens", type=int, default=64, help="new tokens per --serve request (default 64)")
@@ -106,7 +115,7 @@ def run(args, load_model) -> int:
     from hebrus import bench
     from hebrus.progress import ProgressBar
     for name in ("decode_steps", "rounds", "chunk", "spec_tokens", "draft_tokens", "requests", "serve_prompt",
-                 "serve_tokens"):
+                 "serve_tokens", "system", "own"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
     try:
@@ -218,11 +227,24 @@ def _serve(args, load_model) -> int:
     if not clients or min(clients) < 1 or max(clients) > MAX_BATCH:
         raise InvalidInput(f"--clients takes concurrencies from 1 to {MAX_BATCH}")
     model = load_model(args)
-    if args.serve_prompt + args.serve_tokens > model.spec.max_context:
-        raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {model.spec.max_context}")
-    report = serve.run(model, Path(args.model).name, clients, args.requests, args.serve_prompt, args.serve_tokens)
+    limit, name = model.spec.max_context, Path(args.model).name
+    if args.workload == "shared":
+        if args.system + args.own + args.serve_tokens > limit:
+            raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")
+        from hebrus.bench import workloads
+        report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens)
+    elif args.workload == "mixed":
+        from hebrus.bench import workloads
+        report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens)
+    else:
+        if args.serve_prompt + args.serve_tokens > limit:
+            raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {limit}")
+        report = serve.run(model, name, clients, args.requests, args.serve_prompt, args.serve_tokens)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
-    return _written(args, report, serve.table(report))
+    if args.workload == "uniform":
+        return _written(args, report, serve.table(report))
+    from hebrus.bench import workloads
+    return _written(args, report, workloads.table(report))
 
 
 def _pages(args) -> int:

@@ -12,6 +12,7 @@ decode steps alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -81,19 +82,22 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
             "prefill_ms": _percentile(timed, 0.5) * 1e3}
 
 
-async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int, key: str | None = None) -> dict:
+async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int | list[int],
+               key: str | None = None) -> dict:
     """Keep `clients` streaming requests in flight until every prompt of `asks` is answered
-    (`tokens` new ones each, greedy); their throughput and latencies."""
+    (`tokens` new ones each, or `tokens[i]` for ask i; greedy), asked in order; their throughput
+    and latencies."""
     import httpx
     ttft, itl, made = [], [], 0
-    queue = list(asks)
+    counts = tokens if isinstance(tokens, list) else [tokens] * len(asks)
+    queue = list(zip(asks, counts))[::-1]
 
     async def worker(client):
         nonlocal made
         while queue:
-            ids = queue.pop()
+            ids, wanted = queue.pop()
             started = last = time.perf_counter()
-            body = {"model": name, "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True}
+            body = {"model": name, "prompt": ids, "max_tokens": wanted, "temperature": 0, "stream": True}
             async with client.stream("POST", url + "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
                     raise RuntimeError(f"the server answered {reply.status_code}: {await reply.aread()}")
@@ -117,21 +121,29 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
     wall = time.perf_counter() - started
     return {"clients": clients, "requests": len(asks), "wall_s": wall, "requests_per_s": len(asks) / wall,
-            "events_per_s": made / wall, "output_tokens_per_s": len(asks) * tokens / wall,
+            "events_per_s": made / wall, "output_tokens_per_s": sum(counts) / wall,
             "ttft_ms_p50": _percentile(ttft, 0.5) * 1e3, "ttft_ms_p99": _percentile(ttft, 0.99) * 1e3,
             "itl_ms_p50": _percentile(itl, 0.5) * 1e3 if itl else None,
             "itl_ms_p99": _percentile(itl, 0.99) * 1e3 if itl else None}
 
 
-def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens: int) -> dict:
-    return asyncio.run(load(url, name, asks, clients, tokens))
+def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens, key: str | None = None) -> dict:
+    return asyncio.run(load(url, name, asks, clients, tokens, key))
 
 
-def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int) -> dict:
+@contextlib.contextmanager
+def serving(model, name: str, **options):
+    """A server of `model` (`hebrus.serve.build` with `options`) on a loopback port of this
+    process, and a process of its own for the clients (in this one they would share the
+    interpreter lock with the server and its engine) -> (its URL, its scheduler, a function
+    `ask(asks, clients, tokens, key=None)` that runs `load` there)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     import uvicorn
 
     from hebrus import serve
-    app, scheduler = serve.build(model, name, max_sessions=max(concurrencies), cache_bytes=0)
+    app, scheduler = serve.build(model, name, **options)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -141,15 +153,24 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     while not server.started:
         time.sleep(0.01)
     url = f"http://127.0.0.1:{port}"
-    points = []
-    # the clients run in a process of their own: in this one they would share the interpreter
-    # lock with the server and its engine
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def ask(asks, clients: int, tokens, key: str | None = None) -> dict:
+        return clients_process.submit(_load_here, url, name, asks, clients, tokens, key).result()
     try:
+        yield url, scheduler, ask
+    finally:
+        clients_process.shutdown()
+        server.should_exit = True
+        thread.join(30)
+        scheduler.stop(drain_seconds=5)
+
+
+def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int) -> dict:
+    points = []
+    with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0) as (url, scheduler, ask):
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
-        clients_process.submit(_load_here, url, name, warm, 1, 4).result()
+        ask(warm, 1, 4)
         for clients in concurrencies:
             asks = prompts(model.spec.vocab_size, max(requests, clients), prompt, seed=clients)
             # offline once before the server too: what the server's run leaves warm (compiled
@@ -160,7 +181,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             scheduler.clock_reset()
             scheduler.timed.clear()
             compiled = _compiled()
-            point = clients_process.submit(_load_here, url, name, asks, clients, tokens).result()
+            point = ask(asks, clients, tokens)
             point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
                                "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
             # the same requests' prefills as the engine timed them: TTFT less this is what the
@@ -177,11 +198,6 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
                                                        / point["offline"]["decode_tokens_per_s"])
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
             points.append(point)
-    finally:
-        clients_process.shutdown()
-        server.should_exit = True
-        thread.join(30)
-        scheduler.stop(drain_seconds=5)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "points": points}
 
