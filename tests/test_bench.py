@@ -248,12 +248,12 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
     assert "--clients takes" in err.getvalue()
 
 
-@pytest.mark.parametrize("workload", ["shared", "mixed"])
+@pytest.mark.parametrize("workload", ["shared", "mixed", "long"])
 def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, workload):
     pytest.importorskip("uvicorn")
     out, err = io.StringIO(), io.StringIO()
     argv = ["bench", "--serve", "--workload", workload, "--model", "tiny", "--clients", "3", "--requests", "4",
-            "--system", "130", "--own", "4", "--serve-prompt", "8", "--serve-tokens", "3",
+            "--system", "130", "--own", "4", "--serve-prompt", "8", "--serve-tokens", "30" if workload == "long" else "3",
             "--json", str(tmp_path / "w.json"), "--table", str(tmp_path / "w.md")]
     with redirect_stdout(out), redirect_stderr(err):
         assert main(argv) == 0, err.getvalue()
@@ -261,6 +261,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
     if workload == "shared":                    # the cache on: the clients and the last request hit
         assert report["off"]["clients"]["hit_rate"] == 0 and report["on"]["clients"]["hit_rate"] == 1.0
         assert report["on"]["after"]["hit_rate"] == 1.0 and report["cached_over_cold_ttft"] > 0
+    elif workload == "long":                    # decoders seen before the long prompt and after it arrives
+        assert report["gaps_before"] >= 3 * 3 and report["long_ttft_ms"] > 0 and report["decoders_tokens_per_s"] > 0
     else:
         assert report["on"]["output_tokens_per_s"] > 0 and report["off"]["output_tokens_per_s"] > 0
     assert (tmp_path / "w.md").read_text() == out.getvalue()

@@ -56,12 +56,13 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
                             "--clients concurrent streaming requests against the same engine decoding offline: "
                             "requests/s, output tokens/s, time to first token, inter-token latency")
-    bench.add_argument("--workload", default="uniform", choices=["uniform", "shared", "mixed"],
+    bench.add_argument("--workload", default="uniform", choices=["uniform", "shared", "long", "mixed"],
                        help="--serve's workload: uniform (every request --serve-prompt tokens, against offline; "
                             "the default), shared (clients sharing a --system-token system prompt, the prefix "
-                            "cache on against off), mixed (lognormal prompt and output lengths, cache on and off)")
+                            "cache on against off), long (a --system-token prompt arriving while --clients decode: their "
+                            "ITL before and during), mixed (lognormal prompt and output lengths, cache on and off)")
     bench.add_argument("--system", type=int, default=2000,
-                       help="shared system-prompt tokens for --workload shared (default 2000)")
+                       help="shared system-prompt tokens for --workload shared, the long prompt's for long (default 2000)")
     bench.add_argument("--own", type=int, default=64,
                        help="each client's own prompt tokens for --workload shared (default 64)")
     bench.add_argument("--clients", default="1,16,64", help="concurrencies for --serve (default 1,16,64; "
@@ -233,6 +234,11 @@ def _serve(args, load_model) -> int:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
         report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens)
+    elif args.workload == "long":
+        if args.system + 1 > limit or 16 + args.serve_tokens > limit:
+            raise InvalidInput(f"--system (the long prompt) or --serve-tokens pass the model's max_context {limit}")
+        from hebrus.bench import workloads
+        report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens)
     elif args.workload == "mixed":
         from hebrus.bench import workloads
         report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens)

@@ -83,10 +83,11 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
 
 
 async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int | list[int],
-               key: str | None = None) -> dict:
+               key: str | None = None, timeline: list | None = None) -> dict:
     """Keep `clients` streaming requests in flight until every prompt of `asks` is answered
     (`tokens` new ones each, or `tokens[i]` for ask i; greedy), asked in order; their throughput
-    and latencies."""
+    and latencies. `timeline`: a list that gets each inter-token gap as it ends, (seconds from
+    the start, the gap), while the load runs."""
     import httpx
     ttft, itl, made = [], [], 0
     counts = tokens if isinstance(tokens, list) else [tokens] * len(asks)
@@ -112,14 +113,16 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
                         continue
                     now = time.perf_counter()
                     (ttft if first else itl).append(now - (started if first else last))
+                    if timeline is not None and not first:
+                        timeline.append((now - began, now - last))
                     first, last = False, now
                     made += 1
-    started = time.perf_counter()
+    began = time.perf_counter()
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     async with httpx.AsyncClient(timeout=600, headers=headers,
                                  limits=httpx.Limits(max_connections=clients + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
-    wall = time.perf_counter() - started
+    wall = time.perf_counter() - began
     return {"clients": clients, "requests": len(asks), "wall_s": wall, "requests_per_s": len(asks) / wall,
             "events_per_s": made / wall, "output_tokens_per_s": sum(counts) / wall,
             "ttft_ms_p50": _percentile(ttft, 0.5) * 1e3, "ttft_ms_p99": _percentile(ttft, 0.99) * 1e3,
@@ -136,7 +139,8 @@ def serving(model, name: str, **options):
     """A server of `model` (`hebrus.serve.build` with `options`) on a loopback port of this
     process, and a process of its own for the clients (in this one they would share the
     interpreter lock with the server and its engine) -> (its URL, its scheduler, a function
-    `ask(asks, clients, tokens, key=None)` that runs `load` there)."""
+    `ask(asks, clients, tokens, key=None)` that runs `load` there; `ask.run(function, *args)`
+    runs another function there)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -157,6 +161,7 @@ def serving(model, name: str, **options):
 
     def ask(asks, clients: int, tokens, key: str | None = None) -> dict:
         return clients_process.submit(_load_here, url, name, asks, clients, tokens, key).result()
+    ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
     try:
         yield url, scheduler, ask
     finally:

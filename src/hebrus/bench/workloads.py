@@ -6,6 +6,10 @@ run with the prefix cache on and off in one process (the ratios are side by side
   is empty), then `--clients` at once, then one alone again (with the cache on, a hit). Reported:
   the TTFT of the requests alone (cached over cold), the clients' output tokens/s (on over off)
   and TTFT p50/p99, the cache's hit rate and the preemptions.
+- `long`: `--clients` requests decoding `--serve-tokens` tokens each, and, once they all
+  decode, one prompt of `--system` tokens arriving: the decoders' inter-token latency before it
+  arrives (p50) and while it is fed (p99, up to its first token), and its TTFT. The prompt
+  share of a turn is bounded in tokens (`prefill_tokens`, 512), so the decoders keep their pace.
 - `mixed`: `--requests` requests whose prompt and output lengths are drawn from lognormal
   distributions (medians `--serve-prompt` and `--serve-tokens`, σ 0.8, within the context),
   `--clients` in flight: output tokens/s, TTFT and ITL p50/p99.
@@ -14,11 +18,13 @@ The API key is set (the cache is per key), and every request uses it.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import torch
 
-from hebrus.bench.serve import prompts, serving
+from hebrus.bench.serve import _percentile, load, prompts, serving
 
 KEY = "bench"
 
@@ -50,6 +56,44 @@ def shared(model, name: str, clients: int, system: int, own: int, tokens: int) -
     report["cached_over_cold_ttft"] = on["after"]["ttft_ms_p50"] / on["cold"]["ttft_ms_p50"]
     report["throughput_on_over_off"] = on["clients"]["output_tokens_per_s"] / off["clients"]["output_tokens_per_s"]
     return report
+
+
+def long_prompt(model, name: str, clients: int, prompt: int, tokens: int) -> dict:
+    vocab = model.spec.vocab_size
+    decoders = prompts(vocab, clients, 16, seed=6)
+    long = prompts(vocab, 1, prompt, seed=7)[0]
+    report = {"workload": "long", "model": name, "device": str(model.device), "mode": model.mode,
+              "clients": clients, "prompt": prompt, "tokens": tokens}
+    with serving(model, name, api_key=KEY, max_sessions=clients + 1, cache_bytes=0) as (url, _, ask):
+        ask(prompts(vocab, 1, 8, seed=9), 1, 4, KEY)
+        # a tenth of the decoders' tokens first, then the long prompt
+        report |= ask.run(_long_here, url, name, decoders, tokens, long, max(2, tokens // 10))
+    report["during_p99_over_before_p50"] = (report["itl_ms_p99_during"] / report["itl_ms_p50_before"]
+                                           if report["itl_ms_p99_during"] and report["itl_ms_p50_before"] else None)
+    return report
+
+
+def _long_here(url: str, name: str, decoders: list[list[int]], tokens: int, long: list[int], before: int) -> dict:
+    return asyncio.run(_long(url, name, decoders, tokens, long, before))
+
+
+async def _long(url: str, name: str, decoders: list[list[int]], tokens: int, long: list[int], before: int) -> dict:
+    """The decoders streaming; once they have made `before` gaps each, the long prompt sent."""
+    gaps: list = []
+    began = time.perf_counter()
+    running = asyncio.ensure_future(load(url, name, decoders, len(decoders), tokens, KEY, timeline=gaps))
+    while len(gaps) < before * len(decoders) and not running.done():
+        await asyncio.sleep(0.005)
+    sent = time.perf_counter() - began
+    alone = await load(url, name, [long], 1, 1, KEY)
+    answered = sent + alone["ttft_ms_p50"] / 1e3
+    point = await running
+    before_gaps = [gap for at, gap in gaps if at < sent]
+    during = [gap for at, gap in gaps if sent <= at <= answered]
+    return {"itl_ms_p50_before": _percentile(before_gaps, 0.5) * 1e3 if before_gaps else None,
+            "itl_ms_p99_during": _percentile(during, 0.99) * 1e3 if during else None,
+            "gaps_before": len(before_gaps), "gaps_during": len(during),
+            "long_ttft_ms": alone["ttft_ms_p50"], "decoders_tokens_per_s": point["output_tokens_per_s"]}
 
 
 def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: int) -> dict:
@@ -91,6 +135,18 @@ def table(report: dict) -> str:
         lines += ["", f"cached TTFT ÷ cold TTFT (cache on): **{report['cached_over_cold_ttft']:.3f}**; clients' "
                       f"tokens/s with the cache ÷ without: **{report['throughput_on_over_off']:.2f}×**"]
         return "\n".join(lines) + "\n"
+    if report["workload"] == "long":
+        ratio = report["during_p99_over_before_p50"]
+        return "\n".join([
+            f"# serving, a long prompt among decoders: {report['model']} on {report['device']} ({report['mode']})", "",
+            f"{report['clients']} clients decoding {report['tokens']} tokens each; a {report['prompt']}-token prompt "
+            "arrives once they decode", "",
+            "| decoders' ITL p50 before, ms | ITL p99 while it is fed, ms | ÷ | gaps before / during | "
+            "its TTFT ms | decoders' tok/s |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {_ms(report['itl_ms_p50_before'])} | {_ms(report['itl_ms_p99_during'])} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}'} | {report['gaps_before']} / {report['gaps_during']} | "
+            f"{report['long_ttft_ms']:.1f} | {report['decoders_tokens_per_s']:.1f} |"]) + "\n"
     lines = [f"# serving, lognormal lengths: {report['model']} on {report['device']} ({report['mode']})", "",
              f"{report['requests']} requests, {report['clients']} in flight; prompt median {report['prompt_median']}, "
              f"output median {report['tokens_median']} (σ 0.8): {report['prompt_tokens']} prompt and "
