@@ -201,3 +201,29 @@ def test_a_busy_key_lets_another_keys_later_request_in_first(tiny):
     scheduler._take_waiting()
     assert [r.key for r in scheduler.running] == ["busy", "busy", "late", "busy"]
     assert list(scheduler.waiting) == busy[3:]
+
+
+def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(tiny):
+    from hebrus.scheduling.scheduler import MIN_CHUNK
+    scheduler = Scheduler(tiny, prefill_tokens=512, prefill_share=2.0, spare_sessions=0)
+    decoding, feeding = _ask([1, 2]), _ask(list(range(3, 900)))
+    decoding.fed = 2
+    scheduler.running += [decoding, feeding]
+    assert scheduler._prompt_budget() == 512                    # nothing measured yet
+    scheduler._token_s, scheduler._step_s = 1e-3, 50e-3         # a step costs 50 prompt tokens' time
+    assert scheduler._prompt_budget() == 100
+    scheduler._step_s = 1e-3
+    assert scheduler._prompt_budget() == MIN_CHUNK
+    scheduler.running.remove(decoding)                          # no one decoding: the whole budget
+    assert scheduler._prompt_budget() == 512
+    with pytest.raises(ValueError, match="positive"):
+        Scheduler(tiny, prefill_share=0.0)
+
+
+def test_a_long_prompt_fed_in_shares_while_others_decode_answers_as_alone(tiny):
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefill_share=0.5, spare_sessions=0)
+    requests = [_ask(tokens(8, seed=1), new=30, seed=1, key="a"), _ask(SHARED[:400], new=3, seed=2, key="b")]
+    _together(scheduler, requests)
+    assert scheduler._token_s is not None and scheduler._step_s is not None
+    for request in requests:
+        assert request.got == _alone(tiny, request)

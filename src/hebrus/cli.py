@@ -130,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="prompt tokens fed per turn of the engine loop, between the running requests' "
                             "steps: more starts new requests sooner, fewer keeps the running ones' "
                             "tokens coming (default 512)")
+    serve.add_argument("--prefill-share", type=float, default=2.0, metavar="STEPS",
+                       help="while requests decode, a turn's prompt chunks take at most the time of this many "
+                            "decode steps (measured; default 2): a long prompt slows their tokens by at most "
+                            "about 1 + STEPS times")
     serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
                             "with cached tokens feeds only the rest (default 1 GiB; 0: off)")
@@ -164,6 +168,8 @@ def _serve(args) -> int:
         raise InvalidInput("--max-sessions must be at least 1")
     if args.prefill_tokens < 1:
         raise InvalidInput("--prefill-tokens must be at least 1")
+    if not args.prefill_share > 0:
+        raise InvalidInput("--prefill-share must be a positive number of decode steps")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
     if args.prefix_every < 1:
@@ -178,7 +184,7 @@ def _serve(args) -> int:
     listening = _listening(args.host, args.port)            # before the model loads: a port in use fails now
     model = _load(args)
     serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
-              cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every,
+              cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every, prefill_share=args.prefill_share,
               share_prefixes=args.share_prefixes)
     return 0
 

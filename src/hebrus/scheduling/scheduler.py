@@ -2,8 +2,12 @@
 knows nothing of HTTP (`hebrus.serve` turns requests into `Request`s and events into answers).
 
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
-chunks of requests still prefilling, up to `prefill_tokens` tokens a turn (oldest request first;
-at least one chunk, so a long prompt cannot stall; in fast mode the turn's chunks in one pass,
+chunks of requests still prefilling, oldest request first, up to `prefill_tokens` tokens a turn
+(at least one chunk, so a long prompt cannot stall: this budget never cuts a chunk); with
+`prefill_share` and requests decoding, fewer, cut to fit: as many as that many decode steps'
+time feeds, both measured, but at least MIN_CHUNK, so that a long prompt does not stall the
+decoders' pace (a bound in measured time, not tokens: a token costs more deep in a long
+context). In fast mode the turn's chunks in one pass,
 each request its own transaction), and then one decode step of every request
 that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
 Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
@@ -88,6 +92,14 @@ class Request:
     host: object = None                 # its state in host memory while preempted (None: recompute)
 
 
+MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
+
+
+def _mean(mean: float | None, value: float, weight: float = 0.2) -> float:
+    """A running mean that follows the latest values (the context grows, the batch changes)."""
+    return value if mean is None else (1 - weight) * mean + weight * value
+
+
 class Overloaded(Exception):
     """The waiting line is full: the caller answers 429 with Retry-After."""
 
@@ -96,7 +108,7 @@ class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
-                 preempt_host_bytes: int = 4 << 30, fault: Callable[[Request], str | None] | None = None,
+                 preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, fault: Callable[[Request], str | None] | None = None,
                  metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
@@ -106,6 +118,12 @@ class Scheduler:
         self.spare_sessions, self.spares = spare_sessions, []
         self._spares_refused = False    # making one failed: none is made until a request is admitted
         self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
+        # with requests decoding, a turn's prompt chunks take at most `prefill_share` decode
+        # steps' time (None: `prefill_tokens` alone bounds them); seconds per prompt token and
+        # per decode step, as running means
+        if prefill_share is not None and not prefill_share > 0:
+            raise ValueError(f"prefill_share must be positive, got {prefill_share}")
+        self.prefill_share, self._token_s, self._step_s = prefill_share, None, None
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
         # is graphs on CUDA); exact mode steps them one after another
         self.decode = decode_route(model, decode)
@@ -245,10 +263,12 @@ class Scheduler:
                 except Exception as exc:            # its session could not be made: it alone fails
                     self._fail(request, exc)
         clock = self._spend("admit", clock)
-        budget, feeding = self.prefill_tokens, []
+        budget, feeding = self._prompt_budget(), []
+        shared = budget < self.prefill_tokens           # the share's budget cuts chunks; `prefill_tokens` does not
         for request in self.running:
             if budget > 0 and request.fed < len(request.prompt):
-                feeding.append((request, request.prompt[request.fed:request.fed + self.chunk_size]))
+                size = min(self.chunk_size, budget) if shared else self.chunk_size
+                feeding.append((request, request.prompt[request.fed:request.fed + size]))
                 budget -= len(feeding[-1][1])
         if feeding:
             self._prefill(feeding)
@@ -256,6 +276,16 @@ class Scheduler:
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
             self._decode_step(decoding)
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
+        requests decoding, no more than that many decode steps' time takes (both measured, as
+        running means), but at least MIN_CHUNK."""
+        if self.prefill_share is None or self._token_s is None or self._step_s is None or \
+                not any(r.fed >= len(r.prompt) for r in self.running):
+            return self.prefill_tokens
+        afford = int(self.prefill_share * self._step_s / self._token_s)
+        return max(MIN_CHUNK, min(self.prefill_tokens, afford))
 
     def _spend(self, part: str, since: float) -> float:
         now = time.perf_counter()
@@ -300,6 +330,7 @@ class Scheduler:
         so one that aborts fails alone), else one after another."""
         started = time.perf_counter()
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
+        fed = sum(len(c) for _, c in feeding)
         results = self._each_or_together([(r, c) for r, c in feeding if not marked[r.id]], self._prefill_together)
         for request, chunk in feeding:
             if marked[request.id]:
@@ -308,6 +339,7 @@ class Scheduler:
                 except Exception as exc:            # an abort, or anything else: this request's alone
                     results[request.id] = exc
         spent = time.perf_counter() - started       # a feed returns once validated: synced
+        self._token_s = _mean(self._token_s, spent / fed)
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -344,6 +376,7 @@ class Scheduler:
                                          lambda joint: self._step_together([r for r, _ in joint], tokens))
         now = time.perf_counter()
         self.spent["alone"] += now - clock - (self.spent["together"] - together)
+        self._step_s = _mean(self._step_s, now - clock)
         for request in requests:
             self._stepped(request, tokens[request.id], results[request.id])
         self._spend("finish", now)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
           cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
-          prefix_every: int = 64, share_prefixes: bool = False, fault=None):
+          prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = 2.0, fault=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
-    `share_prefixes`: one cache space for every API key (else each key's own). `fault` is for
+    `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
+    while requests decode, a turn's prompt chunks take at most that many decode steps' time
+    (None: `prefill_tokens` alone bounds them). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
     from hebrus.scheduling.scheduler import Scheduler
     from hebrus.serve.app import create_app
@@ -19,7 +21,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, cache_bytes=cache_bytes,
                           prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
-                          fault=fault, metrics=metrics)
+                          prefill_share=prefill_share, fault=fault, metrics=metrics)
     if model.device.type == "cuda":
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
