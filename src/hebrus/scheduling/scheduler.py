@@ -7,8 +7,8 @@ chunks of requests still prefilling, oldest request first, up to `prefill_tokens
 `prefill_share` and requests decoding, fewer, cut to fit: as many as that many decode steps'
 time feeds, both measured, but at least MIN_CHUNK, so that a long prompt does not stall the
 decoders' pace (a bound in measured time, not tokens: a token costs more deep in a long
-context). In fast mode the turn's chunks in one pass,
-each request its own transaction), and then one decode step of every request
+context). In fast mode the turn's chunks go in one pass, each request its own transaction;
+then comes one decode step of every request
 that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
 Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
 session; on CUDA it replays the model's graphs, which any set of sessions shares); exact mode
