@@ -147,6 +147,22 @@ def test_a_later_turn_feeds_only_its_new_tokens_and_only_for_its_key(server, tin
     assert other.choices[0].text == again.choices[0].text        # the same state either way
 
 
+def test_a_prompt_sharing_a_cached_prefix_cut_inside_a_block_reports_its_cached_tokens(server, tiny):
+    """Prompts of 150 token ids that share their first 100 (k = 64: the cut lies inside a
+    block): the second finds the state at 64 and keeps one at 100, the third finds that; a salt
+    sees only its own."""
+    base = [(7 * i) % 256 for i in range(100)]
+    client = server.client(KEYS[1])
+    asks = [base + [(i + s) % 256 for i in range(50)] for s in (1, 2, 3)]
+    cached = [client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
+              .usage.prompt_tokens_details.cached_tokens for ids in asks]
+    assert cached == [0, 64, 100]
+    salted = [client.completions.create(model="tiny", prompt=asks[0], max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": "s"}).usage.prompt_tokens_details.cached_tokens
+              for _ in range(2)]
+    assert salted == [0, 150]                   # the first salted request fed it all, and left it kept
+
+
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
