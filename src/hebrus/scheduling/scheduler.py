@@ -108,8 +108,8 @@ class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
-                 preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, fault: Callable[[Request], str | None] | None = None,
-                 metrics=None):
+                 preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None,
+                 fault: Callable[[Request], str | None] | None = None, metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
@@ -343,7 +343,7 @@ class Scheduler:
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
-                if not (isinstance(result, PoolExhausted) and self._make_room(request)):
+                if not (isinstance(result, PoolExhausted) and (request in self.preempted or self._make_room(request))):
                     self._fail(request, result)
                 continue                            # (made room: the chunk runs again next turn)
             request.logits = result
@@ -436,7 +436,7 @@ class Scheduler:
     def _stepped(self, request: Request, token: int, result) -> None:
         """Take in a request's step of `token`: its logits, or the exception that failed it."""
         if isinstance(result, BaseException):
-            if isinstance(result, PoolExhausted) and self._make_room(request):
+            if isinstance(result, PoolExhausted) and (request in self.preempted or self._make_room(request)):
                 request.pending = token             # sent already: its step runs again
             else:
                 self._fail(request, result)
