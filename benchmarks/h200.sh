@@ -10,7 +10,8 @@
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
-# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline),
+# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline), serving (the
+# workloads shared, long and mixed, each with the prefix cache on and off),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights).
@@ -71,6 +72,18 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    serving)
+        # issue 30's workloads on the 1.68B shape: (b) a shared 2,000-token system prompt, (d) a
+        # 32K prompt among 32 decoders, (e) lognormal lengths; each with the prefix cache on and off
+        timeout 200 python3 -m hebrus bench --serve --workload shared --model qwen3.5-1.7b --clients 16 \
+            --system 2000 --own 64 --serve-tokens 64 --cache /tmp/shapes \
+            --json "$out/bench-serve-shared-qwen3.5-1.7b.json" --table "$out/bench-serve-shared-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        timeout 200 python3 -m hebrus bench --serve --workload long --model qwen3.5-1.7b --clients 32 \
+            --system 32000 --serve-tokens 512 --cache /tmp/shapes \
+            --json "$out/bench-serve-long-qwen3.5-1.7b.json" --table "$out/bench-serve-long-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        timeout 180 python3 -m hebrus bench --serve --workload mixed --model qwen3.5-1.7b --clients 64 --requests 128 \
+            --serve-prompt 256 --serve-tokens 64 --cache /tmp/shapes \
+            --json "$out/bench-serve-mixed-qwen3.5-1.7b.json" --table "$out/bench-serve-mixed-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
     prefill8k)
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 8192 --rounds 5 --compare-transformers \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-8k.json" --table "$out/bench-qwen3.5-1.7b-8k.md" 2>&1 | grep -v '^bench' ;;
