@@ -248,7 +248,7 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
     assert "--clients takes" in err.getvalue()
 
 
-@pytest.mark.parametrize("workload", ["shared", "mixed", "long"])
+@pytest.mark.parametrize("workload", ["shared", "mixed", "long", "chat"])
 def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, workload):
     pytest.importorskip("uvicorn")
     out, err = io.StringIO(), io.StringIO()
@@ -261,6 +261,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
     if workload == "shared":                    # the cache on: the clients and the last request hit
         assert report["off"]["clients"]["hit_rate"] == 0 and report["on"]["clients"]["hit_rate"] == 1.0
         assert report["on"]["after"]["hit_rate"] == 1.0 and report["cached_over_cold_ttft"] > 0
+    elif workload == "chat":                    # a later turn finds at least the turn before's prompt
+        assert report["on"]["later_cached_share"] > 0 and report["off"]["later_cached_share"] == 0
     elif workload == "long":                    # decoders seen before the long prompt and after it arrives
         assert report["gaps_before"] >= 3 * 3 and report["long_ttft_ms"] > 0 and report["decoders_tokens_per_s"] > 0
     else:

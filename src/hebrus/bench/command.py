@@ -56,11 +56,12 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
                             "--clients concurrent streaming requests against the same engine decoding offline: "
                             "requests/s, output tokens/s, time to first token, inter-token latency")
-    bench.add_argument("--workload", default="uniform", choices=["uniform", "shared", "long", "mixed"],
+    bench.add_argument("--workload", default="uniform", choices=["uniform", "shared", "long", "chat", "mixed"],
                        help="--serve's workload: uniform (every request --serve-prompt tokens, against offline; "
                             "the default), shared (clients sharing a --system-token system prompt, the prefix "
                             "cache on against off), long (a --system-token prompt arriving while --clients decode: their "
-                            "ITL before and during), mixed (lognormal prompt and output lengths, cache on and off)")
+                            "ITL before and during), chat (4-turn conversations as text, each turn the text so far and "
+                            "--own more characters; opening --serve-prompt), mixed (lognormal prompt and output lengths, cache on and off)")
     bench.add_argument("--system", type=int, default=2000,
                        help="shared system-prompt tokens for --workload shared, the long prompt's for long (default 2000)")
     bench.add_argument("--own", type=int, default=64,
@@ -239,6 +240,12 @@ def _serve(args, load_model) -> int:
             raise InvalidInput(f"--system (the long prompt) or --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
         report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens)
+    elif args.workload == "chat":
+        if 4 * (args.own + args.serve_tokens) + args.serve_prompt > limit:
+            raise InvalidInput(f"4 turns of --own and --serve-tokens after --serve-prompt pass the model's "
+                               f"max_context {limit}")
+        from hebrus.bench import workloads
+        report = workloads.chats(model, name, max(clients), args.serve_prompt, args.own, args.serve_tokens)
     elif args.workload == "mixed":
         from hebrus.bench import workloads
         report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens)

@@ -10,6 +10,10 @@ run with the prefix cache on and off in one process (the ratios are side by side
   decode, one prompt of `--system` tokens arriving: the decoders' inter-token latency before it
   arrives (p50) and while it is fed (p99, up to its first token), and its TTFT. The prompt
   share of a turn is bounded in tokens (`prefill_tokens`, 512), so the decoders keep their pace.
+- `chat`: `--clients` conversations of 4 turns, each turn's prompt the text so far (the last
+  turn's prompt and reply) and a new user message, as a chat client sends it: output tokens/s,
+  TTFT p50/p99 of the first turns and of the later ones, and the share of later turns' prompt
+  tokens the cache spared (`cached_tokens`).
 - `mixed`: `--requests` requests whose prompt and output lengths are drawn from lognormal
   distributions (medians `--serve-prompt` and `--serve-tokens`, σ 0.8, within the context),
   `--clients` in flight: output tokens/s, TTFT and ITL p50/p99.
@@ -96,6 +100,85 @@ async def _long(url: str, name: str, decoders: list[list[int]], tokens: int, lon
             "long_ttft_ms": alone["ttft_ms_p50"], "decoders_tokens_per_s": point["output_tokens_per_s"]}
 
 
+WORDS = ("the", "king", "of", "night", "shall", "come", "and", "we", "speak", "true", "love", "is", "not",
+         "gold", "a", "storm", "upon", "sea", "my", "lord", "what", "light", "breaks", "there")
+
+
+def chats(model, name: str, clients: int, opening: int, follow: int, tokens: int, turns: int = 4) -> dict:
+    """Each conversation opens with about `opening` characters of text and adds about `follow`
+    a turn (byte-level models: as many tokens)."""
+    gen = torch.Generator().manual_seed(8)
+
+    def text(chars: int) -> str:
+        words = []
+        while sum(len(w) + 1 for w in words) < chars:
+            words.append(WORDS[int(torch.randint(len(WORDS), (1,), generator=gen))])
+        return " ".join(words)
+    openings = [text(opening) for _ in range(clients)]
+    follows = [[" " + text(follow) for _ in range(turns - 1)] for _ in range(clients)]
+    report = {"workload": "chat", "model": name, "device": str(model.device), "mode": model.mode,
+              "clients": clients, "turns": turns, "opening": opening, "follow": follow, "tokens": tokens}
+    for cache, budget in (("off", 0), ("on", 1 << 30)):
+        with serving(model, name, api_key=KEY, max_sessions=clients, cache_bytes=budget) as (_, scheduler, ask):
+            ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
+            lookups, hits = scheduler.cache.lookups, scheduler.cache.hits
+            report[cache] = ask.run(_chats_here, ask.url, name, openings, follows, tokens)
+            looked = scheduler.cache.lookups - lookups
+            report[cache]["hit_rate"] = (scheduler.cache.hits - hits) / looked if looked else 0.0
+    report["later_ttft_on_over_off"] = report["on"]["later_ttft_ms_p50"] / report["off"]["later_ttft_ms_p50"]
+    return report
+
+
+def _chats_here(url: str, name: str, openings: list[str], follows: list[list[str]], tokens: int) -> dict:
+    return asyncio.run(_chats(url, name, openings, follows, tokens))
+
+
+async def _chats(url: str, name: str, openings: list[str], follows: list[list[str]], tokens: int) -> dict:
+    import json
+
+    import httpx
+    first_ttft, later_ttft, made, prompt_later, cached_later = [], [], 0, 0, 0
+
+    async def conversation(client, opening: str, more: list[str]):
+        nonlocal made, prompt_later, cached_later
+        prompt = opening
+        for turn in range(len(more) + 1):
+            body = {"model": name, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            started, reply, first = time.perf_counter(), [], True
+            async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+                if answer.status_code != 200:
+                    raise RuntimeError(f"the server answered {answer.status_code}: {await answer.aread()}")
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"the server failed a request: {event['error']}")
+                    if event.get("usage") and turn:
+                        prompt_later += event["usage"]["prompt_tokens"]
+                        cached_later += event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
+                        continue
+                    if first:
+                        (later_ttft if turn else first_ttft).append(time.perf_counter() - started)
+                        first = False
+                    reply.append(event["choices"][0]["text"])
+                    made += 1
+            if turn < len(more):
+                prompt = prompt + "".join(reply) + more[turn]
+    began = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {KEY}"},
+                                 limits=httpx.Limits(max_connections=len(openings) + 4)) as client:
+        await asyncio.gather(*(conversation(client, o, m) for o, m in zip(openings, follows)))
+    wall = time.perf_counter() - began
+    return {"output_tokens_per_s": made / wall, "wall_s": wall,
+            "first_ttft_ms_p50": _percentile(first_ttft, 0.5) * 1e3,
+            "later_ttft_ms_p50": _percentile(later_ttft, 0.5) * 1e3,
+            "later_ttft_ms_p99": _percentile(later_ttft, 0.99) * 1e3,
+            "later_cached_share": cached_later / prompt_later if prompt_later else 0.0}
+
+
 def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: int) -> dict:
     gen = torch.Generator().manual_seed(5)
     limit = model.spec.max_context
@@ -134,6 +217,21 @@ def table(report: dict) -> str:
                          f"{_ms(c['itl_ms_p50'])} | {_ms(c['itl_ms_p99'])} | {c['hit_rate']:.2f} | {c['preemptions']} |")
         lines += ["", f"cached TTFT ÷ cold TTFT (cache on): **{report['cached_over_cold_ttft']:.3f}**; clients' "
                       f"tokens/s with the cache ÷ without: **{report['throughput_on_over_off']:.2f}×**"]
+        return "\n".join(lines) + "\n"
+    if report["workload"] == "chat":
+        lines = [f"# serving, chats of {report['turns']} turns: {report['model']} on {report['device']} "
+                 f"({report['mode']})", "",
+                 f"{report['clients']} conversations at once; ~{report['opening']} characters to open, "
+                 f"~{report['follow']} more a turn, {report['tokens']} new tokens a turn", "",
+                 "| cache | output tok/s | first turns' TTFT p50 ms | later turns' TTFT p50 ms | p99 ms | "
+                 "later prompts' tokens cached | hit rate |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for cache in ("off", "on"):
+            r = report[cache]
+            lines.append(f"| {cache} | {r['output_tokens_per_s']:.1f} | {r['first_ttft_ms_p50']:.1f} | "
+                         f"{r['later_ttft_ms_p50']:.1f} | {r['later_ttft_ms_p99']:.1f} | "
+                         f"{r['later_cached_share']:.2f} | {r['hit_rate']:.2f} |")
+        lines += ["", f"later turns' TTFT with the cache ÷ without: **{report['later_ttft_on_over_off']:.3f}**"]
         return "\n".join(lines) + "\n"
     if report["workload"] == "long":
         ratio = report["during_p99_over_before_p50"]
