@@ -82,6 +82,21 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
             "prefill_ms": _percentile(timed, 0.5) * 1e3}
 
 
+async def streamed(client, url: str, body: dict):
+    """The events of one streamed completion (`body`), parsed; RuntimeError when the server
+    refuses it or fails it."""
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"the server answered {reply.status_code}: {await reply.aread()}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed a request: {event['error']}")
+            yield event
+
+
 async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int | list[int],
                key: str | None = None, timeline: list | None = None) -> dict:
     """Keep `clients` streaming requests in flight until every prompt of `asks` is answered
@@ -99,24 +114,16 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
             ids, wanted = queue.pop()
             started = last = time.perf_counter()
             body = {"model": name, "prompt": ids, "max_tokens": wanted, "temperature": 0, "stream": True}
-            async with client.stream("POST", url + "/v1/completions", json=body) as reply:
-                if reply.status_code != 200:
-                    raise RuntimeError(f"the server answered {reply.status_code}: {await reply.aread()}")
-                first = True
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"the server failed a request: {event['error']}")
-                    if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
-                        continue
-                    now = time.perf_counter()
-                    (ttft if first else itl).append(now - (started if first else last))
-                    if timeline is not None and not first:
-                        timeline.append((now - began, now - last))
-                    first, last = False, now
-                    made += 1
+            first = True
+            async for event in streamed(client, url, body):
+                if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
+                    continue
+                now = time.perf_counter()
+                (ttft if first else itl).append(now - (started if first else last))
+                if timeline is not None and not first:
+                    timeline.append((now - began, now - last))
+                first, last = False, now
+                made += 1
     began = time.perf_counter()
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     async with httpx.AsyncClient(timeout=600, headers=headers,

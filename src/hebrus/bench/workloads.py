@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from hebrus.bench.serve import _percentile, load, prompts, serving
+from hebrus.bench.serve import _percentile, load, prompts, serving, streamed
 
 KEY = "bench"
 
@@ -134,8 +134,6 @@ def _chats_here(url: str, name: str, openings: list[str], follows: list[list[str
 
 
 async def _chats(url: str, name: str, openings: list[str], follows: list[list[str]], tokens: int) -> dict:
-    import json
-
     import httpx
     first_ttft, later_ttft, made, prompt_later, cached_later = [], [], 0, 0, 0
 
@@ -146,25 +144,17 @@ async def _chats(url: str, name: str, openings: list[str], follows: list[list[st
             body = {"model": name, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             started, reply, first = time.perf_counter(), [], True
-            async with client.stream("POST", url + "/v1/completions", json=body) as answer:
-                if answer.status_code != 200:
-                    raise RuntimeError(f"the server answered {answer.status_code}: {await answer.aread()}")
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"the server failed a request: {event['error']}")
-                    if event.get("usage") and turn:
-                        prompt_later += event["usage"]["prompt_tokens"]
-                        cached_later += event["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
-                        continue
-                    if first:
-                        (later_ttft if turn else first_ttft).append(time.perf_counter() - started)
-                        first = False
-                    reply.append(event["choices"][0]["text"])
-                    made += 1
+            async for event in streamed(client, url, body):
+                if event.get("usage") and turn:
+                    prompt_later += event["usage"]["prompt_tokens"]
+                    cached_later += event["usage"]["prompt_tokens_details"]["cached_tokens"]
+                if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
+                    continue
+                if first:
+                    (later_ttft if turn else first_ttft).append(time.perf_counter() - started)
+                    first = False
+                reply.append(event["choices"][0]["text"])
+                made += 1
             if turn < len(more):
                 prompt = prompt + "".join(reply) + more[turn]
     began = time.perf_counter()
@@ -203,12 +193,11 @@ def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: in
 
 def table(report: dict) -> str:
     if report["workload"] == "shared":
-        lines = [f"# serving, a shared system prompt: {report['model']} on {report['device']} ({report['mode']})", "",
-                 f"{report['system']} system-prompt tokens shared, {report['own']} of each client's own, "
-                 f"{report['tokens']} new tokens; {report['clients']} clients at once between two requests alone", "",
-                 "| cache | cold TTFT ms | after TTFT ms | clients tok/s | clients TTFT p50 ms | p99 ms | "
-                 "ITL p50 ms | ITL p99 ms | hit rate | preemptions |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines = _head(report, "a shared system prompt",
+                      f"{report['system']} system-prompt tokens shared, {report['own']} of each client's own, "
+                      f"{report['tokens']} new tokens; {report['clients']} clients at once between two requests alone",
+                      ["cold TTFT ms", "after TTFT ms", "clients tok/s", "clients TTFT p50 ms", "p99 ms",
+                       "ITL p50 ms", "ITL p99 ms", "hit rate", "preemptions"])
         for cache in ("off", "on"):
             r = report[cache]
             c = r["clients"]
@@ -219,13 +208,11 @@ def table(report: dict) -> str:
                       f"tokens/s with the cache ÷ without: **{report['throughput_on_over_off']:.2f}×**"]
         return "\n".join(lines) + "\n"
     if report["workload"] == "chat":
-        lines = [f"# serving, chats of {report['turns']} turns: {report['model']} on {report['device']} "
-                 f"({report['mode']})", "",
-                 f"{report['clients']} conversations at once; ~{report['opening']} characters to open, "
-                 f"~{report['follow']} more a turn, {report['tokens']} new tokens a turn", "",
-                 "| cache | output tok/s | first turns' TTFT p50 ms | later turns' TTFT p50 ms | p99 ms | "
-                 "later prompts' tokens cached | hit rate |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines = _head(report, f"chats of {report['turns']} turns",
+                      f"{report['clients']} conversations at once; ~{report['opening']} characters to open, "
+                      f"~{report['follow']} more a turn, {report['tokens']} new tokens a turn",
+                      ["output tok/s", "first turns' TTFT p50 ms", "later turns' TTFT p50 ms", "p99 ms",
+                       "later prompts' tokens cached", "hit rate"])
         for cache in ("off", "on"):
             r = report[cache]
             lines.append(f"| {cache} | {r['output_tokens_per_s']:.1f} | {r['first_ttft_ms_p50']:.1f} | "
@@ -245,17 +232,23 @@ def table(report: dict) -> str:
             f"| {_ms(report['itl_ms_p50_before'])} | {_ms(report['itl_ms_p99_during'])} | "
             f"{'–' if ratio is None else f'{ratio:.2f}'} | {report['gaps_before']} / {report['gaps_during']} | "
             f"{report['long_ttft_ms']:.1f} | {report['decoders_tokens_per_s']:.1f} |"]) + "\n"
-    lines = [f"# serving, lognormal lengths: {report['model']} on {report['device']} ({report['mode']})", "",
-             f"{report['requests']} requests, {report['clients']} in flight; prompt median {report['prompt_median']}, "
-             f"output median {report['tokens_median']} (σ 0.8): {report['prompt_tokens']} prompt and "
-             f"{report['output_tokens']} output tokens in all", "",
-             "| cache | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | hit rate | preemptions |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = _head(report, "lognormal lengths",
+                  f"{report['requests']} requests, {report['clients']} in flight; prompt median "
+                  f"{report['prompt_median']}, output median {report['tokens_median']} (σ 0.8): "
+                  f"{report['prompt_tokens']} prompt and {report['output_tokens']} output tokens in all",
+                  ["output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "hit rate", "preemptions"])
     for cache in ("off", "on"):
         r = report[cache]
         lines.append(f"| {cache} | {r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
                      f"{_ms(r['itl_ms_p50'])} | {_ms(r['itl_ms_p99'])} | {r['hit_rate']:.2f} | {r['preemptions']} |")
     return "\n".join(lines) + "\n"
+
+
+def _head(report: dict, what: str, intro: str, columns: list[str]) -> list[str]:
+    """A workload table's title, its line of what ran, and its header with a column per cache
+    setting's figures."""
+    return [f"# serving, {what}: {report['model']} on {report['device']} ({report['mode']})", "", intro, "",
+            "| cache | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
 
 
 def _ms(value) -> str:
