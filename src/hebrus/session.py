@@ -135,10 +135,10 @@ class Session:
         frontier. `Model.from_host` makes a session of it, this one exactly (the same digest);
         what a server does with a session it preempts."""
         with self._exclusive():
-            record = self.image.public
-            values = {spec.name: self.image.value(spec.name, record).to("cpu", copy=True) for spec in self.image.specs}
-            rows = {spec.name: values.pop(spec.name) for spec in self.image.appended}
-            return HostCopy(record.frontier, values, rows)
+            record, image = self.image.public, self.image
+            return HostCopy(record.frontier,
+                            {s.name: image.value(s.name, record).to("cpu", copy=True) for s in image.banked},
+                            {s.name: image.value(s.name, record).cpu() for s in image.appended})   # rows: copies already
 
     def _install(self, copy: "HostCopy", what: str) -> None:
         """A fresh session's state from `copy`, whose values are checked to be this model's."""

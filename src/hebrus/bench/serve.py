@@ -169,7 +169,6 @@ def serving(model, name: str, **options):
     def ask(asks, clients: int, tokens, key: str | None = None) -> dict:
         return clients_process.submit(_load_here, url, name, asks, clients, tokens, key).result()
     ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
-    ask.url = url
     try:
         yield url, scheduler, ask
     finally:

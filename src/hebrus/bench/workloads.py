@@ -33,29 +33,43 @@ from hebrus.bench.serve import _percentile, load, prompts, serving, streamed
 KEY = "bench"
 
 
-def _point(url_scheduler_ask, asks, clients: int, tokens) -> dict:
-    _, scheduler, ask = url_scheduler_ask
+CACHES = (("off", 0), ("on", 1 << 30))         # each workload's two runs: the prefix cache's budget
+
+
+def _servers(model, name: str, max_sessions: int, caches=CACHES):
+    """For each (setting, cache budget) of `caches`, a server as `serving` makes it, with the API
+    key set and one short request answered first (what a first request compiles or allocates)
+    -> (the setting, its URL, its scheduler, its `ask`), each server stopped before the next."""
+    for cache, budget in caches:
+        with serving(model, name, api_key=KEY, max_sessions=max_sessions, cache_bytes=budget) as running:
+            url, scheduler, ask = running
+            ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
+            yield cache, url, scheduler, ask
+
+
+def _measured(scheduler, run) -> dict:
+    """`run()`'s report, with the prefix cache's hit rate and the preemptions while it ran."""
     lookups, hits, preemptions = scheduler.cache.lookups, scheduler.cache.hits, scheduler.preemptions
-    point = ask(asks, clients, tokens, KEY)
+    point = run()
     looked = scheduler.cache.lookups - lookups
     point["hit_rate"] = (scheduler.cache.hits - hits) / looked if looked else 0.0
     point["preemptions"] = scheduler.preemptions - preemptions
     return point
 
 
+def _report(model, name: str, workload: str, **fields) -> dict:
+    return {"workload": workload, "model": name, "device": str(model.device), "mode": model.mode, **fields}
+
+
 def shared(model, name: str, clients: int, system: int, own: int, tokens: int) -> dict:
     gen = torch.Generator().manual_seed(3)
     common = torch.randint(0, model.spec.vocab_size, (system,), generator=gen).tolist()
     asks = [common + ids for ids in prompts(model.spec.vocab_size, clients + 2, own, seed=4)]
-    warm = prompts(model.spec.vocab_size, 1, 8, seed=9)
-    report = {"workload": "shared", "model": name, "device": str(model.device), "mode": model.mode,
-              "clients": clients, "system": system, "own": own, "tokens": tokens}
-    for cache, budget in (("off", 0), ("on", 1 << 30)):
-        with serving(model, name, api_key=KEY, max_sessions=clients, cache_bytes=budget) as running:
-            running[2](warm, 1, 4, KEY)
-            report[cache] = {"cold": _point(running, asks[:1], 1, tokens),
-                             "clients": _point(running, asks[1:clients + 1], clients, tokens),
-                             "after": _point(running, asks[clients + 1:], 1, tokens)}
+    report = _report(model, name, "shared", clients=clients, system=system, own=own, tokens=tokens)
+    for cache, _, scheduler, ask in _servers(model, name, clients):
+        report[cache] = {part: _measured(scheduler, lambda: ask(some, count, tokens, KEY))
+                         for part, some, count in (("cold", asks[:1], 1), ("clients", asks[1:clients + 1], clients),
+                                                   ("after", asks[clients + 1:], 1))}
     on, off = report["on"], report["off"]
     report["cached_over_cold_ttft"] = on["after"]["ttft_ms_p50"] / on["cold"]["ttft_ms_p50"]
     report["throughput_on_over_off"] = on["clients"]["output_tokens_per_s"] / off["clients"]["output_tokens_per_s"]
@@ -66,10 +80,8 @@ def long_prompt(model, name: str, clients: int, prompt: int, tokens: int) -> dic
     vocab = model.spec.vocab_size
     decoders = prompts(vocab, clients, 16, seed=6)
     long = prompts(vocab, 1, prompt, seed=7)[0]
-    report = {"workload": "long", "model": name, "device": str(model.device), "mode": model.mode,
-              "clients": clients, "prompt": prompt, "tokens": tokens}
-    with serving(model, name, api_key=KEY, max_sessions=clients + 1, cache_bytes=0) as (url, _, ask):
-        ask(prompts(vocab, 1, 8, seed=9), 1, 4, KEY)
+    report = _report(model, name, "long", clients=clients, prompt=prompt, tokens=tokens)
+    for _, url, _, ask in _servers(model, name, clients + 1, caches=(("off", 0),)):
         # a tenth of the decoders' tokens first, then the long prompt
         report |= ask.run(_long_here, url, name, decoders, tokens, long, max(2, tokens // 10))
     report["during_p99_over_before_p50"] = (report["itl_ms_p99_during"] / report["itl_ms_p50_before"]
@@ -116,15 +128,9 @@ def chats(model, name: str, clients: int, opening: int, follow: int, tokens: int
         return " ".join(words)
     openings = [text(opening) for _ in range(clients)]
     follows = [[" " + text(follow) for _ in range(turns - 1)] for _ in range(clients)]
-    report = {"workload": "chat", "model": name, "device": str(model.device), "mode": model.mode,
-              "clients": clients, "turns": turns, "opening": opening, "follow": follow, "tokens": tokens}
-    for cache, budget in (("off", 0), ("on", 1 << 30)):
-        with serving(model, name, api_key=KEY, max_sessions=clients, cache_bytes=budget) as (_, scheduler, ask):
-            ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
-            lookups, hits = scheduler.cache.lookups, scheduler.cache.hits
-            report[cache] = ask.run(_chats_here, ask.url, name, openings, follows, tokens)
-            looked = scheduler.cache.lookups - lookups
-            report[cache]["hit_rate"] = (scheduler.cache.hits - hits) / looked if looked else 0.0
+    report = _report(model, name, "chat", clients=clients, turns=turns, opening=opening, follow=follow, tokens=tokens)
+    for cache, url, scheduler, ask in _servers(model, name, clients):
+        report[cache] = _measured(scheduler, lambda: ask.run(_chats_here, url, name, openings, follows, tokens))
     report["later_ttft_on_over_off"] = report["on"]["later_ttft_ms_p50"] / report["off"]["later_ttft_ms_p50"]
     return report
 
@@ -181,13 +187,10 @@ def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: in
     vocab = model.spec.vocab_size
     asks = [torch.randint(0, vocab, (p,), generator=gen).tolist() for p, _ in pairs]
     counts = [t for _, t in pairs]
-    report = {"workload": "mixed", "model": name, "device": str(model.device), "mode": model.mode,
-              "clients": clients, "requests": requests, "prompt_median": prompt, "tokens_median": tokens,
-              "prompt_tokens": sum(p for p, _ in pairs), "output_tokens": sum(counts)}
-    for cache, budget in (("off", 0), ("on", 1 << 30)):
-        with serving(model, name, api_key=KEY, max_sessions=clients, cache_bytes=budget) as running:
-            running[2](prompts(vocab, 1, 8, seed=9), 1, 4, KEY)
-            report[cache] = _point(running, asks, clients, counts)
+    report = _report(model, name, "mixed", clients=clients, requests=requests, prompt_median=prompt,
+                     tokens_median=tokens, prompt_tokens=sum(p for p, _ in pairs), output_tokens=sum(counts))
+    for cache, _, scheduler, ask in _servers(model, name, clients):
+        report[cache] = _measured(scheduler, lambda: ask(asks, clients, counts, KEY))
     return report
 
 

@@ -343,9 +343,9 @@ class Scheduler:
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
-                if not (isinstance(result, PoolExhausted) and (request in self.preempted or self._make_room(request))):
+                if not self._runs_again(request, result):
                     self._fail(request, result)
-                continue                            # (made room: the chunk runs again next turn)
+                continue
             request.logits = result
             request.prefill_s += spent
             request.fed += len(chunk)
@@ -436,7 +436,7 @@ class Scheduler:
     def _stepped(self, request: Request, token: int, result) -> None:
         """Take in a request's step of `token`: its logits, or the exception that failed it."""
         if isinstance(result, BaseException):
-            if isinstance(result, PoolExhausted) and (request in self.preempted or self._make_room(request)):
+            if self._runs_again(request, result):
                 request.pending = token             # sent already: its step runs again
             else:
                 self._fail(request, result)
@@ -494,6 +494,12 @@ class Scheduler:
             self._let_go(request)
 
     # ---- preemption -------------------------------------------------------------------------
+    def _runs_again(self, request: Request, failure: BaseException) -> bool:
+        """Whether a chunk that failed with `failure` runs again next turn rather than failing
+        its request: the pool had no block for it, and it has been preempted already (to make
+        room for another this turn) or room is made now."""
+        return isinstance(failure, PoolExhausted) and (request in self.preempted or self._make_room(request))
+
     def _make_room(self, failed: Request) -> bool:
         """After `failed`'s chunk found the pool without a free block, free some so that it runs
         again next turn: the prefix cache's least recently used entries first, else the newest

@@ -121,10 +121,7 @@ class Image:
         the table's blocks shared (held once more), or with `copy_rows` copied into blocks of its
         own. `PoolFull` (nothing taken) when the pool has no slot or blocks for it."""
         record = self.public
-        self.clean_tails()                  # the fork reads the same blocks: rows past the frontier zeroed
-        other = Image(self.pool)
-        for name, value in self.banks[record.bank].items():
-            other.banks[0][name].copy_(value)
+        other = self._other({})
         if copy_rows:
             other.install({spec.name: self.value(spec.name, record) for spec in self.appended}, record.frontier)
         else:
@@ -139,11 +136,18 @@ class Image:
         record = self.public
         if not 0 <= frontier <= record.frontier:
             raise ValueError(f"a prefix ends at most at the frontier {record.frontier}, not at {frontier}")
+        other = self._other(banked)
+        other.publish(Published(other.slot, 0, frontier, self.pool.share(record.table[:self.pool.blocks_for(frontier)])))
+        return other
+
+    def _other(self, banked: dict[str, torch.Tensor]) -> "Image":
+        """A new image whose bank 0 holds this one's public values, those of `banked` instead
+        where it names them (a fork's, a prefix's). It will read this one's blocks, so the rows
+        past the frontier are zeroed first."""
+        self.clean_tails()
         other = Image(self.pool)
-        for name, value in self.banks[record.bank].items():
+        for name, value in self.banks[self.public.bank].items():
             other.banks[0][name].copy_(banked.get(name, value))
-        table = self.pool.share(record.table[:self.pool.blocks_for(frontier)])
-        other.publish(Published(other.slot, 0, frontier, table))
         return other
 
     def install(self, rows: dict[str, torch.Tensor], frontier: int) -> None:
