@@ -476,16 +476,22 @@ def test_an_idle_engine_makes_spare_sessions_and_a_request_takes_one(tiny):
             time.sleep(0.01)
         made = list(scheduler.spares)
         assert len(made) == 2
-        got, done = [], threading.Event()
+        got, held, done = [], [], threading.Event()
+
+        def emit(kind, value):
+            if kind == "token":
+                got.append(value)
+                held.append(request.session)
+            else:
+                done.set()
         request = Request(key="k", prompt=list(b"Hail"), max_tokens=4, sampling=Sampling(temperature=1.0), seed=3,
-                          stop_ids=frozenset(),
-                          emit=lambda kind, value: got.append(value) if kind == "token" else done.set())
+                          stop_ids=frozenset(), emit=emit)
         scheduler.submit(request)
         assert done.wait(PATIENCE)
-        assert any(request.session is s for s in made)
+        assert any(held[0] is s for s in made) and request.session is None   # let go once it ended
         while len(scheduler.spares) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(scheduler.spares) == 2 and not any(request.session is s for s in scheduler.spares)
+        assert len(scheduler.spares) == 2 and not any(held[0] is s for s in scheduler.spares)
         assert got == list(tiny.session().generate(list(b"Hail"), max_new_tokens=4, temperature=1.0, seed=3))
     finally:
         scheduler.stop(drain_seconds=1)

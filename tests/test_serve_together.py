@@ -73,8 +73,9 @@ def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_f
     def each_turn(requests):
         counts.append((runner.uncaptured, sum(map(len, got.values()))))   # planned steps, tokens sent
         for r in requests:
-            if r.session is not None and r not in scheduler.running:
-                left.setdefault(r.id, (r.session.frontier, r.session.digest()))
+            if r.produced and r not in scheduler.running:    # ended: its session is the cache's
+                kept = scheduler.cache.find(("key", ""), r.prompt + r.produced).session
+                left.setdefault(r.id, (kept.frontier, kept.digest()))
     steps, sent = runner.uncaptured, 0
     requests = _turns(scheduler, got, key="key", each_turn=each_turn)
     widths = []
@@ -84,10 +85,10 @@ def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_f
         steps, sent = now_steps, now_sent
     assert scheduler.widest == max(widths) and widths == WIDTHS
     for i, request in enumerate(requests):
-        session = request.session
+        assert request.session is None                      # let go by the loop, kept by the cache
+        session = scheduler.cache.find(("key", ""), request.prompt + request.produced).session
         assert (session.frontier, session.digest()) == left[request.id], i
         assert session.frontier == len(request.prompt) + len(got[i]) and got[i] == request.produced
-        assert scheduler.cache.find(("key", ""), request.prompt + request.produced).session is session
         alone = model.session(decode="eager").feed(request.prompt + request.produced)
         _close(session.logits, alone, f"request {i}")
 
@@ -152,4 +153,4 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
     for request in requests[:3]:            # each fed its prompt, then its one token
         assert request not in scheduler.running and len(request.produced) == 1
         alone = tiny_fast.session(decode="eager").feed(request.prompt + request.produced)
-        _close(request.session.logits, alone, f"request {request.id}")
+        _close(request.logits, alone, f"request {request.id}")

@@ -480,13 +480,16 @@ class Scheduler:
             return feed()
 
     def _finish(self, request: Request, reason: str) -> None:
-        self._end(request)
-        request.emit("done", reason)
         if request.keep and self.cache.keeps and request.session is not None:
             # nothing steps its session again: it is kept itself
             self.cache.put(self._space(request), request.prompt + request.produced, request.session)
+        self._end(request)
+        request.emit("done", reason)
 
     def _end(self, request: Request) -> None:
+        """Take `request` out of the loop and let its session go: its slot and blocks return to
+        the pool now (unless the prefix cache keeps it), not when the request is collected."""
+        request.session = None
         if request in self.running:
             self.running.remove(request)
         else:                                       # ended while preempted
