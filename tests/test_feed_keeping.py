@@ -113,3 +113,97 @@ def _published(chunk) -> str:
     s = _warm(hebrus.load("tiny"), 256)
     s.feed(chunk)
     return s.digest()
+
+
+def test_a_stage_that_keeps_no_value_after_the_marks_aborts_the_chunk(tiny, monkeypatch):
+    """A stage writing only the last value where marks ask for every one: the chunk is refused
+    (a structural abort), not published with kept sessions missing that owner's values."""
+    from hebrus.state.txn import Transaction
+    s = _warm(tiny, 256)
+    before = s.digest()
+    monkeypatch.setattr(Transaction, "write_each", lambda txn, name, values: txn.write(name, values[-1]))
+    with pytest.raises(hebrus.ChunkAborted, match="no value after every token or mark"):
+        s.feed_keeping(TEXT[5:25], MARKS)
+    assert s.digest() == before and s.frontier == 5
+
+
+# ---- several sessions in one pass: feed_keeping_many ---------------------------------------------
+CHUNKS = [TEXT[5:25], TEXT[30:33], TEXT[40:57]]
+MANY = [[1, 6, 13, 20], [], [4, 8, 9, 16]]      # the second keeps nothing
+
+
+def _warm_many(model, vocab: int) -> list:
+    out = []
+    for i in range(len(CHUNKS)):
+        s = model.session()
+        s.feed([t % vocab for t in TEXT[i:i + 3 + 2 * i]])     # frontiers 3, 5, 7
+        out.append(s)
+    return out
+
+
+def _fed_alone(model, vocab: int, i: int, chunk: list[int], marks: list[int]):
+    s = _warm_many(model, vocab)[i]
+    return (s, *(s.feed_keeping(chunk, marks) if marks else (s.feed(chunk), [])))
+
+
+def test_several_sessions_keep_in_one_pass_exactly_what_each_keeps_alone(tiny):
+    from hebrus.batching import feed_keeping_many
+    sessions = _warm_many(tiny, 256)
+    got = feed_keeping_many(sessions, CHUNKS, MANY)
+    for i, (session, (logits, kept)) in enumerate(zip(sessions, got)):
+        alone, want, want_kept = _fed_alone(tiny, 256, i, CHUNKS[i], MANY[i])
+        assert torch.equal(logits, want) and session.digest() == alone.digest(), i
+        assert len(kept) == len(want_kept) == len(MANY[i])
+        for k, w in zip(kept, want_kept):
+            assert k.frontier == w.frontier and k.digest() == w.digest() and torch.equal(k.logits, w.logits)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+def test_in_fast_mode_several_sessions_keep_within_the_bound_of_each_alone(fast_models, name):
+    """Fast mode runs the three chunks in one pass, the delta rule's pieces between marks in
+    rounds (a round: every session's next piece, one call); each kept session and each fed one
+    is within fast mode's bound of its chunk fed alone up to that point."""
+    from hebrus.batching import feed_keeping_many
+    model = fast_models[name]
+    vocab = model.spec.vocab_size
+    chunks = [[t % vocab for t in c] for c in CHUNKS]
+    sessions = _warm_many(model, vocab)
+    got = feed_keeping_many(sessions, chunks, MANY)
+    for i, (session, (logits, kept)) in enumerate(zip(sessions, got)):
+        alone = _warm_many(model, vocab)[i]
+        torch.testing.assert_close(logits, alone.feed(chunks[i]), rtol=1e-3, atol=1e-3)
+        _owners_close(session, alone, 1e-3)
+        for mark, k in zip(MANY[i], kept):
+            up_to = _warm_many(model, vocab)[i]
+            up_to.feed(chunks[i][:mark])
+            assert k.frontier == up_to.frontier
+            _owners_close(k, up_to, 1e-3)
+            torch.testing.assert_close(k.feed([3, 4]), up_to.feed([3, 4]), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_one_sessions_failure_keeps_nothing_for_it_and_leaves_the_others_kept(mode):
+    from hebrus.batching import feed_keeping_many
+    model = hebrus.load("tiny", mode=mode)
+    sessions = _warm_many(model, 256)
+    before = sessions[2].digest()
+    with hebrus.inject(stage=model.stage_names[3], kind="nonfinite", session=sessions[2]):
+        got = feed_keeping_many(sessions, CHUNKS, MANY)
+    assert isinstance(got[2], hebrus.ChunkAborted) and sessions[2].digest() == before and sessions[2].frontier == 7
+    for i in (0, 1):
+        alone, want, want_kept = _fed_alone(model, 256, i, CHUNKS[i], MANY[i])
+        logits, kept = got[i]
+        assert sessions[i].frontier == alone.frontier and len(kept) == len(MANY[i])
+        if mode == "exact":
+            assert sessions[i].digest() == alone.digest()
+            assert [k.digest() for k in kept] == [w.digest() for w in want_kept]
+
+
+@pytest.mark.parametrize("marks", [[[1], []], [[1], [], [], []], [[0], [], []], [[], [4], []], "x", [[2, 1], [], []]])
+def test_bad_marks_for_several_sessions_are_refused_and_change_nothing(tiny, marks):
+    from hebrus.batching import feed_keeping_many
+    sessions = _warm_many(tiny, 256)
+    before = [s.digest() for s in sessions]
+    with pytest.raises(InvalidInput, match="marks|mark"):
+        feed_keeping_many(sessions, CHUNKS, marks)
+    assert [s.digest() for s in sessions] == before

@@ -254,9 +254,9 @@ def test_a_failing_chunk_leaves_the_new_kinds_state_as_it_was(leaky):
 
 def test_a_new_kind_meets_every_shape_of_step(leaky, tmp_path):
     """The five shapes a stage must meet (`Kind.stage`): sessions stepped together (row i is
-    session i's token), a prefix transaction, a chunk that keeps its state after marks, a
-    planned step, and a snapshot of what it keeps."""
-    from hebrus.batching import Batch, feed_many
+    session i's token), a prefix transaction, a chunk that keeps its state after marks (alone,
+    and several sessions' together), a planned step, and a snapshot of what it keeps."""
+    from hebrus.batching import Batch, feed_keeping_many, feed_many
     fast = _leaky_model(leaky, "fast")
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     alone = [fast.session() for _ in prompts]
@@ -271,6 +271,15 @@ def test_a_new_kind_meets_every_shape_of_step(leaky, tmp_path):
     planned = Batch(together, decode="planned").feed([11, 12])
     for a, g, token in zip(alone, planned, [11, 12]):
         torch.testing.assert_close(g, a.feed([token]), rtol=1e-9, atol=1e-9)
+    # several sessions' chunks keeping states after their marks, in one pass
+    chunks, marks = [[5, 6, 7, 8], [9, 10, 11]], [[1, 3], [2]]
+    kept = feed_keeping_many(together, chunks, marks)
+    for a, chunk, mine, (logits, sessions) in zip(alone, chunks, marks, kept):
+        want, want_kept = a.feed_keeping(chunk, mine)
+        torch.testing.assert_close(logits, want, rtol=1e-9, atol=1e-9)
+        for k, w in zip(sessions, want_kept):
+            assert k.frontier == w.frontier
+            torch.testing.assert_close(k.feed([2]), w.feed([2]), rtol=1e-9, atol=1e-9)
 
     exact = _leaky_model(leaky, "exact")
     s, twin = exact.session(), exact.session()

@@ -36,6 +36,48 @@ def feed_many(sessions, tokens, outs=None) -> list:
     return _feed_together(sessions, model, tokens, outs, sessions[0]._steps if len(runners) == 1 else None)
 
 
+def feed_keeping_many(sessions, tokens, marks) -> list:
+    """`feed_many` that also keeps states, as `Session.feed_keeping` does for one session:
+    `marks[i]` holds session i's counts of its chunk's tokens (strictly increasing, from 1 to
+    the chunk's length; empty: it keeps none). Returns, per session in order, (its last logits,
+    a new session after each of its marks, None where the pool had no slot) or the
+    `ChunkAborted` that aborted it. Fast mode runs every chunk in one pass (a stage that takes
+    any step runs the sessions' pieces between marks in rounds, each round one call); exact mode
+    runs each session's chunk as it would alone, so each kept session is bit for bit what
+    `feed_keeping` keeps. Failures, checks and faults as `feed_many`'s; nothing is changed by a
+    bad argument."""
+    sessions, model = _batch_sessions(sessions)
+    chunks = _chunks(tokens, sessions, model)
+    chunks = list(chunks) if isinstance(chunks, torch.Tensor) else chunks
+    if not isinstance(marks, (list, tuple)) or len(marks) != len(sessions):
+        raise InvalidInput(f"marks must be a list of {len(sessions)} lists of token counts, one per session")
+    counts = []
+    for i, (chunk, mine) in enumerate(zip(chunks, marks)):
+        try:
+            empty = isinstance(mine, (list, tuple, range)) and not len(mine)
+            counts.append(() if empty else arguments.marks(mine, len(chunk)))
+        except InvalidInput as exc:
+            raise InvalidInput(f"session {i}: {exc}") from None
+    if faults.armed():
+        for s in sessions:
+            s._check_faults()
+    with exclusive(sessions):
+        for i, (s, chunk) in enumerate(zip(sessions, chunks)):
+            try:
+                s._check_room(len(chunk))
+            except InvalidInput as exc:
+                raise InvalidInput(f"session {i}: {exc}") from None
+        with torch.inference_mode():
+            starts = [s.frontier for s in sessions]
+            every = [c if c and c[-1] == len(chunk) else c + (len(chunk),) for c, chunk in zip(counts, chunks)]
+            if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
+                results = [batch.run_marked_alone(model, s, c, e) for s, c, e in zip(sessions, chunks, every)]
+            else:
+                results = batch.run_marked_step(model, sessions, chunks, every)
+            return [r if isinstance(r, BaseException) else (r[0], s._kept_at(start, c, r[1]))
+                    for r, s, start, c in zip(results, sessions, starts, counts)]
+
+
 class Batch:
     """A fixed list of sessions of one model that step together, call after call (a decode loop
     over many conversations). `feed` is `feed_many` for them; the static step plan of one token

@@ -180,9 +180,14 @@ class Session:
             start, every = self.frontier, marks if marks[-1] == len(chunk) else marks + (len(chunk),)
             with torch.inference_mode():
                 kept = eager.run_marked(self.model, self.image, self.budget, chunk, None, every, self.reserve)
-                logits = self.image.read(eager.OUTPUT).clone()
-                return logits, [self._prefix_at(start + m, {name: values[j] for name, values in kept.items()})
-                                for j, m in enumerate(marks)]
+                return self.image.read(eager.OUTPUT).clone(), self._kept_at(start, marks, kept)
+
+    def _kept_at(self, start: int, marks: tuple[int, ...], kept: dict) -> list["Session | None"]:
+        """The new sessions after each of `marks` of a chunk fed from `start`, from the values
+        kept after them (`kept`: by owner, [len(marks) or one more, ...]); None where the pool
+        has no slot."""
+        return [self._prefix_at(start + m, {name: values[j] for name, values in kept.items()})
+                for j, m in enumerate(marks)]
 
     def _prefix_at(self, frontier: int, banked: dict) -> "Session | None":
         """A new session at `frontier` of this one's rows with `banked` values, or None when the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.engine.eager import OUTPUT, run_chunk, run_stages, transaction
+from hebrus.engine.eager import OUTPUT, run_chunk, run_marked, run_stages, transaction
 from hebrus.errors import ChunkAborted
 from hebrus.state.step import StepBatch
 from hebrus.state.interrupts import deferred_signals
@@ -22,16 +22,56 @@ def run_step(model, sessions, chunks: list[torch.Tensor], outs) -> list:
     """chunks[i]: session i's token ids (the caller holds every session's lock, in inference
     mode). Returns, per session, its last logits (`outs[i]` or a new tensor) or the
     `ChunkAborted` that aborted it."""
+    txn, work = _step(model, sessions, chunks)
+    return conclude(model, txn, work, sessions, chunks, outs)
+
+
+def run_marked_step(model, sessions, chunks: list[torch.Tensor], marks: list[tuple[int, ...]]) -> list:
+    """`run_step` that also keeps, for each of session i's `marks[i]` (counts of its tokens,
+    increasing, the last its chunk's length), every banked value its chunk writes as it stood
+    after that many tokens (`eager.run_marked`, each session's stateful stages in pieces that
+    end at its marks) -> per session (its last logits, those values by owner [len(marks[i]),
+    ...]) or the `ChunkAborted` that aborted it."""
+    txn, work = _step(model, sessions, chunks, marks)
+    results = _shared_pass(txn, work, [None] * len(sessions))
+    firsts = [0]
+    for counts in marks:
+        firsts.append(firsts[-1] + len(counts))
+    out = []
+    for i, (result, session, chunk) in enumerate(zip(results, sessions, chunks)):
+        if result is None:              # the pass failed, not this session: its chunk alone
+            out.append(run_marked_alone(model, session, chunk, marks[i]))
+        elif isinstance(result, ChunkAborted):
+            out.append(result)
+        else:
+            out.append((result, {name: values[firsts[i]:firsts[i + 1]] for name, values in txn.after_each.items()}))
+    return out
+
+
+def run_marked_alone(model, session, chunk: torch.Tensor, marks: tuple[int, ...]):
+    """`run_alone` keeping values after `marks` (`eager.run_marked`) -> (its last logits, the
+    values by owner) or the `ChunkAborted` that aborted it."""
+    try:
+        kept = run_marked(model, session.image, session.budget, chunk.to(model.device), None, marks, session.reserve)
+    except ChunkAborted as exc:
+        return exc
+    return session.image.read(OUTPUT).clone(), kept
+
+
+def _step(model, sessions, chunks: list[torch.Tensor], marks=None):
+    """The transaction of a step of `chunks` over `sessions`, and the work of its one pass."""
     lengths = [len(c) for c in chunks]
     txn = transaction(model, [s.image for s in sessions], [s.budget for s in sessions], lengths,
                       reserve=[s.reserve for s in sessions])
     ids = torch.cat(list(chunks)).to(model.device)
 
     def work() -> None:             # no fault is armed here: its injection points do nothing
-        run_stages(model, txn, StepBatch.ragged(ids, [p.frontier for p in txn.parts], lengths))
+        run_stages(model, txn, StepBatch.ragged(ids, [p.frontier for p in txn.parts], lengths, marks))
         txn.extend_reserved()
+        if marks is not None:
+            txn.check_each("marks")
 
-    return conclude(model, txn, work, sessions, chunks, outs)
+    return txn, work
 
 
 def conclude(model, txn: Transaction, work, sessions, chunks, outs) -> list:

@@ -49,7 +49,7 @@ def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out
     (increasing, the last the chunk's length), every banked value the chunk writes as it stood
     after that many tokens -> those values by owner, [len(marks), ...] each, checked with the
     chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
-    end at the marks)."""
+    end at the marks; a stage that writes a banked value without them refuses the chunk)."""
     txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve)
     finish(txn, _stages_of(model, ids, marks), out)
     return txn.after_each
@@ -59,6 +59,8 @@ def _stages_of(model, ids: torch.Tensor, marks: tuple[int, ...] | None = None):
     def work(txn: Transaction) -> None:
         run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each, marks=marks))
         txn.extend_reserved()
+        if marks is not None:
+            txn.check_each("marks")
     return work
 
 

@@ -80,9 +80,9 @@ class Head:
                 X = self.streams(step)
             step.streams, step.pending = X, None
 
-        if step.keeps:              # the values after every position, or after each mark
+        if step.keeps:              # the values after every position, or after each session's marks
             if step.marks is not None:
-                at = [m - 1 for m in step.marks]
+                at = list(step.kept_rows)
                 X, h = X[at], None if h is None else h[at]
             logits = self._output(X, h)
             txn.write_each("residual", X)

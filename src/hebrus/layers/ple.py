@@ -133,15 +133,21 @@ class PLEStage:
         return [torch.cat(order) for order in zip(*each)]
 
     def _write_history(self, txn: StepContext, batch: StepBatch, ids: torch.Tensor, history: torch.Tensor) -> None:
-        if batch.one_each:
+        if batch.marks is not None:         # after each session's marks: the `keep` ids ending at each
+            after = []
+            for i, counts in enumerate(batch.marks):
+                mine = torch.cat([history if batch.sessions == 1 else history[i], batch.rows_of(i, ids)])
+                at = torch.tensor(counts, device=ids.device)
+                after.append(mine[at[:, None] + torch.arange(self.keep, device=ids.device)])
+            txn.write_each("ple.history", torch.cat(after))
+        elif batch.one_each:
             txn.write("ple.history", torch.cat([history, ids[:, None]], dim=1)[:, -self.keep:])
         elif batch.sessions > 1:
             txn.write("ple.history", torch.stack([torch.cat([history[i], batch.rows_of(i, ids)])[-self.keep:]
                                                   for i in range(batch.sessions)]))
-        elif batch.keeps:                 # after token t (each t, or each mark): the `keep` ids ending at it
+        elif batch.each:                    # after every token t: the `keep` ids ending at it
             ids = torch.cat([history, ids])
-            after = (torch.arange(1, len(ids) - self.keep + 1, device=ids.device) if batch.each
-                     else torch.tensor(batch.marks, device=ids.device))
+            after = torch.arange(1, len(ids) - self.keep + 1, device=ids.device)
             txn.write_each("ple.history", ids[after[:, None] + torch.arange(self.keep, device=ids.device)])
         else:
             txn.write("ple.history", torch.cat([history, ids])[-self.keep:])

@@ -29,8 +29,13 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
     one call with `whole_chunk` (fast mode), else token by token (on fresh copies, with
     `batch.token(t)`). For a prefix transaction (`batch.each`), the state after every token,
     stacked, instead of the last: exact mode keeps each token's, and a whole-chunk step is
-    called with `each=True` to return them itself. With `batch.marks`, the chunk runs in
-    pieces that end at them, the state after each piece kept, stacked."""
+    called with `each=True` to return them itself. With `batch.marks`, each session's chunk
+    runs in pieces that end at its marks, the state after each piece kept: stacked, session
+    after session ([M, ...], `StepBatch.keeps`); a step that takes any step runs every
+    session's r-th piece in one call (`_by_rounds`)."""
+    marked = batch.marks is not None and state is not None
+    if marked and batch.sessions > 1 and whole_chunk and ragged and not batch.one_each:
+        return _by_rounds(step, batch, inputs, state)
     if batch.sessions > 1 and not (whole_chunk and (batch.one_each or state is None or ragged)):
         outs, states = [], []
         for i in range(batch.sessions):
@@ -38,8 +43,8 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
             out, mine = scan(step, whole_chunk, batch.session(i), tuple(_rows(batch, i, x) for x in inputs), mine)
             outs.append(out)
             states.append(mine)
-        return _cat(outs), (None if state is None else _stack(states))
-    if batch.marks is not None and state is not None:
+        return _cat(outs), (None if state is None else (_cat if marked else _stack)(states))
+    if marked and batch.sessions == 1:
         return _by_marks(step, whole_chunk, batch, inputs, state)
     each = batch.each and state is not None     # a step without state has nothing to keep per token
     if whole_chunk:
@@ -55,16 +60,49 @@ def scan(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple[torc
 
 
 def _by_marks(step: Callable, whole_chunk: bool, batch: StepBatch, inputs: tuple, state):
-    """`scan` of one session's chunk in pieces ending at `batch.marks` -> (out, the state after
+    """`scan` of one session's chunk in pieces ending at its marks -> (out, the state after
     each piece [len(marks), ...])."""
     outs, states, start = [], [], 0
-    for end in batch.marks:
+    for end in batch.marks[0]:
         out, state = scan(step, whole_chunk, batch.span(start, end),
                           tuple(None if x is None else x[start:end] for x in inputs), state)
         outs.append(out)
         states.append(state)
         start = end
     return _cat(outs), _stack(states)
+
+
+def _by_rounds(step: Callable, batch: StepBatch, inputs: tuple, state):
+    """`scan` of several sessions' chunks, each in pieces ending at its marks, for a step that
+    takes any step: round r runs the r-th piece of every session that has one in one call (a
+    ragged step of pieces, each from the state its session's previous piece left) -> (out, the
+    state after every piece, session after session [M, ...])."""
+    edges = [(0,) + counts for counts in batch.marks]           # session i's piece r: edges[i][r]..edges[i][r + 1]
+    now = [_index(state, i) for i in range(batch.sessions)]
+    kept: list[list] = [[] for _ in range(batch.sessions)]
+    pieces = []                                                  # (first row, its out)
+    for r in range(max(map(len, batch.marks))):
+        who = [i for i in range(batch.sessions) if r < len(batch.marks[i])]
+        rows = [(batch.bounds[i] + edges[i][r], batch.bounds[i] + edges[i][r + 1]) for i in who]
+        piece = StepBatch.ragged(torch.cat([batch.ids[a:b] for a, b in rows]),
+                                 [batch.starts[i] + edges[i][r] for i in who], [b - a for a, b in rows])
+        piece.members = tuple(batch.which[i] for i in who)
+        ins = tuple(None if x is None else torch.cat([x[a:b] for a, b in rows]) for x in inputs)
+        out, after = scan(step, True, piece, ins, now[who[0]] if len(who) == 1 else _stack([now[i] for i in who]),
+                          ragged=True)
+        for j, i in enumerate(who):
+            now[i] = after if len(who) == 1 else _index(after, j)
+            kept[i].append(now[i])
+            pieces.append((rows[j][0], _part(out, piece.bounds[j], piece.bounds[j + 1])))
+    pieces.sort(key=lambda p: p[0])
+    return _cat([out for _, out in pieces]), _cat([_stack(states) for states in kept])
+
+
+def _part(out, a: int, b: int):
+    """Rows a..b of `scan`'s out (each part of a tuple; None stays None)."""
+    if isinstance(out, tuple):
+        return tuple(None if x is None else x[a:b] for x in out)
+    return out[a:b]
 
 
 def _rows(batch: StepBatch, i: int, x: torch.Tensor | None):

@@ -38,8 +38,8 @@ at each prompt's end, where a prompt left a cached one, and at the end of every 
 later request whose prompt begins with cached tokens forks the nearest state kept at or below
 where they part and feeds only the rest; its `cached` says how many tokens it was spared. A
 request sees only its own space's entries: its API key's (and `cache_salt`'s), or every key's
-when `share_prefixes` is on. A chunk that keeps states is fed alone (`Session.feed_keeping`);
-the others are fed together as above.
+when `share_prefixes` is on. The chunks of a turn that keep states are fed with the others in one
+pass (`feed_keeping_many`).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ import torch
 from hebrus import faults
 from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling, penalise, sample_many
-from hebrus.batching import Batch, feed_many
+from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling.prefix import PrefixCache
 
@@ -325,19 +325,16 @@ class Scheduler:
         return ("" if self.share_prefixes else request.key, request.salt)
 
     def _prefill(self, feeding: list[tuple[Request, list[int]]]) -> None:
-        """Feed each request its next prompt chunk: a chunk that keeps states for the prefix
-        cache alone, the others in fast mode in one pass (`feed_many`: each its own transaction,
-        so one that aborts fails alone), else one after another."""
+        """Feed each request its next prompt chunk, keeping states for the prefix cache at its
+        marks: in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a chunk
+        keeps states: each its own transaction, so one that aborts fails alone), else one after
+        another."""
         started = time.perf_counter()
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
         fed = sum(len(c) for _, c in feeding)
-        results = self._each_or_together([(r, c) for r, c in feeding if not marked[r.id]], self._prefill_together)
-        for request, chunk in feeding:
-            if marked[request.id]:
-                try:
-                    results[request.id] = self._feed_keeping(request, chunk, marked[request.id])
-                except Exception as exc:            # an abort, or anything else: this request's alone
-                    results[request.id] = exc
+        results = self._each_or_together(
+            feeding, lambda joint: self._prefill_together(joint, marked),
+            lambda r, c: self._feed_keeping(r, c, marked[r.id]) if marked[r.id] else self._feed(r, c))
         spent = time.perf_counter() - started       # a feed returns once validated: synced
         self._token_s = _mean(self._token_s, spent / fed)
         for request, chunk in feeding:
@@ -352,13 +349,22 @@ class Scheduler:
             if request.fed == len(request.prompt):
                 self.prefills.append(request.prefill_s)
 
-    @staticmethod
-    def _prefill_together(joint: list[tuple[Request, list[int]]]) -> dict:
-        """Two or more requests' chunks in one pass -> request id -> outcome; one is left alone."""
+    def _prefill_together(self, joint: list[tuple[Request, list[int]]], marked: dict) -> dict:
+        """Two or more requests' chunks in one pass, the states after their marks cached ->
+        request id -> outcome; one is left alone."""
         if len(joint) < 2:
             return {}
-        fed = feed_many([r.session for r, _ in joint], [c for _, c in joint])
-        return {r.id: result for (r, _), result in zip(joint, fed)}
+        sessions, chunks = [r.session for r, _ in joint], [c for _, c in joint]
+        if not any(marked[r.id] for r, _ in joint):
+            return {r.id: result for (r, _), result in zip(joint, feed_many(sessions, chunks))}
+        results = {}
+        for (request, _), result in zip(joint, feed_keeping_many(sessions, chunks, [marked[r.id] for r, _ in joint])):
+            if isinstance(result, BaseException):
+                results[request.id] = result
+            else:
+                results[request.id] = result[0]
+                self._keep(request, marked[request.id], result[1])
+        return results
 
     def _decode_step(self, requests: list[Request]) -> None:
         """Sample each request's next token and send it at once (it is chosen: the step that
@@ -381,12 +387,13 @@ class Scheduler:
             self._stepped(request, tokens[request.id], results[request.id])
         self._spend("finish", now)
 
-    def _each_or_together(self, chunks: list[tuple[Request, list[int]]], together) -> dict:
+    def _each_or_together(self, chunks: list[tuple[Request, list[int]]], together, alone=None) -> dict:
         """Request id -> its logits, or the exception that failed it, after feeding it its
         chunk: in fast mode those under no fault first in one call `together(their (request,
         chunk) pairs)` -> request id -> outcome (it may take none), then every request it did
-        not take alone; all of them alone when that call fails as a whole (no one session's
-        abort)."""
+        not take alone (`alone(request, chunk)`, `_feed` unless given); all of them alone when
+        that call fails as a whole (no one session's abort)."""
+        alone = alone or self._feed
         joint = [(r, c) for r, c in chunks if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
         results = {}
         if joint:
@@ -397,7 +404,7 @@ class Scheduler:
         for request, chunk in chunks:
             if request.id not in results:
                 try:
-                    results[request.id] = self._feed(request, chunk)
+                    results[request.id] = alone(request, chunk)
                 except Exception as exc:            # an abort, or anything else: this request's alone
                     results[request.id] = exc
         return results
@@ -462,11 +469,15 @@ class Scheduler:
     def _feed_keeping(self, request: Request, ids: list[int], marks: list[int]) -> torch.Tensor:
         """Feed a prompt chunk, and cache the states after its marks."""
         logits, kept = self._faulted(request, lambda: request.session.feed_keeping(ids, marks))
+        self._keep(request, marks, kept)
+        return logits
+
+    def _keep(self, request: Request, marks: list[int], kept: list) -> None:
+        """Cache the sessions kept after `marks` of `request`'s chunk now fed."""
         space, start = self._space(request), request.fed
         for mark, session in zip(marks, kept):
             if session is not None:
                 self.cache.put(space, request.prompt[:start + mark], session)
-        return logits
 
     def _feed(self, request: Request, ids: list[int]) -> torch.Tensor:
         return self._faulted(request, lambda: request.session.feed(ids))

@@ -39,7 +39,7 @@ class StepBatch:
     lengths: tuple[int, ...]                    # tokens per session: N of them, each ≥ 1, summing to T
     starts: tuple[int, ...] | None              # each session's first position (host); None: a planned step
     each: bool = False                          # a prefix transaction (one session): values after every token kept
-    marks: tuple[int, ...] | None = None        # one session's chunk: token counts after which values are kept (last: T)
+    marks: tuple[tuple[int, ...], ...] | None = None    # per session: counts of its tokens after which values are kept (see `keeps`)
     members: tuple[int, ...] | None = None      # which of the transaction's sessions these are (None: all)
     parities: torch.Tensor | None = None        # a planned step's: each lane's public bank [N] (device)
     slots: torch.Tensor | None = None           # ... its slot [N]
@@ -55,9 +55,9 @@ class StepBatch:
     @classmethod
     def chunk(cls, ids: torch.Tensor, start: int, each: bool = False,
               marks: tuple[int, ...] | None = None) -> "StepBatch":
-        """One session's chunk at host position `start` (`marks`: see `keeps`)."""
+        """One session's chunk at host position `start` (`marks`: its counts, see `keeps`)."""
         return cls(ids, torch.arange(start, start + len(ids), device=ids.device), (len(ids),), (start,), each,
-                   marks)
+                   None if marks is None else (tuple(marks),))
 
     @classmethod
     def lanes(cls, ids, positions, lengths, parities, slots, tables, blocks, offsets,
@@ -69,12 +69,16 @@ class StepBatch:
                    blocks=blocks, offsets=offsets)
 
     @classmethod
-    def ragged(cls, ids: torch.Tensor, starts, lengths) -> "StepBatch":
-        """Session i's `lengths[i]` tokens at host positions starts[i]...; ids [sum(lengths)]."""
+    def ragged(cls, ids: torch.Tensor, starts, lengths, marks=None) -> "StepBatch":
+        """Session i's `lengths[i]` tokens at host positions starts[i]...; ids [sum(lengths)]
+        (`marks`: each session's counts, see `keeps`)."""
         if all(n == 1 for n in lengths):
-            return cls.tokens(ids, starts)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(ids.device)
-        return cls(ids, positions, tuple(lengths), tuple(starts))
+            step = cls.tokens(ids, starts)
+        else:
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(ids.device)
+            step = cls(ids, positions, tuple(lengths), tuple(starts))
+        step.marks = None if marks is None else tuple(map(tuple, marks))
+        return step
 
     @classmethod
     def tokens(cls, ids: torch.Tensor, starts) -> "StepBatch":
@@ -95,10 +99,26 @@ class StepBatch:
     @property
     def keeps(self) -> bool:
         """Whether banked values after more tokens than the last are kept: after every token (a
-        prefix transaction, `each`), or after each of `marks` (one session's chunk, counts of its
-        tokens ending with all of them: the states a prefix cache keeps). Stages then write
-        them stacked, with `write_each` ([T, ...] or [len(marks), ...])."""
+        prefix transaction, `each`, one session), or after each of `marks` (per session, counts
+        of its tokens, increasing, ending with all of them: the states a prefix cache keeps).
+        Stages then write them stacked, with `write_each`: [T, ...], or session after session,
+        each one's after its marks ([sum of the sessions' mark counts, ...], `kept_rows`)."""
         return self.each or self.marks is not None
+
+    @cached_property
+    def kept_rows(self) -> tuple[int, ...]:
+        """The rows after which values are kept (`marks`), session after session: what a stage
+        that keeps per-token values picks."""
+        return tuple(self.bounds[i] + m - 1 for i, counts in enumerate(self.marks) for m in counts)
+
+    @cached_property
+    def kept_last(self) -> tuple[int, ...]:
+        """Where each session's last kept value (after its whole chunk) lies among `kept_rows`."""
+        ends, total = [], 0
+        for counts in self.marks:
+            total += len(counts)
+            ends.append(total - 1)
+        return tuple(ends)
 
     @cached_property
     def one_each(self) -> bool:
@@ -141,7 +161,8 @@ class StepBatch:
         starts = None if self.starts is None else (self.starts[i],)
         lane = (lambda t: None) if self.tables is None else (lambda t: t[i:i + 1])
         token = (lambda t: None) if self.blocks is None else (lambda t: t[a:b])
-        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each, members=(self.which[i],),
+        return StepBatch(self.ids[a:b], self.positions[a:b], (b - a,), starts, self.each,
+                         None if self.marks is None else (self.marks[i],), members=(self.which[i],),
                          parities=lane(self.parities), slots=lane(self.slots), tables=lane(self.tables),
                          blocks=token(self.blocks), offsets=token(self.offsets))
 

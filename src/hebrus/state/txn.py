@@ -218,13 +218,27 @@ class Transaction:
 
     def write_each(self, name: str, values: torch.Tensor) -> None:
         """A banked owner's values after every token of the chunk [T, ...] (a prefix
-        transaction), or after each of its marks [M, ...] (`StepBatch.marks`): the last, after
-        the whole chunk, is written as `write` writes, all are kept (and checked) for `keep` or
+        transaction), or after each session's marks [M, ...], session after session
+        (`StepBatch.marks`, `kept_last`): each session's last, after its whole chunk, is written
+        as `write` writes, all are kept (and checked, each session's as its own) for `keep` or
         for the caller."""
-        self.write(name, values[-1])
+        if self.sessions == 1:
+            self.write(name, values[-1])
+            self._writes.append((values, 0))
+        else:
+            last = self.step.kept_last
+            self.write(name, values[list(last)])
+            for i, (a, b) in enumerate(zip((0,) + tuple(e + 1 for e in last[:-1]), (e + 1 for e in last))):
+                self._writes.append((values[a:b], i))
         self.after_each[name] = values
-        self._writes.append((values, 0))
         self._value_bytes += values.numel() * values.element_size()
+
+    def check_each(self, stage: str) -> None:
+        """Refuse (`StructuralError` at `stage`) a chunk whose stages wrote a banked owner without its
+        values after every token or mark (`write_each`): what is kept must be every value."""
+        missing = sorted(n for n in self.written if n != self.frontier_owner and n not in self.after_each)
+        if missing:
+            raise StructuralError(stage, f"no value after every token or mark for {', '.join(missing)}")
 
     def keep(self, k: int) -> int:
         """Publish only the chunk's first k tokens (a prefix transaction, after `validate`): the
@@ -234,9 +248,7 @@ class Transaction:
             raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
         p = self._one
         if 0 < k < p.length:
-            missing = sorted(n for n in self.written if n != self.frontier_owner and n not in self.after_each)
-            if missing:
-                raise StructuralError("keep", f"no value after every token for {', '.join(missing)}")
+            self.check_each("keep")
             for name, values in self.after_each.items():
                 p.private[name].copy_(values[k - 1])
             if self.frontier_owner in p.private:
