@@ -49,6 +49,19 @@ def test_the_nearest_kept_state_at_or_below_the_shared_prefix_wins():
     assert found(c, "a", prompt[:10]) == (at10, 10, 10) and found(c, "a", prompt[:8]) == (at8, 8, 8)
 
 
+def test_a_tail_on_the_way_down_is_found_when_the_prompt_leaves_a_longer_entry_deeper():
+    """A state kept inside a block (a tail) at a node the walk passes through, not the last:
+    a prompt that follows a longer entry's blocks past it, then leaves them before any deeper
+    kept state, gets the tail."""
+    c = cache(every=4)
+    prompt = list(range(1, 13))
+    at6, at12 = session(), session()
+    c.put("a", prompt[:6], at6)                 # a tail of the node at 4
+    c.put("a", prompt[:12], at12)               # blocks 4..8 and 8..12 below it, nothing kept at 8
+    assert found(c, "a", prompt[:9] + [99]) == (at6, 6, 9)
+    assert found(c, "a", prompt) == (at12, 12, 12)
+
+
 def test_a_cut_kept_once_is_found_by_the_next_prompt_sharing_as_much():
     """What the scheduler does on a first hit inside a block: the state at the cut is kept, so
     the next prompt sharing those tokens recomputes none."""

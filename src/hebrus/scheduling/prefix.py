@@ -105,17 +105,17 @@ class PrefixCache:
         if node is None:
             return Hit(None, 0, 0)
         prompt = tuple(prompt)
-        while True:
+        while True:                 # deeper is longer: a node's entry, then its tails, then its child's
+            rest = prompt[node.depth:node.depth + k]
             if node.entry is not None:
                 best = node.entry
-            child = node.children.get(prompt[node.depth:node.depth + k])
+            for tail, entry in node.tails.items():
+                if len(tail) <= len(rest) and rest[:len(tail)] == tail and (best is None or len(entry.tokens) > len(best.tokens)):
+                    best = entry
+            child = node.children.get(rest)
             if child is None:
                 break
             node = child
-        rest = prompt[node.depth:node.depth + k]
-        for tail, entry in node.tails.items():
-            if len(tail) <= len(rest) and rest[:len(tail)] == tail and (best is None or len(entry.tokens) > len(best.tokens)):
-                best = entry
         seen = max((_common(rest, other) for other in itertools.chain(node.children, node.tails)), default=0)
         cut = node.depth + seen
         if best is None:
