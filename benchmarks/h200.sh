@@ -10,7 +10,8 @@
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
-# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline), serving (the
+# the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline), sampled (the same at 64
+# clients, sampled at temperature 0.8), serving (the
 # workloads shared, long and mixed, each with the prefix cache on and off),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
@@ -72,6 +73,11 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    sampled)
+        # (a) sampled: 64 clients, each request at temperature 0.8 from its own seed
+        timeout 300 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 64 --requests 128 \
+            --serve-prompt 128 --serve-tokens 64 --serve-temperature 0.8 --cache /tmp/shapes \
+            --json "$out/bench-serve-sampled-qwen3.5-1.7b.json" --table "$out/bench-serve-sampled-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
     serving)
         # issue 30's workloads on the 1.68B shape: (b) a shared 2,000-token system prompt, (d) a
         # 32K prompt among 32 decoders, (e) lognormal lengths; each with the prefix cache on and off

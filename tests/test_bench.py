@@ -245,7 +245,22 @@ def test_bench_serve_measures_the_server_against_the_engine_offline(tmp_path):
     assert (tmp_path / "v.md").read_text() == out.getvalue()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--serve", "--model", "tiny", "--clients", "0"]) == 2
-    assert "--clients takes" in err.getvalue()
+        assert main(["bench", "--serve", "--model", "tiny", "--serve-temperature", "-1"]) == 2
+        assert main(["bench", "--serve", "--workload", "mixed", "--model", "tiny", "--serve-temperature", "1"]) == 2
+    assert "--clients takes" in err.getvalue() and "--serve-temperature must be" in err.getvalue()
+    assert "uniform workload only" in err.getvalue()
+
+
+def test_bench_serve_samples_at_a_temperature(tmp_path):
+    pytest.importorskip("uvicorn")
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["bench", "--serve", "--model", "tiny", "--clients", "2", "--requests", "3", "--serve-prompt", "8",
+            "--serve-tokens", "4", "--serve-temperature", "0.8", "--json", str(tmp_path / "t.json")]
+    with redirect_stdout(out), redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["temperature"] == 0.8 and report["points"][0]["output_tokens_per_s"] > 0
+    assert "sampled at temperature 0.8" in out.getvalue()
 
 
 @pytest.mark.parametrize("workload", ["shared", "mixed", "long", "chat"])

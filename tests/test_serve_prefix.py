@@ -233,15 +233,18 @@ def test_a_busy_key_lets_another_keys_later_request_in_first(tiny):
 def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(tiny):
     from hebrus.scheduling.scheduler import MIN_CHUNK
     scheduler = Scheduler(tiny, prefill_tokens=512, prefill_share=2.0, spare_sessions=0)
-    decoding, feeding = _ask([1, 2]), _ask(list(range(3, 900)))
-    decoding.fed = 2
-    scheduler.running += [decoding, feeding]
+    decoders, feeding = [_ask([1, 2]) for _ in range(31)], _ask(list(range(3, 900)))
+    for decoding in decoders:
+        decoding.fed = 2
+    scheduler.running += decoders + [feeding]
     assert scheduler._prompt_budget() == 512                    # nothing measured yet
     scheduler._token_s, scheduler._step_s = 1e-3, 50e-3         # a step costs 50 prompt tokens' time
     assert scheduler._prompt_budget() == 100
     scheduler._step_s = 1e-3
-    assert scheduler._prompt_budget() == MIN_CHUNK
-    scheduler.running.remove(decoding)                          # no one decoding: the whole budget
+    assert scheduler._prompt_budget() == MIN_CHUNK              # (its part by head count: 512 // 32)
+    del scheduler.running[:28]                                  # 3 decoding, 1 prefilling: its part, 128
+    assert scheduler._prompt_budget() == 128
+    scheduler.running = [feeding]                               # no one decoding: the whole budget
     assert scheduler._prompt_budget() == 512
     with pytest.raises(ValueError, match="positive"):
         Scheduler(tiny, prefill_share=0.0)

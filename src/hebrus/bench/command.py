@@ -71,6 +71,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--requests", type=int, default=64, help="requests per concurrency for --serve (default 64)")
     bench.add_argument("--serve-prompt", type=int, default=128, help="prompt tokens per --serve request (default 128)")
     bench.add_argument("--serve-tokens", type=int, default=64, help="new tokens per --serve request (default 64)")
+    bench.add_argument("--serve-temperature", type=float, default=0.0, metavar="T",
+                       help="--serve's uniform workload samples at temperature T, each request from its own "
+                            "seed (default 0: greedy)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -228,6 +231,10 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--clients must be comma-separated integers, got {args.clients!r}") from None
     if not clients or min(clients) < 1 or max(clients) > MAX_BATCH:
         raise InvalidInput(f"--clients takes concurrencies from 1 to {MAX_BATCH}")
+    if not 0.0 <= args.serve_temperature <= 100.0:
+        raise InvalidInput(f"--serve-temperature must be a number from 0 to 100, got {args.serve_temperature}")
+    if args.serve_temperature and args.workload != "uniform":
+        raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
     limit, name = model.spec.max_context, Path(args.model).name
     if args.workload == "shared":
@@ -252,7 +259,8 @@ def _serve(args, load_model) -> int:
     else:
         if args.serve_prompt + args.serve_tokens > limit:
             raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {limit}")
-        report = serve.run(model, name, clients, args.requests, args.serve_prompt, args.serve_tokens)
+        report = serve.run(model, name, clients, args.requests, args.serve_prompt, args.serve_tokens,
+                           args.serve_temperature)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     if args.workload == "uniform":
         return _written(args, report, serve.table(report))

@@ -37,11 +37,12 @@ def prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(count)]
 
 
-def offline(model, batch: int, prompt: int, tokens: int) -> dict:
+def offline(model, batch: int, prompt: int, tokens: int, temperature: float = 0.0) -> dict:
     """The same work as `batch` requests, with no server: `batch` sessions prefilled one after
     another (chunks of 256, as the server feeds them), then decoding `tokens` steps together
     (a `Batch`: graphs on CUDA; one session after another in exact mode), each step's tokens
-    chosen together as the server chooses them (`sample_many`). Tokens/s end to end
+    chosen together as the server chooses them (`sample_many`: greedy, or at `temperature`
+    from a generator each). Tokens/s end to end
     (prefill included, as a client sees it) and of the decode steps alone, and the median time
     of one prefill (of at least `PREFILLS`)."""
     from hebrus.batching import Batch
@@ -65,9 +66,10 @@ def offline(model, batch: int, prompt: int, tokens: int) -> dict:
     sync(model.device)
     decoding = time.perf_counter()
     together = Batch(sessions) if model.kernels.whole_chunk else None
-    greedy, generators = [Sampling()] * batch, [None] * batch
+    how = [Sampling(temperature=temperature)] * batch
+    generators = [torch.Generator().manual_seed(i) if temperature else None for i in range(batch)]
     for _ in range(tokens):
-        chosen = sample_many(logits, greedy, generators)         # as the server chooses: one argmax
+        chosen = sample_many(logits, how, generators)            # as the server chooses them
         failed = [c for c in chosen if isinstance(c, BaseException)]
         if failed:
             raise failed[0]
@@ -98,22 +100,25 @@ async def streamed(client, url: str, body: dict):
 
 
 async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens: int | list[int],
-               key: str | None = None, timeline: list | None = None) -> dict:
+               key: str | None = None, timeline: list | None = None, temperature: float = 0.0) -> dict:
     """Keep `clients` streaming requests in flight until every prompt of `asks` is answered
-    (`tokens` new ones each, or `tokens[i]` for ask i; greedy), asked in order; their throughput
+    (`tokens` new ones each, or `tokens[i]` for ask i; greedy, or sampled at `temperature`
+    from seed i), asked in order; their throughput
     and latencies. `timeline`: a list that gets each inter-token gap as it ends, (seconds from
     the start, the gap), while the load runs."""
     import httpx
     ttft, itl, made = [], [], 0
     counts = tokens if isinstance(tokens, list) else [tokens] * len(asks)
-    queue = list(zip(asks, counts))[::-1]
+    queue = list(enumerate(zip(asks, counts)))[::-1]
 
     async def worker(client):
         nonlocal made
         while queue:
-            ids, wanted = queue.pop()
+            i, (ids, wanted) = queue.pop()
             started = last = time.perf_counter()
-            body = {"model": name, "prompt": ids, "max_tokens": wanted, "temperature": 0, "stream": True}
+            body = {"model": name, "prompt": ids, "max_tokens": wanted, "temperature": temperature, "stream": True}
+            if temperature:
+                body["seed"] = i
             first = True
             async for event in streamed(client, url, body):
                 if not event["choices"] or event["choices"][0]["finish_reason"] is not None:
@@ -137,8 +142,9 @@ async def load(url: str, name: str, asks: list[list[int]], clients: int, tokens:
             "itl_ms_p99": _percentile(itl, 0.99) * 1e3 if itl else None}
 
 
-def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens, key: str | None = None) -> dict:
-    return asyncio.run(load(url, name, asks, clients, tokens, key))
+def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens, key: str | None = None,
+               temperature: float = 0.0) -> dict:
+    return asyncio.run(load(url, name, asks, clients, tokens, key, temperature=temperature))
 
 
 @contextlib.contextmanager
@@ -166,8 +172,8 @@ def serving(model, name: str, **options):
     url = f"http://127.0.0.1:{port}"
     clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
-    def ask(asks, clients: int, tokens, key: str | None = None) -> dict:
-        return clients_process.submit(_load_here, url, name, asks, clients, tokens, key).result()
+    def ask(asks, clients: int, tokens, key: str | None = None, temperature: float = 0.0) -> dict:
+        return clients_process.submit(_load_here, url, name, asks, clients, tokens, key, temperature).result()
     ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
     try:
         yield url, scheduler, ask
@@ -178,7 +184,8 @@ def serving(model, name: str, **options):
         scheduler.stop(drain_seconds=5)
 
 
-def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int) -> dict:
+def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,
+        temperature: float = 0.0) -> dict:
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0) as (url, scheduler, ask):
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
@@ -188,12 +195,12 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             # offline once before the server too: what the server's run leaves warm (compiled
             # shapes, the allocator's blocks) must not be all on offline's side
             _settled(scheduler)
-            first = offline(model, clients, prompt, tokens)
+            first = offline(model, clients, prompt, tokens, temperature)
             scheduler.prefills.clear()
             scheduler.clock_reset()
             scheduler.timed.clear()
             compiled = _compiled()
-            point = ask(asks, clients, tokens)
+            point = ask(asks, clients, tokens, temperature=temperature)
             point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
                                "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
             # the same requests' prefills as the engine timed them: TTFT less this is what the
@@ -202,7 +209,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             point["ttft_minus_engine_prefill_ms"] = point["ttft_ms_p50"] - point["engine_prefill_ms_p50"]
             compiled = _compiled()
             _settled(scheduler)
-            point["offline"] = offline(model, clients, prompt, tokens)
+            point["offline"] = offline(model, clients, prompt, tokens, temperature)
             point["offline"]["compiled"] = _compiled() - compiled
             point["offline_first"] = first
             point["throughput_over_offline"] = point["output_tokens_per_s"] / point["offline"]["tokens_per_s"]
@@ -211,7 +218,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "mode": model.mode, "prompt": prompt, "tokens": tokens, "points": points}
+            "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "points": points}
 
 
 def _settled(scheduler, seconds: float = 60.0) -> None:
@@ -233,7 +240,9 @@ def _compiled() -> int:
 
 def table(report: dict) -> str:
     lines = [f"# serving: {report['model']} on {report['device']} ({report['dtype']}, {report['mode']})", "",
-             f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request (greedy, streamed); "
+             f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request "
+             f"({'sampled at temperature ' + str(report['temperature']) if report.get('temperature') else 'greedy'}, "
+             "streamed); "
              "offline: the same sessions prefilled, then decoding together; end to end includes the prefills", "",
              "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "
              "| server ÷ decode | TTFT p50 ms | TTFT p99 ms | prefill ms | engine prefill ms | TTFT − engine prefill "

@@ -5,9 +5,10 @@ Each turn of the loop admits waiting requests (up to `max_sessions` running), fe
 chunks of requests still prefilling, oldest request first, up to `prefill_tokens` tokens a turn
 (at least one chunk, so a long prompt cannot stall: this budget never cuts a chunk); with
 `prefill_share` and requests decoding, fewer, cut to fit: as many as that many decode steps'
-time feeds, both measured, but at least MIN_CHUNK, so that a long prompt does not stall the
-decoders' pace (a bound in measured time, not tokens: a token costs more deep in a long
-context). In fast mode the turn's chunks go in one pass, each request its own transaction;
+time feeds, both measured, so that a long prompt does not stall the decoders' pace (a bound in
+measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
+and at least the prefilling requests' part of `prefill_tokens` by head count (one decoder does
+not hold fifteen waiting prompts to a trickle). In fast mode the turn's chunks go in one pass, each request its own transaction;
 then comes one decode step of every request
 that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
 Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
@@ -280,12 +281,14 @@ class Scheduler:
     def _prompt_budget(self) -> int:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
         requests decoding, no more than that many decode steps' time takes (both measured, as
-        running means), but at least MIN_CHUNK."""
-        if self.prefill_share is None or self._token_s is None or self._step_s is None or \
-                not any(r.fed >= len(r.prompt) for r in self.running):
+        running means), but at least MIN_CHUNK and at least the prefilling requests' part of
+        `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
+        decoding = sum(r.fed >= len(r.prompt) for r in self.running)
+        if self.prefill_share is None or self._token_s is None or self._step_s is None or not decoding:
             return self.prefill_tokens
         afford = int(self.prefill_share * self._step_s / self._token_s)
-        return max(MIN_CHUNK, min(self.prefill_tokens, afford))
+        fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
+        return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
 
     def _spend(self, part: str, since: float) -> float:
         now = time.perf_counter()
