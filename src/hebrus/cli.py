@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                             "tokens coming (default 512)")
     serve.add_argument("--prefill-share", type=float, default=2.0, metavar="STEPS",
                        help="while requests decode, a turn's prompt chunks take at most the time of this many "
-                            "decode steps (measured; default 2): a long prompt slows their tokens by at most "
+                            "decode steps (measured; default 2), or the prefilling requests' part of "
+                            "--prefill-tokens by head count if more: a long prompt slows their tokens by "
                             "about 1 + STEPS times")
     serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
