@@ -207,3 +207,28 @@ def test_bad_marks_for_several_sessions_are_refused_and_change_nothing(tiny, mar
     with pytest.raises(InvalidInput, match="marks|mark"):
         feed_keeping_many(sessions, CHUNKS, marks)
     assert [s.digest() for s in sessions] == before
+
+
+def test_a_sessions_budget_counts_only_its_own_kept_values():
+    """Beside a session keeping forty states, one with a memory budget that its chunk and one
+    mark fit alone is not refused: each session's budget is asked for its own kept values."""
+    from hebrus.batching import feed_keeping_many
+    model = hebrus.load("tiny", mode="fast")
+    mine, theirs = list(range(13, 33)), list(range(53, 93))
+
+    def warm(limit=None):
+        s = hebrus.Session(model, memory_budget=limit)
+        s.feed([3, 4, 5])
+        return s
+    need = None
+    for limit in (1 << 12) * torch.arange(1, 400):      # the least budget (in 4 KiB steps) it takes alone
+        try:
+            warm(int(limit)).feed_keeping(mine, [5])
+        except (hebrus.AllocationError, InvalidInput):  # (too small for a session, or for the chunk)
+            continue
+        need = int(limit)
+        break
+    assert need is not None
+    budgeted, other = warm(need), warm()
+    got = feed_keeping_many([budgeted, other], [mine, theirs], [[5], list(range(1, 41))])
+    assert not isinstance(got[0], BaseException) and len(got[1][1]) == 40

@@ -100,6 +100,30 @@ def test_in_fast_mode_chunks_that_keep_states_share_one_pass_and_later_prompts_h
         assert float((request.logits - alone).abs().max()) <= 1e-3 * scale
 
 
+def test_a_failure_caching_kept_states_never_feeds_a_chunk_again(tiny_fast, monkeypatch):
+    """The cache refusing a kept state once (after the turn's pass has published its chunks):
+    the states are lost, the chunks stay fed once, and the requests answer as cold runs do."""
+    scheduler = Scheduler(tiny_fast, chunk_size=64, prefill_tokens=512, prefix_every=16, decode="eager")
+    real, failed = scheduler.cache.put, []
+
+    def put(*args):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a cache that fails once")
+        return real(*args)
+    monkeypatch.setattr(scheduler.cache, "put", put)
+    requests = [_ask(SHARED[:40] + tokens(n, seed=n), seed=i) for i, n in enumerate((5, 9))]
+    scheduler.waiting.extend(requests)
+    scheduler._take_waiting()
+    scheduler._turn()
+    assert failed and all(r.session.frontier == r.fed + len(r.produced) for r in requests)
+    _together(scheduler, [])
+    for request in requests:
+        alone = tiny_fast.session().feed(request.prompt + request.got)
+        scale = max(float(alone.abs().max()), 1.0)
+        assert float((request.logits - alone).abs().max()) <= 1e-3 * scale
+
+
 def test_a_key_or_a_salt_never_sees_anothers_prefixes(tiny):
     scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512)
     prompt = SHARED[:150]

@@ -191,12 +191,12 @@ class Session:
 
     def _prefix_at(self, frontier: int, banked: dict) -> "Session | None":
         """A new session at `frontier` of this one's rows with `banked` values, or None when the
-        pool has no slot for it."""
+        pool has no slot for it (or the device no memory)."""
         banked[eager.FRONTIER] = torch.tensor(frontier, dtype=torch.int64, device=self.model.device)
         try:
             kept = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve,
                            image=lambda: self.image.prefix(frontier, banked))
-        except AllocationError:
+        except (AllocationError, torch.OutOfMemoryError):   # the chunk is published: only this one is lost
             return None
         kept.budget.held = kept.image.held_bytes()
         return kept

@@ -235,6 +235,7 @@ class Scheduler:
                 self._turn()
             except Exception as exc:                    # a bug here must not strand the requests
                 for request in self.running + list(self.preempted):
+                    request.session = None          # its slot and blocks back, as `_end` does
                     request.emit("error", exc)
                 self.running, self.host_held = [], 0
                 self.preempted.clear()
@@ -334,10 +335,18 @@ class Scheduler:
         another."""
         started = time.perf_counter()
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
-        fed = sum(len(c) for _, c in feeding)
+        fed, kept = sum(len(c) for _, c in feeding), {}
         results = self._each_or_together(
-            feeding, lambda joint: self._prefill_together(joint, marked),
-            lambda r, c: self._feed_keeping(r, c, marked[r.id]) if marked[r.id] else self._feed(r, c))
+            feeding, lambda joint: self._prefill_together(joint, marked, kept),
+            lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
+        # cached only now, outside the feeds: a failure here must not read as a pass that
+        # failed (its chunks would be fed again); the chunks are published, only states are lost
+        for request, _ in feeding:
+            if request.id in kept:
+                try:
+                    self._keep(request, marked[request.id], kept[request.id])
+                except Exception:
+                    pass
         spent = time.perf_counter() - started       # a feed returns once validated: synced
         self._token_s = _mean(self._token_s, spent / fed)
         for request, chunk in feeding:
@@ -352,9 +361,9 @@ class Scheduler:
             if request.fed == len(request.prompt):
                 self.prefills.append(request.prefill_s)
 
-    def _prefill_together(self, joint: list[tuple[Request, list[int]]], marked: dict) -> dict:
-        """Two or more requests' chunks in one pass, the states after their marks cached ->
-        request id -> outcome; one is left alone."""
+    def _prefill_together(self, joint: list[tuple[Request, list[int]]], marked: dict, kept: dict) -> dict:
+        """Two or more requests' chunks in one pass -> request id -> outcome (one is left
+        alone); the sessions kept after a request's marks go in `kept` by its id."""
         if len(joint) < 2:
             return {}
         sessions, chunks = [r.session for r, _ in joint], [c for _, c in joint]
@@ -365,8 +374,7 @@ class Scheduler:
             if isinstance(result, BaseException):
                 results[request.id] = result
             else:
-                results[request.id] = result[0]
-                self._keep(request, marked[request.id], result[1])
+                results[request.id], kept[request.id] = result
         return results
 
     def _decode_step(self, requests: list[Request]) -> None:
@@ -469,10 +477,9 @@ class Scheduler:
         stop = len(request.prompt)
         return [p - start for p in self.cache.marks(start, stop, request.cut) if p <= start + length]
 
-    def _feed_keeping(self, request: Request, ids: list[int], marks: list[int]) -> torch.Tensor:
-        """Feed a prompt chunk, and cache the states after its marks."""
-        logits, kept = self._faulted(request, lambda: request.session.feed_keeping(ids, marks))
-        self._keep(request, marks, kept)
+    def _feed_keeping(self, request: Request, ids: list[int], marks: list[int], kept: dict) -> torch.Tensor:
+        """Feed a prompt chunk; the sessions kept after its marks go in `kept` by its id."""
+        logits, kept[request.id] = self._faulted(request, lambda: request.session.feed_keeping(ids, marks))
         return logits
 
     def _keep(self, request: Request, marks: list[int], kept: list) -> None:

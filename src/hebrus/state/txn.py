@@ -121,6 +121,7 @@ class Transaction:
         self.stage_index, self.stage = -1, "begin"
         self._writes: list[tuple[torch.Tensor, int | None]] = []    # this stage's: (tensor, its session or None)
         self._value_bytes = 0                       # bytes of banked values this stage wrote, per session
+        self._own_bytes: dict[int, int] = {}        # ... and those one session wrote alone (by its index)
         self._rows_handed = self.planned
         self._cut = False                           # `keep` left rows past the new frontier
         self.pass_failed = False                    # `failures` found the pass itself failed
@@ -225,13 +226,16 @@ class Transaction:
         if self.sessions == 1:
             self.write(name, values[-1])
             self._writes.append((values, 0))
-        else:
+            self._value_bytes += values.numel() * values.element_size()
+        else:                               # each session's own values, checked and counted as its own
             last = self.step.kept_last
             self.write(name, values[list(last)])
             for i, (a, b) in enumerate(zip((0,) + tuple(e + 1 for e in last[:-1]), (e + 1 for e in last))):
-                self._writes.append((values[a:b], i))
+                mine = values[a:b]
+                self._writes.append((mine, i))
+                j = self.step.which[i]
+                self._own_bytes[j] = self._own_bytes.get(j, 0) + mine.numel() * mine.element_size()
         self.after_each[name] = values
-        self._value_bytes += values.numel() * values.element_size()
 
     def check_each(self, stage: str) -> None:
         """Refuse (`StructuralError` at `stage`) a chunk whose stages wrote a banked owner without its
@@ -324,16 +328,16 @@ class Transaction:
     def enter(self, index: int) -> None:
         """Begin the stage `stages[index]`: its index is the cell of its checks and completion."""
         self.stage_index, self.stage = index, self.stages[index]
-        self._writes, self._value_bytes = [], 0
+        self._writes, self._value_bytes, self._own_bytes = [], 0, {}
 
     def seal(self) -> None:
         """Queue the finite checks of everything this stage wrote, admit what it emitted and
         wrote to each session's memory budget (the values it keeps; its scratch tensors are not
         counted), and record its completion."""
         self.checks.finite(self.stage_index, self._writes)
-        for p in self.parts:
+        for j, p in enumerate(self.parts):
             if p.failure is None:
-                growth = max(p.working - p.budget.working + self._value_bytes, 0)
+                growth = max(p.working - p.budget.working + self._value_bytes + self._own_bytes.get(j, 0), 0)
                 p.accounts.append((growth, p.working, self.stage))
                 try:
                     self._request(p.budget.admit, growth, f"the intermediates of {self.stage}")
