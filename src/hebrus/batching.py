@@ -62,11 +62,7 @@ def feed_keeping_many(sessions, tokens, marks) -> list:
         for s in sessions:
             s._check_faults()
     with exclusive(sessions):
-        for i, (s, chunk) in enumerate(zip(sessions, chunks)):
-            try:
-                s._check_room(len(chunk))
-            except InvalidInput as exc:
-                raise InvalidInput(f"session {i}: {exc}") from None
+        _check_rooms(sessions, [len(c) for c in chunks])
         with torch.inference_mode():
             starts = [s.frontier for s in sessions]
             every = [c if c and c[-1] == len(chunk) else c + (len(chunk),) for c, chunk in zip(counts, chunks)]
@@ -152,11 +148,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
             s._check_faults()
     with exclusive(sessions):
         lengths = [1] * len(sessions) if isinstance(chunks, torch.Tensor) else [c.shape[0] for c in chunks]
-        for i, s in enumerate(sessions):
-            try:
-                s._check_room(lengths[i])
-            except InvalidInput as exc:
-                raise InvalidInput(f"session {i}: {exc}") from None
+        _check_rooms(sessions, lengths)
         with torch.inference_mode():
             if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
                 return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
@@ -167,3 +159,13 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
                 return steps.run([s.image for s in sessions], [s.budget for s in sessions], ids, 1,
                                  False, conclude)
             return batch.run_step(model, sessions, chunks, outs)
+
+
+def _check_rooms(sessions, lengths: list[int]) -> None:
+    """Each session has room for its chunk (the caller holds their locks); the first that has
+    not is named."""
+    for i, (s, length) in enumerate(zip(sessions, lengths)):
+        try:
+            s._check_room(length)
+        except InvalidInput as exc:
+            raise InvalidInput(f"session {i}: {exc}") from None

@@ -34,9 +34,6 @@ def run_marked_step(model, sessions, chunks: list[torch.Tensor], marks: list[tup
     ...]) or the `ChunkAborted` that aborted it."""
     txn, work = _step(model, sessions, chunks, marks)
     results = _shared_pass(txn, work, [None] * len(sessions))
-    firsts = [0]
-    for counts in marks:
-        firsts.append(firsts[-1] + len(counts))
     out = []
     for i, (result, session, chunk) in enumerate(zip(results, sessions, chunks)):
         if result is None:              # the pass failed, not this session: its chunk alone
@@ -44,7 +41,8 @@ def run_marked_step(model, sessions, chunks: list[torch.Tensor], marks: list[tup
         elif isinstance(result, ChunkAborted):
             out.append(result)
         else:
-            out.append((result, {name: values[firsts[i]:firsts[i + 1]] for name, values in txn.after_each.items()}))
+            a, b = txn.step.kept_spans[i]
+            out.append((result, {name: values[a:b] for name, values in txn.after_each.items()}))
     return out
 
 

@@ -112,13 +112,18 @@ class StepBatch:
         return tuple(self.bounds[i] + m - 1 for i, counts in enumerate(self.marks) for m in counts)
 
     @cached_property
+    def kept_spans(self) -> tuple[tuple[int, int], ...]:
+        """Each session's values among `kept_rows`: (first, past its last)."""
+        spans, total = [], 0
+        for counts in self.marks:
+            spans.append((total, total + len(counts)))
+            total += len(counts)
+        return tuple(spans)
+
+    @property
     def kept_last(self) -> tuple[int, ...]:
         """Where each session's last kept value (after its whole chunk) lies among `kept_rows`."""
-        ends, total = [], 0
-        for counts in self.marks:
-            total += len(counts)
-            ends.append(total - 1)
-        return tuple(ends)
+        return tuple(b - 1 for _, b in self.kept_spans)
 
     @cached_property
     def one_each(self) -> bool:

@@ -228,9 +228,8 @@ class Transaction:
             self._writes.append((values, 0))
             self._value_bytes += values.numel() * values.element_size()
         else:                               # each session's own values, checked and counted as its own
-            last = self.step.kept_last
-            self.write(name, values[list(last)])
-            for i, (a, b) in enumerate(zip((0,) + tuple(e + 1 for e in last[:-1]), (e + 1 for e in last))):
+            self.write(name, values[list(self.step.kept_last)])
+            for i, (a, b) in enumerate(self.step.kept_spans):
                 mine = values[a:b]
                 self._writes.append((mine, i))
                 j = self.step.which[i]
