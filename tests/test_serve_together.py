@@ -45,11 +45,13 @@ def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> li
     raise AssertionError("the requests did not end")
 
 
-def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny):
+@pytest.mark.parametrize("passes", ["one", "two"])
+def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny, passes):
     """Exact mode: every request's tokens are bit for bit what its session generates alone,
-    whoever decodes beside it, turn after turn."""
+    whoever decodes beside it, turn after turn, its steps in the pass of the turn's prompt
+    chunks or in one of their own."""
     got = {}
-    requests = _turns(Scheduler(tiny, chunk_size=8, prefill_tokens=8), got)
+    requests = _turns(Scheduler(tiny, chunk_size=8, prefill_tokens=8, passes=passes), got)
     for i, request in enumerate(requests):
         alone = tiny.session().generate(request.prompt, max_new_tokens=request.max_tokens, temperature=0.8, seed=i)
         assert got[i] == list(alone), i
@@ -89,6 +91,44 @@ def test_one_pass_steps_exactly_the_requests_decoding_and_none_that_ended(tiny_f
         session = scheduler.cache.find(("key", ""), request.prompt + request.produced).session
         assert (session.frontier, session.digest()) == left[request.id], i
         assert session.frontier == len(request.prompt) + len(got[i]) and got[i] == request.produced
+        alone = model.session(decode="eager").feed(request.prompt + request.produced)
+        _close(session.logits, alone, f"request {i}")
+
+
+def test_one_pass_a_turn_carries_the_steps_and_the_prompt_chunks(tiny_fast, monkeypatch):
+    """Fast mode, eager steps (`passes` "auto" is "one"): a turn with requests decoding runs one
+    pass, in which they step (one token each) beside the chunks of prompts still being fed; a
+    request whose prompt is fed sends its first token in that turn. Each request's tokens are
+    the ones it sent, and its state is what an eager session fed them holds."""
+    from hebrus.scheduling import scheduler as module
+    model, passes = tiny_fast, []
+
+    def counted(real):
+        def pass_(sessions, chunks, *rest):
+            passes[-1].append(sorted(len(c) for c in chunks))
+            return real(sessions, chunks, *rest)
+        return pass_
+    monkeypatch.setattr(module, "feed_many", counted(module.feed_many))
+    monkeypatch.setattr(module, "feed_keeping_many", counted(module.feed_keeping_many))
+    scheduler = Scheduler(model, chunk_size=8, prefill_tokens=8)
+    assert scheduler.passes == "one"
+    got, unsent = {}, []
+
+    def each_turn(requests):
+        passes.append([])
+        # a request whose prompt is fed has sent its first token in that same turn
+        unsent.extend(r.id for r in requests if r.fed == len(r.prompt) and not got[requests.index(r)])
+    passes.append([])
+    requests = _turns(scheduler, got, key="key", each_turn=each_turn)
+    passes.pop()
+    assert all(len(turn) <= 1 for turn in passes)                   # never a second pass of chunks
+    mixed = [turn[0] for turn in passes if turn and turn[0][0] == 1 and turn[0][-1] > 1]
+    assert mixed, passes                                            # steps beside prompt chunks
+    assert not unsent
+    for i, request in enumerate(requests):
+        assert got[i] == request.produced and len(got[i]) == request.max_tokens, i
+        session = scheduler.cache.find(("key", ""), request.prompt + request.produced).session
+        assert session.frontier == len(request.prompt) + len(got[i])
         alone = model.session(decode="eager").feed(request.prompt + request.produced)
         _close(session.logits, alone, f"request {i}")
 

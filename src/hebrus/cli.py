@@ -135,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
                             "decode steps (measured; default 2), or the prefilling requests' part of "
                             "--prefill-tokens by head count if more: a long prompt slows their tokens by "
                             "about 1 + STEPS times")
+    serve.add_argument("--passes", choices=("auto", "one", "two"), default="auto",
+                       help="a turn of the engine loop feeds its prompt chunks and steps its decoding requests in "
+                            "one pass, or in two (chunks, then steps replayed from CUDA graphs); default auto: "
+                            "two where the steps replay graphs (fast mode on CUDA), else one")
     serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
                             "with cached tokens feeds only the rest (default 1 GiB; 0: off)")
@@ -186,7 +190,7 @@ def _serve(args) -> int:
     model = _load(args)
     serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
               cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every, prefill_share=args.prefill_share,
-              share_prefixes=args.share_prefixes)
+              share_prefixes=args.share_prefixes, passes=args.passes)
     return 0
 
 

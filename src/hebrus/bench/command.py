@@ -74,6 +74,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-temperature", type=float, default=0.0, metavar="T",
                        help="--serve's uniform workload samples at temperature T, each request from its own "
                             "seed (default 0: greedy)")
+    bench.add_argument("--serve-passes", choices=("auto", "one", "two"), default="auto",
+                       help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two "
+                            "(default auto: two where the steps replay CUDA graphs, else one)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -236,31 +239,33 @@ def _serve(args, load_model) -> int:
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
-    limit, name = model.spec.max_context, Path(args.model).name
+    limit, name, passes = model.spec.max_context, Path(args.model).name, args.serve_passes
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
-        report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens)
+        report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens, passes=passes)
     elif args.workload == "long":
         if args.system + 1 > limit or 16 + args.serve_tokens > limit:
             raise InvalidInput(f"--system (the long prompt) or --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
-        report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens)
+        report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens, passes=passes)
     elif args.workload == "chat":
         if 4 * (args.own + args.serve_tokens) + args.serve_prompt > limit:
             raise InvalidInput(f"4 turns of --own and --serve-tokens after --serve-prompt pass the model's "
                                f"max_context {limit}")
         from hebrus.bench import workloads
-        report = workloads.chats(model, name, max(clients), args.serve_prompt, args.own, args.serve_tokens)
+        report = workloads.chats(model, name, max(clients), args.serve_prompt, args.own, args.serve_tokens,
+                                 passes=passes)
     elif args.workload == "mixed":
         from hebrus.bench import workloads
-        report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens)
+        report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens,
+                                 passes=passes)
     else:
         if args.serve_prompt + args.serve_tokens > limit:
             raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {limit}")
         report = serve.run(model, name, clients, args.requests, args.serve_prompt, args.serve_tokens,
-                           args.serve_temperature)
+                           args.serve_temperature, passes)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     if args.workload == "uniform":
         return _written(args, report, serve.table(report))

@@ -185,9 +185,10 @@ def serving(model, name: str, **options):
 
 
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,
-        temperature: float = 0.0) -> dict:
+        temperature: float = 0.0, passes: str = "auto") -> dict:
     points = []
-    with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0) as (url, scheduler, ask):
+    with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, passes=passes) as (url, scheduler, ask):
+        passes = scheduler.passes
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
         ask(warm, 1, 4)
         for clients in concurrencies:
@@ -218,7 +219,8 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             point["ttft_minus_prefill_ms"] = point["ttft_ms_p50"] - point["offline"]["prefill_ms"]
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "points": points}
+            "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
+            "points": points}
 
 
 def _settled(scheduler, seconds: float = 60.0) -> None:

@@ -8,11 +8,13 @@ chunks of requests still prefilling, oldest request first, up to `prefill_tokens
 time feeds, both measured, so that a long prompt does not stall the decoders' pace (a bound in
 measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
 and at least the prefilling requests' part of `prefill_tokens` by head count (one decoder does
-not hold fifteen waiting prompts to a trickle). In fast mode the turn's chunks go in one pass, each request its own transaction;
-then comes one decode step of every request
-that is decoding: one whose prompt is fed steps from then on, one that ended steps no more.
-Fast mode steps those together (a `Batch` of this turn's sessions: one pass, one transaction per
-session; on CUDA it replays the model's graphs, which any set of sessions shares); exact mode
+not hold fifteen waiting prompts to a trickle). Every request that is decoding steps once a turn.
+In fast mode a turn is one pass (`passes="one"`): the decoding requests' next tokens and the
+prompt chunks together, each request its own transaction; a request whose prompt that pass
+completes chooses and sends its first token at once, and steps it next turn. With CUDA graphs
+(`passes="two"`, the default there) the chunks go in one pass and the steps of every request
+then decoding in a second, replayed from the model's graphs, which any set of sessions shares
+(a pass of chunks and steps together would not replay). Exact mode feeds and
 steps them one after another. A transaction that aborts fails its own request only: its session
 publishes nothing, and every other request goes on as if it had never been there. A request
 samples from its own generator, so what it produces does not depend on what runs beside it
@@ -89,7 +91,7 @@ class Request:
     seen: torch.Tensor | None = None    # the ids a repetition penalty counts (prompt and output), as a mask
     admitted_at: float = 0.0
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
-    pending: int | None = None          # a token chosen and sent, its step to run again (preempted)
+    pending: int | None = None          # a token chosen and sent whose step is still to run
     host: object = None                 # its state in host memory while preempted (None: recompute)
 
 
@@ -109,7 +111,7 @@ class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
-                 preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None,
+                 preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",
                  fault: Callable[[Request], str | None] | None = None, metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
@@ -128,6 +130,13 @@ class Scheduler:
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
         # is graphs on CUDA); exact mode steps them one after another
         self.decode = decode_route(model, decode)
+        # "one": a turn that feeds prompt chunks steps the decoding requests in the same pass;
+        # "two": in a pass of their own after it, from the static step plan where `decode` is
+        # "planned" or "graph" (a pass of chunks and steps together is eager); "auto": two
+        # where the steps take the plan, else one
+        if passes not in ("one", "two", "auto"):
+            raise ValueError(f"passes must be 'one', 'two' or 'auto', got {passes!r}")
+        self.passes = passes if passes != "auto" else "two" if self.decode in ("planned", "graph") else "one"
         self.widest = 0                 # the most requests one step has stepped together (tests, bench)
         # steps together and their seconds, replayed from graphs or not (bench): "replayed",
         # "replayed_s", "slow", "slow_s"
@@ -265,6 +274,20 @@ class Scheduler:
                 except Exception as exc:            # its session could not be made: it alone fails
                     self._fail(request, exc)
         clock = self._spend("admit", clock)
+        feeding = self._chunks()
+        decoding = [r for r in self.running if r.fed >= len(r.prompt)]
+        if feeding and decoding and self.passes == "one":
+            tokens = self._tokens(decoding)
+            self._pass(feeding, tokens, decoding, self._spend("sample", clock))
+            return
+        if feeding:
+            self._pass(feeding, {}, [], clock)
+        decoding = [r for r in self.running if r.fed >= len(r.prompt)]
+        if decoding:
+            self._decode_step(decoding)
+
+    def _chunks(self) -> list[tuple[Request, list[int]]]:
+        """This turn's prompt chunks, oldest request first, within `_prompt_budget`."""
         budget, feeding = self._prompt_budget(), []
         shared = budget < self.prefill_tokens           # the share's budget cuts chunks; `prefill_tokens` does not
         for request in self.running:
@@ -272,12 +295,7 @@ class Scheduler:
                 size = min(self.chunk_size, budget) if shared else self.chunk_size
                 feeding.append((request, request.prompt[request.fed:request.fed + size]))
                 budget -= len(feeding[-1][1])
-        if feeding:
-            self._prefill(feeding)
-        clock = self._spend("prefill", clock)
-        decoding = [r for r in self.running if r.fed >= len(r.prompt)]
-        if decoding:
-            self._decode_step(decoding)
+        return feeding
 
     def _prompt_budget(self) -> int:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
@@ -328,16 +346,21 @@ class Scheduler:
         by its salt."""
         return ("" if self.share_prefixes else request.key, request.salt)
 
-    def _prefill(self, feeding: list[tuple[Request, list[int]]]) -> None:
-        """Feed each request its next prompt chunk, keeping states for the prefix cache at its
-        marks: in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a chunk
-        keeps states: each its own transaction, so one that aborts fails alone), else one after
-        another."""
-        started = time.perf_counter()
+    def _pass(self, feeding: list[tuple[Request, list[int]]], tokens: dict, stepping: list[Request],
+              clock: float) -> None:
+        """Feed each request of `feeding` its next prompt chunk, keeping states for the prefix
+        cache at its marks, and step each of `stepping` by its token in `tokens` (chosen and
+        sent already): in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a
+        chunk keeps states: each its own transaction, so one that aborts fails alone), else one
+        after another. A request whose prompt is now fed, in a pass that stepped others,
+        chooses and sends its first token at once; its step comes with the next turn's."""
+        stepping = [r for r in stepping if r.id in tokens]
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
+        marked.update((r.id, []) for r in stepping)
         fed, kept = sum(len(c) for _, c in feeding), {}
         results = self._each_or_together(
-            feeding, lambda joint: self._prefill_together(joint, marked, kept),
+            feeding + [(r, [tokens[r.id]]) for r in stepping],
+            lambda joint: self._prefill_together(joint, marked, kept),
             lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
         # cached only now, outside the feeds: a failure here must not read as a pass that
         # failed (its chunks would be fed again); the chunks are published, only states are lost
@@ -347,8 +370,11 @@ class Scheduler:
                     self._keep(request, marked[request.id], kept[request.id])
                 except Exception:
                     pass
-        spent = time.perf_counter() - started       # a feed returns once validated: synced
-        self._token_s = _mean(self._token_s, spent / fed)
+        spent = time.perf_counter() - clock         # a feed returns once validated: synced
+        if not stepping:
+            self._token_s = _mean(self._token_s, spent / fed)
+        elif self._step_s is not None:              # what the steps alone would take is not the prompts'
+            self._token_s = _mean(self._token_s, max(spent - self._step_s, spent * fed / (fed + len(stepping))) / fed)
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -360,6 +386,15 @@ class Scheduler:
             request.fed += len(chunk)
             if request.fed == len(request.prompt):
                 self.prefills.append(request.prefill_s)
+        if stepping:
+            self.widest = max(self.widest, len(stepping) + len(feeding))
+            for request in stepping:
+                self._stepped(request, tokens[request.id], results[request.id])
+            now = [r for r, _ in feeding if r in self.running and r.fed == len(r.prompt) and r.pending is None]
+            chosen = self._choose(now)
+            for request in now:
+                request.pending = chosen.get(request.id)
+        self._spend("one pass" if stepping else "prefill", clock)
 
     def _prefill_together(self, joint: list[tuple[Request, list[int]]], marked: dict, kept: dict) -> dict:
         """Two or more requests' chunks in one pass -> request id -> outcome (one is left
@@ -382,10 +417,7 @@ class Scheduler:
         commits it only makes the state catch up), then step them; a request whose step aborts
         ends with an error after the token it was committing."""
         clock = time.perf_counter()
-        tokens = self._choose([r for r in requests if r.pending is None])
-        for request in requests:                    # chosen and sent before a preemption
-            if request.pending is not None:
-                tokens[request.id], request.pending = request.pending, None
+        tokens = self._tokens(requests)
         requests = [r for r in requests if r.id in tokens]
         clock = self._spend("sample", clock)
         together = self.spent["together"]
@@ -419,6 +451,15 @@ class Scheduler:
                 except Exception as exc:            # an abort, or anything else: this request's alone
                     results[request.id] = exc
         return results
+
+    def _tokens(self, requests: list[Request]) -> dict[int, int]:
+        """Request id -> the token each of `requests` steps by next: the one it had chosen and
+        sent already (`pending`), else one it samples now (`_choose`)."""
+        tokens = self._choose([r for r in requests if r.pending is None])
+        for request in requests:
+            if request.pending is not None:
+                tokens[request.id], request.pending = request.pending, None
+        return tokens
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
         """Request id -> the token it samples, sent at once; a request with nothing left to

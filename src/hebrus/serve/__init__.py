@@ -7,13 +7,15 @@ from __future__ import annotations
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
           cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
-          prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = 2.0, fault=None):
+          prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = 2.0, passes: str = "auto",
+          fault=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
     `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
     while requests decode, a turn's prompt chunks take at most that many decode steps' time
-    (None: `prefill_tokens` alone bounds them). `fault` is for
+    (None: `prefill_tokens` alone bounds them). `passes`: a turn's prompt chunks and decode steps
+    in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
     from hebrus.scheduling.scheduler import Scheduler
     from hebrus.serve.app import create_app
@@ -21,7 +23,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, cache_bytes=cache_bytes,
                           prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
-                          prefill_share=prefill_share, fault=fault, metrics=metrics)
+                          prefill_share=prefill_share, passes=passes, fault=fault, metrics=metrics)
     if model.device.type == "cuda":
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
@@ -39,10 +41,10 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
 
 
 def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512,
-        **cache) -> None:
+        **options) -> None:
     """Serve on the socket `listening` (bound; it listens from here on) until SIGTERM or Ctrl-C; in-flight
-    requests are finished first (up to 60 s), then this returns (the command exits 0). `cache`:
-    the prefix cache's options of `build`."""
+    requests are finished first (up to 60 s), then this returns (the command exits 0). `options`:
+    `build`'s others (the prefix cache, the prompt share, the passes)."""
     import contextlib
     import signal
     import sys
@@ -72,7 +74,7 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
         print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",
               file=sys.stderr, flush=True)
     app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens,
-                           **cache)
+                           **options)
     server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=60))
     try:
         server.run(sockets=[listening])         # returns once open requests have finished
