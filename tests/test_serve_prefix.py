@@ -262,9 +262,9 @@ def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(
         decoding.fed = 2
     scheduler.running += decoders + [feeding]
     assert scheduler._prompt_budget() == 512                    # nothing measured yet
-    scheduler._token_s, scheduler._step_s = 1e-3, 50e-3         # a step costs 50 prompt tokens' time
+    scheduler.pace.token_s, scheduler.pace.step_s = 1e-3, 50e-3         # a step costs 50 prompt tokens' time
     assert scheduler._prompt_budget() == 100
-    scheduler._step_s = 1e-3
+    scheduler.pace.step_s = 1e-3
     assert scheduler._prompt_budget() == MIN_CHUNK              # (its part by head count: 512 // 32)
     del scheduler.running[:28]                                  # 3 decoding, 1 prefilling: its part, 128
     assert scheduler._prompt_budget() == 128
@@ -278,6 +278,6 @@ def test_a_long_prompt_fed_in_shares_while_others_decode_answers_as_alone(tiny):
     scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefill_share=0.5, spare_sessions=0)
     requests = [_ask(tokens(8, seed=1), new=30, seed=1, key="a"), _ask(SHARED[:400], new=3, seed=2, key="b")]
     _together(scheduler, requests)
-    assert scheduler._token_s is not None and scheduler._step_s is not None
+    assert scheduler.pace.token_s is not None and scheduler.pace.step_s is not None
     for request in requests:
         assert request.got == _alone(tiny, request)

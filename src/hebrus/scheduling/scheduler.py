@@ -61,6 +61,7 @@ from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling, penalise, sample_many
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
+from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.prefix import PrefixCache
 
 
@@ -98,11 +99,6 @@ class Request:
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
 
 
-def _mean(mean: float | None, value: float, weight: float = 0.2) -> float:
-    """A running mean that follows the latest values (the context grows, the batch changes)."""
-    return value if mean is None else (1 - weight) * mean + weight * value
-
-
 class Overloaded(Exception):
     """The waiting line is full: the caller answers 429 with Retry-After."""
 
@@ -126,7 +122,7 @@ class Scheduler:
         # per decode step, as running means
         if prefill_share is not None and not prefill_share > 0:
             raise ValueError(f"prefill_share must be positive, got {prefill_share}")
-        self.prefill_share, self._token_s, self._step_s = prefill_share, None, None
+        self.prefill_share, self.pace = prefill_share, Pace()
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
         # is graphs on CUDA); exact mode steps them one after another
         self.decode = decode_route(model, decode)
@@ -303,9 +299,10 @@ class Scheduler:
         running means), but at least MIN_CHUNK and at least the prefilling requests' part of
         `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
-        if self.prefill_share is None or self._token_s is None or self._step_s is None or not decoding:
+        step_s, token_s = self.pace.step_s, self.pace.token_s
+        if self.prefill_share is None or token_s is None or step_s is None or not decoding:
             return self.prefill_tokens
-        afford = int(self.prefill_share * self._step_s / self._token_s)
+        afford = int(self.prefill_share * step_s / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
 
@@ -371,10 +368,7 @@ class Scheduler:
                 except Exception:
                     pass
         spent = time.perf_counter() - clock         # a feed returns once validated: synced
-        if not stepping:
-            self._token_s = _mean(self._token_s, spent / fed)
-        elif self._step_s is not None:              # what the steps alone would take is not the prompts'
-            self._token_s = _mean(self._token_s, max(spent - self._step_s, spent * fed / (fed + len(stepping))) / fed)
+        self.pace.add(bool(stepping), fed, spent)
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -425,7 +419,7 @@ class Scheduler:
                                          lambda joint: self._step_together([r for r, _ in joint], tokens))
         now = time.perf_counter()
         self.spent["alone"] += now - clock - (self.spent["together"] - together)
-        self._step_s = _mean(self._step_s, now - clock)
+        self.pace.add(True, 0, now - clock)
         for request in requests:
             self._stepped(request, tokens[request.id], results[request.id])
         self._spend("finish", now)

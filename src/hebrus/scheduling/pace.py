@@ -1,0 +1,43 @@
+"""What a turn of the engine loop costs, as the loop measures it: seconds per decode step and
+per prompt token, so that a turn's prompt share can be bounded in time (`Scheduler`).
+
+A pass that only steps measures the step; one that only feeds prompts measures their tokens; a
+pass that does both (one pass a turn) measures their sum. `Pace` fits both to every pass at
+once: a pass's seconds are `step_s` (if it stepped) plus `token_s` for each prompt token it fed,
+by least squares weighted toward the latest passes (the contexts grow, the batch changes).
+Until the passes seen can tell the two apart (none that did one thing alone, and those that did
+both all fed as much), each is a running mean of the passes that did it alone, and a pass that
+did both gives its prompt tokens what the step did not take (at least half of it).
+"""
+from __future__ import annotations
+
+
+class Pace:
+    def __init__(self, keep: float = 0.8):
+        self.keep = keep                # the weight of what was seen before each new pass
+        self.step_s: float | None = None
+        self.token_s: float | None = None
+        # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
+        self._sums = (0.0,) * 5
+
+    def add(self, stepped: bool, fed: int, seconds: float) -> None:
+        """Take in one pass: whether it stepped the decoding requests, the prompt tokens it fed."""
+        s, f = float(stepped), float(fed)
+        self._sums = tuple(self.keep * a + b
+                           for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
+        ss, sf, ff, st, ft = self._sums
+        det = ss * ff - sf * sf
+        if ss and ff and det > 1e-6 * ss * ff:              # the two can be told apart
+            step, token = (st * ff - ft * sf) / det, (ft * ss - st * sf) / det
+            if step > 0 and token > 0:
+                self.step_s, self.token_s = step, token
+                return
+        if stepped and not fed:
+            self.step_s = self._mean(self.step_s, seconds)
+        elif fed and not stepped:
+            self.token_s = self._mean(self.token_s, seconds / fed)
+        elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
+            self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
+
+    def _mean(self, mean: float | None, value: float) -> float:
+        return value if mean is None else self.keep * mean + (1 - self.keep) * value

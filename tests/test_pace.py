@@ -1,0 +1,44 @@
+"""The loop's measure of what a pass costs (`Pace`): a decode step and a prompt token told apart
+from passes that do one, the other, or both."""
+from __future__ import annotations
+
+import pytest
+
+from hebrus.scheduling.pace import Pace
+
+STEP, TOKEN = 0.05, 0.001           # exact in the sums' float arithmetic to well within the tolerance
+
+
+def test_passes_that_do_both_are_told_apart_when_they_feed_different_amounts():
+    pace = Pace()
+    for fed in (100, 30, 250, 64, 16, 180):
+        pace.add(True, fed, STEP + TOKEN * fed)
+    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.token_s == pytest.approx(TOKEN, rel=1e-6)
+
+
+def test_two_passes_a_turn_measure_each_alone():
+    pace = Pace()
+    pace.add(True, 0, STEP)
+    assert pace.step_s == pytest.approx(STEP) and pace.token_s is None
+    pace.add(False, 200, TOKEN * 200)
+    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.token_s == pytest.approx(TOKEN, rel=1e-6)
+
+
+def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_take():
+    pace = Pace()
+    pace.add(True, 100, STEP + TOKEN * 100)                 # both, nothing known: nothing said
+    assert pace.step_s is None and pace.token_s is None
+    pace = Pace()
+    pace.add(True, 0, STEP)
+    pace.add(True, 0, STEP)
+    pace.add(True, 100, STEP + TOKEN * 100)                 # separable from here on
+    assert pace.token_s == pytest.approx(TOKEN, rel=1e-6)
+
+
+def test_it_follows_a_pace_that_changes():
+    pace = Pace()
+    for fed in (100, 30, 250, 64) * 3:
+        pace.add(True, fed, STEP + TOKEN * fed)
+    for fed in (100, 30, 250, 64) * 15:                     # the contexts grew: tokens cost twice as much
+        pace.add(True, fed, STEP + 2 * TOKEN * fed)
+    assert pace.token_s == pytest.approx(2 * TOKEN, rel=1e-3) and pace.step_s == pytest.approx(STEP, rel=1e-2)
