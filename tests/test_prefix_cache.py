@@ -200,6 +200,7 @@ def test_metrics_needs_a_key_when_the_server_has_keys(app_of):
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     assert "hebrus_requests_total" in reply.text and "hebrus_queue_depth" in reply.text
     assert "hebrus_prefix_cache_hits" in reply.text and "hebrus_prefix_cache_bytes" in reply.text
+    assert "hebrus_prefix_cache_lost 0.0" in reply.text
     assert client.get("/health").json() == {"status": "ok"}
 
 

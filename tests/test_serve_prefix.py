@@ -102,7 +102,8 @@ def test_in_fast_mode_chunks_that_keep_states_share_one_pass_and_later_prompts_h
 
 def test_a_failure_caching_kept_states_never_feeds_a_chunk_again(tiny_fast, monkeypatch):
     """The cache refusing a kept state once (after the turn's pass has published its chunks):
-    the states are lost, the chunks stay fed once, and the requests answer as cold runs do."""
+    the states are lost (and counted), the chunks stay fed once, and the requests answer as
+    cold runs do."""
     scheduler = Scheduler(tiny_fast, chunk_size=64, prefill_tokens=512, prefix_every=16, decode="eager")
     real, failed = scheduler.cache.put, []
 
@@ -117,6 +118,7 @@ def test_a_failure_caching_kept_states_never_feeds_a_chunk_again(tiny_fast, monk
     scheduler._take_waiting()
     scheduler._turn()
     assert failed and all(r.session.frontier == r.fed + len(r.produced) for r in requests)
+    assert scheduler.cache.lost == 1                            # counted for /metrics
     _together(scheduler, [])
     for request in requests:
         alone = tiny_fast.session().feed(request.prompt + request.got)

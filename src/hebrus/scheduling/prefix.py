@@ -73,8 +73,9 @@ class PrefixCache:
         self.space_blocks: dict[object, collections.Counter] = {}
         self.space_slots: collections.Counter = collections.Counter()   # space -> its entries
         self.slot_bytes = self.block_bytes = 0                            # learnt from the first entry
-        # what /metrics reports: lookups, lookups that found a state, prompt tokens not fed again
-        self.lookups = self.hits = self.saved = 0
+        # what /metrics reports: lookups, lookups that found a state, prompt tokens not fed
+        # again, and states kept as a chunk passed that could not be cached (the caller counts)
+        self.lookups = self.hits = self.saved = self.lost = 0
 
     @property
     def keeps(self) -> bool:

@@ -366,7 +366,7 @@ class Scheduler:
                 try:
                     self._keep(request, marked[request.id], kept[request.id])
                 except Exception:
-                    pass
+                    self.cache.lost += 1            # /metrics counts it
         spent = time.perf_counter() - clock         # a feed returns once validated: synced
         self.pace.add(bool(stepping), fed, spent)
         for request, chunk in feeding:

@@ -29,6 +29,8 @@ class Metrics:
             "used": Gauge("hebrus_prefix_cache_bytes", cache + "bytes held (slots, and blocks once each)",
                           registry=registry),
             "entries": Gauge("hebrus_prefix_cache_entries", cache + "states kept", registry=registry),
+            "lost": Gauge("hebrus_prefix_cache_lost", cache + "chunks whose kept states could not be cached "
+                          "(the chunk is published; only those states are lost)", registry=registry),
         }
 
     def request(self, chat: bool) -> None:
