@@ -119,7 +119,7 @@ class Scheduler:
         self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
         # with requests decoding, a turn's prompt chunks take at most `prefill_share` decode
         # steps' time (None: `prefill_tokens` alone bounds them); seconds per prompt token and
-        # per decode step, as running means
+        # per decode step fitted to the passes as they run (`Pace`)
         if prefill_share is not None and not prefill_share > 0:
             raise ValueError(f"prefill_share must be positive, got {prefill_share}")
         self.prefill_share, self.pace = prefill_share, Pace()
@@ -295,8 +295,8 @@ class Scheduler:
 
     def _prompt_budget(self) -> int:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
-        requests decoding, no more than that many decode steps' time takes (both measured, as
-        running means), but at least MIN_CHUNK and at least the prefilling requests' part of
+        requests decoding, no more than that many decode steps' time takes (both measured:
+        `self.pace`), but at least MIN_CHUNK and at least the prefilling requests' part of
         `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
