@@ -27,7 +27,7 @@ class Pace:
                            for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
         ss, sf, ff, st, ft = self._sums
         det = ss * ff - sf * sf
-        if ss and ff and det > 1e-6 * ss * ff:              # the two can be told apart
+        if det > 1e-6 * ss * ff:                            # the two can be told apart (never with ss or ff 0)
             step, token = (st * ff - ft * sf) / det, (ft * ss - st * sf) / det
             if step > 0 and token > 0:
                 self.step_s, self.token_s = step, token

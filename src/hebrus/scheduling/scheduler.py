@@ -273,11 +273,11 @@ class Scheduler:
         feeding = self._chunks()
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if feeding and decoding and self.passes == "one":
-            tokens = self._tokens(decoding)
-            self._pass(feeding, tokens, decoding, self._spend("sample", clock))
+            stepping = self._tokens(decoding)
+            self._pass(feeding, stepping, self._spend("sample", clock))
             return
         if feeding:
-            self._pass(feeding, {}, [], clock)
+            self._pass(feeding, [], clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
             self._decode_step(decoding)
@@ -343,20 +343,19 @@ class Scheduler:
         by its salt."""
         return ("" if self.share_prefixes else request.key, request.salt)
 
-    def _pass(self, feeding: list[tuple[Request, list[int]]], tokens: dict, stepping: list[Request],
+    def _pass(self, feeding: list[tuple[Request, list[int]]], stepping: list[tuple[Request, int]],
               clock: float) -> None:
         """Feed each request of `feeding` its next prompt chunk, keeping states for the prefix
-        cache at its marks, and step each of `stepping` by its token in `tokens` (chosen and
-        sent already): in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a
+        cache at its marks, and step each request of `stepping` by its token (chosen and sent
+        already): in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a
         chunk keeps states: each its own transaction, so one that aborts fails alone), else one
         after another. A request whose prompt is now fed, in a pass that stepped others,
         chooses and sends its first token at once; its step comes with the next turn's."""
-        stepping = [r for r in stepping if r.id in tokens]
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
-        marked.update((r.id, []) for r in stepping)
+        marked.update((r.id, []) for r, _ in stepping)
         fed, kept = sum(len(c) for _, c in feeding), {}
         results = self._each_or_together(
-            feeding + [(r, [tokens[r.id]]) for r in stepping],
+            feeding + [(r, [token]) for r, token in stepping],
             lambda joint: self._prefill_together(joint, marked, kept),
             lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
         # cached only now, outside the feeds: a failure here must not read as a pass that
@@ -382,8 +381,8 @@ class Scheduler:
                 self.prefills.append(request.prefill_s)
         if stepping:
             self.widest = max(self.widest, len(stepping) + len(feeding))
-            for request in stepping:
-                self._stepped(request, tokens[request.id], results[request.id])
+            for request, token in stepping:
+                self._stepped(request, token, results[request.id])
             now = [r for r, _ in feeding if r in self.running and r.fed == len(r.prompt) and r.pending is None]
             chosen = self._choose(now)
             for request in now:
@@ -411,17 +410,15 @@ class Scheduler:
         commits it only makes the state catch up), then step them; a request whose step aborts
         ends with an error after the token it was committing."""
         clock = time.perf_counter()
-        tokens = self._tokens(requests)
-        requests = [r for r in requests if r.id in tokens]
+        stepping = self._tokens(requests)
         clock = self._spend("sample", clock)
         together = self.spent["together"]
-        results = self._each_or_together([(r, [tokens[r.id]]) for r in requests],
-                                         lambda joint: self._step_together([r for r, _ in joint], tokens))
+        results = self._each_or_together([(r, [token]) for r, token in stepping], self._step_together)
         now = time.perf_counter()
         self.spent["alone"] += now - clock - (self.spent["together"] - together)
         self.pace.add(True, 0, now - clock)
-        for request in requests:
-            self._stepped(request, tokens[request.id], results[request.id])
+        for request, token in stepping:
+            self._stepped(request, token, results[request.id])
         self._spend("finish", now)
 
     def _each_or_together(self, chunks: list[tuple[Request, list[int]]], together, alone=None) -> dict:
@@ -446,14 +443,18 @@ class Scheduler:
                     results[request.id] = exc
         return results
 
-    def _tokens(self, requests: list[Request]) -> dict[int, int]:
-        """Request id -> the token each of `requests` steps by next: the one it had chosen and
-        sent already (`pending`), else one it samples now (`_choose`)."""
-        tokens = self._choose([r for r in requests if r.pending is None])
+    def _tokens(self, requests: list[Request]) -> list[tuple[Request, int]]:
+        """Each of `requests` with the token it steps by next: the one it had chosen and sent
+        already (`pending`), else one it samples now (`_choose`; one that fails to is left out)."""
+        chosen = self._choose([r for r in requests if r.pending is None])
+        stepping = []
         for request in requests:
             if request.pending is not None:
-                tokens[request.id], request.pending = request.pending, None
-        return tokens
+                stepping.append((request, request.pending))
+                request.pending = None
+            elif request.id in chosen:
+                stepping.append((request, chosen[request.id]))
+        return stepping
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
         """Request id -> the token it samples, sent at once; a request with nothing left to
@@ -471,13 +472,14 @@ class Scheduler:
             request.emit("token", token)
         return tokens
 
-    def _step_together(self, requests: list[Request], tokens: dict) -> dict:
-        """One step of each of `requests` in one pass -> request id -> its logits or the
-        `ChunkAborted` that aborted it. Anything else raised steps no request."""
+    def _step_together(self, joint: list[tuple[Request, list[int]]]) -> dict:
+        """One step of each request of `joint` by its one token, in one pass -> request id ->
+        its logits or the `ChunkAborted` that aborted it. Anything else raised steps no request."""
+        requests = [r for r, _ in joint]
         runner = self.model.steps(capture=True) if self.decode == "graph" else None
         replays, started = runner.replays if runner is not None else 0, time.perf_counter()
         try:
-            step = Batch([r.session for r in requests], decode=self.decode).feed([tokens[r.id] for r in requests])
+            step = Batch([r.session for r in requests], decode=self.decode).feed([chunk[0] for _, chunk in joint])
         finally:
             self.spent["together"] += time.perf_counter() - started
         kind = "replayed" if runner is not None and runner.replays > replays else "slow"
