@@ -161,8 +161,10 @@ def test_the_distribution_test_fails_a_verifier_that_keeps_every_draft(tiny_fast
 
 def test_speculation_arguments_are_checked(tiny):
     s = tiny.session()
-    with pytest.raises(InvalidInput, match="repetition penalty"):
+    with pytest.raises(InvalidInput, match="repetition, presence or frequency penalty"):
         s.generate([1, 2], temperature=0.7, repetition_penalty=1.2, speculate="lookup")
+    with pytest.raises(InvalidInput, match="repetition, presence or frequency penalty"):
+        s.generate([1, 2], temperature=0.7, presence_penalty=0.5, speculate="lookup")
     with pytest.raises(InvalidInput, match="'lookup' or a hebrus model"):
         s.generate([1, 2], speculate="draft")
     other = dataclasses.replace(preset("tiny"), vocab_size=128)

@@ -215,10 +215,21 @@ def repetition_penalty(value) -> float:
     return number
 
 
+def output_penalty(name: str, value) -> float:
+    """A presence or frequency penalty: a number in [-2, 2] (0: none)."""
+    number = _real(name, value)
+    if not -2.0 <= number <= 2.0:
+        raise InvalidInput(f"{name} must be in [-2, 2] (0 = none), got {shown(value)}")
+    return number
+
+
 def sampling_option(name: str, value):
-    """One sampling option checked: temperature, top_p, top_k, min_p or repetition_penalty."""
+    """One sampling option checked: temperature, top_p, top_k, min_p, repetition_penalty,
+    presence_penalty or frequency_penalty."""
     checks = {"temperature": temperature, "top_p": top_p, "top_k": lambda v: count("top_k", v), "min_p": min_p,
-              "repetition_penalty": repetition_penalty}
+              "repetition_penalty": repetition_penalty,
+              "presence_penalty": lambda v: output_penalty("presence_penalty", v),
+              "frequency_penalty": lambda v: output_penalty("frequency_penalty", v)}
     return checks[name](value)
 
 

@@ -63,15 +63,16 @@ def feed_keeping_many(sessions, tokens, marks) -> list:
             s._check_faults()
     with exclusive(sessions):
         _check_rooms(sessions, [len(c) for c in chunks])
+        _check_constraints(sessions, chunks)
         with torch.inference_mode():
-            starts = [s.frontier for s in sessions]
+            starts = [s.image.public for s in sessions]
             every = [c if c and c[-1] == len(chunk) else c + (len(chunk),) for c, chunk in zip(counts, chunks)]
             if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
                 results = [batch.run_marked_alone(model, s, c, e) for s, c, e in zip(sessions, chunks, every)]
             else:
                 results = batch.run_marked_step(model, sessions, chunks, every)
-            return [r if isinstance(r, BaseException) else (r[0], s._kept_at(start, c, r[1]))
-                    for r, s, start, c in zip(results, sessions, starts, counts)]
+            return [r if isinstance(r, BaseException) else (r[0], s._kept_at(start, chunk, c, r[1]))
+                    for r, s, start, chunk, c in zip(results, sessions, starts, chunks, counts)]
 
 
 class Batch:
@@ -149,6 +150,7 @@ def _feed_together(sessions, model, tokens, outs, steps) -> list:
     with exclusive(sessions):
         lengths = [1] * len(sessions) if isinstance(chunks, torch.Tensor) else [c.shape[0] for c in chunks]
         _check_rooms(sessions, lengths)
+        _check_constraints(sessions, chunks)
         with torch.inference_mode():
             if any(f.session is None for f in faults.armed()):      # a fault for whichever comes first: one at a time
                 return [batch.run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
@@ -167,5 +169,14 @@ def _check_rooms(sessions, lengths: list[int]) -> None:
     for i, (s, length) in enumerate(zip(sessions, lengths)):
         try:
             s._check_room(length)
+        except InvalidInput as exc:
+            raise InvalidInput(f"session {i}: {exc}") from None
+
+
+def _check_constraints(sessions, chunks) -> None:
+    """Each session's constraint, if it has one, allows its chunk; the first that does not is named."""
+    for i, (s, chunk) in enumerate(zip(sessions, chunks)):
+        try:
+            s._check_constraint(chunk)
         except InvalidInput as exc:
             raise InvalidInput(f"session {i}: {exc}") from None

@@ -277,12 +277,34 @@ def _text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable); the checkpoint's EOS ids always stop")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one each run)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="the output is JSON valid under the JSON schema in FILE (\"{}\" as FILE: any JSON object)")
+    shape.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches the regular expression")
 
 
 def _text_options(args) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-            "seed": args.seed, "stop": tuple(args.stop)}
+            "seed": args.seed, "stop": tuple(args.stop), "grammar": _grammar(args)}
+
+
+def _grammar(args):
+    """--json-schema FILE or --regex PATTERN as a Grammar (None: neither)."""
+    from hebrus.text.grammar import Grammar
+    if getattr(args, "regex", None) is not None:
+        return Grammar.regex(args.regex)
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    if path == "{}":
+        return Grammar.json()
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"--json-schema {path}: cannot be read ({exc})") from None
+    return Grammar.json(source)
 
 
 def _threads(args, auto: bool = True) -> None:

@@ -10,12 +10,21 @@ import torch
 class Sampling:
     """temperature 0 is greedy; top_k 0 and top_p 1 and min_p 0 keep every token; a repetition
     penalty of 1 changes nothing (above 1, the logits of ids already seen are divided by it when
-    positive and multiplied when negative)."""
+    positive and multiplied when negative); presence and frequency penalties of 0 change nothing
+    (otherwise each id's logit goes down by the presence penalty once it has been generated, and
+    by the frequency penalty times the number of times it has been)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether choosing needs the count of each id generated so far (`counted`)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def penalise(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
@@ -26,6 +35,35 @@ def penalise(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) ->
         return logits
     x = logits.double()
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+
+
+def counted(logits: torch.Tensor, counts: torch.Tensor | None, how: Sampling) -> torch.Tensor:
+    """`logits` less `how`'s presence penalty where an id's count in `counts` ([V], the ids
+    generated so far, kept up to date by the caller) is above 0, and less its frequency penalty
+    times the count; in float64."""
+    if counts is None or not how.counts_output:
+        return logits
+    return logits.double() - how.frequency_penalty * counts - how.presence_penalty * (counts > 0)
+
+
+def constrained(logits: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
+    """`logits` [B, V] (or [V] with one mask) with every token its row's mask does not allow at
+    -inf: `masks[b]` the bits of a constraint (`state.constraint.Constraint.mask`), all of them
+    moved to the logits' device in one copy and unpacked there in one call."""
+    one = logits.dim() == 1
+    rows = logits[None] if one else logits
+    words = max(m.numel() for m in masks)
+    packed = torch.zeros((len(masks), words), dtype=torch.int32)
+    for b, m in enumerate(masks):
+        packed[b, :m.numel()] = m
+    packed = packed.to(rows.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=rows.device)
+    bits = ((packed[:, :, None] >> shifts) & 1).reshape(len(masks), -1)
+    V = rows.shape[-1]
+    if bits.shape[1] < V:                       # tokens past the mask's words: not allowed
+        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
+    out = rows.masked_fill(bits[:, :V] == 0, float("-inf"))
+    return out[0] if one else out
 
 
 def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> int:

@@ -25,9 +25,10 @@ from hebrus import arguments, faults
 from hebrus.engine import eager
 from hebrus.engine.graphs import decode_route
 from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, note_published
-from hebrus.sampling import Sampling, penalise, sample
+from hebrus.sampling import Sampling, constrained, counted, penalise, sample
 from hebrus import speculate as speculation
 from hebrus.state.budget import MemoryBudget, Refused
+from hebrus.state.constraint import checked
 from hebrus.state.image import Image
 from hebrus.state.pool import Pool, PoolFull
 from hebrus.show import shown
@@ -36,10 +37,11 @@ from hebrus.text.generation import stream_text
 
 class HostCopy(NamedTuple):
     """A session's published state in host memory (`Session.host_copy`): its frontier, every
-    banked owner's value, and every appended owner's rows below the frontier."""
+    banked owner's value, every appended owner's rows below the frontier, and its constraint."""
     frontier: int
     banked: dict
     rows: dict
+    constraint: object = None
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +96,25 @@ class Session:
         with self._exclusive():
             return self.image.read(eager.OUTPUT).clone()
 
+    @property
+    def constraint(self):
+        """What the session's next tokens must satisfy (`hebrus.state.constraint.Constraint`), or
+        None: one more owner, published with every chunk (the value after the chunk's tokens)."""
+        return self.image.public.constraint
+
+    def constrain(self, constraint) -> None:
+        """From now on, every token fed to this session must be one `constraint` allows (a chunk
+        holding one it does not is refused, nothing changed), and `generate` samples only those;
+        each chunk's flip publishes the constraint's value after its tokens, with the rest of
+        the session's state. None lifts it. (`hebrus.text.grammar` makes constraints: a JSON
+        schema, a regular expression, a grammar.)"""
+        try:
+            constraint = checked(constraint)
+        except TypeError as exc:
+            raise InvalidInput(str(exc)) from None
+        with self._exclusive():
+            self.image.publish(self.image.public._replace(constraint=constraint))
+
     # ---- transactions ----------------------------------------------------------------------
     def fork(self, copy_rows: bool = False) -> "Session":
         """A new session at this one's frontier with the same state: banked values copied into
@@ -118,6 +139,9 @@ class Session:
         such as the conversation a chat was at."""
         from hebrus import snapshot
         with self._exclusive():
+            if self.constraint is not None:
+                raise InvalidInput("a session with a constraint cannot be saved (a constraint is not kept in a file); "
+                                   "lift it first (constrain(None))")
             snapshot.write(self.image, path, self.model.fingerprint, note)
 
     def _restore(self, path) -> None:
@@ -138,7 +162,8 @@ class Session:
             record, image = self.image.public, self.image
             return HostCopy(record.frontier,
                             {s.name: image.value(s.name, record).to("cpu", copy=True) for s in image.banked},
-                            {s.name: image.value(s.name, record).cpu() for s in image.appended})   # rows: copies already
+                            {s.name: image.value(s.name, record).cpu() for s in image.appended},   # rows: copies already
+                            record.constraint)
 
     def _install(self, copy: "HostCopy", what: str) -> None:
         """A fresh session's state from `copy`, whose values are checked to be this model's."""
@@ -149,7 +174,8 @@ class Session:
             raise InvalidInput(f"memory_budget too small for {what}: {exc}") from None
         for name, value in copy.banked.items():
             self.image.banks[0][name].copy_(value)
-        _allocate(lambda: self.image.install(copy.rows, copy.frontier), f"{what}'s rows in the state pool")
+        _allocate(lambda: self.image.install(copy.rows, copy.frontier, copy.constraint),
+                  f"{what}'s rows in the state pool")
 
     def feed(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one chunk as one transaction; return the last position's logits (a new tensor,
@@ -159,6 +185,7 @@ class Session:
         self._check_faults()
         with self._exclusive():
             self._check_room(len(chunk))
+            self._check_constraint(chunk)
             return self._transact(chunk, out)
 
     def feed_keeping(self, ids, marks) -> tuple[torch.Tensor, list["Session | None"]]:
@@ -177,25 +204,29 @@ class Session:
             raise InvalidInput("a journaled session feeds whole chunks: feed_keeping keeps no journal record")
         with self._exclusive():
             self._check_room(len(chunk))
-            start, every = self.frontier, marks if marks[-1] == len(chunk) else marks + (len(chunk),)
+            self._check_constraint(chunk)
+            record, every = self.image.public, marks if marks[-1] == len(chunk) else marks + (len(chunk),)
             with torch.inference_mode():
                 kept = eager.run_marked(self.model, self.image, self.budget, chunk, None, every, self.reserve)
-                return self.image.read(eager.OUTPUT).clone(), self._kept_at(start, marks, kept)
+                return self.image.read(eager.OUTPUT).clone(), self._kept_at(record, chunk, marks, kept)
 
-    def _kept_at(self, start: int, marks: tuple[int, ...], kept: dict) -> list["Session | None"]:
-        """The new sessions after each of `marks` of a chunk fed from `start`, from the values
-        kept after them (`kept`: by owner, [len(marks) or one more, ...]); None where the pool
-        has no slot."""
-        return [self._prefix_at(start + m, {name: values[j] for name, values in kept.items()})
+    def _kept_at(self, record, chunk, marks: tuple[int, ...], kept: dict) -> list["Session | None"]:
+        """The new sessions after each of `marks` of `chunk` fed from `record` (the public one
+        before it), from the values kept after them (`kept`: by owner, [len(marks) or one more,
+        ...]) and the record's constraint after the chunk's first tokens; None where the pool has
+        no slot."""
+        ids = chunk.tolist() if record.constraint is not None else ()
+        return [self._prefix_at(record.frontier + m, {name: values[j] for name, values in kept.items()},
+                                record.constraint and record.constraint.after(ids[:m]))
                 for j, m in enumerate(marks)]
 
-    def _prefix_at(self, frontier: int, banked: dict) -> "Session | None":
-        """A new session at `frontier` of this one's rows with `banked` values, or None when the
-        pool has no slot for it (or the device no memory)."""
+    def _prefix_at(self, frontier: int, banked: dict, constraint=None) -> "Session | None":
+        """A new session at `frontier` of this one's rows with `banked` values and `constraint`,
+        or None when the pool has no slot for it (or the device no memory)."""
         banked[eager.FRONTIER] = torch.tensor(frontier, dtype=torch.int64, device=self.model.device)
         try:
             kept = Session(self.model, memory_budget=self.budget.limit, decode=self.decode, reserve=self.reserve,
-                           image=lambda: self.image.prefix(frontier, banked))
+                           image=lambda: self.image.prefix(frontier, banked, constraint))
         except (AllocationError, torch.OutOfMemoryError):   # the chunk is published: only this one is lost
             return None
         kept.budget.held = kept.image.held_bytes()
@@ -269,12 +300,14 @@ class Session:
         self._check_faults()
         with self._exclusive():
             self._check_room(len(tokens))
+            self._check_constraint(tokens)
             return self._prefill(tokens, chunk_size)
 
     def generate(self, ids=(), max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, chunk_size: int | None = None, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, stop_ids=(), seen=(),
-                 speculate=None, draft_tokens: int = 8) -> Iterator[int]:
+                 speculate=None, draft_tokens: int = 8, constraint=None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0) -> Iterator[int]:
         """Prefill `ids` (may be empty once the session holds tokens), then sample and commit one
         token per transaction, ending after `max_new_tokens` or after a token in `stop_ids` (which
         is yielded and committed). The repetition penalty counts `ids`, `seen` (ids fed earlier
@@ -288,7 +321,12 @@ class Session:
         keeps the part that stands (`hebrus.speculate`): greedy decoding gives the plain greedy
         output (exact mode: the same tokens, bit for bit the same state), sampling follows the
         plain sampling distribution (speculative rejection sampling; not the same draws for a
-        seed). Not with a repetition penalty.
+        seed). Not with a repetition penalty, nor presence or frequency penalties.
+
+        `constraint` (`hebrus.state.constraint.Constraint`; `hebrus.text.grammar` makes them from
+        JSON schemas, regular expressions and grammars): once the prompt is fed the session is
+        constrained by it (`constrain`), and every token is sampled from those it allows;
+        generation ends when it allows nothing more. Not with `speculate`.
 
         This is the engine-level call (DESIGN §7): token ids in and out, greedy and seed 0
         unless told otherwise, in the model's mode; the prompt in chunks of `chunk_size` (default:
@@ -298,15 +336,23 @@ class Session:
         max_new_tokens = arguments.count("max_new_tokens", max_new_tokens)
         sampling = Sampling(arguments.temperature(temperature), arguments.top_p(top_p),
                             arguments.count("top_k", top_k), arguments.min_p(min_p),
-                            arguments.repetition_penalty(repetition_penalty))
+                            arguments.repetition_penalty(repetition_penalty),
+                            arguments.output_penalty("presence_penalty", presence_penalty),
+                            arguments.output_penalty("frequency_penalty", frequency_penalty))
         stops = frozenset(arguments.in_vocabulary(arguments.token_ids(stop_ids, self.spec.vocab_size, "stop ids"),
                                                   self.spec.vocab_size).tolist())
         earlier = arguments.in_vocabulary(arguments.token_ids(seen, self.spec.max_context, "seen ids"),
                                           self.spec.vocab_size).tolist()
         generator = arguments.generator(seed)
+        try:
+            constraint = checked(constraint)
+        except TypeError as exc:
+            raise InvalidInput(str(exc)) from None
         if speculate is not None:
-            if sampling.repetition_penalty != 1.0:
-                raise InvalidInput("speculate does not take a repetition penalty")
+            if constraint is not None or self.constraint is not None:
+                raise InvalidInput("speculate does not take a constraint yet")
+            if sampling.repetition_penalty != 1.0 or sampling.counts_output:
+                raise InvalidInput("speculate does not take a repetition, presence or frequency penalty")
             draft_tokens = arguments.count("draft_tokens", draft_tokens)
             drafter = speculation.drafter(speculate, self.model, earlier + prompt.tolist(),
                                           max_new_tokens + draft_tokens, chunk_size)
@@ -318,7 +364,7 @@ class Session:
         if speculate is not None:
             return speculation.speculative(self, prompt, max_new_tokens, sampling, stops, earlier, generator,
                                            chunk_size, drafter, draft_tokens)
-        return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size)
+        return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size, constraint)
 
     def generate_text(self, prompt, **options):
         """Text level: `prompt` (text, continued as it is, or a conversation: a list of
@@ -330,19 +376,31 @@ class Session:
         repetition_penalty, seed, stop (strings)."""
         return stream_text(self, prompt, **options)
 
-    def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size):
+    def _generate(self, prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size, constraint):
         start = self.frontier
         seen = None                               # the ids the repetition penalty counts, as a mask
         if sampling.repetition_penalty != 1.0:
             seen = torch.zeros(self.spec.vocab_size, dtype=torch.bool, device=self.model.device)
             seen[torch.tensor(earlier + prompt.tolist(), dtype=torch.int64, device=seen.device)] = True
+        counts = (torch.zeros(self.spec.vocab_size, dtype=torch.float64, device=self.model.device)
+                  if sampling.counts_output else None)  # the ids generated, for presence and frequency penalties
         try:
             logits = self.prefill(prompt, chunk_size) if len(prompt) else self.logits
+            if constraint is not None:
+                self.constrain(constraint)
             for _ in range(max_new_tokens):
-                token = sample(penalise(logits, seen, sampling.repetition_penalty), sampling, generator)
+                scored = counted(penalise(logits, seen, sampling.repetition_penalty), counts, sampling)
+                limit = self.constraint
+                if limit is not None:
+                    if limit.finished:
+                        return
+                    scored = constrained(scored, [limit.mask()])
+                token = sample(scored, sampling, generator)
                 logits = self.feed([token])
                 if seen is not None:
                     seen[token] = True
+                if counts is not None:
+                    counts[token] += 1
                 yield token
                 if token in stops:
                     return
@@ -409,6 +467,16 @@ class Session:
         if self.frontier + count > limit:
             raise InvalidInput(f"{count} more tokens would take the session to {self.frontier + count}, past its "
                                f"context limit of {limit} ({limit - self.frontier} tokens left)")
+
+    def _check_constraint(self, ids: torch.Tensor) -> None:
+        """Refuse a chunk holding a token the session's constraint does not allow where it comes."""
+        constraint = self.constraint
+        if constraint is not None:
+            tokens = ids.tolist()
+            n = constraint.allows(tokens)
+            if n < len(tokens):
+                raise InvalidInput(f"the session's constraint does not allow token {tokens[n]} at position {n} of "
+                                   f"the chunk")
 
     def _check_out(self, out) -> None:
         arguments.output_buffer(out, (self.spec.vocab_size,), self.model.dtype, self.model.device,

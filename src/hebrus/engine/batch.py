@@ -60,7 +60,7 @@ def _step(model, sessions, chunks: list[torch.Tensor], marks=None):
     """The transaction of a step of `chunks` over `sessions`, and the work of its one pass."""
     lengths = [len(c) for c in chunks]
     txn = transaction(model, [s.image for s in sessions], [s.budget for s in sessions], lengths,
-                      reserve=[s.reserve for s in sessions])
+                      reserve=[s.reserve for s in sessions], tokens=chunks)
     ids = torch.cat(list(chunks)).to(model.device)
 
     def work() -> None:             # no fault is armed here: its injection points do nothing

@@ -39,7 +39,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None)
+    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None, tokens=[ids])
     return finish(txn, _stages_of(model, ids), out, by_logits(keep))
 
 
@@ -50,7 +50,7 @@ def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out
     after that many tokens -> those values by owner, [len(marks), ...] each, checked with the
     chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
     end at the marks; a stage that writes a banked value without them refuses the chunk)."""
-    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve)
+    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids])
     finish(txn, _stages_of(model, ids, marks), out)
     return txn.after_each
 

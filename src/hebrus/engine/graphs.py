@@ -224,7 +224,7 @@ class Steps:
             if held is None and self.capture and self.refused is None and key in self.warm:
                 held = self._capture(key, inputs, images, budgets, ids)
             if held is None:
-                txn = self._transaction(images, budgets, length, each, inputs)
+                txn = self._transaction(images, budgets, length, each, inputs, ids=ids)
 
                 def work() -> None:
                     self._stage(inputs, txn, ids)
@@ -234,7 +234,7 @@ class Steps:
                 result = conclude(txn, work)
                 self.warm.add(key)
                 return result
-            txn = self._transaction(images, budgets, length, each, inputs, held.captured)
+            txn = self._transaction(images, budgets, length, each, inputs, held.captured, ids=ids)
 
             def replay() -> None:
                 self._stage(inputs, txn, ids)
@@ -262,7 +262,7 @@ class Steps:
         """Capture the plan of `key` with these sessions' inputs (their blocks taken, then given
         back: the step runs from the graph as any later one does)."""
         try:
-            txn = self._transaction(images, budgets, key[1], key[3], inputs)
+            txn = self._transaction(images, budgets, key[1], key[3], inputs, ids=ids)
         except ChunkAborted:
             return None
         try:
@@ -279,6 +279,7 @@ class Steps:
             txn.abort()
 
     def _transaction(self, images, budgets, length: int, each: bool, inputs: Inputs,
-                     template: Captured | None = None) -> Transaction:
+                     template: Captured | None = None, ids=()) -> Transaction:
+        """`ids`: the step's token ids, `length` a session (what a session's constraint takes)."""
         return transaction(self.model, images, budgets, [length] * len(images), each=each, lanes=inputs.step,
-                           template=template)
+                           template=template, tokens=[ids[i * length:(i + 1) * length] for i in range(len(images))])

@@ -58,7 +58,7 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
-from hebrus.sampling import Sampling, penalise, sample_many
+from hebrus.sampling import Sampling, constrained, penalise, sample_many
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling.pace import Pace
@@ -94,6 +94,10 @@ class Request:
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
     pending: int | None = None          # a token chosen and sent whose step is still to run
     host: object = None                 # its state in host memory while preempted (None: recompute)
+    # what its output must match (`state.constraint`): its session is constrained by it once its
+    # prompt is fed, before its first token is chosen (`constrained` from then on)
+    constraint: object = None
+    constrained: bool = False
 
 
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
@@ -458,8 +462,26 @@ class Scheduler:
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
         """Request id -> the token it samples, sent at once; a request with nothing left to
-        sample from fails, alone."""
+        sample from fails, alone. A request with a constraint samples from the tokens it
+        allows (every such request's mask applied in one call), and one it allows nothing more
+        finishes ("stop")."""
+        for request in requests:
+            if request.constraint is not None and not request.constrained:
+                request.session.constrain(request.constraint)
+                request.constrained = True
+        limits = {r.id: r.session.constraint for r in requests if r.constrained}
+        for request in [r for r in requests if r.id in limits and limits[r.id].finished]:
+            self._finish(request, "stop")
+        requests = [r for r in requests if r.id not in limits or not limits[r.id].finished]
         logits = [penalise(r.logits, r.seen, r.sampling.repetition_penalty) for r in requests]
+        groups: dict[tuple, list[int]] = {}            # a penalty's logits are float64: a group of their own
+        for i, r in enumerate(requests):
+            if r.id in limits:
+                groups.setdefault((logits[i].dtype, logits[i].device), []).append(i)
+        for members in groups.values():
+            rows = constrained(torch.stack([logits[i] for i in members]), [limits[requests[i].id].mask() for i in members])
+            for i, row in zip(members, rows.unbind(0)):
+                logits[i] = row
         chosen = sample_many(logits, [r.sampling for r in requests], [r.generator for r in requests])
         tokens = {}
         for request, token in zip(requests, chosen):
@@ -498,7 +520,7 @@ class Scheduler:
             return
         request.logits = result
         request.produced.append(token)
-        if token in request.stop_ids:
+        if token in request.stop_ids or (request.constrained and request.session.constraint.finished):
             self._finish(request, "stop")
         elif len(request.produced) >= request.max_tokens:
             self._finish(request, "length")
@@ -539,7 +561,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: str) -> None:
         if request.keep and self.cache.keeps and request.session is not None:
-            # nothing steps its session again: it is kept itself
+            # nothing steps its session again: it is kept itself (free of its constraint)
+            if request.constrained:
+                request.session.constrain(None)
             self.cache.put(self._space(request), request.prompt + request.produced, request.session)
         self._end(request)
         request.emit("done", reason)
@@ -616,6 +640,8 @@ class Scheduler:
             try:
                 request.session = (self.model.from_host(request.host, decode="eager") if request.host is not None
                                    else self._recomputed(request.prompt[:request.fed] + request.produced))
+                if request.host is None and request.constrained:    # as it stood after its tokens
+                    request.session.constrain(request.constraint.after(request.produced))
             except AllocationError:
                 return
             except Exception as exc:                # it alone fails

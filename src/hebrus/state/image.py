@@ -22,6 +22,7 @@ class Published(NamedTuple):             # immutable, and made at every flip (a 
     bank: int
     frontier: int
     table: tuple[int, ...]          # the blocks of every appended owner's rows, in row order
+    constraint: object = None       # what the session's next tokens must satisfy (`state.constraint`), if anything
 
 
 class Image:
@@ -117,27 +118,30 @@ class Image:
         return self.pool.slot_nbytes + len(self.public.table) * self.pool.block_nbytes
 
     def fork(self, copy_rows: bool = False) -> "Image":
-        """A new image (another slot) with this one's public state: the public bank copied, and
-        the table's blocks shared (held once more), or with `copy_rows` copied into blocks of its
-        own. `PoolFull` (nothing taken) when the pool has no slot or blocks for it."""
+        """A new image (another slot) with this one's public state: the public bank copied, the
+        constraint the same value, and the table's blocks shared (held once more), or with
+        `copy_rows` copied into blocks of its own. `PoolFull` (nothing taken) when the pool has
+        no slot or blocks for it."""
         record = self.public
         other = self._other({})
         if copy_rows:
-            other.install({spec.name: self.value(spec.name, record) for spec in self.appended}, record.frontier)
+            other.install({spec.name: self.value(spec.name, record) for spec in self.appended}, record.frontier,
+                          record.constraint)
         else:
-            other.publish(Published(other.slot, 0, record.frontier, self.pool.share(record.table)))
+            other.publish(Published(other.slot, 0, record.frontier, self.pool.share(record.table), record.constraint))
         return other
 
-    def prefix(self, frontier: int, banked: dict[str, torch.Tensor]) -> "Image":
+    def prefix(self, frontier: int, banked: dict[str, torch.Tensor], constraint=None) -> "Image":
         """A new image (another slot) at `frontier`, no further than this one's: this one's rows
-        below it (the blocks that hold them shared, held once more) and the banked values
-        `banked` (an owner it does not name: this one's public value). `PoolFull` (nothing
-        taken) when the pool has no slot."""
+        below it (the blocks that hold them shared, held once more), the banked values `banked`
+        (an owner it does not name: this one's public value) and `constraint`. `PoolFull`
+        (nothing taken) when the pool has no slot."""
         record = self.public
         if not 0 <= frontier <= record.frontier:
             raise ValueError(f"a prefix ends at most at the frontier {record.frontier}, not at {frontier}")
         other = self._other(banked)
-        other.publish(Published(other.slot, 0, frontier, self.pool.share(record.table[:self.pool.blocks_for(frontier)])))
+        other.publish(Published(other.slot, 0, frontier, self.pool.share(record.table[:self.pool.blocks_for(frontier)]),
+                                constraint))
         return other
 
     def _other(self, banked: dict[str, torch.Tensor]) -> "Image":
@@ -150,14 +154,14 @@ class Image:
             other.banks[0][name].copy_(banked.get(name, value))
         return other
 
-    def install(self, rows: dict[str, torch.Tensor], frontier: int) -> None:
+    def install(self, rows: dict[str, torch.Tensor], frontier: int, constraint=None) -> None:
         """A fresh image's rows [0, frontier) of every appended owner (a restore, a copy), into
-        blocks it takes (`PoolFull`, nothing taken, when they are not free); the banks are the
-        caller's to fill (bank 0, which stays public)."""
+        blocks it takes (`PoolFull`, nothing taken, when they are not free), and its constraint;
+        the banks are the caller's to fill (bank 0, which stays public)."""
         plan = self.pool.writable((), 0, frontier)
         for spec in self.appended:
             self.pool.write_rows(spec.name, plan.table, 0, rows[spec.name].to(self.device))
-        self.publish(Published(self.slot, 0, frontier, plan.table))
+        self.publish(Published(self.slot, 0, frontier, plan.table, constraint))
 
 
 class _Holding:

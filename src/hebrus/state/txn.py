@@ -72,7 +72,7 @@ class _Session:
     failed alone."""
     __slots__ = ("image", "record", "budget", "reserve", "frontier", "length", "chunk_length", "public", "private",
                  "table", "device_table", "first", "taken", "dropped", "held", "working", "accounts", "peak",
-                 "failure", "done")
+                 "failure", "done", "tokens")
 
     def __init__(self, image: Image, length: int, budget: MemoryBudget, reserve: int):
         record = image.public
@@ -92,6 +92,7 @@ class _Session:
         self.peak: tuple[int, str] | None = None           # a planned step's largest request
         self.failure: ChunkAborted | None = None
         self.done = False
+        self.tokens = None                      # its chunk's ids on the host, where its record has a constraint
 
 
 class Transaction:
@@ -102,16 +103,24 @@ class Transaction:
     flag class of the bits the stages' checks set (`check_bits`), by which a failed status word
     is described. `reserve`: rows each session's table is extended to after the stages, if
     granted (one number for all, or one per session). `lanes` and `template`: a planned step's
-    (above)."""
+    (above). `tokens`: each session's chunk of ids (a host sequence or tensor), which the
+    constraint in its record (`state.constraint`), if any, takes to the value its flip publishes."""
 
     def __init__(self, images: list[Image], lengths: list[int], stages: list[str], budgets: list[MemoryBudget],
                  max_rows: int, *, frontier_owner: str, output: str, check_bits: type[enum.Flag],
-                 reserve: int | list[int] = 0, each: bool = False, lanes=None, template: "Captured | None" = None):
+                 reserve: int | list[int] = 0, each: bool = False, lanes=None, template: "Captured | None" = None,
+                 tokens=None):
         if each and len(images) != 1:
             raise StructuralError("begin", "a prefix transaction is one session's chunk")
         reserves = reserve if isinstance(reserve, (list, tuple)) else [reserve] * len(images)
         self.parts = [_Session(image, n, budget, min(r, max_rows))
                       for image, n, budget, r in zip(images, lengths, budgets, reserves)]
+        for i, p in enumerate(self.parts):
+            if p.record.constraint is not None:
+                if tokens is None:
+                    raise StructuralError("begin", "a session with a constraint needs its chunk's tokens")
+                ids = tokens[i]
+                p.tokens = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         self.sessions = len(self.parts)
         self.pool, self.device = images[0].pool, images[0].device
         self.planned, self.lanes, self.each = lanes is not None, lanes, each
@@ -246,10 +255,13 @@ class Transaction:
     def keep(self, k: int) -> int:
         """Publish only the chunk's first k tokens (a prefix transaction, after `validate`): the
         banked values after token k become the private bank's and the frontier moves by k. The
-        rows of the tokens after k stay past the frontier, never public. Returns k."""
+        rows of the tokens after k stay past the frontier, never public. A constraint in the
+        record keeps k to the tokens it allows. Returns k."""
         if not self.each:
             raise StructuralError("keep", "only a prefix transaction keeps part of its chunk")
         p = self._one
+        if p.tokens is not None:                    # no further than its constraint allows
+            k = min(k, p.record.constraint.allows(p.tokens))
         if 0 < k < p.length:
             self.check_each("keep")
             for name, values in self.after_each.items():
@@ -484,7 +496,7 @@ class Transaction:
         p = self.parts[session]
         if p.done:
             raise StructuralError("publish", "transaction already finished")
-        record = Published(p.record.slot, 1 - p.record.bank, p.frontier + p.length, p.table)
+        record = Published(p.record.slot, 1 - p.record.bank, p.frontier + p.length, p.table, self._constraint(p))
         with deferred_signals():
             if out is not None:
                 self._copy_out(p, out)
@@ -499,6 +511,19 @@ class Transaction:
             finally:
                 if p.held:
                     _finish_all(p.held, "commit")
+
+    def _constraint(self, p: _Session):
+        """The constraint `p`'s flip publishes: its record's, after the tokens it publishes."""
+        constraint = p.record.constraint
+        if p.tokens is None or not p.length:
+            return constraint
+        kept = p.tokens[:p.length]
+        try:
+            if constraint.allows(kept) == len(kept):
+                return constraint.after(kept)
+        except Exception as exc:
+            raise StructuralError("publish", f"the constraint failed: {type(exc).__name__}: {exc}") from exc
+        raise StructuralError("publish", "the constraint refuses the chunk's tokens (they are checked before it runs)")
 
     def _copy_out(self, p: _Session, out: torch.Tensor) -> None:
         try:

@@ -22,7 +22,8 @@ def stream_generate(model, prompt, **options) -> TextStream:
     """A new session of `model` (a loaded model, or a name loaded with the text-level defaults)
     continuing `prompt` (text, or a conversation as a list of {"role", "content"} dicts): the
     text as it comes. Options: max_new_tokens, temperature, top_p, top_k, min_p,
-    repetition_penalty, seed, stop (see `TextOptions`)."""
+    repetition_penalty, seed, stop, grammar (see `TextOptions`; grammar: a
+    `hebrus.text.grammar.Grammar` or a JSON schema as a dict, which the text then matches)."""
     model = load(model)
     return stream_text(model.session(), prompt, **options)
 

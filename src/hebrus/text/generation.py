@@ -25,7 +25,8 @@ MODE = "fast"
 DEVICE = "auto"                 # CUDA when there is one, else the CPU
 DTYPE = "auto"                  # bfloat16 on a GPU, float32 on the CPU
 MAX_NEW_TOKENS = 256
-SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                    frequency_penalty=0.0)
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,11 @@ class TextOptions:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    grammar: object = None          # what the text must match: a `text.grammar.Grammar`, or a JSON schema (a dict)
 
     @classmethod
     def of(cls, **options) -> "TextOptions":
@@ -53,7 +57,11 @@ class TextOptions:
         stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else stop
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidInput("stop must be a non-empty string or a list of them")
-        return cls(stop=stop, **{name: _checked(name, value) for name, value in options.items()})
+        grammar = options.pop("grammar", None)
+        if grammar is not None:
+            from hebrus.text.grammar import Grammar
+            grammar = Grammar.of(grammar)
+        return cls(stop=stop, grammar=grammar, **{name: _checked(name, value) for name, value in options.items()})
 
     def sampling(self, tokenizer) -> Sampling:
         """The sampling these options ask for: each field given here, else the checkpoint's
@@ -114,7 +122,8 @@ class TextStream:
     `prompt_tokens`, `prompt_seconds`, `generated`, `seconds`, `finish` ("stop": an
     end-of-sequence id or a stop string; "length": max_new_tokens, or the model's context
     limit when that came first, `context_ended`) and `ids` (the tokens generated) say how it
-    went."""
+    went. With a grammar (`TextOptions.grammar`), the text generated matches it: "stop" once it
+    is complete, and the session is left without a constraint afterwards."""
 
     def __init__(self, session, tokenizer, prompt: list[int], options: TextOptions, stops: tuple[str, ...],
                  progress: Callable[[int, int], None] | None = None, seen: list[int] = (),
@@ -127,6 +136,9 @@ class TextStream:
         self.prompt_tokens, self.prompt_seconds, self.generated, self.seconds = len(prompt), 0.0, 0, 0.0
         self.finish, self.ids, self.text_so_far = None, [], ""
         self.context_ended = False              # the context's end, not max_new_tokens, ended it
+        # the grammar compiled now: one the library cannot take is refused before anything is fed
+        self.constraint = (options.grammar.start(tokenizer, session.spec.vocab_size)
+                           if options.grammar is not None else None)
         self._pieces = self._run()
 
     def __iter__(self) -> Iterator[str]:
@@ -155,7 +167,10 @@ class TextStream:
                                        temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                        seed=self.seed, top_k=self.sampling.top_k, min_p=self.sampling.min_p,
                                        repetition_penalty=self.sampling.repetition_penalty,
-                                       stop_ids=self.tokenizer.stop_ids, seen=self.seen + self.prompt)
+                                       presence_penalty=self.sampling.presence_penalty,
+                                       frequency_penalty=self.sampling.frequency_penalty,
+                                       stop_ids=self.tokenizer.stop_ids, seen=self.seen + self.prompt,
+                                       constraint=self.constraint)
         decoder, stop = self.tokenizer.stream(), StopText(self.stops)
         started = time.perf_counter()
         try:
@@ -182,6 +197,10 @@ class TextStream:
         finally:
             tokens.close()
             self.seconds = time.perf_counter() - started
+            if self.constraint is not None:
+                done = self.session.constraint is not None and self.session.constraint.finished
+                self.finish = self.finish or ("stop" if done else None)
+                self.session.constrain(None)    # the next turn's text is free again
             self.finish = self.finish or "length"
             self.context_ended = self.finish == "length" and room < self.options.max_new_tokens
 

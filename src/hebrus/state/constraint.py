@@ -1,0 +1,37 @@
+"""A constraint on the tokens a session takes: one more owner of the session, held on the host
+in its published record (`Published.constraint`) and published by the same flip as every other.
+
+The seam knows nothing of what a constraint means (a grammar, a JSON schema: `hebrus.text.grammar`
+makes them); it asks only this of one. A value is never changed: a chunk's transaction takes
+`after(its tokens)`, a new value, into the record its flip publishes, so an aborted chunk leaves
+the public value as it was and nothing is undone.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the first, may come next (all of them: len(tokens))."""
+
+    def after(self, tokens: Sequence[int]) -> "Constraint":
+        """The value once `tokens` (which `allows` all of) have come; this one unchanged."""
+
+    def mask(self) -> torch.Tensor:
+        """The tokens that may come next, as bits: an int32 tensor on the CPU, token i allowed
+        where bit i % 32 of word i // 32 is set (words past the vocabulary ignored)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing may come next: the constrained text is complete."""
+
+
+def checked(value) -> Constraint | None:
+    """`value` if it is a constraint (or None); else TypeError naming what one needs."""
+    if value is None or isinstance(value, Constraint):
+        return value
+    raise TypeError(f"a constraint needs allows, after, mask and finished; got {type(value).__name__}")

@@ -1,0 +1,159 @@
+"""A constraint is one more owner of a session: a chunk's flip publishes its value after the
+chunk's tokens, an abort leaves the public value as it was, and sampling takes only the tokens
+it allows. Grammars through llguidance (`hebrus.text.grammar`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hebrus
+from hebrus import ChunkAborted, InvalidInput
+from hebrus.batching import feed_keeping_many, feed_many
+from hebrus.sampling import constrained
+from hebrus.text.grammar import Grammar
+
+pytest.importorskip("llguidance")
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def start(model, grammar):
+    return Grammar.of(grammar).start(model.tokenizer, model.spec.vocab_size)
+
+
+def text(ids) -> str:
+    return bytes(ids).decode("utf-8")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_generation_it_finishes_matches_the_schema(tiny_fast, temperature):
+    jsonschema = pytest.importorskip("jsonschema")
+    for seed in range(3):
+        s = tiny_fast.session()
+        out = list(s.generate([1, 2, 3], max_new_tokens=120, temperature=temperature, seed=seed,
+                              constraint=start(tiny_fast, PERSON)))
+        assert s.constraint.finished, text(out)           # it ended because the schema allowed no more
+        jsonschema.validate(json.loads(text(out)), PERSON)
+        assert s.frontier == 3 + len(out)
+
+
+def test_a_chunk_it_does_not_allow_is_refused_and_changes_nothing(tiny_fast):
+    s = tiny_fast.session()
+    s.feed([5, 6])
+    s.constrain(start(tiny_fast, PERSON))
+    before, value = s.digest(), s.constraint
+    for bad in ([ord("x")], [ord("{"), ord("x")]):
+        with pytest.raises(InvalidInput, match="does not allow token 120 at position"):
+            s.feed(bad)
+        with pytest.raises(InvalidInput, match="does not allow"):
+            s.prefill(bad)
+        with pytest.raises(InvalidInput, match="session 1: .*does not allow"):
+            feed_many([tiny_fast.session(), s], [[1], bad])
+    assert s.digest() == before and s.constraint is value and s.frontier == 2
+
+
+def test_an_abort_leaves_the_public_constraint_as_it_was(tiny_fast):
+    s = tiny_fast.session()
+    s.feed([5])
+    s.constrain(start(tiny_fast, PERSON))
+    s.feed(list(b'{"na'))
+    value, digest = s.constraint, s.digest()
+    with hebrus.inject(stage="head", kind="nonfinite"):
+        with pytest.raises(ChunkAborted):
+            s.feed(list(b'me": "'))
+    assert s.constraint is value and s.digest() == digest
+    assert s.constraint.allows(list(b'me": "')) == 6       # and it goes on from where it was
+    s.feed(list(b'me": "'))
+    assert s.constraint is not value and s.constraint.allows([ord("B")]) == 1
+
+
+def test_the_state_is_what_the_same_tokens_give_without_it(tiny):
+    """Exact mode: the constrained session holds bit for bit what an unconstrained one fed the
+    same tokens holds."""
+    s = tiny.session()
+    out = list(s.generate([7, 8], max_new_tokens=60, temperature=1.0, seed=4, constraint=start(tiny, PERSON)))
+    plain = tiny.session()
+    for chunk in ([7, 8], *([t] for t in out)):
+        plain.feed(chunk)
+    assert s.digest() == plain.digest()
+
+
+def test_fork_copy_and_kept_sessions_carry_their_own_value(tiny_fast):
+    s = tiny_fast.session()
+    s.feed([9])
+    s.constrain(start(tiny_fast, PERSON))
+    fork = s.fork()
+    assert fork.constraint is s.constraint
+    logits, kept = s.feed_keeping(list(b'{"name'), [2, 6])
+    assert kept[0].constraint.allows(list(b'name')) == 4 and kept[0].constraint.allows(list(b'age')) == 0
+    assert kept[1].constraint.allows(list(b'": "')) == 4
+    fork.feed(list(b'{"name": "Z'))                      # the fork diverges on its own
+    assert s.constraint.allows(list(b'": "')) == 4 and fork.constraint.allows([ord('"')]) == 1
+    copy = tiny_fast.from_host(s.host_copy())
+    assert copy.constraint is s.constraint and copy.digest() == s.digest()
+    results = feed_keeping_many([s, fork], [list(b'": "'), [ord('"')]], [[1], []])
+    assert s.constraint.allows([ord("B")]) == 1 and results[0][1][0].constraint.allows([ord(":")]) == 1
+    assert fork.constraint.allows(list(b', "age')) == 6
+
+
+def test_a_prefix_transaction_keeps_no_more_than_it_allows(tiny_fast):
+    s = tiny_fast.session()
+    s.feed([3])
+    s.constrain(start(tiny_fast, PERSON))
+    k, logits = s.feed_prefix(list(b'{"nx'), lambda logits: 4)
+    assert k == 3 and s.frontier == 4 and logits.shape[0] == 4
+    assert s.constraint.allows(list(b'ame')) == 3
+
+
+def test_a_constrained_session_is_not_saved_and_lifting_it_frees_the_tokens(tiny_fast, tmp_path):
+    s = tiny_fast.session()
+    s.feed([3])
+    s.constrain(start(tiny_fast, PERSON))
+    with pytest.raises(InvalidInput, match="cannot be saved"):
+        s.save(tmp_path / "s.hebrus")
+    assert not (tmp_path / "s.hebrus").exists()
+    s.constrain(None)
+    s.feed([ord("x")])
+    s.save(tmp_path / "s.hebrus")
+    with pytest.raises(InvalidInput, match="constraint needs"):
+        s.constrain("not a constraint")
+    with pytest.raises(InvalidInput, match="speculate does not take a constraint"):
+        s.generate([1], speculate="lookup", constraint=start(tiny_fast, PERSON))
+
+
+def test_steps_of_many_sessions_advance_each_ones_value(tiny_fast):
+    sessions = [tiny_fast.session() for _ in range(3)]
+    for s in sessions:
+        s.feed([1])
+    sessions[0].constrain(start(tiny_fast, PERSON))
+    sessions[2].constrain(start(tiny_fast, Grammar.regex("[ab]+")))
+    feed_many(sessions, [[ord("{")], [ord("z")], [ord("a")]])
+    assert sessions[0].constraint.allows([ord('"')]) == 1 and sessions[1].constraint is None
+    assert sessions[2].constraint.allows([ord("b")]) == 1 and sessions[2].constraint.allows([ord("c")]) == 0
+
+
+def test_masks_of_a_batch_in_one_call():
+    logits = torch.zeros(2, 40)
+    masks = [torch.tensor([0b101, 0], dtype=torch.int32), torch.tensor([0, 1 << 3], dtype=torch.int32)]
+    out = constrained(logits, masks)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35]
+    assert torch.equal(constrained(logits[0], masks[:1]), out[0])
+
+
+def test_grammars_it_cannot_compile_are_refused_by_name(tiny_fast):
+    with pytest.raises(InvalidInput, match="not supported.*if"):
+        start(tiny_fast, {"type": "object", "if": {"required": ["a"]}})
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        Grammar.json("{nope")
+    with pytest.raises(InvalidInput, match="regular expression"):
+        start(tiny_fast, Grammar.regex("(unclosed"))
+    with pytest.raises(InvalidInput, match="a JSON schema"):
+        Grammar.of(42)
+    s = tiny_fast.session()
+    out = list(s.generate([1], max_new_tokens=50, constraint=start(tiny_fast, Grammar.regex("(yes|no)"))))
+    assert text(out) in ("yes", "no") and s.constraint.finished
