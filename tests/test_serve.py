@@ -121,7 +121,11 @@ def test_chat_takes_text_parts_and_refuses_what_it_cannot_do(server):
         reply = _post(url, json=dict(plain, messages=[bad]), headers=auth)
         assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
     reply = _post(url, json=dict(plain, tools=[{"type": "function"}]), headers=auth)
-    assert reply.status_code == 400 and "not supported" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and "tools.0.function" in reply.json()["error"]["message"]
+    weather = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    reply = _post(url, json=dict(plain, tools=weather), headers=auth)       # the tiny model writes no tool calls
+    assert reply.status_code == 400 and "no tool-call format" in reply.json()["error"]["message"]
+    assert _post(url, json=dict(plain, tools=weather, tool_choice="none"), headers=auth).status_code == 200
     assert _post(url, json=dict(plain, messages=[]), headers=auth).status_code == 400
 
 
@@ -168,17 +172,25 @@ def test_a_prompt_sharing_a_cached_prefix_cut_inside_a_block_reports_its_cached_
     (b"[1, 2]", 400, "JSON object"),
     (b'{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature"),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 17}', 400, "n"),
     (b'{"model": "tiny", "prompt": "hi", "stop": 5}', 400, "stop"),
     (b'{"model": "tiny", "prompt": [1, 999]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": ""}', 400, "no tokens"),
     (b'{"model": "tiny", "prompt": "hi", "max_tokens": 5000}', 400, "context limit"),
     (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "tiny"}', 400, "prompt"),
-    (b'{"model": "tiny", "prompt": "hi", "logprobs": 3}', 400, "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "logprobs": 0}', 400, "not supported"),
-    (b'{"model": "tiny", "prompt": "hi", "best_of": 0}', 400, "not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "logprobs": 6}', 400, "logprobs"),
+    (b'{"model": "tiny", "prompt": "hi", "echo": true}', 400, "echo is not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "logit_bias": {"1": 5}}', 400, "logit_bias is not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "best_of": 0}', 400, "best_of is not supported"),
+    (b'{"model": "tiny", "prompt": "hi", "something_new": 1}', 400, "something_new: this server does not take"),
+    (b'{"model": "tiny", "prompt": []}', 400, "no prompt"),
+    (b'{"model": "tiny", "prompt": ["hi", ""]}', 400, "no tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
+    (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "json_schema"}}', 400, "needs its"),
+    (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "regex", "regex": "("}}', 400, "regular"),
+    (b'{"model": "tiny", "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": '
+     b'{"name": "x", "schema": {"type": "object", "if": {}}}}}', 400, "if"),
 ])
 def test_bad_requests_are_refused_and_change_nothing(server, body, status, message):
     kept = dict(server.scheduler.cache.entries)
@@ -192,7 +204,7 @@ def test_bad_requests_are_refused_and_change_nothing(server, body, status, messa
 
 def test_keys_sizes_and_unknown_fields(server):
     url = server.url + "/v1/completions"
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {}, "something_new": [1]}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     assert _post(url, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert _post(url, json=body).status_code == 401
     assert _post(url, json=body, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 200
@@ -429,7 +441,7 @@ def test_unseeded_sampling_differs_and_a_gone_client_is_let_go(server):
 
 
 def test_an_end_of_sequence_id_is_counted_not_shown():
-    from hebrus.serve.app import Reply
+    from hebrus.serve.reply import Answer, Reply
     from hebrus.serve.metrics import Metrics
 
     class Text:
@@ -438,13 +450,13 @@ def test_an_end_of_sequence_id_is_counted_not_shown():
         def stream(self):
             from hebrus.text import ByteTokenizer
             return ByteTokenizer().stream()
-    job = type("Job", (), {"stop_ids": frozenset({0}), "cached": 0, "cancelled": threading.Event()})()
-    reply = Reply(Text(), (), False, "tiny", 3, job, Metrics(), time.monotonic())
+    job = type("Job", (), {"stop_ids": frozenset({0}), "cached": 0, "cancelled": threading.Event(), "logprobs": None})()
+    answer = Answer([Reply(0, Text(), (), job)], False, "tiny", 3, Metrics(), time.monotonic())
     for token in b"ok":
-        assert reply.take("token", token)
-    reply.take("token", 0)
-    reply.take("done", "stop")
-    whole = reply.whole()
+        assert answer.take(0, "token", token)
+    answer.take(0, "token", 0)
+    answer.take(0, "done", "stop")
+    whole = answer.whole()
     assert whole["choices"][0]["text"] == "ok" and whole["usage"]["completion_tokens"] == 3
 
 

@@ -2,7 +2,8 @@
 family config, a `ModelSpec` for the shared layers, and a names table for its tensors.
 
 A family module provides `MODEL_TYPES`, `config(data) -> config`, `spec(config) -> ModelSpec`
-and `names(spec, on_disk) -> NamesTable`.
+and `names(spec, on_disk) -> NamesTable`, and declares `TOOL_CALLS`: how its models write tool calls
+(`hebrus.text.tools.FORMATS`), or None.
 """
 from __future__ import annotations
 
@@ -30,3 +31,8 @@ def family_of(data: Any) -> ModuleType:
 
 def supported() -> list[str]:
     return [family.NAME for family in FAMILIES]
+
+
+def tool_calls(family: str) -> str | None:
+    """How models of `family` (its NAME) write tool calls (`hebrus.text.tools.FORMATS`), or None."""
+    return next((getattr(f, "TOOL_CALLS", None) for f in FAMILIES if f.NAME == family), None)

@@ -28,6 +28,7 @@ from hebrus.weights.table import NamesTable
 
 NAME = "hebrus"
 MODEL_TYPES = ("hebrus",)
+TOOL_CALLS = None                   # its models write no tool calls (`hebrus.text.tools`)
 LAYER_KINDS = ("gdn", "qsa")
 
 

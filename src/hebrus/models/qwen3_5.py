@@ -15,6 +15,8 @@ from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# how its models write tool calls (`hebrus.text.tools`)
+TOOL_CALLS = "qwen3_xml"
 
 
 def config(data: Any) -> qwen.QwenConfig:

@@ -11,6 +11,8 @@ from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_5_moe"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# how its models write tool calls (`hebrus.text.tools`)
+TOOL_CALLS = "qwen3_xml"
 
 
 def config(data: Any) -> qwen.QwenConfig:

@@ -14,6 +14,8 @@ from hebrus.weights.table import NamesTable
 
 NAME = "qwen3_next"
 MODEL_TYPES = ("qwen3_next",)
+# how its models write tool calls (`hebrus.text.tools`)
+TOOL_CALLS = "hermes"
 
 
 def config(data: Any) -> qwen.QwenConfig:

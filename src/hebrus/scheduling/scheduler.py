@@ -58,7 +58,7 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
-from hebrus.sampling import Sampling, constrained, penalise, sample_many
+from hebrus.sampling import Sampling, constrained, counted, penalise, sample_many
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling.pace import Pace
@@ -90,6 +90,7 @@ class Request:
     produced: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None    # the ids a repetition penalty counts (prompt and output), as a mask
+    counts: torch.Tensor | None = None  # each id's count in the output, for presence and frequency penalties
     admitted_at: float = 0.0
     prefill_s: float = 0.0              # seconds its prompt chunks took to feed
     pending: int | None = None          # a token chosen and sent whose step is still to run
@@ -98,6 +99,10 @@ class Request:
     # prompt is fed, before its first token is chosen (`constrained` from then on)
     constraint: object = None
     constrained: bool = False
+    # the request's other choices (n > 1): each gets a fork of its session once its prompt is
+    # fed, and samples from its own generator (its own seed) from there on
+    copies: list["Request"] = field(default_factory=list)
+    logprobs: int | None = None         # send each token's log probability and this many likeliest ones'
 
 
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
@@ -322,6 +327,9 @@ class Scheduler:
         if request.sampling.repetition_penalty != 1.0:
             request.seen = torch.zeros(self.model.spec.vocab_size, dtype=torch.bool, device=self.model.device)
             request.seen[torch.tensor(request.prompt, device=self.model.device)] = True
+        for r in (request, *request.copies):
+            if r.sampling.counts_output:
+                r.counts = torch.zeros(self.model.spec.vocab_size, dtype=torch.float64, device=self.model.device)
         hit = self.cache.find(self._space(request), request.prompt) if request.keep and self.cache.keeps else None
         if hit is not None and hit.session is not None:
             request.session = self._made(hit.session.fork)
@@ -387,7 +395,8 @@ class Scheduler:
             self.widest = max(self.widest, len(stepping) + len(feeding))
             for request, token in stepping:
                 self._stepped(request, token, results[request.id])
-            now = [r for r, _ in feeding if r in self.running and r.fed == len(r.prompt) and r.pending is None]
+            now = self._copied([r for r, _ in feeding if r in self.running and r.fed == len(r.prompt)
+                                and r.pending is None])
             chosen = self._choose(now)
             for request in now:
                 request.pending = chosen.get(request.id)
@@ -448,8 +457,10 @@ class Scheduler:
         return results
 
     def _tokens(self, requests: list[Request]) -> list[tuple[Request, int]]:
-        """Each of `requests` with the token it steps by next: the one it had chosen and sent
-        already (`pending`), else one it samples now (`_choose`; one that fails to is left out)."""
+        """Each of `requests` (and their copies, made now) with the token it steps by next: the
+        one it had chosen and sent already (`pending`), else one it samples now (`_choose`; one
+        that fails to is left out)."""
+        requests = self._copied(requests)
         chosen = self._choose([r for r in requests if r.pending is None])
         stepping = []
         for request in requests:
@@ -459,6 +470,31 @@ class Scheduler:
             elif request.id in chosen:
                 stepping.append((request, chosen[request.id]))
         return stepping
+
+    def _copied(self, requests: list[Request]) -> list[Request]:
+        """`requests` and, for each whose prompt is fed and who has copies still to make, those
+        copies: each a fork of its session (its prompt fed once for all), running from now on."""
+        out = list(requests)
+        for request in requests:
+            if not request.copies or request.fed < len(request.prompt) or request.produced or request.pending is not None:
+                continue
+            copies, request.copies = request.copies, []
+            for copy in copies:
+                if copy.cancelled.is_set():
+                    copy.emit("done", "cancelled")
+                    continue
+                try:
+                    copy.session = self._made(request.session.fork)
+                except Exception as exc:            # no slot for it: this choice alone fails
+                    self._report(copy, exc)
+                    continue
+                copy.fed, copy.cached, copy.logits = request.fed, request.cached, request.logits
+                copy.admitted_at, copy.prefill_s = request.admitted_at, request.prefill_s
+                copy.generator = torch.Generator().manual_seed(copy.seed)
+                copy.seen = request.seen.clone() if request.seen is not None else None
+                self.running.append(copy)
+                out.append(copy)
+        return out
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
         """Request id -> the token it samples, sent at once; a request with nothing left to
@@ -473,7 +509,8 @@ class Scheduler:
         for request in [r for r in requests if r.id in limits and limits[r.id].finished]:
             self._finish(request, "stop")
         requests = [r for r in requests if r.id not in limits or not limits[r.id].finished]
-        logits = [penalise(r.logits, r.seen, r.sampling.repetition_penalty) for r in requests]
+        logits = [counted(penalise(r.logits, r.seen, r.sampling.repetition_penalty), r.counts, r.sampling)
+                  for r in requests]
         groups: dict[tuple, list[int]] = {}            # a penalty's logits are float64: a group of their own
         for i, r in enumerate(requests):
             if r.id in limits:
@@ -483,6 +520,7 @@ class Scheduler:
             for i, row in zip(members, rows.unbind(0)):
                 logits[i] = row
         chosen = sample_many(logits, [r.sampling for r in requests], [r.generator for r in requests])
+        scored = _logprobs([(r, t) for r, t in zip(requests, chosen) if r.logprobs is not None and type(t) is int])
         tokens = {}
         for request, token in zip(requests, chosen):
             if isinstance(token, BaseException):
@@ -491,6 +529,10 @@ class Scheduler:
             tokens[request.id] = token
             if request.seen is not None:
                 request.seen[token] = True
+            if request.counts is not None:
+                request.counts[token] += 1
+            if request.id in scored:
+                request.emit("logprobs", scored[request.id])
             request.emit("token", token)
         return tokens
 
@@ -675,7 +717,30 @@ class Scheduler:
     def _fail(self, request: Request, exc: BaseException) -> None:
         self._end(request)
         self._report(request, exc)
+        for copy in request.copies:             # its prompt never came to be forked: they fail with it
+            self._report(copy, exc)
+        request.copies = []
 
     def _drop(self, request: Request) -> None:
         self._end(request)
         request.emit("done", "cancelled")
+        for copy in request.copies:
+            copy.emit("done", "cancelled")
+        request.copies = []
+
+
+def _logprobs(chosen: list[tuple[Request, int]]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+    """Request id -> (the log probability of its chosen token, its `logprobs` likeliest tokens
+    with theirs), under the model's own distribution (its logits before any penalty, mask or
+    temperature), for every request of `chosen` in one pass and one transfer."""
+    if not chosen:
+        return {}
+    rows = torch.log_softmax(torch.stack([r.logits for r, _ in chosen]).float(), dim=-1)
+    ids = torch.tensor([t for _, t in chosen], device=rows.device)
+    picked = rows.gather(1, ids[:, None])[:, 0]
+    k = max(r.logprobs for r, _ in chosen)
+    top = rows.topk(k, dim=-1) if k else None
+    picked = picked.tolist()
+    values, indices = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(chosen),) * 2
+    return {r.id: (p, list(zip(i[:r.logprobs], v[:r.logprobs])))
+            for (r, _), p, v, i in zip(chosen, picked, values, indices)}

@@ -26,14 +26,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from pydantic import ValidationError
 
-from hebrus.errors import ChunkAborted
+from hebrus.errors import ChunkAborted, InvalidInput
+from hebrus.models import tool_calls
 from hebrus.sampling import Sampling
 from hebrus.scheduling.scheduler import Overloaded, Request, Scheduler
 from hebrus.serve.bodies import ChatBody, CompletionBody
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.outbox import Outbox
-from hebrus.serve.reply import Reply
+from hebrus.serve.reply import Answer, Reply
 from hebrus.text.generation import MAX_NEW_TOKENS, TextOptions
+from hebrus.text.grammar import Grammar
+from hebrus.text.tools import forced
 
 BODY_SECONDS = 30.0             # a body that takes longer to arrive is refused
 
@@ -112,82 +115,153 @@ class Server:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            return error(400, f"{where}: {first['msg']}", param=where)
+            if first["type"] == "extra_forbidden":
+                return error(400, f"{where}: this server does not take this field", param=where)
+            message = first["msg"].removeprefix("Value error, ")
+            return error(400, f"{where}: {message}" if where else message, param=where or None)
         if body.model != self.name:
             return error(404, f"the model {body.model!r} does not exist; this server has {self.name!r}",
                          code="model_not_found", param="model")
         return body
 
     def sampling_of(self, body) -> Sampling:
-        return TextOptions(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                           min_p=body.min_p).sampling(self.text)
+        return TextOptions(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty).sampling(self.text)
+
+    def tools_of(self, body) -> tuple[str, list[dict]] | None:
+        """(the family's tool-call format, the tools as dicts) where the body offers tools the
+        model may call (tool_choice not "none"); InvalidInput where the model cannot."""
+        if not getattr(body, "tools", None) or body.tool_choice == "none":
+            return None
+        form = tool_calls(self.model.family)
+        if form is None or not self.text.takes_tools:
+            raise InvalidInput(f"this model ({self.model.family}) has no tool-call format or its chat template "
+                               f"does not take tools")
+        return form, [t.model_dump(exclude_none=True) for t in body.tools]
+
+    def prompts_of(self, body, chat: bool) -> list[list[int]]:
+        """Each prompt's ids: the conversation through the chat template (with the tools the
+        model may call), or each of the completion's prompts."""
+        if chat:
+            tools = self.tools_of(body)
+            messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages]
+            return [self.text.apply_chat_template(messages, tools=tools[1] if tools else None)]
+        return [self.text.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+
+    def constraint_of(self, body, chat: bool):
+        """What every choice's output must match, compiled (`text.grammar`), or None: the
+        response_format's, or the tool calls a "required" or named tool_choice forces."""
+        fmt = body.response_format
+        grammar = None
+        if fmt is not None and fmt.type != "text":
+            grammar = {"json_object": lambda: Grammar.json(),
+                       "json_schema": lambda: Grammar.json(fmt.json_schema.schema_),
+                       "regex": lambda: Grammar.regex(fmt.regex),
+                       "grammar": lambda: Grammar.lark(fmt.grammar)}[fmt.type]()
+        tools = self.tools_of(body) if chat else None
+        choice = getattr(body, "tool_choice", None)
+        if tools is not None and (choice == "required" or not isinstance(choice, (str, type(None)))):
+            if grammar is not None:
+                raise InvalidInput("a response_format and a tool_choice that forces a call cannot be combined")
+            name = None if choice == "required" else choice.function.name
+            grammar = forced(*tools, name, body.parallel_tool_calls is not False)
+        return grammar.start(self.text, self.model.spec.vocab_size) if grammar is not None else None
 
     # ---- a completion ---------------------------------------------------------------------
-    async def complete(self, request: HTTPRequest, kind, chat: bool, prompt_of, param: str):
-        """A completion route's whole answer: the body read and checked, the prompt made (a
-        template's or a tokenizer's refusal is a 400), then `run`."""
+    async def complete(self, request: HTTPRequest, kind, chat: bool, param: str):
+        """A completion route's whole answer: the body read and checked, the prompts made (a
+        template's or a tokenizer's refusal is a 400), the constraint compiled (one the library
+        cannot take is a 400 naming what), then `run`."""
         body = await self.body_of(request, kind)
         if isinstance(body, JSONResponse):
             return body
         try:
-            if chat or isinstance(body.prompt, str):    # templates and tokenizers off the loop
-                prompt = await asyncio.to_thread(prompt_of, body)
-            else:                                       # token ids: nothing to run
-                prompt = prompt_of(body)
+            prompts = await asyncio.to_thread(self.prompts_of, body, chat)
         except Exception as exc:                    # noqa: BLE001 - a template's or tokenizer's refusal
             return error(400, f"{param}: {exc}", param=param)
-        return await self.run(request, body, prompt, chat=chat)
+        where = "tool_choice" if getattr(body, "tool_choice", None) not in (None, "auto", "none") else "response_format"
+        try:
+            constraint = await asyncio.to_thread(self.constraint_of, body, chat)
+        except InvalidInput as exc:
+            return error(400, f"{where}: {exc}", param=where)
+        return await self.run(request, body, prompts, chat, constraint)
 
-    async def run(self, request: HTTPRequest, body, prompt: list[int], chat: bool):
+    def checked_prompt(self, prompt: list[int], body) -> tuple[int, JSONResponse | None]:
+        """(the tokens a prompt's choices may generate, or the 400 that refuses it)."""
         if not prompt:
-            return error(400, "the prompt has no tokens", param="prompt")
+            return 0, error(400, "the prompt has no tokens", param="prompt")
         if any(not 0 <= t < self.model.spec.vocab_size for t in prompt):
-            return error(400, f"token ids must lie in [0, {self.model.spec.vocab_size})", param="prompt")
+            return 0, error(400, f"token ids must lie in [0, {self.model.spec.vocab_size})", param="prompt")
         limit = self.limit
         wanted = (body.max_completion_tokens or body.max_tokens
                   or max(1, min(self.max_tokens_default, limit - len(prompt))))
         if len(prompt) + wanted > limit:
-            return error(400, f"the prompt's {len(prompt)} tokens and max_tokens {wanted} pass the context "
-                              f"limit of {limit}", param="max_tokens", code="context_length_exceeded")
+            return 0, error(400, f"the prompt's {len(prompt)} tokens and max_tokens {wanted} pass the context "
+                                 f"limit of {limit}", param="max_tokens", code="context_length_exceeded")
+        return wanted, None
+
+    async def run(self, request: HTTPRequest, body, prompts: list[list[int]], chat: bool, constraint=None):
+        """Each prompt's `n` choices as requests of the engine (the first of a prompt feeds it;
+        the others fork its session then: `Request.copies`), their events into one answer."""
+        wanted = []
+        for prompt in prompts:
+            count, refused = self.checked_prompt(prompt, body)
+            if refused is not None:
+                return refused
+            wanted.append(count)
         loop = asyncio.get_running_loop()
         outbox = self.outboxes.get(loop) or self.outboxes.setdefault(loop, Outbox(loop))
         events: asyncio.Queue = asyncio.Queue()
-        job = Request(key=request.headers.get("authorization", ""), prompt=prompt, max_tokens=wanted,
-                      sampling=self.sampling_of(body),
-                      seed=body.seed if body.seed is not None else secrets.randbits(63),
-                      stop_ids=frozenset(self.text.stop_ids), salt=body.cache_salt or "",
-                      keep=self.keys is not None or self.scheduler.share_prefixes,
-                      emit=lambda kind, value: outbox.put(events, (kind, value)))
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        sampling, tools = self.sampling_of(body), self.tools_of(body) if chat else None
+        top = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+        stops = tuple(body.stop or ()) + (self.text.chat_stops if chat else ())
+        parents, replies = [], []
+        for p, (prompt, count) in enumerate(zip(prompts, wanted)):
+            jobs = [Request(key=request.headers.get("authorization", ""), prompt=prompt, max_tokens=count,
+                            sampling=sampling, seed=(seed + j) % 2**63, stop_ids=frozenset(self.text.stop_ids),
+                            salt=body.cache_salt or "", keep=self.keys is not None or self.scheduler.share_prefixes,
+                            emit=lambda kind, value, i=p * body.n + j: outbox.put(events, (i, kind, value)),
+                            constraint=constraint, logprobs=top)
+                    for j in range(body.n)]
+            jobs[0].copies = jobs[1:]
+            parents.append(jobs[0])
+            replies += [Reply(p * body.n + j, self.text, stops, job, tools, first=j == 0) for j, job in enumerate(jobs)]
         started = time.monotonic()
         try:
-            self.scheduler.submit(job)
+            for job in parents:
+                self.scheduler.submit(job)
         except Overloaded as exc:
+            for job in parents:
+                job.cancelled.set()
             return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
         self.metrics.request(chat)
-        stops = tuple(body.stop or ()) + (self.text.chat_stops if chat else ())
-        reply = Reply(self.text, stops, chat, self.name, len(prompt), job, self.metrics, started)
+        answer = Answer(replies, chat, self.name, sum(map(len, prompts)), self.metrics, started)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            first = await _next_event(events, request, job)   # before the first byte: a failure is a 500
+            first = await _next_event(events, request, answer)  # before the first byte: a failure is a 500
             if first is None:
                 return error(400, "the client went away")
-            if first[0] == "error":
-                return _failure(first[1])
-            return StreamingResponse(reply.stream(first, events, include_usage, request),
+            if first[1] == "error":
+                answer.cancel()
+                return _failure(first[2])
+            return StreamingResponse(answer.stream(first, events, include_usage, request),
                                      media_type="text/event-stream")
         while True:
-            event = await _next_event(events, request, job)
+            event = await _next_event(events, request, answer)
             if event is None:
                 return error(400, "the client went away")
-            kind, value = event
+            index, kind, value = event
             if kind == "error":
+                answer.cancel()
                 return _failure(value)
-            if not reply.take(kind, value):
-                return JSONResponse(reply.whole())
+            if not answer.take(index, kind, value):
+                return JSONResponse(answer.whole())
 
 
-async def _next_event(events: asyncio.Queue, request: HTTPRequest, job: Request):
-    """The request's next engine event, or None (the request cancelled) once its client is
+async def _next_event(events: asyncio.Queue, request: HTTPRequest, answer: Answer):
+    """The request's next engine event, or None (its choices cancelled) once its client is
     gone: a read of the connection races the event (the body is read by now, so the only
     message left to come is the disconnect)."""
     get = asyncio.ensure_future(events.get())
@@ -198,7 +272,7 @@ async def _next_event(events: asyncio.Queue, request: HTTPRequest, job: Request)
             if get in done:
                 return get.result()
             if gone.result().get("type") == "http.disconnect":
-                job.cancelled.set()
+                answer.cancel()
                 return None
             gone = asyncio.ensure_future(request.receive())
     finally:
@@ -250,14 +324,12 @@ async def models(server: Server = Depends(admitted)):
 
 @routes.post("/v1/completions")
 async def completions(request: HTTPRequest, server: Server = Depends(admitted)):
-    return await server.complete(request, CompletionBody, False, lambda body: server.text.encode(body.prompt)
-                                 if isinstance(body.prompt, str) else list(body.prompt), "prompt")
+    return await server.complete(request, CompletionBody, False, "prompt")
 
 
 @routes.post("/v1/chat/completions")
 async def chat(request: HTTPRequest, server: Server = Depends(admitted)):
-    return await server.complete(request, ChatBody, True, lambda body: server.text.apply_chat_template(
-        [m.plain() for m in body.messages]), "messages")
+    return await server.complete(request, ChatBody, True, "messages")
 
 
 def create_app(model, name: str, scheduler: Scheduler, **options) -> FastAPI:

@@ -1,5 +1,7 @@
-"""One request's answer as the engine's events arrive: text decoded as tokens come, cut at a
-stop string, shaped as OpenAI's whole completions or server-sent event chunks."""
+"""A request's answer as the engine's events arrive: each choice's text decoded as its tokens
+come, cut at a stop string, its tool calls read out of it, shaped as OpenAI's whole completions
+or server-sent event chunks (the choices of one request interleaved, each chunk naming its
+index)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,108 +15,194 @@ from hebrus.errors import ChunkAborted
 from hebrus.serve.metrics import Metrics
 from hebrus.scheduling.scheduler import Request
 from hebrus.text.generation import StopText
+from hebrus.text.tools import Streamer
 
 
 class Reply:
-    """One request's output as it arrives: text decoded as tokens come, cut at a stop string."""
+    """One choice's output as it arrives: text decoded as tokens come, cut at a stop string;
+    with `tools` (their format and list), tool calls taken out of the text as each closes;
+    with logprobs, each token's."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], chat: bool, name: str, prompt_tokens: int, job: Request,
-                 metrics: Metrics, started: float):
-        self.decoder, self.stop, self.chat, self.name = tokenizer.stream(), StopText(stops), chat, name
-        self.prompt_tokens, self.job, self.metrics, self.started = prompt_tokens, job, metrics, started
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
+    def __init__(self, index: int, tokenizer, stops: tuple[str, ...], job: Request, tools=None, first: bool = True):
+        # `first`: the first choice of its prompt, which counts the prompt's cached tokens
+        self.index, self.tokenizer, self.job, self.first = index, tokenizer, job, first
+        self.decoder, self.stop = tokenizer.stream(), StopText(stops)
+        self.tools = Streamer(*tools) if tools is not None else None
         self.pending, self.tokens, self.reason = "", 0, None
-        self.last = None
+        self.content = ""                               # the text shown (tool calls taken out)
+        self.calls: list[dict] = []                     # tool calls, OpenAI's shape
+        self.fresh_calls: list[dict] = []               # ... not sent yet
+        self.scores: list[tuple[int, float, list]] = [] # (token, log probability, likeliest) per token
+        self._score = None
+        self.last: float | None = None
+        self.closed = False                             # its last chunk sent (streaming)
 
-    @property
-    def text(self) -> str:
-        return self.stop.text
-
-    def take(self, kind: str, value) -> bool:
-        """Fold one engine event in; False once the request is finished."""
+    def take(self, kind: str, value, metrics: Metrics, started: float) -> bool:
+        """Fold one engine event in; False once the choice is finished."""
+        if kind == "logprobs":
+            self._score = value
+            return True
         if kind == "token":
             now = time.monotonic()
-            self.metrics.token(now - (self.last or self.started), first=self.last is None)
+            metrics.token(now - (self.last or started), first=self.last is None)
             self.last = now
             self.tokens += 1
+            if self._score is not None:
+                self.scores.append((value, *self._score))
+                self._score = None
             if value not in self.job.stop_ids:         # an end-of-sequence id is counted, not shown
-                self.pending += self.stop.add(self.decoder.push(value))
+                self._show(self.stop.add(self.decoder.push(value)))
             if self.stop.stopped:
                 self.reason = "stop"
                 self.job.cancelled.set()                # the engine drops it at its next turn
+                self._close()
                 return False
             return True
         if self.reason is None:                         # "done": the engine's reason
-            self.pending += self.stop.add(self.decoder.flush())
-            self.pending += self.stop.finish() if not self.stop.stopped else ""
+            self._show(self.stop.add(self.decoder.flush()))
+            self._show(self.stop.finish() if not self.stop.stopped else "")
             self.reason = "stop" if value == "stop" or self.stop.stopped else "length"
+            self._close()
         return False
 
-    def fresh(self) -> str:
-        """Text not sent yet (a tail that could still become a stop string is held back)."""
-        out, self.pending = self.pending, ""
-        return out
+    def _show(self, piece: str) -> None:
+        if self.tools is None:
+            self.pending += piece
+            self.content += piece
+            return
+        shown, calls = self.tools.add(piece)
+        self.pending += shown
+        self.content += shown
+        for call in calls:
+            self.fresh_calls.append(call.openai(len(self.calls)))
+            self.calls.append(self.fresh_calls[-1])
+
+    def _close(self) -> None:
+        if self.tools is not None:
+            rest = self.tools.finish()
+            self.pending += rest
+            self.content += rest
+            if self.calls:
+                self.reason = "tool_calls"
+                self.content = self.content.strip()
+
+    def fresh(self) -> tuple[str, list[dict]]:
+        """Text and tool calls not sent yet (a tail that could still become a stop string or
+        begin a tool call is held back)."""
+        out, calls, self.pending, self.fresh_calls = self.pending, self.fresh_calls, "", []
+        return out, calls
+
+    def logprobs(self, chat: bool, scores=None) -> dict | None:
+        """The choice's log probabilities in OpenAI's shape (chat's or completions'), or None
+        when they were not asked for."""
+        if self.job.logprobs is None:
+            return None
+        scores = self.scores if scores is None else scores
+        word = lambda t: self.tokenizer.decode([t])         # noqa: E731
+        if chat:
+            return {"content": [{"token": word(t), "logprob": p, "bytes": list(word(t).encode()),
+                                 "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(word(i).encode())}
+                                                  for i, q in top]} for t, p, top in scores]}
+        offsets, at = [], 0
+        for t, _, _ in scores:
+            offsets.append(at)
+            at += len(word(t))
+        return {"tokens": [word(t) for t, _, _ in scores], "token_logprobs": [p for _, p, _ in scores],
+                "top_logprobs": [{word(i): q for i, q in top} for _, _, top in scores], "text_offset": offsets}
+
+    def choice(self, chat: bool) -> dict:
+        if chat:
+            message = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
+            if self.calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
+            return {"index": self.index, "message": message, "finish_reason": self.reason,
+                    "logprobs": self.logprobs(True)}
+        return {"index": self.index, "text": self.content, "finish_reason": self.reason,
+                "logprobs": self.logprobs(False)}
+
+
+class Answer:
+    """A request's choices (`Reply`s, one per choice, by index) as one answer."""
+
+    def __init__(self, replies: list[Reply], chat: bool, name: str, prompt_tokens: int, metrics: Metrics,
+                 started: float):
+        self.replies, self.chat, self.name = replies, chat, name
+        self.prompt_tokens, self.metrics, self.started = prompt_tokens, metrics, started
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.open = {r.index for r in replies}          # choices not finished
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def cancel(self) -> None:
+        for reply in self.replies:
+            reply.job.cancelled.set()
+
+    def take(self, index: int, kind: str, value) -> bool:
+        """Fold one choice's event in; False once every choice is finished."""
+        if not self.replies[index].take(kind, value, self.metrics, self.started):
+            self.open.discard(index)
+        return bool(self.open)
 
     def usage(self) -> dict:
-        cached = self.job.cached
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        tokens = sum(r.tokens for r in self.replies)
+        cached = sum(r.job.cached for r in self.replies if r.first)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": tokens,
+                "total_tokens": self.prompt_tokens + tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def whole(self) -> dict:
-        self.metrics.finished(self.prompt_tokens, self.tokens)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "finish_reason": self.reason, "logprobs": None}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": self.text, "finish_reason": self.reason, "logprobs": None}
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.name,
-                "choices": [choice], "usage": self.usage()}
+        self.metrics.finished(self.prompt_tokens, sum(r.tokens for r in self.replies))
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.name, "choices": [r.choice(self.chat) for r in self.replies],
+                "usage": self.usage()}
 
-    def chunk(self, piece: str, reason: str | None, first: bool = False) -> str:
+    def chunk(self, reply: Reply, piece: str, calls: list[dict], reason: str | None, first: bool, scores) -> str:
         if self.chat:
-            delta = ({"role": "assistant", "content": piece} if first else {"content": piece}) if piece or first else {}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            kind = "chat.completion.chunk"
+            delta = {"role": "assistant", "content": piece} if first else {"content": piece} if piece else {}
+            if calls:
+                delta["tool_calls"] = calls
+            choice = {"index": reply.index, "delta": delta, "finish_reason": reason,
+                      "logprobs": reply.logprobs(True, scores) if scores else None}
         else:
-            choice = {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}
-            kind = "text_completion"
-        return _event({"id": self.id, "object": kind, "created": self.created, "model": self.name,
+            choice = {"index": reply.index, "text": piece, "finish_reason": reason,
+                      "logprobs": reply.logprobs(False, scores) if scores else None}
+        return _event({"id": self.id, "object": self.kind, "created": self.created, "model": self.name,
                        "choices": [choice]})
 
     async def stream(self, first, events: asyncio.Queue, include_usage: bool, request: HTTPRequest):
-        event, opened = first, False
+        event, opened, sent = first, set(), {r.index: 0 for r in self.replies}
         try:
             while True:
-                kind, value = event
+                index, kind, value = event
                 if kind == "error":
                     exc = value
                     what = (f"the request's transaction aborted ({exc.kind} at {exc.stage})"
                             if isinstance(exc, ChunkAborted) else f"internal error: {type(exc).__name__}")
                     yield _event({"error": {"message": what, "type": "server_error", "param": None,
                                             "code": f"aborted_{exc.kind}" if isinstance(exc, ChunkAborted) else None}})
+                    self.cancel()
                     break
-                going = self.take(kind, value)
-                piece = self.fresh()
-                if piece or not opened:
-                    yield self.chunk(piece, None, first=not opened)
-                    opened = True
+                going = self.take(index, kind, value)
+                reply = self.replies[index]
+                piece, calls = reply.fresh()
+                scores = reply.scores[sent[index]:] if reply.job.logprobs is not None else None
+                if piece or calls or index not in opened or (scores and kind == "token"):
+                    yield self.chunk(reply, piece, calls, None, index not in opened, scores)
+                    sent[index] = len(reply.scores)
+                    opened.add(index)
+                if reply.reason is not None and not reply.closed:
+                    reply.closed = True
+                    yield self.chunk(reply, "", [], reply.reason, False, None)
                 if not going:
-                    yield self.chunk("", self.reason)
                     if include_usage:
-                        yield _event({"id": self.id, "object": "chat.completion.chunk" if self.chat else
-                                      "text_completion", "created": self.created, "model": self.name,
+                        yield _event({"id": self.id, "object": self.kind, "created": self.created, "model": self.name,
                                       "choices": [], "usage": self.usage()})
-                    self.metrics.finished(self.prompt_tokens, self.tokens)
+                    self.metrics.finished(self.prompt_tokens, sum(r.tokens for r in self.replies))
                     break
                 event = await events.get()
             yield "data: [DONE]\n\n"
-        finally:                                        # a client gone mid-stream frees its request
-            if self.reason is None:
-                self.job.cancelled.set()
+        finally:                                        # a client gone mid-stream frees its requests
+            if self.open:
+                self.cancel()
 
 
 def _event(data: dict) -> str:

@@ -24,8 +24,14 @@ _MARKERS = frozenset(f"{role.upper()}." for role in ROLES)
 PLAIN_STOPS = ("\n\n",)         # in the plain format a speech ends with a blank line
 
 
+EXTRA = {"tool_calls": list, "tool_call_id": str, "name": str}     # what a message may hold besides
+
+
 def checked(messages) -> list[dict[str, str]]:
-    """`messages` as a list of {"role", "content"} dicts of strings, the role one of ROLES."""
+    """`messages` as a list of {"role", "content"} dicts of strings, the role one of ROLES; an
+    assistant's message may hold `tool_calls` ({"id", "type", "function": {"name",
+    "arguments"}} dicts, its arguments a JSON object's text or the object), a tool's its
+    `tool_call_id`, and any its `name`."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidInput("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -35,7 +41,32 @@ def checked(messages) -> list[dict[str, str]]:
                                f"{shown(m)}")
         if m["role"] not in ROLES:
             raise InvalidInput(f"message {i} has the role {shown(m['role'])}; roles are: {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": m["content"]})
+        message = {"role": m["role"], "content": m["content"]}
+        for key, kind in EXTRA.items():
+            if m.get(key) is not None:
+                if not isinstance(m[key], kind):
+                    raise InvalidInput(f"message {i}: {key} must be a {kind.__name__}")
+                message[key] = _calls(m[key], i) if key == "tool_calls" else m[key]
+        out.append(message)
+    return out
+
+
+def _calls(calls: list, i: int) -> list[dict]:
+    """An assistant's tool calls as templates read them: each function's arguments an object."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidInput(f"message {i}: a tool call is {{'function': {{'name': ..., 'arguments': ...}}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise InvalidInput(f"message {i}: the arguments of a call of {function['name']!r} are not JSON") from None
+        if not isinstance(arguments, dict):
+            raise InvalidInput(f"message {i}: the arguments of a call of {function['name']!r} must be a JSON object")
+        out.append({**call, "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -67,14 +98,18 @@ def find(folder: Path, settings: dict) -> str | None:
     return template
 
 
-def render(template: str, messages: list[dict[str, str]], special: dict[str, str], folder: Path | None) -> str:
-    """The conversation through the template, the assistant's turn opened."""
+def render(template: str, messages: list[dict[str, str]], special: dict[str, str], folder: Path | None,
+           tools: list[dict] | None = None) -> str:
+    """The conversation through the template, the assistant's turn opened (`tools`: the
+    functions it may call, OpenAI's {"type": "function", "function": {...}} dicts)."""
     context = {"messages": messages, "add_generation_prompt": True, **special}
+    if tools:
+        context["tools"] = tools
     return _render(template, context, folder)
 
 
 def pieces(template: str, messages: list[dict[str, str]], special: dict[str, str],
-           folder: Path | None) -> list[tuple[bool, str]]:
+           folder: Path | None, tools: list[dict] | None = None) -> list[tuple[bool, str]]:
     """The rendered conversation as (is the template's own text, text) pieces, so that the
     template's text and the messages' can be encoded differently (the messages' literally: a
     special token typed in a message stays its characters). Rendered twice, with a marker in
@@ -83,11 +118,11 @@ def pieces(template: str, messages: list[dict[str, str]], special: dict[str, str
     the template made of it, found between the template's own pieces; InvalidInput where that
     cannot be told for certain."""
     marked = [dict(m, content=f"\ue000{i}\ue001") for i, m in enumerate(messages)]
-    parts = re.split("\ue000(\\d+)\ue001", render(template, marked, special, folder))
+    parts = re.split("\ue000(\\d+)\ue001", render(template, marked, special, folder, tools))
     own, said = parts[0::2], [messages[int(i)]["content"] if int(i) < len(messages) else None for i in parts[1::2]]
     if None in said:
         raise InvalidInput(f"the chat template of {folder} writes a message that is not in the conversation")
-    text = render(template, messages, special, folder)
+    text = render(template, messages, special, folder, tools)
     if "".join(o + m for o, m in zip(own, said + [""])) == text:
         return [(True, own[0])] + [piece for m, o in zip(said, own[1:]) for piece in ((False, m), (True, o))]
     return _aligned(own, said, text, folder)

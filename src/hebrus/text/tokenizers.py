@@ -33,21 +33,31 @@ class _Tokenizer:
         """`text`'s ids with anything that looks like a special token taken as its characters."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = True) -> list[int] | str:
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = True,
+                            tools: list[dict] | None = None) -> list[int] | str:
         """A conversation (`{"role", "content"}` dicts) with the assistant's turn opened: its ids
         (`tokenize`), in which what the messages say is always text (a special token typed in a
         message is its characters, so no message can open a turn of another role), or its text.
-        Without a chat template, the plain format (`templates.plain`)."""
+        Without a chat template, the plain format (`templates.plain`). `tools`: the functions the
+        assistant may call (OpenAI's {"type": "function", "function": {...}} dicts), for a
+        template that takes them (`takes_tools`; InvalidInput otherwise)."""
         messages = templates.checked(messages)
+        if tools and not self.takes_tools:
+            raise InvalidInput("this model's chat template does not take tools")
         if self.template is None:
             text = templates.plain(messages)
             return self.literal(text) if tokenize else text
         if not tokenize:
-            return templates.render(self.template, messages, self.special, self.folder)
+            return templates.render(self.template, messages, self.special, self.folder, tools)
         ids = []
-        for own, piece in templates.pieces(self.template, messages, self.special, self.folder):
+        for own, piece in templates.pieces(self.template, messages, self.special, self.folder, tools):
             ids += self.encode(piece) if own else self.literal(piece)
         return ids
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` (the plain format does not)."""
+        return self.template is not None and "tools" in self.template
 
     @property
     def chat_stops(self) -> tuple[str, ...]:
