@@ -98,7 +98,7 @@ class Reply:
         if self.job.logprobs is None:
             return None
         scores = self.scores if scores is None else scores
-        word = lambda t: self.tokenizer.decode([t])         # noqa: E731
+        word = self.word
         if chat:
             return {"content": [{"token": word(t), "logprob": p, "bytes": list(word(t).encode()),
                                  "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(word(i).encode())}
@@ -109,6 +109,16 @@ class Reply:
             at += len(word(t))
         return {"tokens": [word(t) for t, _, _ in scores], "token_logprobs": [p for _, p, _ in scores],
                 "top_logprobs": [{word(i): q for i, q in top} for _, _, top in scores], "text_offset": offsets}
+
+    def word(self, token: int) -> str:
+        """A token as text: its decoding, or where that is not whole characters (a piece of a
+        character's bytes), its name in the tokenizer (`bytes:\\xNN` for a byte), one per id."""
+        text = self.tokenizer.decode([token])
+        if text and "\ufffd" not in text:
+            return text
+        inner = getattr(self.tokenizer, "tokenizer", None)
+        name = inner.id_to_token(token) if inner is not None else None
+        return name if name is not None else f"bytes:\\x{token:02x}" if token < 256 else f"<id {token}>"
 
     def choice(self, chat: bool) -> dict:
         if chat:

@@ -144,16 +144,35 @@ def forced(form: str, tools: list[dict], name: str | None, parallel: bool) -> Gr
                         '\nVALUE: /[^<]*/\n')
 
 
+def _value(schema) -> str:
+    """A parameter's value in the qwen3_xml format as its schema allows: one of its enum, a
+    boolean, an integer or a number, a string of at most its maxLength; else any text without
+    a '<'."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return "(" + " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"]) + ")"
+    if kind == "boolean":
+        return '("true" | "false")'
+    if kind == "integer":
+        return "/-?(0|[1-9][0-9]{0,17})/"
+    if kind == "number":
+        return "/-?(0|[1-9][0-9]{0,17})(\\.[0-9]{1,17})?/"
+    if kind == "string" and isinstance(schema.get("maxLength"), int) and schema["maxLength"] >= 0:
+        return f"/[^<]{{0,{schema['maxLength']}}}/"
+    return "VALUE"
+
+
 def _call_rule(form: str, function: dict) -> str:
     name = json.dumps(function["name"])[1:-1]
     parameters = function.get("parameters") or {"type": "object"}
     if form == "hermes":
         head = json.dumps(f'{OPEN}\n{{"name": "{name}", "arguments": ')
         return f"{head} %json {json.dumps(parameters)} " + json.dumps("}\n" + CLOSE + "\n")
-    keys = list((parameters.get("properties") or {}).keys())
-    if keys:
-        each = " | ".join("(" + json.dumps(f"<parameter={k}>\n") + " VALUE " + json.dumps("\n</parameter>\n") + ")"
-                          for k in keys)
+    properties = parameters.get("properties") or {}
+    if properties:
+        each = " | ".join("(" + json.dumps(f"<parameter={k}>\n") + f" {_value(v)} " + json.dumps("\n</parameter>\n") + ")"
+                          for k, v in properties.items())
         params = f"({each})*"
     else:
         params = ""

@@ -1,0 +1,212 @@
+"""What agents build on, through the official `openai` client against `hebrus serve` on a tiny
+Qwen3.5 checkpoint whose chat template takes tools: structured outputs, tool calls, logprobs,
+n > 1, penalties, a list of prompts. Exact mode, so each choice can be held against the engine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hebrus
+from hebrus.text.tools import Streamer, forced, split
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+from foreign import build  # noqa: E402
+from test_serve import Server  # noqa: E402
+from test_text import write_tokenizer  # noqa: E402
+
+# a Qwen3.5-like template: tools in the system turn, calls written in the qwen3_xml format
+TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+To call a function reply with:
+<tool_call>
+<function=NAME>
+<parameter=KEY>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}{% if m.role == 'system' and loop.first %}{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}
+<tool_call>
+<function={{ c.function.name }}>
+{% for k, v in c.function.arguments|items %}<parameter={{ k }}>
+{{ v }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}{% endif %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "days": {"type": "integer"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder, _ = build("qwen3_5", tmp_path_factory.mktemp("agents"), vocab_size=320, max_position_embeddings=2048)
+    write_tokenizer(folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": TEMPLATE}))
+    return hebrus.load(folder, mode="exact")
+
+
+@pytest.fixture(scope="module")
+def server(qwen):
+    s = Server(qwen)
+    yield s
+    s.close()
+
+
+def test_json_schema_output_is_valid(server):
+    client = server.client()
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=200, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_object_and_regex_streamed(server):
+    client = server.client()
+    reply = client.completions.create(model="tiny", prompt="Say:", max_tokens=200, temperature=0.7, seed=1,
+                                      extra_body={"response_format": {"type": "json_object"}})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].text), dict)
+    pieces = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=20, seed=2, stream=True,
+                                            response_format={"type": "regex", "regex": "(yes|no), [0-9]"})
+    text, reasons = "", []
+    for chunk in pieces:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop" and text[:-1] in ("yes, ", "no, ") and text[-1].isdigit()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_or_named_tool_is_called(server, stream):
+    client = server.client()
+    for choice, expected in (("required", {"get_weather", "now"}), ({"type": "function", "function": {"name": "now"}},
+                                                                       {"now"})):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                               max_tokens=300, temperature=1.0, seed=3, stream=stream,
+                                               parallel_tool_calls=False)
+        if stream:
+            calls, reason = {}, None
+            for chunk in reply:
+                for c in chunk.choices:
+                    for call in c.delta.tool_calls or ():
+                        calls[call.index] = call
+                    reason = c.finish_reason or reason
+            calls = [calls[i] for i in sorted(calls)]
+        else:
+            calls, reason = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+        assert reason == "tool_calls" and len(calls) == 1
+        assert calls[0].function.name in expected and calls[0].id.startswith("call_")
+        arguments = json.loads(calls[0].function.arguments)
+        if calls[0].function.name == "get_weather":
+            assert arguments.get("city", "Paris") in ("Paris", "Oslo")
+        else:
+            assert arguments == {}
+
+
+def test_a_conversation_with_tool_calls_and_results_goes_on(server):
+    client = server.client()
+    messages = ASK + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8, seed=0)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="not JSON"):
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[messages[0], dict(
+            messages[1], tool_calls=[{"id": "c", "type": "function", "function": {"name": "x", "arguments": "{"}}])])
+
+
+def test_logprobs_are_the_models_own(server, qwen):
+    client = server.client()
+    reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.logprob == entry.top_logprobs[0].logprob       # greedy: the likeliest token
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(len(top) == 2 and lp.token_logprobs[i] <= max(top.values()) for i, top in enumerate(lp.top_logprobs))
+
+
+def test_n_choices_fork_one_prompt_and_each_is_its_own_seed(server):
+    client = server.client()
+    many = client.completions.create(model="tiny", prompt=["Once", "Twice"], n=3, max_tokens=5, temperature=1.0,
+                                     seed=10)
+    assert [c.index for c in many.choices] == list(range(6))
+    for p, prompt in enumerate(["Once", "Twice"]):
+        for j in range(3):
+            alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=1.0, seed=10 + j)
+            assert many.choices[p * 3 + j].text == alone.choices[0].text
+    assert many.usage.completion_tokens == sum(len(c.text) >= 0 and 5 for c in many.choices)
+
+
+def test_penalties_are_the_engines(server, qwen):
+    client = server.client()
+    tokens = qwen.tokenizer.encode("Once upon")
+    reply = client.completions.create(model="tiny", prompt=tokens, max_tokens=12, temperature=0,
+                                      presence_penalty=1.5, frequency_penalty=0.7)
+    engine = list(qwen.session().generate(tokens, max_new_tokens=12, presence_penalty=1.5, frequency_penalty=0.7,
+                                          stop_ids=qwen.tokenizer.stop_ids))
+    shown = [t for t in engine if t not in qwen.tokenizer.stop_ids]
+    assert reply.choices[0].text == qwen.tokenizer.decode(shown)
+
+
+def test_tool_calls_read_out_of_text_as_they_close():
+    tools = [WEATHER, CLOCK]
+    text = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n"
+            "</tool_call>")
+    content, calls = split(text, "qwen3_xml", tools)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 3}
+    streamer, shown, got = Streamer("qwen3_xml", tools), "", []
+    for i in range(0, len(text), 3):
+        piece, done = streamer.add(text[i:i + 3])
+        shown += piece
+        got += done
+    assert shown.strip() == "Let me look." and [c.name for c in got] == ["get_weather", "now"]
+    hermes = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert split(hermes, "hermes", tools)[1][0].name == "now"
+    assert split("<tool_call>{nope}</tool_call>", "hermes", tools) == ("<tool_call>{nope}</tool_call>", [])
+    with pytest.raises(hebrus.InvalidInput, match="no tool is named"):
+        forced("hermes", tools, "missing", False)
