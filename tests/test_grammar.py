@@ -4,9 +4,11 @@ it allows. Grammars through llguidance (`hebrus.text.grammar`)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hebrus
 from hebrus import ChunkAborted, InvalidInput
@@ -157,3 +159,80 @@ def test_grammars_it_cannot_compile_are_refused_by_name(tiny_fast):
     s = tiny_fast.session()
     out = list(s.generate([1], max_new_tokens=50, constraint=start(tiny_fast, Grammar.regex("(yes|no)"))))
     assert text(out) in ("yes", "no") and s.constraint.finished
+
+
+# ---- property: every output that ends with "stop" is valid -----------------------------------
+LONG = os.environ.get("HEBRUS_HYPOTHESIS") == "long"
+
+
+def _schemas():
+    """JSON schemas of the subset the grammar takes, small enough for a tiny model to finish:
+    objects with required properties in order, arrays of at most 3 items, bounded strings and
+    integers, enums, booleans, null."""
+    leaves = st.one_of(
+        st.just({"type": "boolean"}), st.just({"type": "null"}),
+        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+                  st.integers(-50, 50), st.integers(0, 100)),
+        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+        st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True).map(
+            lambda values: {"enum": values}),
+        st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^[a-c]{1,3}$", "^x?y$"])))
+
+    def nested(children):
+        return st.one_of(
+            st.builds(lambda item, most: {"type": "array", "items": item, "maxItems": most}, children, st.integers(0, 3)),
+            st.dictionaries(st.text("abkq", min_size=1, max_size=3), children, min_size=1, max_size=3).map(
+                lambda props: {"type": "object", "properties": props, "required": list(props),
+                               "additionalProperties": False}))
+    return st.recursive(leaves, nested, max_leaves=5)
+
+
+@settings(max_examples=200 if LONG else 12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=_schemas(), seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.8, 1.5]))
+def test_generated_schemas_every_finished_output_is_valid(tiny_fast, schema, seed, temperature):
+    jsonschema = pytest.importorskip("jsonschema")
+    s = tiny_fast.session()
+    out = list(s.generate([seed % 256], max_new_tokens=160, temperature=temperature, seed=seed,
+                          constraint=start(tiny_fast, schema)))
+    if s.constraint.finished:
+        jsonschema.validate(json.loads(text(out)), schema)
+
+
+@settings(max_examples=100 if LONG else 10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=_schemas(), data=st.data())
+def test_every_valid_instance_is_allowed(tiny_fast, schema, data):
+    """The other way: any instance of the schema, written in the grammar's layout, is allowed
+    token by token and completes it. (The instances come from `_instances`, not
+    hypothesis-jsonschema, whose object strategy fails on this hypothesis: "'many' object has no
+    attribute 'more'".)"""
+    jsonschema = pytest.importorskip("jsonschema")
+    instance = data.draw(_instances(schema))
+    jsonschema.validate(instance, schema)
+    ids = list(json.dumps(instance, ensure_ascii=False).encode())
+    value = start(tiny_fast, schema)
+    assert value.allows(ids) == len(ids), (schema, instance)
+    assert value.after(ids).complete
+
+
+def _instances(schema):
+    """Instances of a schema of `_schemas`, objects' keys in its order (the grammar's), strings
+    of printable ASCII without escapes (how a string is escaped is the grammar's choice)."""
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema["type"]
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "integer":
+        return st.integers(schema["minimum"], schema["maximum"])
+    if kind == "string" and "pattern" in schema:
+        return st.from_regex(schema["pattern"], fullmatch=True)
+    if kind == "string":
+        return st.text(st.characters(min_codepoint=32, max_codepoint=126, exclude_characters='"\\'),
+                       max_size=schema["maxLength"])
+    if kind == "array":
+        return st.lists(_instances(schema["items"]), max_size=schema["maxItems"])
+    order = list(schema["properties"])
+    return st.fixed_dictionaries({k: _instances(v) for k, v in schema["properties"].items()}).map(
+        lambda d: {k: d[k] for k in order})
