@@ -720,3 +720,23 @@ def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R, runs
     got = attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs)
     want = dense_attention_lanes(q.double(), k_blocks.double(), v_blocks.double(), tables, positions)
     assert got.dtype == dtype and _rel(got.double(), want) <= 1e-2
+
+
+def test_graph_steps_publish_each_sessions_constraint():
+    """Steps replayed from CUDA graphs advance each session's constraint by its token (the flip
+    publishes it with the rest), and a token it does not allow is refused before the step."""
+    pytest.importorskip("llguidance")
+    from hebrus.text.grammar import Grammar
+    model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast")
+    start = Grammar.json({"type": "object"}).start(model.tokenizer, model.spec.vocab_size)
+    sessions = [model.session(decode="graph") for _ in range(3)]
+    for s in sessions:
+        s.feed([1, 2])
+    sessions[1].constrain(start)
+    batch = hebrus.Batch(sessions, decode="graph")
+    for token in b'{"ab": [1, 2]}':
+        batch.feed([7, token, 9])
+    assert sessions[1].constraint.finished and sessions[0].constraint is None
+    with pytest.raises(hebrus.InvalidInput, match="session 1: .*does not allow"):
+        batch.feed([7, ord("x"), 9])
+    assert sessions[1].frontier == 2 + len(b'{"ab": [1, 2]}')

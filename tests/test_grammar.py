@@ -236,3 +236,16 @@ def _instances(schema):
     order = list(schema["properties"])
     return st.fixed_dictionaries({k: _instances(v) for k, v in schema["properties"].items()}).map(
         lambda d: {k: d[k] for k in order})
+
+
+def test_masks_of_many_together_are_each_ones_alone(tiny_fast, monkeypatch):
+    from hebrus.state.constraint import masks
+    from hebrus.text import grammar
+    monkeypatch.setattr(grammar, "PARALLEL_MASKS", 2)
+    begin = start(tiny_fast, PERSON)
+    prefixes = [b'{"name": "' + bytes([97 + i]) for i in range(6)] + [b'{"name": "ab", "age": 1', b'']
+    together = masks([begin.after(list(p)) if p else start(tiny_fast, PERSON) for p in prefixes])
+    alone = [(begin.after(list(p)) if p else start(tiny_fast, PERSON)).mask() for p in prefixes]
+    for a, b in zip(together, alone):
+        n = min(a.numel(), b.numel())
+        assert torch.equal(a[:n], b[:n]) and not a[n:].any() and not b[n:].any()

@@ -52,6 +52,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="speculative decoding: --model's greedy tokens/s on a repetitive prompt, plain "
                             "against prompt lookup (and --draft), with the drafts kept and whether the output "
                             "equals plain decoding's; then a fork's cost at each of --contexts")
+    bench.add_argument("--constrained", action="store_true",
+                       help="structured output: --model decoding --decode-steps greedy steps under a JSON schema "
+                            "against the same steps free, at each of --batch sessions stepping together")
     bench.add_argument("--serve", action="store_true",
                        help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
                             "--clients concurrent streaming requests against the same engine decoding offline: "
@@ -164,6 +167,8 @@ def run(args, load_model) -> int:
         return _spec(args, contexts, load_model)
     if args.serve:
         return _serve(args, load_model)
+    if args.constrained:
+        return _constrained(args, batches, load_model)
     model = load_model(args)
     model.session(decode=args.decode)                    # refuses a decode the model cannot run
     if args.compare_transformers and model.source is None:
@@ -289,6 +294,17 @@ def _pages(args) -> int:
                        prompt=1024, steps=args.decode_steps, rounds=args.rounds)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     return _written(args, report, pages.table(report))
+
+
+def _constrained(args, batches: tuple[int, ...], load_model) -> int:
+    from hebrus.bench import constrained
+    from hebrus.progress import ProgressBar
+
+    model = load_model(args)
+    report = {"model": Path(args.model).name, "device": str(model.device), "mode": args.mode,
+              "points": constrained.points(model, batches, args.decode_steps, args.rounds,
+                                           ProgressBar("bench --constrained", unit="run"))}
+    return _written(args, report, constrained.table(report))
 
 
 def _written(args, report: dict, text: str) -> int:

@@ -63,6 +63,7 @@ from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.prefix import PrefixCache
+from hebrus.state.constraint import masks
 
 
 @dataclass
@@ -516,7 +517,7 @@ class Scheduler:
             if r.id in limits:
                 groups.setdefault((logits[i].dtype, logits[i].device), []).append(i)
         for members in groups.values():
-            rows = constrained(torch.stack([logits[i] for i in members]), [limits[requests[i].id].mask() for i in members])
+            rows = constrained(torch.stack([logits[i] for i in members]), masks([limits[requests[i].id] for i in members]))
             for i, row in zip(members, rows.unbind(0)):
                 logits[i] = row
         chosen = sample_many(logits, [r.sampling for r in requests], [r.generator for r in requests])

@@ -30,6 +30,15 @@ class Constraint(Protocol):
         """Whether nothing may come next: the constrained text is complete."""
 
 
+def masks(values: list[Constraint]) -> list[torch.Tensor]:
+    """Each value's `mask()`; values of one type that offers `masks` (a static method over a
+    list of them) compute theirs together."""
+    kinds = {type(v) for v in values}
+    if len(kinds) == 1 and hasattr(next(iter(kinds)), "masks"):
+        return next(iter(kinds)).masks(values)
+    return [v.mask() for v in values]
+
+
 def checked(value) -> Constraint | None:
     """`value` if it is a constraint (or None); else TypeError naming what one needs."""
     if value is None or isinstance(value, Constraint):
