@@ -123,8 +123,6 @@ def test_a_constrained_session_is_not_saved_and_lifting_it_frees_the_tokens(tiny
     s.save(tmp_path / "s.hebrus")
     with pytest.raises(InvalidInput, match="constraint needs"):
         s.constrain("not a constraint")
-    with pytest.raises(InvalidInput, match="speculate does not take a constraint"):
-        s.generate([1], speculate="lookup", constraint=start(tiny_fast, PERSON))
 
 
 def test_steps_of_many_sessions_advance_each_ones_value(tiny_fast):
@@ -249,3 +247,21 @@ def test_masks_of_many_together_are_each_ones_alone(tiny_fast, monkeypatch):
     for a, b in zip(together, alone):
         n = min(a.numel(), b.numel())
         assert torch.equal(a[:n], b[:n]) and not a[n:].any() and not b[n:].any()
+
+
+def test_speculation_under_a_constraint_is_the_plain_output(tiny):
+    """Exact mode, greedy: prompt lookup under a schema gives the tokens and the final state of
+    plain decoding under it (drafts kept only as far as it allows); sampled, what finishes is
+    valid."""
+    jsonschema = pytest.importorskip("jsonschema")
+    prompt = list(b'{"name": "Al", "age": 7} {"name": "Al", "age": 7} ')
+    plain, fast = tiny.session(), tiny.session()
+    a = list(plain.generate(prompt, max_new_tokens=60, constraint=start(tiny, PERSON)))
+    b = list(fast.generate(prompt, max_new_tokens=60, constraint=start(tiny, PERSON), speculate="lookup"))
+    assert a == b and plain.digest() == fast.digest() and fast.constraint.finished
+    for seed in range(2):
+        s = tiny.session()
+        out = list(s.generate(prompt, max_new_tokens=80, temperature=1.0, seed=seed,
+                              constraint=start(tiny, PERSON), speculate="lookup"))
+        if s.constraint.finished:
+            jsonschema.validate(json.loads(text(out)), PERSON)

@@ -152,7 +152,7 @@ def test_sampled_speculation_follows_the_sampling_distribution(tiny_fast, draft_
 
 def test_the_distribution_test_fails_a_verifier_that_keeps_every_draft(tiny_fast, draft_of_tiny, monkeypatch):
     """The test above can fail: keeping every draft gives the draft model's distribution."""
-    def keep_all(chunk, logits, proposals, sampling, generator, stops):
+    def keep_all(chunk, logits, proposals, sampling, generator, stops, ended=None):
         return len(chunk), speculate.sample(logits[-1], sampling, generator)
     monkeypatch.setattr(speculate, "_verify", keep_all)
     chi, critical, _ = _pairs_test(tiny_fast, draft_of_tiny, 150, PROMPT)

@@ -326,7 +326,8 @@ class Session:
         `constraint` (`hebrus.state.constraint.Constraint`; `hebrus.text.grammar` makes them from
         JSON schemas, regular expressions and grammars): once the prompt is fed the session is
         constrained by it (`constrain`), and every token is sampled from those it allows;
-        generation ends when it allows nothing more. Not with `speculate`.
+        generation ends when it allows nothing more. With `speculate`, drafts are kept only as
+        far as it allows them (greedy: the same tokens as without speculation).
 
         This is the engine-level call (DESIGN §7): token ids in and out, greedy and seed 0
         unless told otherwise, in the model's mode; the prompt in chunks of `chunk_size` (default:
@@ -349,8 +350,6 @@ class Session:
         except TypeError as exc:
             raise InvalidInput(str(exc)) from None
         if speculate is not None:
-            if constraint is not None or self.constraint is not None:
-                raise InvalidInput("speculate does not take a constraint yet")
             if sampling.repetition_penalty != 1.0 or sampling.counts_output:
                 raise InvalidInput("speculate does not take a repetition, presence or frequency penalty")
             draft_tokens = arguments.count("draft_tokens", draft_tokens)
@@ -363,7 +362,7 @@ class Session:
             self._check_room(len(prompt) + max_new_tokens)
         if speculate is not None:
             return speculation.speculative(self, prompt, max_new_tokens, sampling, stops, earlier, generator,
-                                           chunk_size, drafter, draft_tokens)
+                                           chunk_size, drafter, draft_tokens, constraint=constraint)
         return self._generate(prompt, max_new_tokens, sampling, stops, earlier, generator, chunk_size, constraint)
 
     def generate_text(self, prompt, **options):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from hebrus.errors import InvalidInput, note_published
-from hebrus.sampling import Sampling, distribution, draw, sample
+from hebrus.sampling import Sampling, constrained, distribution, draw, sample
 
 
 def lookup(history: list[int], most: int, longest: int = 8) -> list[int]:
@@ -98,23 +98,39 @@ def drafter(speculate, model, history: list[int], room: int, chunk_size: int):
 
 
 def speculative(session, prompt, max_new_tokens: int, sampling: Sampling, stops: frozenset, earlier: list[int],
-                generator, chunk_size: int, make_drafter, draft_tokens: int, record: list | None = None):
+                generator, chunk_size: int, make_drafter, draft_tokens: int, record: list | None = None,
+                constraint=None):
     """`Session.generate(..., speculate=...)`'s tokens, its arguments already checked.
-    `record` (the benchmark's) gets (chunk length, tokens kept) for each verifying chunk."""
+    `record` (the benchmark's) gets (chunk length, tokens kept) for each verifying chunk. With a
+    constraint (attached once the prompt is fed, or the session's own), drafts stop where it
+    stops allowing them, each position of a chunk is verified against the model's distribution
+    masked by the constraint as it stands after the chunk's tokens before it, and generation
+    ends where the constraint allows nothing more; the prefix transaction publishes the
+    constraint after the kept tokens."""
     start = session.frontier
     try:
         logits = session.prefill(prompt, chunk_size) if len(prompt) else session.logits
+        if constraint is not None:
+            session.constrain(constraint)
         drafts = make_drafter()
-        token, made = sample(logits, sampling, generator), 0
+        if _finished(session.constraint):
+            return
+        token, made = sample(_masked(logits, session.constraint), sampling, generator), 0
         while True:
-            room = min(draft_tokens, max_new_tokens - made - 1) if token not in stops else 0
+            limit = session.constraint
+            after = limit.after([token]) if limit is not None else None
+            room = min(draft_tokens, max_new_tokens - made - 1) if token not in stops and not _finished(after) else 0
             proposed, proposals = drafts.propose(token, room, sampling, generator)
+            if after is not None:                   # no draft past what the constraint allows
+                n = after.allows(proposed)
+                proposed, proposals = proposed[:n], (proposals[:n] if proposals is not None and n else None)
             chunk = [token] + proposed
             if proposed:
                 verdict = {}
 
-                def accept(chunk_logits, chunk=chunk, proposals=proposals):
-                    k, verdict["next"] = _verify(chunk, chunk_logits, proposals, sampling, generator, stops)
+                def accept(chunk_logits, chunk=chunk, proposals=proposals, limit=limit):
+                    chunk_logits, ended = _under(limit, chunk, chunk_logits)
+                    k, verdict["next"] = _verify(chunk, chunk_logits, proposals, sampling, generator, stops, ended)
                     return k
                 k, _ = session.feed_prefix(_padded(session, chunk, 1 + draft_tokens), accept)
                 following = verdict["next"]
@@ -128,7 +144,10 @@ def speculative(session, prompt, max_new_tokens: int, sampling: Sampling, stops:
                 yield t
                 if t in stops or made == max_new_tokens:
                     return
-            token = following if following is not None else sample(logits, sampling, generator)
+            if _finished(session.constraint):
+                return
+            token = following if following is not None else \
+                sample(_masked(logits, session.constraint), sampling, generator)
     except GeneratorExit:
         raise
     except BaseException as exc:
@@ -145,14 +164,34 @@ def _padded(session, chunk: list[int], length: int) -> list[int]:
     return chunk + chunk[-1:] * (length - len(chunk))
 
 
+def _finished(limit) -> bool:
+    return limit is not None and limit.finished
+
+
+def _masked(logits: torch.Tensor, limit) -> torch.Tensor:
+    return logits if limit is None else constrained(logits, [limit.mask()])
+
+
+def _under(limit, chunk: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """A verifying chunk's logits [T, V] with position i masked by `limit` after chunk[:i + 1]
+    (every mask in one call), and whether the constraint has ended there; as they are without one."""
+    if limit is None:
+        return logits, [False] * len(chunk)
+    states = [limit.after(chunk[:i + 1]) for i in range(len(chunk))]
+    masked = constrained(logits[:len(chunk)], [s.mask() for s in states])
+    return masked, [s.finished for s in states]
+
+
 def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Sampling, generator,
-            stops: frozenset) -> tuple[int, int | None]:
-    """(how many of `chunk` to keep, the token after them, or None after a stop). Position i of
-    `logits` [T, V] is the model's distribution for chunk[i + 1]."""
+            stops: frozenset, ended: list[bool] | None = None) -> tuple[int, int | None]:
+    """(how many of `chunk` to keep, the token after them, or None after a stop or where
+    `ended[i]`, the text complete after chunk[:i + 1]). Position i of `logits` [T, V] is the
+    model's distribution for chunk[i + 1]."""
+    ended = ended or [False] * len(chunk)
     k = 1
     choices = logits.argmax(-1).tolist() if sampling.temperature == 0 else None    # one transfer
     while k < len(chunk):
-        if chunk[k - 1] in stops:
+        if chunk[k - 1] in stops or ended[k - 1]:
             return k, None
         d = chunk[k]
         if choices is not None:
@@ -172,7 +211,7 @@ def _verify(chunk: list[int], logits: torch.Tensor, proposals, sampling: Samplin
                     residual = p
                 return k, draw(residual, generator)
         k += 1
-    if chunk[k - 1] in stops:
+    if chunk[k - 1] in stops or ended[k - 1]:
         return k, None
     return k, choices[k - 1] if choices is not None else sample(logits[k - 1], sampling, generator)
 
