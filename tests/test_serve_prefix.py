@@ -283,3 +283,30 @@ def test_a_long_prompt_fed_in_shares_while_others_decode_answers_as_alone(tiny):
     assert scheduler.pace.token_s is not None and scheduler.pace.step_s is not None
     for request in requests:
         assert request.got == _alone(tiny, request)
+
+
+@pytest.mark.parametrize("host_bytes", [1 << 30, 0])
+def test_preempted_constrained_requests_answer_as_they_do_alone(tiny, host_bytes):
+    """Constrained requests (a regular expression long enough to need the pool's blocks) are
+    preempted and come back with their constraint where it stood (copied with the state, or
+    made again from their tokens); each answers exactly as the engine does alone under it, and
+    its copies (n = 2) as requests with the next seed do."""
+    pytest.importorskip("llguidance")
+    from hebrus.text.grammar import Grammar
+    grammar = Grammar.regex("[a-z]{40}")
+    model = _pool_of(slots=10, blocks=12)
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0,
+                          preempt_host_bytes=host_bytes)
+    requests = []
+    for s in range(3):
+        parent, copy = _ask(tokens(30, seed=s), new=40, key=f"k{s}", seed=s), _ask(tokens(30, seed=s), new=40, seed=s + 1)
+        for r in (parent, copy):
+            r.constraint = grammar.start(model.tokenizer, model.spec.vocab_size)
+        parent.copies = [copy]
+        requests += [parent, copy]
+    _together(scheduler, requests[0::2])
+    assert scheduler.preemptions > 0
+    for request in requests:
+        alone = list(tiny.session().generate(request.prompt, max_new_tokens=40, temperature=0.8, seed=request.seed,
+                                             constraint=grammar.start(tiny.tokenizer, tiny.spec.vocab_size)))
+        assert request.got == alone and bytes(alone).isalpha()

@@ -563,7 +563,9 @@ class Scheduler:
             return
         request.logits = result
         request.produced.append(token)
-        if token in request.stop_ids or (request.constrained and request.session.constraint.finished):
+        complete = (request.constrained and request.session is not None     # (preempted: found when it is back)
+                    and request.session.constraint.finished)
+        if token in request.stop_ids or complete:
             self._finish(request, "stop")
         elif len(request.produced) >= request.max_tokens:
             self._finish(request, "length")
