@@ -220,7 +220,7 @@ class Server:
         parents, replies = [], []
         for p, (prompt, count) in enumerate(zip(prompts, wanted)):
             jobs = [Request(key=request.headers.get("authorization", ""), prompt=prompt, max_tokens=count,
-                            sampling=sampling, seed=(seed + j) % 2**63, stop_ids=frozenset(self.text.stop_ids),
+                            sampling=sampling, seed=_wrapped(seed + j), stop_ids=frozenset(self.text.stop_ids),
                             salt=body.cache_salt or "", keep=self.keys is not None or self.scheduler.share_prefixes,
                             emit=lambda kind, value, i=p * body.n + j: outbox.put(events, (i, kind, value)),
                             constraint=constraint, logprobs=top)
@@ -278,6 +278,11 @@ async def _next_event(events: asyncio.Queue, request: HTTPRequest, answer: Answe
     finally:
         for task in (get, gone):
             task.cancel()
+
+
+def _wrapped(seed: int) -> int:
+    """A choice's seed (the request's plus its index) kept within a generator's range."""
+    return seed - 2**64 if seed >= 2**64 else seed
 
 
 def _failure(exc: BaseException) -> JSONResponse:
