@@ -265,3 +265,18 @@ def test_speculation_under_a_constraint_is_the_plain_output(tiny):
                               constraint=start(tiny, PERSON), speculate="lookup"))
         if s.constraint.finished:
             jsonschema.validate(json.loads(text(out)), PERSON)
+
+
+def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast):
+    from hebrus.state.constraint import ahead
+    sessions = [tiny_fast.session() for _ in range(3)]
+    for s in sessions:
+        s.feed([1])
+        s.constrain(start(tiny_fast, PERSON))
+    tokens = [ord("{")] * 3
+    made = ahead([(s.constraint, t) for s, t in zip(sessions, tokens)])
+    expected = [s.constraint.after([t]) for s, t in zip(sessions, tokens)]   # the same values, whoever made them
+    made.join()
+    feed_many(sessions, [[t] for t in tokens])
+    for s, value in zip(sessions, expected):
+        assert s.constraint is value and value._mask is not None

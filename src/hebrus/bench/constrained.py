@@ -3,7 +3,8 @@
 At each batch size, that many sessions of one prompt step together (`Batch`, greedy: the CUDA
 graphs where the model runs them), once with every session constrained by SCHEMA (the masks of
 the step applied on the device in one call, each session's constraint advanced by its flip) and
-once free; rounds take turns, so drift hits both alike. A session whose output completes the
+once free; rounds take turns, so drift hits both alike. The values after a step's tokens and
+their masks are made on a thread while the step runs (`state.constraint.ahead`). A session whose output completes the
 schema starts it again, so every step is constrained. Reported: milliseconds per step, the
 median over rounds, and constrained over free.
 """
@@ -17,7 +18,7 @@ import torch
 from hebrus.batching import Batch
 from hebrus.bench.limits import sync
 from hebrus.sampling import constrained
-from hebrus.state.constraint import masks
+from hebrus.state.constraint import ahead, masks
 from hebrus.text.grammar import Grammar
 
 # a list of records: long enough that a model writes many tokens of it, with strings, integers,
@@ -89,7 +90,10 @@ def _run(model, prompt: list[int], width: int, steps: int, start) -> float:
                     s.constrain(start)
             logits = constrained(logits, masks([s.constraint for s in sessions]))
         tokens = logits.argmax(-1).tolist()
+        made = ahead([(s.constraint, t) for s, t in zip(sessions, tokens)]) if start is not None else None
         results = batch.feed(tokens)
+        if made is not None:
+            made.join()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]

@@ -63,7 +63,7 @@ from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.prefix import PrefixCache
-from hebrus.state.constraint import masks
+from hebrus.state.constraint import ahead, masks
 
 
 @dataclass
@@ -367,10 +367,13 @@ class Scheduler:
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
         marked.update((r.id, []) for r, _ in stepping)
         fed, kept = sum(len(c) for _, c in feeding), {}
+        made = self._ahead(stepping)
         results = self._each_or_together(
             feeding + [(r, [token]) for r, token in stepping],
             lambda joint: self._prefill_together(joint, marked, kept),
             lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
+        if made is not None:
+            made.join()
         # cached only now, outside the feeds: a failure here must not read as a pass that
         # failed (its chunks would be fed again); the chunks are published, only states are lost
         for request, _ in feeding:
@@ -427,7 +430,10 @@ class Scheduler:
         stepping = self._tokens(requests)
         clock = self._spend("sample", clock)
         together = self.spent["together"]
+        made = self._ahead(stepping)
         results = self._each_or_together([(r, [token]) for r, token in stepping], self._step_together)
+        if made is not None:
+            made.join()
         now = time.perf_counter()
         self.spent["alone"] += now - clock - (self.spent["together"] - together)
         self.pace.add(True, 0, now - clock)
@@ -471,6 +477,12 @@ class Scheduler:
             elif request.id in chosen:
                 stepping.append((request, chosen[request.id]))
         return stepping
+
+    def _ahead(self, stepping: list[tuple[Request, int]]):
+        """The constrained requests' values after their tokens, and their masks, made on a
+        thread while the step runs (`state.constraint.ahead`); the thread, or None."""
+        return ahead([(r.session.constraint, token) for r, token in stepping
+                      if r.constrained and r.session is not None and r.session.constraint is not None])
 
     def _copied(self, requests: list[Request]) -> list[Request]:
         """`requests` and, for each whose prompt is fed and who has copies still to make, those

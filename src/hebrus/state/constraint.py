@@ -8,6 +8,7 @@ the public value as it was and nothing is undone.
 """
 from __future__ import annotations
 
+import threading
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -37,6 +38,24 @@ def masks(values: list[Constraint]) -> list[torch.Tensor]:
     if len(kinds) == 1 and hasattr(next(iter(kinds)), "masks"):
         return next(iter(kinds)).masks(values)
     return [v.mask() for v in values]
+
+
+def ahead(pairs: list[tuple[Constraint, int]]) -> threading.Thread | None:
+    """Start making, on a thread of its own, each value after its token and its mask: what the
+    step that feeds those tokens will publish and the next choice will need, computed while the
+    step runs (the masks' library works without the interpreter's lock). Join the thread before
+    the next choice; a failure there only leaves the work to be done then."""
+    if not pairs:
+        return None
+
+    def work() -> None:
+        try:
+            masks([value.after([token]) for value, token in pairs])
+        except Exception:                       # noqa: BLE001 - done again, where it is needed
+            pass
+    thread = threading.Thread(target=work, name="hebrus-masks", daemon=True)
+    thread.start()
+    return thread
 
 
 def checked(value) -> Constraint | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -109,20 +110,34 @@ class GrammarState:
     """A grammar's state after the tokens so far: a constraint value (`state.constraint`). Never
     changed: `after` advances a copy."""
 
-    __slots__ = ("_matcher", "_vocab", "_mask", "_matcher_vocab")
+    __slots__ = ("_matcher", "_vocab", "_mask", "_matcher_vocab", "_next")
 
     def __init__(self, matcher, vocab_size: int, matcher_vocab: int):
         self._matcher, self._vocab, self._mask = matcher, vocab_size, None
         self._matcher_vocab = matcher_vocab     # the ids llguidance's tokenizer knows (its mask's bits)
+        # (token, the value after it): the last one-token `after`, so that a value made ahead of
+        # a step (its mask computed while the step runs) is the one the step's flip publishes
+        self._next = None
 
     def allows(self, tokens: Sequence[int]) -> int:
         return self._matcher.validate_tokens(list(tokens)) if tokens else 0
 
     def after(self, tokens: Sequence[int]) -> "GrammarState":
+        one = tokens[0] if len(tokens) == 1 else None
+        known = self._next
+        if one is not None and known is not None and known[0] == one:
+            return known[1]
         matcher = self._matcher.deep_copy()
         if not matcher.consume_tokens(list(tokens)):
             raise ValueError(f"the grammar does not allow these tokens: {matcher.get_error()}")
-        return GrammarState(matcher, self._vocab, self._matcher_vocab)
+        value = GrammarState(matcher, self._vocab, self._matcher_vocab)
+        if one is not None:
+            with _memo:                         # two threads making the same value keep one of them
+                known = self._next
+                if known is not None and known[0] == one:
+                    return known[1]
+                self._next = (one, value)
+        return value
 
     def mask(self) -> torch.Tensor:
         if self._mask is None:                  # computed once per value (a value is never changed)
@@ -200,6 +215,9 @@ class _Bytes:
 
     def __call__(self, text: bytes) -> list[int]:
         return list(text)
+
+
+_memo = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
