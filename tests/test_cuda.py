@@ -722,6 +722,7 @@ def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R, runs
     assert got.dtype == dtype and _rel(got.double(), want) <= 1e-2
 
 
+@cuda
 def test_graph_steps_publish_each_sessions_constraint():
     """Steps replayed from CUDA graphs advance each session's constraint by its token (the flip
     publishes it with the rest), and a token it does not allow is refused before the step."""
