@@ -106,9 +106,12 @@ def test_a_prefix_transaction_keeps_no_more_than_it_allows(tiny_fast):
     s = tiny_fast.session()
     s.feed([3])
     s.constrain(start(tiny_fast, PERSON))
+    twin = s.fork()
     k, logits = s.feed_prefix(list(b'{"nx'), lambda logits: 4)
     assert k == 3 and s.frontier == 4 and logits.shape[0] == 4
     assert s.constraint.allows(list(b'ame')) == 3
+    assert twin.feed_prefix_twice(list(b'{"nx'), lambda logits: 4)[0] == 3
+    assert twin.frontier == 4 and twin.constraint.allows(list(b'ame')) == 3
 
 
 def test_a_constrained_session_is_not_saved_and_lifting_it_frees_the_tokens(tiny_fast, tmp_path):

@@ -263,6 +263,8 @@ class Session:
             self._check_room(len(chunk))
             logits = self._logits_at_every_position(chunk)
             k = _kept(accept(logits), len(chunk))
+            if self.constraint is not None:         # no further than it allows, as `feed_prefix`
+                k = min(k, self.constraint.allows(chunk.tolist()))
             if k:
                 self._transact(chunk[:k], None)
             return k, logits
