@@ -283,3 +283,18 @@ def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast):
     feed_many(sessions, [[t] for t in tokens])
     for s, value in zip(sessions, expected):
         assert s.constraint is value and value._mask is not None
+
+
+def test_many_choices_sharing_one_value_compute_its_mask_once(tiny_fast, monkeypatch):
+    from hebrus.state.constraint import masks
+    from hebrus.text import grammar
+    monkeypatch.setattr(grammar, "PARALLEL_MASKS", 2)
+    value = start(tiny_fast, PERSON)
+    got = masks([value] * 5 + [value.after([ord("{")])] * 3)
+    assert all(torch.equal(got[0], g) for g in got[:5]) and all(torch.equal(got[5], g) for g in got[5:])
+
+
+def test_a_journaled_session_takes_no_constraint(tiny_fast, tmp_path):
+    s = tiny_fast.session(journal=tmp_path / "j")
+    with pytest.raises(InvalidInput, match="journaled"):
+        s.constrain(start(tiny_fast, PERSON))

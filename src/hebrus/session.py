@@ -112,6 +112,8 @@ class Session:
             constraint = checked(constraint)
         except TypeError as exc:
             raise InvalidInput(str(exc)) from None
+        if constraint is not None and self.journal is not None:
+            raise InvalidInput("a journaled session takes no constraint (a journal does not record one)")
         with self._exclusive():
             self.image.publish(self.image.public._replace(constraint=constraint))
 
@@ -352,6 +354,10 @@ class Session:
         except TypeError as exc:
             raise InvalidInput(str(exc)) from None
         if speculate is not None:
+            if (constraint is not None or self.constraint is not None) and speculate != "lookup" \
+                    and sampling.temperature != 0:
+                raise InvalidInput("a draft model's sampled drafts do not take a constraint yet (greedy, or "
+                                   "speculate='lookup', do)")
             if sampling.repetition_penalty != 1.0 or sampling.counts_output:
                 raise InvalidInput("speculate does not take a repetition, presence or frequency penalty")
             draft_tokens = arguments.count("draft_tokens", draft_tokens)

@@ -529,10 +529,20 @@ class Scheduler:
             if r.id in limits:
                 groups.setdefault((logits[i].dtype, logits[i].device), []).append(i)
         for members in groups.values():
-            rows = constrained(torch.stack([logits[i] for i in members]), masks([limits[requests[i].id] for i in members]))
+            try:
+                rows = constrained(torch.stack([logits[i] for i in members]),
+                                   masks([limits[requests[i].id] for i in members]))
+            except Exception as exc:                # the masks failed: these requests alone fail
+                for i in members:
+                    logits[i] = exc
+                continue
             for i, row in zip(members, rows.unbind(0)):
                 logits[i] = row
-        chosen = sample_many(logits, [r.sampling for r in requests], [r.generator for r in requests])
+        failed = {i for i, x in enumerate(logits) if isinstance(x, BaseException)}
+        chosen = sample_many([x if i not in failed else torch.zeros(0) for i, x in enumerate(logits)],
+                             [r.sampling for r in requests], [r.generator for r in requests])
+        for i in failed:
+            chosen[i] = logits[i]
         scored = _logprobs([(r, t) for r, t in zip(requests, chosen) if r.logprobs is not None and type(t) is int])
         tokens = {}
         for request, token in zip(requests, chosen):

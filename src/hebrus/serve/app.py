@@ -256,7 +256,12 @@ class Server:
             if kind == "error":
                 answer.cancel()
                 return _failure(value)
-            if not answer.take(index, kind, value):
+            try:
+                going = answer.take(index, kind, value)
+            except Exception as exc:                # noqa: BLE001 - reading the output failed: the rest stop
+                answer.cancel()
+                return _failure(exc)
+            if not going:
                 return JSONResponse(answer.whole())
 
 

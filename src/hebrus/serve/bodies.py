@@ -166,6 +166,13 @@ class Function(_Strict):
     parameters: dict | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, value):
+        if value is not None and not isinstance(value.get("properties", {}), dict):
+            raise ValueError("parameters.properties must be an object")
+        return value
+
 
 class Tool(_Strict):
     type: str = Field(pattern="^function$")

@@ -38,7 +38,10 @@ class Reply:
         self.closed = False                             # its last chunk sent (streaming)
 
     def take(self, kind: str, value, metrics: Metrics, started: float) -> bool:
-        """Fold one engine event in; False once the choice is finished."""
+        """Fold one engine event in; False once the choice is finished (what comes after, a
+        token sent before the engine saw the stop string, is dropped)."""
+        if self.reason is not None:
+            return False
         if kind == "logprobs":
             self._score = value
             return True
@@ -103,7 +106,7 @@ class Reply:
             return {"content": [{"token": word(t), "logprob": p, "bytes": list(word(t).encode()),
                                  "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(word(i).encode())}
                                                   for i, q in top]} for t, p, top in scores]}
-        offsets, at = [], 0
+        offsets, at = [], sum(len(word(t)) for t, _, _ in self.scores[:len(self.scores) - len(scores)])
         for t, _, _ in scores:
             offsets.append(at)
             at += len(word(t))

@@ -148,7 +148,7 @@ class GrammarState:
     def masks(states: list["GrammarState"]) -> list[torch.Tensor]:
         """`mask()` of each of `states`, those not computed yet computed together on llguidance's
         threads (a step of many constrained sessions waits for the slowest, not for the sum)."""
-        todo = [s for s in states if s._mask is None]
+        todo = list({id(s): s for s in states if s._mask is None}.values())   # a value shared by several: once
         if len(todo) >= PARALLEL_MASKS and len({s._matcher_vocab for s in todo}) == 1:
             words = (todo[0]._matcher_vocab + 31) // 32
             out = torch.zeros((len(todo), words), dtype=torch.int32)

@@ -44,6 +44,7 @@ class _Tokenizer:
         messages = templates.checked(messages)
         if tools and not self.takes_tools:
             raise InvalidInput("this model's chat template does not take tools")
+        self._no_special_text(tools, [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages])
         if self.template is None:
             text = templates.plain(messages)
             return self.literal(text) if tokenize else text
@@ -53,6 +54,20 @@ class _Tokenizer:
         for own, piece in templates.pieces(self.template, messages, self.special, self.folder, tools):
             ids += self.encode(piece) if own else self.literal(piece)
         return ids
+
+    special_texts: tuple[str, ...] = ()            # the text of each special token
+
+    def _no_special_text(self, *values) -> None:
+        """InvalidInput where a string in `values` (tools, tool calls, names: what the template
+        writes as its own text, encoded with special tokens) holds a special token's text, which
+        would open a turn of another role; a message's content is encoded literally instead."""
+        if not self.special_texts:
+            return
+        for text in _strings(values):
+            found = next((t for t in self.special_texts if t in text), None)
+            if found is not None:
+                raise InvalidInput(f"a tool, tool call or name holds the special token {found!r}; only a "
+                                   f"message's content may")
 
     @property
     def takes_tools(self) -> bool:
@@ -141,6 +156,7 @@ class CheckpointTokenizer(_Tokenizer):
         self.special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
         self.stop_ids = self._stop_ids(vocab_size)
         self._literally = None                          # the tokenizer that ignores special tokens
+        self.special_texts = tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
 
     def encode(self, text: str) -> list[int]:
         _check_unicode(text)
@@ -195,6 +211,19 @@ class TokenStream:
 
     def flush(self) -> str:
         return ""
+
+
+def _strings(value):
+    """Every string inside nested lists, tuples and dicts (keys too)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def tokenizer_for(model) -> ByteTokenizer | CheckpointTokenizer:

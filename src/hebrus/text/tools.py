@@ -58,7 +58,7 @@ def _read(body: str, form: str, functions: dict[str, dict]) -> Call | None:
             data = json.loads(body)
         except ValueError:
             return None
-        if not isinstance(data, dict) or data.get("name") not in functions:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in functions:
             return None
         arguments = data.get("arguments", {})
         if isinstance(arguments, str):
