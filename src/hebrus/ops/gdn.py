@@ -38,13 +38,16 @@ def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple
 
 def gdn_recurrent(q, k, v, g, beta, state):
     """Token by token, straight from the definition. Leading dims before T are independent
-    sequences (q [B, T, H, dk], state [B, H, dk, dv])."""
+    sequences (q [B, T, H, dk], state [B, H, dk, dv]). A decay per key channel (g shaped as k:
+    Kimi delta attention, `ops.kda`) scales each row of S by its own."""
     S = state.clone()
     q, k, v, g, beta = (t.to(S.dtype) for t in (q, k, v, g, beta))
+    per_channel = g.dim() == k.dim()
     out = []
     for t in range(q.shape[-3]):
         qt, kt, vt = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
-        S = S * torch.exp(g[..., t, :])[..., None, None]
+        decay = torch.exp(g[..., t, :, :] if per_channel else g[..., t, :])
+        S = S * (decay[..., None] if per_channel else decay[..., None, None])
         recalled = (S * kt[..., None]).sum(-2)                          # Sᵀk  [..., H, dv]
         u = beta[..., t, :][..., None] * (vt - recalled)
         S = S + kt[..., None] * u[..., None, :]
@@ -97,15 +100,8 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
         S_C = Γ_C S₀ + Σ_j (Γ_C/Γ_j) k_j u_jᵀ
     The tail is padded with k = v = β = g = 0, which leaves the state alone.
     """
-    T, H, dk = k.shape
-    dv = v.shape[-1]
-    dt = state.dtype
-    pad = (-T) % chunk
-    q, k, v, g, beta = (_pad(t.to(dt), pad) for t in (q, k, v, g, beta))
-    n = (T + pad) // chunk
-    # [H, n, C, ...]
-    q, k, v = (t.reshape(n, chunk, H, -1).permute(2, 0, 1, 3) for t in (q, k, v))
-    g, beta = (t.reshape(n, chunk, H).permute(2, 0, 1) for t in (g, beta))
+    T, dv, dt, n, (q, k, v, g, beta) = chunked_inputs(q, k, v, g, beta, state.dtype, chunk)
+    H = k.shape[0]
 
     # log Γ [H, n, C], summed in float64: with strong decays the sum reaches hundreds, where a
     # float32 ulp (3e-5) would already be a 3e-5 relative error in every Γ_t/Γ_j below.
@@ -132,6 +128,19 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = 64):
         out[:, c] = q_decayed[:, c] @ S + intra[:, c] @ u
         S = S * gamma[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
     return out.permute(1, 2, 0, 3).reshape(n * chunk, H, dv)[:T], S
+
+
+def chunked_inputs(q, k, v, g, beta, dt: torch.dtype, chunk: int):
+    """A chunked rule's inputs in `dt`, the tail padded with zeros to whole chunks, heads first:
+    (T, dv, dt, n chunks, (q, k, v [H, n, C, d], g [H, n, C] or, a decay per channel, [H, n, C, dk],
+    beta [H, n, C]))."""
+    T, H, _ = k.shape
+    pad = (-T) % chunk
+    q, k, v, g, beta = (_pad(t.to(dt), pad) for t in (q, k, v, g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (t.reshape(n, chunk, H, -1).permute(2, 0, 1, 3) for t in (q, k, v))
+    g = g.reshape(n, chunk, H, -1).permute(2, 0, 1, 3) if g.dim() == 3 else g.reshape(n, chunk, H).permute(2, 0, 1)
+    return T, v.shape[-1], dt, n, (q, k, v, g, beta.reshape(n, chunk, H).permute(2, 0, 1))
 
 
 def gdn_ragged(rule):

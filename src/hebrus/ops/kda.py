@@ -11,23 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.ops.gdn import _pad
+from hebrus.ops.gdn import chunked_inputs, gdn_recurrent
 
 
-def kda_recurrent(q, k, v, g, beta, state):
-    """Token by token, straight from the definition. Leading dims before T are independent
-    sequences (q [B, T, H, dk], state [B, H, dk, dv])."""
-    S = state.clone()
-    q, k, v, g, beta = (t.to(S.dtype) for t in (q, k, v, g, beta))
-    out = []
-    for t in range(q.shape[-3]):
-        qt, kt, vt = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
-        S = S * torch.exp(g[..., t, :, :])[..., None]                  # each key channel's row decays
-        recalled = (S * kt[..., None]).sum(-2)                          # Sᵀk  [..., H, dv]
-        u = beta[..., t, :][..., None] * (vt - recalled)
-        S = S + kt[..., None] * u[..., None, :]
-        out.append((S * qt[..., None]).sum(-2))
-    return torch.stack(out, dim=-3), S
+# the definition: the gated delta rule's, which takes a decay per key channel (g shaped as k)
+kda_recurrent = gdn_recurrent
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
@@ -40,15 +28,8 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
     Every exponent is a difference G_t − G_j with j ≤ t (never above 0), so no decay overflows.
     The tail is padded with k = v = β = g = 0, which leaves the state alone.
     """
-    T, H, dk = k.shape
-    dv = v.shape[-1]
-    dt = state.dtype
-    pad = (-T) % chunk
-    q, k, v, g, beta = (_pad(t.to(dt), pad) for t in (q, k, v, g, beta))
-    n = (T + pad) // chunk
-    # [H, n, C, ...]
-    q, k, v, g = (t.reshape(n, chunk, H, -1).permute(2, 0, 1, 3) for t in (q, k, v, g))
-    beta = beta.reshape(n, chunk, H).permute(2, 0, 1)
+    T, dv, dt, n, (q, k, v, g, beta) = chunked_inputs(q, k, v, g, beta, state.dtype, chunk)
+    H = k.shape[0]
 
     # log decays summed in float64 (as `gdn_chunked`): G [H, n, C, dk]
     G64 = g.to(torch.float64).cumsum(-2)
