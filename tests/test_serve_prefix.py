@@ -310,3 +310,28 @@ def test_preempted_constrained_requests_answer_as_they_do_alone(tiny, host_bytes
         alone = list(tiny.session().generate(request.prompt, max_new_tokens=40, temperature=0.8, seed=request.seed,
                                              constraint=grammar.start(tiny.tokenizer, tiny.spec.vocab_size)))
         assert request.got == alone and bytes(alone).isalpha()
+
+
+def test_a_request_of_n_choices_takes_n_places(tiny):
+    """Running and waiting, a request counts its copies: one of 3 choices waits while 2 of the
+    3 places are held, and runs alone when it is larger than all of them."""
+    from hebrus.scheduling.scheduler import Overloaded
+
+    def asking(seed: int, n: int) -> Request:
+        request = _ask(tokens(5, seed=seed), seed=seed)
+        request.copies = [_ask(tokens(5, seed=seed), seed=seed + j) for j in range(1, n)]
+        return request
+    scheduler = Scheduler(tiny, max_sessions=3, max_waiting=5, spare_sessions=0, cache_bytes=0)
+    first, second, big = asking(1, 1), asking(2, 1), asking(3, 3)
+    for r in (first, second, big):
+        scheduler.submit(r)
+    with pytest.raises(Overloaded):                 # 5 places wait: 2 more pass max_waiting
+        scheduler.submit(asking(4, 2))
+    scheduler._take_waiting()
+    assert scheduler.running == [first, second] and list(scheduler.waiting) == [big]
+    scheduler.running.clear()
+    scheduler.waiting.clear()
+    huge = asking(5, 5)
+    scheduler.submit(huge)                          # alone, it is admitted whatever its n
+    scheduler._take_waiting()
+    assert scheduler.running == [huge]

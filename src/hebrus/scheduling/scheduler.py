@@ -25,7 +25,9 @@ admitting a request takes one instead of waiting for one to be made.
 
 Admission is first come, first served, with a share per API key: while requests of several keys
 wait or run, a key that holds its share of the `max_sessions` places (an equal part, at least
-one) lets a later request of another key go first, so one busy key cannot starve the others.
+one) lets a later request of another key go first, so one busy key cannot starve the others. A
+request of n choices takes n places, waiting and running (its copies are made when its prompt
+is fed); one larger than the places runs when nothing else does.
 
 When a chunk finds the state pool without a free block (`PoolExhausted`), the loop makes room and
 the chunk runs again next turn: the prefix cache gives back its least recently used entries
@@ -190,7 +192,8 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         with self._wake:
-            if len(self.waiting) >= self.max_waiting:
+            over = _places(self.waiting) + _places([request]) > self.max_waiting
+            if over and (self.waiting or self.max_waiting == 0):     # alone, any n may wait
                 raise Overloaded(f"{len(self.waiting)} requests are waiting")
             self.waiting.append(request)
             self._wake.notify()
@@ -258,11 +261,13 @@ class Scheduler:
     def _take_waiting(self) -> None:
         """Waiting requests into the free places, first come first served, except that a key
         holding its share of the places lets a later request of another key go first."""
-        while self.waiting and len(self.running) < self.max_sessions:
+        while self.waiting and _places(self.running) < self.max_sessions:
             keys = {r.key for r in self.running} | {r.key for r in self.waiting}
             share = max(1, self.max_sessions // len(keys))
             held = collections.Counter(r.key for r in self.running)
             chosen = next((r for r in self.waiting if held[r.key] < share), self.waiting[0])
+            if self.running and _places(self.running) + _places([chosen]) > self.max_sessions:
+                return                              # its choices wait for room (alone, it runs at any n)
             self.waiting.remove(chosen)
             self.running.append(chosen)
 
@@ -752,6 +757,11 @@ class Scheduler:
         for copy in request.copies:
             copy.emit("done", "cancelled")
         request.copies = []
+
+
+def _places(requests) -> int:
+    """The places `requests` take: one each, and one for each of their copies still to be made."""
+    return sum(1 + len(r.copies) for r in requests)
 
 
 def _logprobs(chosen: list[tuple[Request, int]]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
