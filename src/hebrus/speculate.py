@@ -177,7 +177,10 @@ def _under(limit, chunk: list[int], logits: torch.Tensor) -> tuple[torch.Tensor,
     (every mask in one call), and whether the constraint has ended there; as they are without one."""
     if limit is None:
         return logits, [False] * len(chunk)
-    states = [limit.after(chunk[:i + 1]) for i in range(len(chunk))]
+    states, state = [], limit
+    for token in chunk:                             # each from the one before: one token's work each
+        state = state.after([token])
+        states.append(state)
     masked = constrained(logits[:len(chunk)], [s.mask() for s in states])
     return masked, [s.finished for s in states]
 
