@@ -21,6 +21,13 @@ _COMMON = dict(vocab_size=101, hidden_size=40, num_attention_heads=4, num_key_va
 _MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=20)
 NORM_SPREAD = 0.3
 LINEAR, FULL = "linear_attention", "full_attention"
+# Kimi-Linear: latent attention with nope != value dims and a rope part, grouped sigmoid routing
+_KIMI = dict(vocab_size=101, hidden_size=40, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=12,
+             q_lora_rank=None, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=14, linear_head_dim=8,
+             linear_num_heads=3, linear_conv_kernel_dim=4, num_local_experts=6, num_experts_per_tok=2,
+             moe_intermediate_size=24, intermediate_size=56, n_shared_experts=1, n_group=2, topk_group=1,
+             routed_scaling_factor=2.446, max_position_embeddings=256, pad_token_id=None, bos_token_id=None,
+             eos_token_id=None)
 
 FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
@@ -32,6 +39,9 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(_COMMON, **_MOE, intermediate_size=56, num_hidden_layers=4, mlp_only_layers=[2],
                         norm_topk_prob=False, layer_types=[LINEAR, LINEAR, FULL, LINEAR])),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(_KIMI, num_hidden_layers=5, layer_types=[LINEAR, FULL, LINEAR, LINEAR, FULL],
+                         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"])),
 }
 
 
@@ -39,14 +49,18 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter drawn so each part matters: norms away from their identity, decays in
     range, projections at 1/sqrt(fan_in)."""
     gen = torch.Generator().manual_seed(seed)
+    plain = model.config.model_type == "kimi_linear"          # its norms store w, not w - 1
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):       # shifts which experts are chosen
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_((1 + 7 * torch.rand(p.shape, generator=gen)).log())
             elif name.endswith("dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             elif "norm" in name:
-                centre = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0    # w, not 1 + w
+                centre = 1.0 if plain or name.endswith("linear_attn.norm.weight") else 0.0    # w, not 1 + w
                 p.copy_(torch.randn(p.shape, generator=gen) * NORM_SPREAD + centre)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
@@ -88,7 +102,7 @@ def float64_everywhere():
     def wide(dtype):
         return torch.float64 if dtype == torch.float32 else dtype
 
-    orig_to, orig_float, orig_softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+    orig_to, orig_float, orig_softmax, orig_type = torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.type
 
     def to(self, *args, **kwargs):
         args = tuple(wide(a) if isinstance(a, torch.dtype) else a for a in args)
@@ -101,11 +115,16 @@ def float64_everywhere():
             kwargs["dtype"] = wide(kwargs["dtype"])
         return orig_softmax(x, *args, **kwargs)
 
+    def type_(self, dtype=None, *args, **kwargs):
+        return orig_type(self, *args, **kwargs) if dtype is None else orig_type(self, wide(dtype), *args, **kwargs)
+
     torch.Tensor.to, torch.Tensor.float, F.softmax = to, lambda self, *a, **k: self.double(), softmax
+    torch.Tensor.type = type_
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, F.softmax = orig_to, orig_float, orig_softmax
+        torch.Tensor.type = orig_type
 
 
 def in_float64(model):
@@ -115,7 +134,9 @@ def in_float64(model):
     wide = copy.deepcopy(model).double()
     if hasattr(wide, "set_experts_implementation") and getattr(wide.config, "num_experts", 0):
         wide.set_experts_implementation("eager")
-    rotary = wide.model.rotary_emb
+    rotary = getattr(wide.model, "rotary_emb", None)
+    if rotary is None:                                  # a family without rotary (Kimi-Linear)
+        return wide
     dim = 2 * rotary.inv_freq.numel()
     rotary.inv_freq = 1.0 / (wide.config.rope_parameters["rope_theta"]
                              ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -129,10 +150,15 @@ def reference_run(model, ids: list[int], steps: int):
         out = model(torch.tensor([ids]), use_cache=True)
         prompt_logits, cache = out.logits[0], out.cache
         states = {}
+        kimi = model.config.model_type == "kimi_linear"
         for layer, kind in enumerate(model.config.layer_types):
             if kind == LINEAR:
-                states[f"layers.{layer}.gdn.conv"] = cache.get_conv_state(layer)[0].clone()
-                states[f"layers.{layer}.gdn.recurrent"] = cache.get_recurrent_state(layer)[0].clone()
+                mixer = "kda" if kimi else "gdn"
+                states[f"layers.{layer}.{mixer}.conv"] = cache.get_conv_state(layer)[0].clone()
+                states[f"layers.{layer}.{mixer}.recurrent"] = cache.get_recurrent_state(layer)[0].clone()
+            elif kimi:                          # the latent row: normed c, then the shared key part
+                keys, values = cache.layers[layer].keys[0, 0], cache.layers[layer].values[0, 0]
+                states[f"layers.{layer}.mla.latent"] = torch.cat([keys, values], -1).clone()
             else:
                 states[f"layers.{layer}.attention.k"] = cache.layers[layer].keys[0].transpose(0, 1).clone()
                 states[f"layers.{layer}.attention.v"] = cache.layers[layer].values[0].transpose(0, 1).clone()

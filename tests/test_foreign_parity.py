@@ -46,7 +46,7 @@ def _prompt_under_every_chunking(model, ids, prompt_logits, states, tolerance):
             assert relative(logits, prompt_logits[at - 1]) <= tolerance, (chunks, at)
         for owner, theirs in states.items():
             ours = session.image.value(owner)
-            theirs = theirs[:, 1:] if owner.endswith("gdn.conv") else theirs    # they keep K inputs, we K-1
+            theirs = theirs[:, 1:] if owner.endswith(("gdn.conv", "kda.conv")) else theirs    # they keep K inputs, we K-1
             assert ours.shape == theirs.shape, owner
             assert relative(ours, theirs) <= tolerance, (owner, chunks)
         digests.add(session.digest())
@@ -123,7 +123,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
     assert session.feed(ids).equal(expected)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(f for f in FAMILIES if f.startswith("qwen")))     # Kimi has no such layout
 def test_multimodal_layout_and_mtp_tensors(tmp_path, name):
     """The multimodal layout (config in text_config, tensors under model.language_model., a
     vision tower) and multi-token-prediction tensors load as the same text model."""

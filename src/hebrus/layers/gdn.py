@@ -52,9 +52,16 @@ class DeltaNetSection:
 
 
 class GatedDeltaNet:
+    """The mixer's math over one step. A delta-rule kind that differs only in its projections,
+    its decay's shape and its output norm (`layers.kda`) overrides `projections`, `rules`,
+    `norm` and `lanes`."""
+    rules = (DELTA_RULE, DELTA_RULE_EACH, DELTA_RULE_RAGGED)      # its ops: one chunk, every state, ragged
+    norm = staticmethod(gated_rms_norm)
+    lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any
+
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         g = s.section(DeltaNetSection)
-        w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        w = self.weights_of(params, prefix)
         self.kernels = kernels
         self.project = Products(*(w[name] for name in GDN.side_by_side[0]), together=kernels.together,
                                 linear=kernels.linear)                                    # -> qkv, z, b, a
@@ -65,6 +72,14 @@ class GatedDeltaNet:
         self.dt_bias = w["dt_bias"].to(state)
         self.hk, self.hv, self.dk, self.dv = g.key_heads, g.value_heads, g.key_dim, g.value_dim
         self.eps = s.rms_norm_eps
+
+    @staticmethod
+    def weights_of(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        return {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+
+    def projections(self, h: torch.Tensor):
+        """h [T, D] -> (the q/k/v projection the conv reads, the output gate's z, b, a)."""
+        return self.project(h)
 
     def __call__(self, h: torch.Tensor, conv_state: torch.Tensor, S: torch.Tensor,
                  at: StepBatch | None = None, each: bool = False):
@@ -77,10 +92,10 @@ class GatedDeltaNet:
         their place. With `each`, both states after every token ([T, ...]: a prefix
         transaction)."""
         T, kernels = h.shape[0], self.kernels
-        projected, z, b, a = self.project(h)
+        projected, z, b, a = self.projections(h)
         if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
-            o, conv_state, S = kernels.ops[GDN_LANES](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
-                                                      (self.hk, self.dk, self.hv, self.dv), conv_state, S)
+            o, conv_state, S = kernels.ops[self.lanes](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
+                                                       (self.hk, self.dk, self.hv, self.dv), conv_state, S)
         elif at is None or at.sessions == 1:
             o, conv_state, S = self._recur(projected, b, a, conv_state, S, each)
         elif at.one_each:                         # N sequences of one token each
@@ -92,8 +107,8 @@ class GatedDeltaNet:
                      for i in range(at.sessions)]
             columns = list(zip(*parts))
             conv_state = torch.stack(columns[5])
-            o, S = kernels.ops[DELTA_RULE_RAGGED](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
-        o = kernels.fused(gated_rms_norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
+            o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
+        o = kernels.fused(self.norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, each: bool = False):
@@ -101,15 +116,18 @@ class GatedDeltaNet:
         kernels = self.kernels
         q, k, v, g, beta, conv_state = kernels.fused(gdn_inputs)(
             projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv), each)
-        o, S = kernels.ops[DELTA_RULE_EACH if each else DELTA_RULE](q, k, v, g, beta, S)
+        o, S = kernels.ops[self.rules[1] if each else self.rules[0]](q, k, v, g, beta, S)
         return o, conv_state, S
 
 
 class GDNMixer(Sublayer):
-    def __init__(self, s, params, layer: int, kernels):
+    """A delta-rule mixer: `rule` (a `GatedDeltaNet`, or a kind's subclass) over the layer's
+    conv and recurrent state."""
+
+    def __init__(self, s, params, layer: int, kernels, kind: str = "gdn", rule: type = GatedDeltaNet):
         super().__init__(s, params, layer, "mixer", kernels)
-        self.name = f"layers.{layer}.gdn"
-        self.gdn = GatedDeltaNet(s, params, self.name + ".", kernels)
+        self.name = f"layers.{layer}.{kind}"
+        self.gdn = rule(s, params, self.name + ".", kernels)
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         conv, rec = self.name + ".conv", self.name + ".recurrent"
@@ -119,7 +137,8 @@ class GDNMixer(Sublayer):
             return y, (conv_state, S)
 
         in_place = getattr(txn, "in_place", None)      # a planned step: states where they lie
-        takes = in_place is not None and batch.token_a_lane and not batch.each and GDN_LANES in self.kernels.ops
+        takes = (in_place is not None and batch.token_a_lane and not batch.each
+                 and self.gdn.lanes in self.kernels.ops)
         lanes = in_place(rec) if takes else None
         if lanes is not None:                # the op wrote both states; what it gives back are their checks
             checks = self.framed(batch, body, (in_place(conv), lanes))

@@ -10,15 +10,16 @@ import torch
 
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
-from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
-                            grouped_mm_supports, route, sigmoid_gated_add)
+                            grouped_mm_supports, route, route_sigmoid, sigmoid_gated_add)
 from hebrus.ops.quant import Products
 from hebrus.state.owners import APPENDED, OwnerSpec
 
 
 EXPERTS = "moe.experts"         # (h, weights, experts, gate_up, down) -> y
+SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +30,28 @@ class ExpertsSection:
     intermediate: int
     shared_intermediate: int = 0        # 0: no shared expert
     normalize: bool = True              # renormalise the chosen experts' probabilities
+    shared_gated: bool = True           # the shared expert's output gated by σ(h·w) (else added as it is)
+    scoring: str = "softmax"            # "softmax" over the router's logits, or "sigmoid" of each (+ a
+                                        # correction bias per expert, `router.bias`, for the choice)
+    groups: int = 1                     # sigmoid: experts in this many groups, chosen among the
+    top_groups: int = 1                 # ... `top_groups` best groups
+    scale: float = 1.0                  # sigmoid: the chosen experts' weights times this
 
     def problems(self, s):
         if self.top_k > self.experts:
             yield f"experts per token ({self.top_k}) exceeds the experts ({self.experts})"
+        if self.scoring not in SCORINGS:
+            yield f"unknown expert scoring {self.scoring!r}; scorings are {', '.join(SCORINGS)}"
+        if self.groups < 1 or self.experts % self.groups or not 1 <= self.top_groups <= self.groups:
+            yield (f"{self.experts} experts in {self.groups} groups, {self.top_groups} of them chosen: the groups "
+                   f"must divide the experts and at least one but at most every group be chosen")
+        elif self.groups > 1 and (self.scoring != "sigmoid" or self.top_k > self.top_groups * self.experts // self.groups):
+            yield (f"grouped routing takes sigmoid scoring and at most the chosen groups' experts per token "
+                   f"({self.top_groups} x {self.experts // self.groups})")
+
+    def unused(self, s) -> tuple[str, ...]:
+        """Sigmoid routing's fields, with softmax scoring."""
+        return ("groups", "top_groups", "scale") if self.scoring == "softmax" else ()
 
 
 def routed_layers(s) -> tuple[int, ...]:
@@ -45,23 +64,30 @@ class MixtureOfExperts:
         e = s.section(ExpertsSection)
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.router, self.gate_up, self.down = w["router.weight"], w["experts.gate_up"], w["experts.down"]
-        self.shared = None
+        self.shared, self.shared_gate = None, None
         if e.shared_intermediate:
             gate, up, down = (w["shared." + name] for name in PROJECTIONS)
             self.shared = (Products(gate, up, together=kernels.together, linear=kernels.linear), down)
-            self.shared_gate = w["shared_gate.weight"]
-        self.top_k, self.normalize, self.kernels, self.site = e.top_k, e.normalize, kernels, site
+            self.shared_gate = w["shared_gate.weight"] if e.shared_gated else None
+        self.bias = w.get("router.bias")
+        self.section, self.kernels, self.site = e, kernels, site
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
-        return route(self.kernels.linear(h, self.router), self.top_k, partial(self.kernels.choose, self.site, start),
-                     normalize=self.normalize, fused=self.kernels.fused)
+        e, logits, choose = self.section, self.kernels.linear(h, self.router), partial(self.kernels.choose, self.site, start)
+        if e.scoring == "sigmoid":
+            groups = partial(self.kernels.choose, self.site + ".groups", start, ordered=False)
+            return route_sigmoid(logits, self.bias, e.top_k, e.groups, e.top_groups, choose, groups,
+                                 normalize=e.normalize, scale=e.scale, fused=self.kernels.fused)
+        return route(logits, e.top_k, choose, normalize=e.normalize, fused=self.kernels.fused)
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down)
         if self.shared is None:
             return routed
         shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear)
+        if self.shared_gate is None:
+            return routed + shared
         return self.kernels.fused(sigmoid_gated_add)(routed, self.kernels.linear(h, self.shared_gate), shared)
 
 
@@ -89,6 +115,7 @@ class MoE(Kind):
     role = "ffn"
     section = ExpertsSection
     quantized = ("experts.gate_up", "experts.down") + tuple("shared." + name for name in PROJECTIONS)
+    wide = ("router.bias",)
     outputs = ("experts.down", "shared.down_proj.weight")
     side_by_side = (tuple("shared." + name for name in PROJECTIONS[:2]),)
 
@@ -97,9 +124,12 @@ class MoE(Kind):
         E, I = e.experts, e.intermediate
         shapes = {f"{prefix}router.weight": (E, D), f"{prefix}experts.gate_up": (E, 2 * I, D),
                   f"{prefix}experts.down": (E, D, I)}
+        if e.scoring == "sigmoid":
+            shapes[f"{prefix}router.bias"] = (E,)
         if e.shared_intermediate:
             shapes |= swiglu_shapes(D, e.shared_intermediate, prefix + "shared.")
-            shapes[f"{prefix}shared_gate.weight"] = (1, D)
+            if e.shared_gated:
+                shapes[f"{prefix}shared_gate.weight"] = (1, D)
         return shapes
 
     def owners(self, s, prefix, dtype, state_dtype):
@@ -111,7 +141,8 @@ class MoE(Kind):
         return [OwnerSpec("routes", (len(routed_layers(s)), e.top_k), torch.int32, APPENDED, limit=e.experts)]
 
     def init(self, leaf, shape, gen):
-        return None
+        """The correction bias of sigmoid routing drawn small (it shifts choices, not weights)."""
+        return normal(shape, 0.01, gen) if leaf == "router.bias" else None
 
     def stage(self, s, params, layer, kernels, shared):
         return RoutedFeed(s, params, layer, kernels)

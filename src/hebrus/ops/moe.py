@@ -35,6 +35,49 @@ def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = Tru
     return fused(route_weights)(p, experts, normalize), experts
 
 
+def sigmoid_scores(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ(logits) in ≥ float32, and the scores experts are chosen by: σ(logits) + a per-expert
+    correction `bias` -> (p [T, E], choice [T, E])."""
+    p = torch.sigmoid(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32))
+    return p, p + bias.to(p.dtype)
+
+
+def group_scores(choice: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each group of experts (E / groups consecutive ids) scored by the sum of its best two
+    choice scores -> [T, groups]."""
+    T, E = choice.shape
+    return choice.view(T, groups, E // groups).topk(min(2, E // groups), dim=-1).values.sum(-1)
+
+
+def outside_groups(choice: torch.Tensor, chosen: torch.Tensor, groups: int) -> torch.Tensor:
+    """The choice scores with every expert outside the `chosen` groups [T, g] at -inf."""
+    T, E = choice.shape
+    keep = torch.zeros(T, groups, dtype=torch.bool, device=choice.device).scatter(1, chosen, True)
+    return choice.masked_fill(~keep.repeat_interleave(E // groups, dim=1), float("-inf"))
+
+
+def scaled_weights(p: torch.Tensor, experts: torch.Tensor, normalize: bool, scale: float) -> torch.Tensor:
+    """The chosen experts' σ scores, divided by their sum (+1e-20) if `normalize`, times
+    `scale` -> [T, k]."""
+    w = p.gather(-1, experts)
+    if normalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                  choose=best_k, choose_groups=best_k, normalize: bool = True, scale: float = 1.0,
+                  fused=lambda op: op) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing by sigmoid scores (DeepSeek-V3's, Kimi's): experts chosen by σ(logits) + bias
+    among the `top_groups` best of `groups` groups (`choose_groups` makes that choice, a set),
+    weighted by their σ scores (`scaled_weights`) -> (weights, experts) [T, k], best first."""
+    p, choice = fused(sigmoid_scores)(logits, bias)
+    if groups > 1:
+        choice = outside_groups(choice, choose_groups(group_scores(choice, groups), top_groups), groups)
+    experts = choose(choice, top_k)
+    return fused(scaled_weights)(p, experts, normalize, scale), experts
+
+
 def sigmoid_gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + σ(gate) ⊙ y: a shared expert's output, gated, added to the routed experts'."""
     return x + torch.sigmoid(gate) * y

@@ -44,7 +44,16 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """w ⊙ o / sqrt(mean(o²) + eps) ⊙ silu(z), per head (last dim), in z's dtype: `o` (the delta
     rule's output, in its state's dtype) is rounded to it first (as written; compiled, inductor
     reads `o` unrounded, within fast mode's tolerance)."""
+    return _gated(o, z, weight, eps, F.silu)
+
+
+def sigmoid_gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gated_rms_norm` with σ(z) for the gate (Kimi delta attention's output norm)."""
+    return _gated(o, z, weight, eps, torch.sigmoid)
+
+
+def _gated(o, z, weight, eps, gate):
     o = o.to(z.dtype)
     of = o.to(accum_dtype(o.dtype))
     y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps) * weight.to(of.dtype)
-    return (y * F.silu(z.to(of.dtype))).to(o.dtype)
+    return (y * gate(z.to(of.dtype))).to(o.dtype)

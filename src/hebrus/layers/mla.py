@@ -1,0 +1,136 @@
+"""Multi-head latent attention (MLA), a mixer kind (Kimi-Linear's layout: no rotary). Each
+position appends one latent row, [c ; r]: c the RMS-normed compression of h (`kv_rank` wide), r a
+key part every head shares (`rope_dim` wide), far fewer values a token than full K/V rows
+(H·(nope + rope + value)). Heads' keys and values come from c through `kv_b_proj` (`ops.mla`):
+expanded per row (the definition, exact mode's) or folded into the query and the output
+(absorbed: fast mode's for a few queries, a decode step). The query comes from h directly, or
+through a normed low-rank pair (`q_rank` > 0)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from hebrus.layers.kernels import Kernels
+from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.sublayer import Sublayer
+from hebrus.ops.mla import mla_absorbed, mla_expanded
+from hebrus.ops.qsa import dense_attention, dense_attention_fast
+from hebrus.ops.quant import Products
+from hebrus.state.context import StepContext
+from hebrus.state.owners import APPENDED, OwnerSpec
+from hebrus.state.step import StepBatch
+
+ATTEND = "mla.attend"           # (q, rows, positions, up, nope, attend) -> o: one session's queries over its latent rows
+DENSE = "mla.dense"             # (q, k_rows, v_rows, positions) -> o: the attention both forms run
+FEW_QUERIES = 16                # fast mode: up to this many queries absorbed, more expanded
+
+
+@dataclass(frozen=True, slots=True)
+class LatentSection:
+    key: ClassVar[str] = "mla"
+    heads: int
+    kv_rank: int
+    nope_dim: int           # each head's key part from the latent
+    rope_dim: int           # the key part every head shares (unrotated here)
+    value_dim: int
+    q_rank: int = 0         # 0: the query straight from h
+    norm_eps: float = 1e-6  # the latent's and the low-rank query's RMSNorms' (not the model's)
+
+    def problems(self, s):
+        return ()
+
+    @property
+    def row(self) -> int:
+        """The values one position keeps a layer."""
+        return self.kv_rank + self.rope_dim
+
+
+def attend_fast(q, rows, positions, up, nope, attend):
+    """Absorbed for a few queries (a decode step: nothing built per row), expanded for a chunk."""
+    form = mla_absorbed if q.shape[0] <= FEW_QUERIES else mla_expanded
+    return form(q, rows, positions, up, nope, attend)
+
+
+class LatentAttention(Sublayer):
+    reads_to_width = True           # a planned step's lanes read every row their tables hold
+
+    def __init__(self, s, params, layer: int, kernels: Kernels):
+        super().__init__(s, params, layer, "mixer", kernels)
+        a = s.section(LatentSection)
+        self.name = f"layers.{layer}.mla"
+        prefix = self.name + "."
+        w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
+        first = "q_a_proj.weight" if a.q_rank else "q_proj.weight"
+        self.project = Products(w[first], w["kv_a_proj.weight"], together=kernels.together, linear=kernels.linear)
+        self.w, self.a, self.linear, self.latent_eps = w, a, kernels.linear, a.norm_eps
+        self.up = w["kv_b_proj.weight"].view(a.heads, a.nope_dim + a.value_dim, a.kv_rank)
+        self.attend, self.dense = kernels.ops[ATTEND], kernels.ops[DENSE]
+
+    def run(self, txn: StepContext, batch: StepBatch) -> None:
+        rows = txn.rows(self.name + ".latent")
+        self.framed(batch, lambda at, h, state: (self._attend(h, at, rows), state), None)
+
+    def _attend(self, h: torch.Tensor, span: StepBatch, rows) -> torch.Tensor:
+        """h [T, D] at the positions of `span`: write their latent rows, then each session's
+        queries over its rows [0, position]."""
+        a, w, T = self.a, self.w, h.shape[0]
+        q, kv = self.project(h)
+        if a.q_rank:
+            q = self.linear(self.rms_norm(q, w["q_a_norm.weight"], self.latent_eps), w["q_b_proj.weight"])
+        q = q.view(T, a.heads, a.nope_dim + a.rope_dim)
+        latent = torch.cat([self.rms_norm(kv[:, :a.kv_rank], w["kv_norm.weight"], self.latent_eps), kv[:, a.kv_rank:]], -1)
+        span.put(rows, latent)
+        outs = []
+        for i in range(span.sessions):          # each session over its own rows
+            mine = span.session(i) if span.sessions > 1 else span
+            visible = mine.visible(rows[span.which[i]])
+            outs.append(self.attend(span.rows_of(i, q), visible, mine.positions, self.up, a.nope_dim, self.dense))
+        o = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.linear(o.flatten(1), w["o_proj.weight"])
+
+
+class MLA(Kind):
+    name = "mla"
+    role = "mixer"
+    section = LatentSection
+    quantized = ("q_proj.weight", "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "kv_b_proj.weight",
+                 "o_proj.weight")
+    outputs = ("o_proj.weight",)
+    side_by_side = (("q_proj.weight", "kv_a_proj.weight"), ("q_a_proj.weight", "kv_a_proj.weight"))
+
+    def weights(self, s, prefix):
+        a, D = s.section(LatentSection), s.hidden_size
+        H, qk = a.heads, a.nope_dim + a.rope_dim
+        query = ({f"{prefix}q_a_proj.weight": (a.q_rank, D), f"{prefix}q_a_norm.weight": (a.q_rank,),
+                  f"{prefix}q_b_proj.weight": (H * qk, a.q_rank)} if a.q_rank else {f"{prefix}q_proj.weight": (H * qk, D)})
+        return query | {
+            f"{prefix}kv_a_proj.weight": (a.row, D),
+            f"{prefix}kv_norm.weight": (a.kv_rank,),
+            f"{prefix}kv_b_proj.weight": (H * (a.nope_dim + a.value_dim), a.kv_rank),
+            f"{prefix}o_proj.weight": (D, H * a.value_dim),
+        }
+
+    def owners(self, s, prefix, dtype, state_dtype):
+        """A latent row a position: [c (kv_rank) ; r (rope_dim)]."""
+        return [OwnerSpec(prefix + "latent", (s.section(LatentSection).row,), dtype, APPENDED)]
+
+    def init(self, leaf, shape, gen):
+        return None
+
+    def stage(self, s, params, layer, kernels, shared):
+        return LatentAttention(s, params, layer, kernels)
+
+    def cost(self, s, position):
+        """Absorbed: each head's scores over every latent row before the token and the weighted
+        sum of them (its query's and output's folding are weights, counted as such)."""
+        a = s.section(LatentSection)
+        return Cost(flops=2 * a.heads * (a.row + a.kv_rank) * position)
+
+    def ops(self, mode, device, dtype):
+        """Exact: every row expanded, attention as written. Fast: `attend_fast` over torch's fused
+        attention (`ops.qsa.dense_attention_fast`)."""
+        if mode != "fast":
+            return {ATTEND: mla_expanded, DENSE: dense_attention}
+        return {ATTEND: attend_fast, DENSE: dense_attention_fast}
