@@ -36,7 +36,7 @@ def fast_models(tmp_path_factory):
     preset and tiny random Qwen3.5 and Qwen3.5-MoE checkpoints."""
     from foreign import build
     out = {"tiny": hebrus.load("tiny", mode="fast")}
-    for family in ("qwen3_5", "qwen3_5_moe"):
+    for family in ("qwen3_5", "qwen3_5_moe", "kimi_linear"):
         folder, _ = build(family, tmp_path_factory.mktemp(family))
         out[family] = hebrus.load(folder, mode="fast")
     return out

@@ -45,7 +45,7 @@ def _close(a, b, what, tolerance=2e-5):
     assert float((a - b).abs().max()) <= tolerance * max(float(b.abs().max()), 1.0), what
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 @pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
 def test_a_batch_equals_the_sessions_one_at_a_time(models, name, bits, tolerance, one_pass):
     """In float64 a batch is the same arithmetic up to the order of sums (a wrong state or row
@@ -213,7 +213,7 @@ def test_a_signal_during_publication_lands_after_every_session_published(models,
     assert all(s.digest() != b for s, b in zip(sessions, before))
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 @pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
 def test_a_planned_batch_equals_the_eager_one(models, name, bits, tolerance):
     """`Batch` steps from the model's static step plan (captured as CUDA graphs on a GPU; run
@@ -338,7 +338,7 @@ RAGGED_PROMPTS = (0, 15, 16, 30)
 RAGGED = [(2, 1, 17, 1), (1, 9, 1, 2), (3, 1, 1, 20), (1, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_ragged_steps_equal_each_session_fed_alone(models, name, mode, one_pass):
     """Sessions' chunks of different lengths in one step (prompts beside decode tokens) publish

@@ -42,7 +42,7 @@ def test_each_kept_session_is_the_chunk_fed_up_to_its_mark_bit_for_bit(tiny):
     assert s.digest() == whole.digest()         # the kept ones' writes never reach the shared rows
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 def test_in_fast_mode_each_kept_session_is_within_the_bound_of_feeding_alone(fast_models, name):
     """Float32 rounding apart: the pieces between marks run the products over fewer rows."""
     model = fast_models[name]
@@ -158,7 +158,7 @@ def test_several_sessions_keep_in_one_pass_exactly_what_each_keeps_alone(tiny):
             assert k.frontier == w.frontier and k.digest() == w.digest() and torch.equal(k.logits, w.logits)
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 def test_in_fast_mode_several_sessions_keep_within_the_bound_of_each_alone(fast_models, name):
     """Fast mode runs the three chunks in one pass, the delta rule's pieces between marks in
     rounds (a round: every session's next piece, one call); each kept session and each fed one

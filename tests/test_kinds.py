@@ -158,7 +158,7 @@ def test_each_group_of_projections_lies_in_one_tensor_held_once_and_fast_mode_mu
         assert _products(exact) and all(p.together is None for p in _products(exact))
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 def test_projections_side_by_side_equal_their_twin_apart(fast_models, name, monkeypatch):
     """One product over a group's weights against one product each (the same float64 weights
     kept apart): logits and every owner's final state within 1e-12 over a prompt and steps."""

@@ -62,8 +62,8 @@ class LatentAttention(Sublayer):
         self.name = f"layers.{layer}.mla"
         prefix = self.name + "."
         w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
-        first = "q_a_proj.weight" if a.q_rank else "q_proj.weight"
-        self.project = Products(w[first], w["kv_a_proj.weight"], together=kernels.together, linear=kernels.linear)
+        self.project = Products(w["q_proj.weight"], w["kv_a_proj.weight"], together=kernels.together,
+                                linear=kernels.linear)
         self.w, self.a, self.linear, self.latent_eps = w, a, kernels.linear, a.norm_eps
         self.up = w["kv_b_proj.weight"].view(a.heads, a.nope_dim + a.value_dim, a.kv_rank)
         self.attend, self.dense = kernels.ops[ATTEND], kernels.ops[DENSE]
@@ -78,7 +78,7 @@ class LatentAttention(Sublayer):
         a, w, T = self.a, self.w, h.shape[0]
         q, kv = self.project(h)
         if a.q_rank:
-            q = self.linear(self.rms_norm(q, w["q_a_norm.weight"], self.latent_eps), w["q_b_proj.weight"])
+            q = self.linear(self.rms_norm(q, w["q_norm.weight"], self.latent_eps), w["q_b_proj.weight"])
         q = q.view(T, a.heads, a.nope_dim + a.rope_dim)
         latent = torch.cat([self.rms_norm(kv[:, :a.kv_rank], w["kv_norm.weight"], self.latent_eps), kv[:, a.kv_rank:]], -1)
         span.put(rows, latent)
@@ -95,15 +95,15 @@ class MLA(Kind):
     name = "mla"
     role = "mixer"
     section = LatentSection
-    quantized = ("q_proj.weight", "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "kv_b_proj.weight",
-                 "o_proj.weight")
+    quantized = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "kv_b_proj.weight", "o_proj.weight")
     outputs = ("o_proj.weight",)
-    side_by_side = (("q_proj.weight", "kv_a_proj.weight"), ("q_a_proj.weight", "kv_a_proj.weight"))
+    # q_proj: the query's projection of h, whole or (q_rank > 0) down to the rank, then normed and up (q_b_proj)
+    side_by_side = (("q_proj.weight", "kv_a_proj.weight"),)
 
     def weights(self, s, prefix):
         a, D = s.section(LatentSection), s.hidden_size
         H, qk = a.heads, a.nope_dim + a.rope_dim
-        query = ({f"{prefix}q_a_proj.weight": (a.q_rank, D), f"{prefix}q_a_norm.weight": (a.q_rank,),
+        query = ({f"{prefix}q_proj.weight": (a.q_rank, D), f"{prefix}q_norm.weight": (a.q_rank,),
                   f"{prefix}q_b_proj.weight": (H * qk, a.q_rank)} if a.q_rank else {f"{prefix}q_proj.weight": (H * qk, D)})
         return query | {
             f"{prefix}kv_a_proj.weight": (a.row, D),

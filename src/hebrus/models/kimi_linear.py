@@ -218,8 +218,8 @@ def _mla(t: NamesTable, s: ModelSpec, f: str, m: str) -> None:
     a, D = s.section(LatentSection), s.hidden_size
     H, qk = a.heads, a.nope_dim + a.rope_dim
     if a.q_rank:
-        t.add(m + "q_a_proj.weight", f + "q_a_proj.weight", (a.q_rank, D))
-        t.add(m + "q_a_norm.weight", f + "q_a_layernorm.weight", (a.q_rank,))
+        t.add(m + "q_proj.weight", f + "q_a_proj.weight", (a.q_rank, D))
+        t.add(m + "q_norm.weight", f + "q_a_layernorm.weight", (a.q_rank,))
         t.add(m + "q_b_proj.weight", f + "q_b_proj.weight", (H * qk, a.q_rank))
     else:
         t.add(m + "q_proj.weight", f + "q_proj.weight", (H * qk, D))
