@@ -741,3 +741,68 @@ def test_graph_steps_publish_each_sessions_constraint():
     with pytest.raises(hebrus.InvalidInput, match="session 1: .*does not allow"):
         batch.feed([7, ord("x"), 9])
     assert sessions[1].frontier == 2 + len(b'{"ab": [1, 2]}')
+
+
+def _kda_inputs(T, H, dk, dv, seed=0):
+    """KDA's inputs on the CPU in float64 (a decay per key channel) and on CUDA (q/k/v bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1)
+    v = torch.randn(T, H, dv, generator=gen)
+    g = -torch.rand(T, H, dk, generator=gen) * 2
+    beta = torch.rand(T, H, generator=gen)
+    state = torch.randn(H, dk, dv, generator=gen) * 0.1
+    rounded = tuple(t.to(torch.bfloat16).double() if i < 3 else t.double() for i, t in enumerate((q, k, v, g, beta)))
+    gpu = tuple(t.cuda().to(torch.bfloat16) if i < 3 else t.cuda() for i, t in enumerate((q, k, v, g, beta)))
+    return rounded + (state.double(),), gpu + (state.cuda(),)
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 64, 200])
+def test_fla_kda_matches_the_twins(T):
+    """fla's KDA kernels against the definition (`ops.kda`): a chunk, one token, several
+    sessions' single tokens, and sessions' chunks of any lengths in one call."""
+    from hebrus.ops.cuda import kda as cuda_kda
+    from hebrus.ops.kda import kda_recurrent
+    if not cuda_kda.available():
+        pytest.skip("needs fla with its KDA kernels")
+    cpu, gpu = _kda_inputs(T, 4, 64, 128)
+    before = gpu[-1].clone()
+    o, s = cuda_kda.kda_fla(*gpu)
+    want_o, want_s = kda_recurrent(*cpu)
+    assert torch.equal(gpu[-1], before) and s.dtype == torch.float32
+    assert _rel(o, want_o) <= 3e-2 and _rel(s, want_s) <= 3e-2
+    if T == 1:
+        return
+    n = min(T, 6)                                            # n sessions, a token each
+    states = torch.randn(n, 4, 64, 128, generator=torch.Generator().manual_seed(1)).cuda() * 0.1
+    o, s = cuda_kda.kda_fla(*(t[:n, None] for t in gpu[:5]), states)
+    want = [kda_recurrent(*(t[i:i + 1].double().cpu() for t in gpu[:5]), states[i].double().cpu()) for i in range(n)]
+    assert _rel(o[:, 0], torch.cat([w[0] for w in want])) <= 3e-2
+    assert _rel(s, torch.stack([w[1] for w in want])) <= 3e-2
+    bounds = (0, 1, T // 2, T // 2 + 1, T)
+    states = torch.randn(4, 4, 64, 128, generator=torch.Generator().manual_seed(2)).cuda() * 0.1
+    o, s = cuda_kda.kda_fla_ragged(*gpu[:5], states, torch.tensor(bounds, device="cuda"), bounds)
+    for i in range(4):
+        a, b = bounds[i], bounds[i + 1]
+        want_o, want_s = cuda_kda.kda_fla(*(t[a:b] for t in gpu[:5]), states[i])
+        assert _rel(o[a:b], want_o) <= 1e-2 and _rel(s[i], want_s) <= 1e-2, i
+
+
+@cuda
+def test_kimi_linear_verifies_and_decodes_from_graphs_on_cuda(tmp_path):
+    """A tiny Kimi-Linear in bfloat16 fast mode on CUDA: verify passes, and graph decoding of
+    several sessions stays within bfloat16's reach of eager decoding of each."""
+    from foreign import build
+    from hebrus import verify
+    folder, _ = build("kimi_linear", tmp_path)
+    model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
+    failed = [r for r in verify.run(model) if not r.passed]
+    assert not failed, failed[:3]
+    prompt, tokens = _ids(10, model.spec.vocab_size, 1), _ids(12, model.spec.vocab_size, 2)
+    graph, eager = model.session(decode="graph"), model.session(decode="eager")
+    for s in (graph, eager):
+        s.feed(prompt)
+    near = [_rel(graph.feed([t]).float(), eager.feed([t]).float()) for t in tokens]
+    assert sorted(near)[len(near) // 2] <= 5e-2, near
+    assert graph._steps.replays >= 8, graph._steps.replays

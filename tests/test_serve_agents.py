@@ -244,3 +244,40 @@ def test_after_a_stop_string_a_choice_takes_nothing_more():
     whole = answer.whole()
     assert whole["choices"][0]["text"] == "ab" and len(whole["choices"][0]["logprobs"]["tokens"]) == 3
     assert whole["usage"]["completion_tokens"] == 4
+
+
+def test_kimi_tool_call_sections_read_out_and_forced():
+    """Kimi's format: a section of calls between special tokens, each `functions.NAME:i` with
+    its JSON arguments; a section that is not all calls of these tools stays text; the forced
+    grammar names the section's special tokens (a tokenizer holding them as special tokens
+    allows them, their spelling in ordinary tokens is refused)."""
+    import llguidance
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from hebrus.text.tools import KIMI_ARGUMENTS, KIMI_CALL, KIMI_CLOSE, KIMI_END, KIMI_OPEN
+    tools = [WEATHER, CLOCK]
+    section = (f'{KIMI_OPEN}{KIMI_CALL}functions.get_weather:0{KIMI_ARGUMENTS}{{"city": "Oslo", "days": 3}}'
+               f"{KIMI_END}{KIMI_CALL}functions.now:1{KIMI_ARGUMENTS}{{}}{KIMI_END}{KIMI_CLOSE}")
+    content, calls = split("Looking." + section, "kimi", tools)
+    assert content == "Looking." and [c.name for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 3}
+    streamer, shown, got = Streamer("kimi", tools), "", []
+    for i in range(0, len("Looking." + section), 5):
+        piece, done = streamer.add(("Looking." + section)[i:i + 5])
+        shown += piece
+        got += done
+    assert shown == "Looking." and [c.name for c in got] == ["get_weather", "now"]
+    for bad in (section.replace("functions.now", "functions.missing"), section.replace('{"city"', '["city"'),
+                section.replace(KIMI_END + KIMI_CALL, KIMI_END + "x" + KIMI_CALL)):
+        assert split(bad, "kimi", tools) == (bad, [])
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    marks = [KIMI_OPEN, KIMI_CALL, KIMI_ARGUMENTS, KIMI_END, KIMI_CLOSE, "<|im_end|>"]
+    tok.train_from_iterator(["functions now get_weather city"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=marks, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ll = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[tok.token_to_id("<|im_end|>")])
+    grammar = forced("kimi", tools, "now", False)
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar.source))
+    assert not matcher.get_error()
+    assert matcher.validate_tokens([tok.token_to_id(KIMI_OPEN), tok.token_to_id(KIMI_CALL)]) == 2
+    assert matcher.validate_tokens(tok.encode("<").ids) == 0           # the mark spelled in ordinary tokens

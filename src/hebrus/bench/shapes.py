@@ -22,6 +22,19 @@ SHAPES = {
         "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     },
+    # Kimi-Linear's widths (Kimi-Linear-48B-A3B's heads, latent and expert sizes) in 16 layers, three
+    # delta-rule layers to one latent-attention layer, 6 experts: 2.14B parameters (4.3 GB in bfloat16)
+    "kimi-linear-2b": {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 16,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 17) if i % 4], "full_attn_layers": [4, 8, 12, 16],
+                               "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+        "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+        "intermediate_size": 9216, "first_k_dense_replace": 1, "moe_intermediate_size": 1024,
+        "num_experts": 6, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": True,
+        "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "moe_router_activation_func": "sigmoid",
+        "model_max_length": 65536, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    },
 }
 
 
@@ -31,6 +44,7 @@ def random_checkpoint(shape: str, folder: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     from hebrus.models import family_of
+    from hebrus.models.qwen import plus_one
     if shape not in SHAPES:
         raise InvalidInput(f"unknown shape {shape!r}; shapes are: {', '.join(SHAPES)}")
     folder = Path(folder)
@@ -40,13 +54,14 @@ def random_checkpoint(shape: str, folder: Path, seed: int = 0) -> Path:
     family = family_of(data)
     spec = family.spec(family.config(data))
     table = family.names(spec, set())
+    stored_less_one = {name for source in table.sources.values() if source.build is plus_one for name in source.names}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, dims in table.shapes.items():
         if name.endswith("A_log"):
             tensor = (1 + 15 * torch.rand(dims, generator=gen)).log()
-        elif "norm" in name:
-            tensor = torch.zeros(dims) if "linear_attn.norm" not in name else torch.ones(dims)
+        elif "norm" in name:               # each norm the identity, as its family stores it (w or w - 1)
+            tensor = torch.zeros(dims) if name in stored_less_one else torch.ones(dims)
         else:
             tensor = torch.randn(dims, generator=gen) / math.sqrt(dims[-1])
         tensors[name] = tensor.to(torch.bfloat16)

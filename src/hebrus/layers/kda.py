@@ -124,8 +124,14 @@ class KDA(Kind):
         return Cost()
 
     def ops(self, mode, device, dtype):
-        """Exact: the recurrence, token by token. Fast: the chunked form (`ops.kda`). The
+        """Exact: the recurrence, token by token. Fast: the chunked form (`ops.kda`); for a
+        16-bit model on CUDA, fla's kernels when fla has them (`hebrus.ops.cuda.kda`). The
         states after every token of a chunk come from the recurrence in both."""
         if mode != "fast":
             return {RULE: kda_recurrent, RULE_EACH: gdn_recurrent_states, RULE_RAGGED: gdn_ragged(kda_recurrent)}
-        return {RULE: rule_fast, RULE_EACH: gdn_recurrent_states, RULE_RAGGED: gdn_ragged(rule_fast)}
+        rule, ragged = rule_fast, gdn_ragged(rule_fast)
+        if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            from hebrus.ops.cuda import kda as cuda_kda
+            if cuda_kda.available():
+                rule, ragged = cuda_kda.kda_fla, cuda_kda.kda_fla_ragged
+        return {RULE: rule, RULE_EACH: gdn_recurrent_states, RULE_RAGGED: ragged}

@@ -95,7 +95,8 @@ class MLA(Kind):
     name = "mla"
     role = "mixer"
     section = LatentSection
-    quantized = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "kv_b_proj.weight", "o_proj.weight")
+    # kv_b_proj stays float: both forms read it per head as a tensor, not through a product
+    quantized = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "o_proj.weight")
     outputs = ("o_proj.weight",)
     # q_proj: the query's projection of h, whole or (q_rank > 0) down to the rank, then normed and up (q_b_proj)
     side_by_side = (("q_proj.weight", "kv_a_proj.weight"),)

@@ -7,6 +7,9 @@ Formats:
   </function>\\n</tool_call>`; a value is read as JSON where its parameter's schema says it is
   not a string (and it parses), else as the text it is.
 - "hermes" (Qwen3-Next): `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`.
+- "kimi" (Kimi-Linear): `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>
+  functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
+  `<|tool_calls_section_end|>`; the section is one block, read as one or more calls.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from dataclasses import dataclass
 from hebrus.errors import InvalidInput
 from hebrus.text.grammar import Grammar
 
-FORMATS = ("qwen3_xml", "hermes")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGUMENTS, KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+_KIMI = re.compile(r"\s*" + re.escape(KIMI_CALL) + r"\s*functions\.([^:<]+):\d+\s*" + re.escape(KIMI_ARGUMENTS)
+                   + r"(.*?)" + re.escape(KIMI_END) + r"\s*", re.DOTALL)
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -38,35 +43,66 @@ class Call:
 
 def split(text: str, form: str, tools: list[dict]) -> tuple[str, list[Call]]:
     """(the text outside the tool calls, the calls) of a model's output; a block that cannot be
-    read as a call of one of `tools` stays in the text as it was."""
+    read as calls of `tools` stays in the text as it was."""
+    (open_, close), read = FORMATS[form]
+    block = re.compile(re.escape(open_) + r"(.*?)" + re.escape(close), re.DOTALL)
     calls, kept, at = [], [], 0
-    for match in _BLOCK.finditer(text):
-        call = _read(match.group(1), form, {t["function"]["name"]: t["function"] for t in tools})
-        if call is None:
+    for match in block.finditer(text):
+        found = read(match.group(1), {t["function"]["name"]: t["function"] for t in tools})
+        if not found:
             continue
         kept.append(text[at:match.start()])
         at = match.end()
-        calls.append(call)
+        calls += found
     kept.append(text[at:])
     content = "".join(kept)
     return (content.strip() if calls else content), calls
 
 
-def _read(body: str, form: str, functions: dict[str, dict]) -> Call | None:
-    if form == "hermes":
+def _one(read):
+    """A reader of one call a block as a reader of a block's calls (none if it cannot be read)."""
+    def calls(body: str, functions: dict[str, dict]) -> list[Call]:
+        call = read(body, functions)
+        return [] if call is None else [call]
+    return calls
+
+
+def _read_kimi(body: str, functions: dict[str, dict]) -> list[Call]:
+    """A section's calls, every one of them a call of `functions` with a JSON object for its
+    arguments, nothing else between them; else none."""
+    calls, at = [], 0
+    for match in _KIMI.finditer(body):
+        if match.start() != at:
+            return []
+        at = match.end()
+        name = match.group(1).strip()
         try:
-            data = json.loads(body)
+            arguments = json.loads(match.group(2))
+        except ValueError:
+            return []
+        if name not in functions or not isinstance(arguments, dict):
+            return []
+        calls.append(Call(name, json.dumps(arguments, ensure_ascii=False)))
+    return calls if at == len(body) else []
+
+
+def _read_hermes(body: str, functions: dict[str, dict]) -> Call | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in functions:
+        return None
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
         except ValueError:
             return None
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in functions:
-            return None
-        arguments = data.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        return Call(data["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+    return Call(data["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+
+
+def _read_xml(body: str, functions: dict[str, dict]) -> Call | None:
     match = _FUNCTION.match(body)
     if match is None or match.group(1).strip() not in functions:
         return None
@@ -93,11 +129,12 @@ def _typed(value: str, schema) -> object:
 
 class Streamer:
     """A reply's text as it grows, split into what may be shown as content now and the tool
-    calls as each one closes: text from a `<tool_call>` on is held until its block closes (a
-    tail that could still begin one is held too)."""
+    calls as each block closes: text from a block's opening (`<tool_call>`) on is held until it
+    closes (a tail that could still begin one is held too)."""
 
     def __init__(self, form: str, tools: list[dict]):
         self.form, self.tools = form, tools
+        (self.open, self.close), _ = FORMATS[form]
         self.text, self.shown, self.calls = "", 0, 0
 
     def add(self, piece: str) -> tuple[str, list[Call]]:
@@ -106,18 +143,19 @@ class Streamer:
         out, calls = "", []
         while True:
             rest = self.text[self.shown:]
-            start = rest.find(OPEN)
+            start = rest.find(self.open)
             if start < 0:
-                held = next((n for n in range(min(len(OPEN) - 1, len(rest)), 0, -1) if rest.endswith(OPEN[:n])), 0)
+                held = next((n for n in range(min(len(self.open) - 1, len(rest)), 0, -1)
+                             if rest.endswith(self.open[:n])), 0)
                 out += rest[:len(rest) - held]
                 self.shown += len(rest) - held
                 return out, calls
             out += rest[:start]
             self.shown += start
-            end = rest.find(CLOSE, start)
+            end = rest.find(self.close, start)
             if end < 0:
                 return out, calls
-            block = rest[start:end + len(CLOSE)]
+            block = rest[start:end + len(self.close)]
             _, found = split(block, self.form, self.tools)
             if found:
                 calls += found
@@ -140,8 +178,10 @@ def forced(form: str, tools: list[dict], name: str | None, parallel: bool) -> Gr
     rules = [f"call_{i}: {_call_rule(form, f)}" for i, f in enumerate(chosen)]
     calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
     many = "+" if parallel and name is None else ""
-    return Grammar.lark("start: (" + calls + ")" + many + "\n" + "\n".join(rules) +
-                        '\nVALUE: /[^<]*/\n')
+    body = "(" + calls + ")" + many
+    if form == "kimi":                      # the calls inside one section (its marks are special tokens, named bare)
+        body = f"{KIMI_OPEN} {body} {KIMI_CLOSE}"
+    return Grammar.lark("start: " + body + "\n" + "\n".join(rules) + '\nVALUE: /[^<]*/\n')
 
 
 def _value(schema) -> str:
@@ -166,6 +206,9 @@ def _value(schema) -> str:
 def _call_rule(form: str, function: dict) -> str:
     name = json.dumps(function["name"])[1:-1]
     parameters = function.get("parameters") or {"type": "object"}
+    if form == "kimi":
+        return (f'{KIMI_CALL} {json.dumps("functions." + function["name"] + ":0")} {KIMI_ARGUMENTS} '
+                f"%json {json.dumps(parameters)} {KIMI_END}")
     if form == "hermes":
         head = json.dumps(f'{OPEN}\n{{"name": "{name}", "arguments": ')
         return f"{head} %json {json.dumps(parameters)} " + json.dumps("}\n" + CLOSE + "\n")
@@ -177,3 +220,9 @@ def _call_rule(form: str, function: dict) -> str:
     else:
         params = ""
     return (json.dumps(f"{OPEN}\n<function={name}>\n") + f" {params} " + json.dumps(f"</function>\n{CLOSE}\n"))
+
+
+# each format: (the text that opens a block, the text that closes it), and the reader of a
+# block's body into its calls (none: the block is text)
+FORMATS = {"qwen3_xml": ((OPEN, CLOSE), _one(_read_xml)), "hermes": ((OPEN, CLOSE), _one(_read_hermes)),
+           "kimi": ((KIMI_OPEN, KIMI_CLOSE), _read_kimi)}
