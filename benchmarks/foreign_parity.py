@@ -47,7 +47,7 @@ def measure(family: str, folder: Path, model) -> list[str]:
     with float64_everywhere():
         wide_prompt, wide_states, wide_tokens, wide_steps = reference_run(in_float64(model), ids, STEPS)
     worst = max([per_row(truth_prompt, wide_prompt)] +
-                [rel(truth_states[n], v[:, 1:] if n.endswith("gdn.conv") else v) for n, v in wide_states.items()])
+                [rel(truth_states[n], v[:, 1:] if n.endswith(("gdn.conv", "kda.conv")) else v) for n, v in wide_states.items()])
     for step in range(STEPS):
         worst = max(worst, rel(truth.logits, wide_steps[step]))
         truth.feed([wide_tokens[step]])
@@ -64,7 +64,7 @@ def measure(family: str, folder: Path, model) -> list[str]:
         for name, theirs in states.items():
             kind = name.split(".", 2)[2]
             mine, exact = session.image.value(name), truth_states[name]
-            if kind == "gdn.conv":
+            if kind in ("gdn.conv", "kda.conv"):
                 theirs = theirs[:, 1:]
             errors = (rel(mine, theirs), rel(mine, exact), rel(theirs, exact))
             old = found.get(kind, (0, 0, 0))
