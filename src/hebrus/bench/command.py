@@ -192,6 +192,7 @@ def run(args, load_model) -> int:
     report = bench.run(model, Path(args.model).name, kept, args.decode_steps, args.rounds, args.chunk,
                        ProgressBar("bench", unit="point"), decode=args.decode, compare=compare, on_point=write,
                        batches=batches)
+    write(report)                                       # the final report, as printed (its date too)
     print(bench.table(report), end="")
     return 0
 
