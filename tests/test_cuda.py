@@ -103,44 +103,32 @@ def _ids(n, vocab, seed):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _owners_distance(a, b) -> float:
-    """The largest relative distance of session a's owners from b's, each against the largest
-    magnitude of b's (integers too: a flipped expert id is far, a quantized code one step off is
-    not; an all-zero owner of b: 0 if a's is the same, else infinite)."""
-    worst = 0.0
-    for spec in b.image.specs:
-        x, y = (s.image.value(spec.name).double().cpu() for s in (a, b))
-        if x.shape != y.shape:
-            return float("inf")
-        if y.numel() and float(y.abs().max()) > 0:
-            worst = max(worst, float((x - y).abs().max() / y.abs().max()))
-        elif not torch.equal(x, y):
-            return float("inf")
-    return worst
-
-
-def _graph_steps_near_eager(model, tmp_path, prompt, tokens):
+def _graph_steps_near_eager(model, prompt, tokens):
     """A 16-bit model's graph decode over `prompt` then `tokens`, one at a time: its steps are
-    its plan's, bit for bit (logits every step, the digest at the end), and each graph step,
-    taken from an eager session's state, is within 2e-2 of the eager step (its logits and every
-    owner after it, `_owners_distance`) at three steps in four at least. One step at a time because a random 16-bit model's choices (experts, attended
-    rows) lie near ties at every step (1e-3 to 2e-2 of their site's scale, measured on the H200
-    and the CPU: `benchmarks/diag/graph_flips.py`), so the two routes' rounding flips some of
-    them: a flip moves its own step's logits by up to 0.4 and, run on, every later step's; a
-    wrong kernel moves every step. -> the graph session (its runner's counts)."""
+    its plan's, bit for bit (logits every step, the digest at the end), and no farther from the
+    same weights run in float32 than eager 16-bit steps are: over the steps, the median distance
+    of the graph's logits from float32's at most twice eager's (+1e-3), each measured on the
+    card it runs on. The two 16-bit routes round differently (the lanes' kernels keep the conv,
+    q, k and v in float32 where eager rounds them to 16 bits; attention reads every row of the
+    tables, masked), so their distance from each other is rounding's own scale, which differs
+    by model and card (the tiny Qwen3.5 at 1-2.5% median on the H100 and the H200, the tiny
+    preset at 1%): no fixed bound on it holds everywhere. A wrong kernel moves every step far
+    from float32; a flip at a near-tie (a random 16-bit model's experts and attended rows lie
+    near ties: `benchmarks/diag/graph_flips.py`) moves a few, which the median passes over.
+    -> the graph session (its runner's counts)."""
     graph, planned, eager = (model.session(decode=d) for d in ("graph", "planned", "eager"))
-    for s in (graph, planned, eager):
+    wide = model.with_dtype(torch.float32).session(decode="eager")
+    for s in (graph, planned, eager, wide):
         s.feed(prompt)
-    near = []
+    far: dict[str, list[float]] = {"graph": [], "eager": []}
     for step, t in enumerate(tokens):
-        eager.save(tmp_path / f"step{step}.hebrus")
-        one = model.restore(tmp_path / f"step{step}.hebrus", decode="graph")
-        a, want = graph.feed([t]), eager.feed([t])
+        a, want = graph.feed([t]), wide.feed([t])
         assert torch.equal(a, planned.feed([t])), step
-        near.append(max(_rel(one.feed([t]).float(), want.float()), _owners_distance(one, eager)))
-        del one
+        far["graph"].append(_rel(a.float(), want))
+        far["eager"].append(_rel(eager.feed([t]).float(), want))
     assert graph.digest() == planned.digest()
-    assert sum(d <= 2e-2 for d in near) >= 3 * len(near) / 4, near
+    median = {route: sorted(d)[len(d) // 2] for route, d in far.items()}
+    assert median["graph"] <= 2 * median["eager"] + 1e-3, (median, far)
     return graph
 
 
@@ -153,7 +141,7 @@ def test_graph_decode_matches_eager(tmp_path):
         vocab = model.spec.vocab_size
         prompt, tokens = _ids(10, vocab, 1), _ids(30, vocab, 2)
         if model.dtype != torch.float32:
-            steps = _graph_steps_near_eager(model, tmp_path, prompt, tokens)._steps
+            steps = _graph_steps_near_eager(model, prompt, tokens)._steps
             assert steps.captures >= 1 and steps.replays >= 20, (name, steps.captures, steps.replays, steps.refused)
             continue
         graph, eager = model.session(decode="graph"), model.session(decode="eager")
@@ -543,7 +531,7 @@ def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format, tmp_
     model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", quantize=format)
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, [(r.name, r.detail) for r in failed]
-    graph = _graph_steps_near_eager(model, tmp_path, list(range(3, 40)), list(range(12)))
+    graph = _graph_steps_near_eager(model, list(range(3, 40)), list(range(12)))
     assert graph._steps.replays > 0
 
 
@@ -551,7 +539,7 @@ def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format, tmp_
 @pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
 def test_a_quantized_cache_decodes_from_graphs_on_cuda(kv_cache, tmp_path):
     model = hebrus.load("tiny", device="cuda", dtype="bfloat16", mode="fast", kv_cache=kv_cache)
-    graph = _graph_steps_near_eager(model, tmp_path, list(range(3, 40)), list(range(12)))
+    graph = _graph_steps_near_eager(model, list(range(3, 40)), list(range(12)))
     assert graph._steps.replays > 0
 
 
@@ -791,18 +779,13 @@ def test_fla_kda_matches_the_twins(T):
 
 @cuda
 def test_kimi_linear_verifies_and_decodes_from_graphs_on_cuda(tmp_path):
-    """A tiny Kimi-Linear in bfloat16 fast mode on CUDA: verify passes, and graph decoding of
-    several sessions stays within bfloat16's reach of eager decoding of each."""
+    """A tiny Kimi-Linear in bfloat16 fast mode on CUDA: verify passes, and graph decoding is
+    its plan's and no farther from float32 than eager decoding (`_graph_steps_near_eager`)."""
     from foreign import build
     from hebrus import verify
     folder, _ = build("kimi_linear", tmp_path)
     model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
     failed = [r for r in verify.run(model) if not r.passed]
     assert not failed, failed[:3]
-    prompt, tokens = _ids(10, model.spec.vocab_size, 1), _ids(12, model.spec.vocab_size, 2)
-    graph, eager = model.session(decode="graph"), model.session(decode="eager")
-    for s in (graph, eager):
-        s.feed(prompt)
-    near = [_rel(graph.feed([t]).float(), eager.feed([t]).float()) for t in tokens]
-    assert sorted(near)[len(near) // 2] <= 5e-2, near
+    graph = _graph_steps_near_eager(model, _ids(10, model.spec.vocab_size, 1), _ids(12, model.spec.vocab_size, 2))
     assert graph._steps.replays >= 8, graph._steps.replays
