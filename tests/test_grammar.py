@@ -148,6 +148,22 @@ def test_masks_of_a_batch_in_one_call():
     assert torch.equal(constrained(logits[0], masks[:1]), out[0])
 
 
+def test_masks_against_their_definition_bit_by_bit():
+    """Token 32 w + j is allowed exactly when bit j of word w is set (bit 31, the sign bit,
+    too); a mask shorter than the vocabulary allows nothing past its words."""
+    gen = torch.Generator().manual_seed(0)
+    V = 150
+    masks = [torch.randint(-2**31, 2**31 - 1, (5,), generator=gen, dtype=torch.int32),
+             torch.tensor([-1, -2**31, 0, 1, 2**30], dtype=torch.int32),
+             torch.randint(-2**31, 2**31 - 1, (3,), generator=gen, dtype=torch.int32)]
+    logits = torch.randn(3, V, generator=gen)
+    out = constrained(logits, masks)
+    for b, m in enumerate(masks):
+        for t in range(V):
+            allowed = t < 32 * m.numel() and (int(m[t // 32]) >> (t % 32)) & 1
+            assert (out[b, t] == logits[b, t]) if allowed else out[b, t] == float("-inf"), (b, t)
+
+
 def test_grammars_it_cannot_compile_are_refused_by_name(tiny_fast):
     with pytest.raises(InvalidInput, match="not supported.*if"):
         start(tiny_fast, {"type": "object", "if": {"required": ["a"]}})

@@ -1,6 +1,7 @@
 """Choosing the next token from logits. Pure: randomness comes from the generator passed in."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,17 +54,25 @@ def constrained(logits: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor
     one = logits.dim() == 1
     rows = logits[None] if one else logits
     words = max(m.numel() for m in masks)
-    packed = torch.zeros((len(masks), words), dtype=torch.int32)
-    for b, m in enumerate(masks):
-        packed[b, :m.numel()] = m
+    if all(m.numel() == words for m in masks):
+        packed = torch.stack(masks)                 # one copy on the host
+    else:
+        packed = torch.zeros((len(masks), words), dtype=torch.int32)
+        for b, m in enumerate(masks):
+            packed[b, :m.numel()] = m
     packed = packed.to(rows.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=rows.device)
-    bits = ((packed[:, :, None] >> shifts) & 1).reshape(len(masks), -1)
+    allowed = (packed[:, :, None] & _bits(rows.device)).reshape(len(masks), -1) != 0
     V = rows.shape[-1]
-    if bits.shape[1] < V:                       # tokens past the mask's words: not allowed
-        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
-    out = rows.masked_fill(bits[:, :V] == 0, float("-inf"))
+    if allowed.shape[1] < V:                    # tokens past the mask's words: not allowed
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
+    out = rows.masked_fill(~allowed[:, :V], float("-inf"))
     return out[0] if one else out
+
+
+@functools.lru_cache(maxsize=None)
+def _bits(device: torch.device) -> torch.Tensor:
+    """[32] int32: bit j of a mask word set alone (bit 31 is the sign bit), on `device`."""
+    return torch.tensor([1 << j if j < 31 else -(1 << 31) for j in range(32)], dtype=torch.int32, device=device)
 
 
 def sample(logits: torch.Tensor, how: Sampling, generator: torch.Generator) -> int:
