@@ -166,6 +166,13 @@ def test_logprobs_are_the_models_own(server, qwen):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     assert all(len(top) == 2 and lp.token_logprobs[i] <= max(top.values()) for i, top in enumerate(lp.top_logprobs))
+    chunks = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0, logprobs=1,
+                                            stream=True))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(tokens) == 6 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+    whole = [e for e in entries if "\ufffd" not in bytes(e.bytes).decode("utf-8", "replace")]
+    assert all(bytes(e.bytes).decode() == e.token for e in whole)      # pieces of a character: tested in test_text
 
 
 def test_n_choices_fork_one_prompt_and_each_is_its_own_seed(server):

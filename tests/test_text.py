@@ -104,6 +104,18 @@ def test_stop_text_ends_the_output(chat_model):
     assert out.getvalue() == full[:full.find(stop)] + "\n"
 
 
+def test_each_tokens_bytes_are_its_share_of_the_text(chat_model):
+    """Tokens' bytes (byte-level names read back, pieces of a character included) put together
+    are the text's UTF-8; a byte tokenizer's token is its byte."""
+    tokenizer = hebrus.load(chat_model).tokenizer
+    for text in ("plain words", "héllo wörld ✓ 日本", "\n\t \x01"):
+        ids = tokenizer.encode(text)
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode(), text
+    assert tokenizer.token_bytes(10**6) == b""
+    from hebrus.text.tokenizers import ByteTokenizer
+    assert ByteTokenizer().token_bytes(0xE2) == b"\xe2" and ByteTokenizer().token_bytes(300) == b""
+
+
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     folder, _ = build("qwen3_5", tmp_path / "m")                     # vocabulary 101
     write_tokenizer(folder)                                           # 300 tokens

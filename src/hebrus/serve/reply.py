@@ -33,6 +33,7 @@ class Reply:
         self.calls: list[dict] = []                     # tool calls, OpenAI's shape
         self.fresh_calls: list[dict] = []               # ... not sent yet
         self.scores: list[tuple[int, float, list]] = [] # (token, log probability, likeliest) per token
+        self._offset = (0, 0)       # completions' text offsets: (scores counted, the text's length before them)
         self._score = None
         self.last: float | None = None
         self.closed = False                             # its last chunk sent (streaming)
@@ -101,15 +102,20 @@ class Reply:
         if self.job.logprobs is None:
             return None
         scores = self.scores if scores is None else scores
-        word = self.word
+        word, raw = self.word, self.tokenizer.token_bytes
         if chat:
-            return {"content": [{"token": word(t), "logprob": p, "bytes": list(word(t).encode()),
-                                 "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(word(i).encode())}
+            return {"content": [{"token": word(t), "logprob": p, "bytes": list(raw(t)),
+                                 "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(raw(i))}
                                                   for i, q in top]} for t, p, top in scores]}
-        offsets, at = [], sum(len(word(t)) for t, _, _ in self.scores[:len(self.scores) - len(scores)])
+        first = len(self.scores) - len(scores)          # where `scores` begin among the choice's
+        counted, at = self._offset
+        if first != counted:                            # not the tail after the last call's: counted afresh
+            at = sum(len(word(t)) for t, _, _ in self.scores[:first])
+        offsets = []
         for t, _, _ in scores:
             offsets.append(at)
             at += len(word(t))
+        self._offset = (len(self.scores), at)
         return {"tokens": [word(t) for t, _, _ in scores], "token_logprobs": [p for _, p, _ in scores],
                 "top_logprobs": [{word(i): q for i, q in top} for _, _, top in scores], "text_offset": offsets}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,10 @@ class ByteTokenizer(_Tokenizer):
     def stream(self) -> "ByteStream":
         return ByteStream()
 
+    def token_bytes(self, token: int) -> bytes:
+        """The byte a token stands for (none past a byte)."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
 
 class ByteStream:
     """Turns ids into text as they arrive, holding back incomplete UTF-8 sequences (bytes that
@@ -156,6 +161,7 @@ class CheckpointTokenizer(_Tokenizer):
         self.special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
         self.stop_ids = self._stop_ids(vocab_size)
         self._literally = None                          # the tokenizer that ignores special tokens
+        self._byte_level: bool | None = None            # whether its vocabulary is byte-level (`token_bytes`)
         self.special_texts = tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
 
     def encode(self, text: str) -> list[int]:
@@ -177,6 +183,22 @@ class CheckpointTokenizer(_Tokenizer):
     def stream(self) -> "TokenStream":
         return TokenStream(self.tokenizer)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for, a piece of a character's too: read from its name in a
+        byte-level vocabulary (each byte one printable character) or a byte-fallback one
+        (`<0xNN>`), else the UTF-8 of its decoding; none for an id the tokenizer does not know."""
+        name = self.tokenizer.id_to_token(token)
+        if name is None:
+            return b""
+        fallback = _BYTE_PIECE.fullmatch(name)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level is None:
+            self._byte_level = '"ByteLevel"' in self.tokenizer.to_str()
+        if self._byte_level and all(c in _UNBYTE for c in name):
+            return bytes(_UNBYTE[c] for c in name)
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
+
     def _stop_ids(self, vocab_size: int) -> tuple[int, ...]:
         """generation_config.json's eos_token_id, else config.json's, else the tokenizer's eos token."""
         for file in ("generation_config.json", "config.json"):
@@ -190,6 +212,18 @@ class CheckpointTokenizer(_Tokenizer):
         eos = self.special.get("eos_token")
         token = self.tokenizer.token_to_id(eos) if eos else None
         return (token,) if token is not None else ()
+
+
+def _byte_characters() -> dict[str, int]:
+    """A byte-level vocabulary's character for each byte, inverted: printable Latin-1 bytes stand
+    for themselves, the others for 256 + their rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_UNBYTE = _byte_characters()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenStream:
