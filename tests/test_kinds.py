@@ -78,6 +78,7 @@ def test_every_registered_kind_declares_everything():
 def test_declared_weights_are_weights_the_kind_has():
     """A kind's `quantized`, `wide`, `integer` and `outputs` must be among its weights: a
     misspelt one would change nothing, silently."""
+    from hebrus.layers.attention import AttentionSection
     from hebrus.layers.kda import KdaSection
     from hebrus.layers.layout import layout
     from hebrus.layers.mla import LatentSection
@@ -91,8 +92,12 @@ def test_declared_weights_are_weights_the_kind_has():
                            sections=(KdaSection(2, 4, 4, 4, 4), LatentSection(2, 6, 4, 2, 4, q_rank),
                                      ExpertsSection(4, 2, 8, 8, shared_gated=False, scoring="sigmoid", groups=2)))
                  for q_rank in (0, 4)]
+    v4_like = ModelSpec(family="d", vocab_size=16, hidden_size=8, mixers=("attention", "attention"),
+                        ffns=("hash_moe", "moe"), max_context=32, rms_norm_eps=1e-6, residual="plain",
+                        sections=(spec.section(AttentionSection),
+                                  ExpertsSection(4, 2, 8, 8, shared_gated=False, scoring="sqrtsoftplus", limit=7.0)))
     leaves: dict[str, set[str]] = {}
-    for s in (spec, qwen_like, *kimi_like):
+    for s in (spec, qwen_like, *kimi_like, v4_like):
         for w in layout(s):
             if w.kind is not None:
                 leaves.setdefault(w.kind.name, set()).add(w.leaf)
@@ -204,7 +209,7 @@ def test_an_unknown_kind_or_a_missing_section_fails_in_the_spec():
     spec = hebrus.load("tiny").spec
     with pytest.raises(hebrus.InvalidInput, match=r"unknown mixer 'mamba'; mixers are attention, gdn, kda, mla, qsa"):
         spec.replace(mixers=("mamba",) * 4)
-    with pytest.raises(hebrus.InvalidInput, match=r"unknown ffn 'gdn'; ffns are mlp, moe"):
+    with pytest.raises(hebrus.InvalidInput, match=r"unknown ffn 'gdn'; ffns are hash_moe, mlp, moe"):
         spec.replace(ffns=("gdn",) * 4)
     with pytest.raises(hebrus.InvalidInput, match=r"mlp layers need a MLPSection"):
         spec.replace(ffns=("mlp",) * 4)

@@ -10,5 +10,6 @@ from hebrus.layers import attention  # noqa: F401            attention, qsa
 from hebrus.layers import kda  # noqa: F401                  Kimi delta attention
 from hebrus.layers import mla  # noqa: F401                  multi-head latent attention
 from hebrus.layers import moe  # noqa: F401                  routed experts
+from hebrus.layers import hash_moe  # noqa: F401             hash-routed experts
 from hebrus.layers import mlp  # noqa: F401                  the dense MLP
 from hebrus.layers import ple  # noqa: F401                  per-layer embeddings

@@ -23,10 +23,11 @@ class MLPSection:
         return ()
 
 
-def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused, product=linear) -> torch.Tensor:
+def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused, product=linear,
+           limit: float | None = None) -> torch.Tensor:
     """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
     the op table's (`Kernels.linear`)."""
-    return product(fused(silu_mul)(*gate_up(h)), down)
+    return product(fused(silu_mul)(*gate_up(h), limit), down)
 
 
 def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -18,8 +18,8 @@ from hebrus.ops.quant import Products
 from hebrus.state.owners import APPENDED, OwnerSpec
 
 
-EXPERTS = "moe.experts"         # (h, weights, experts, gate_up, down) -> y
-SCORINGS = ("softmax", "sigmoid")
+EXPERTS = "moe.experts"         # (h, weights, experts, gate_up, down, limit=None) -> y
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +31,13 @@ class ExpertsSection:
     shared_intermediate: int = 0        # 0: no shared expert
     normalize: bool = True              # renormalise the chosen experts' probabilities
     shared_gated: bool = True           # the shared expert's output gated by σ(h·w) (else added as it is)
-    scoring: str = "softmax"            # "softmax" over the router's logits, or "sigmoid" of each (+ a
-                                        # correction bias per expert, `router.bias`, for the choice)
+    scoring: str = "softmax"            # "softmax" over the router's logits, or "sigmoid" (or
+                                        # "sqrtsoftplus") of each, + a correction bias per expert
+                                        # (`router.bias`) for the choice
     groups: int = 1                     # sigmoid: experts in this many groups, chosen among the
     top_groups: int = 1                 # ... `top_groups` best groups
     scale: float = 1.0                  # sigmoid: the chosen experts' weights times this
+    limit: float = 0.0                  # > 0: SwiGLU's gate cut to at most it, up to [-limit, limit]
 
     def problems(self, s):
         if self.top_k > self.experts:
@@ -45,7 +47,7 @@ class ExpertsSection:
         if self.groups < 1 or self.experts % self.groups or not 1 <= self.top_groups <= self.groups:
             yield (f"{self.experts} experts in {self.groups} groups, {self.top_groups} of them chosen: the groups "
                    f"must divide the experts and at least one but at most every group be chosen")
-        elif self.groups > 1 and (self.scoring != "sigmoid" or self.top_k > self.top_groups * self.experts // self.groups):
+        elif self.groups > 1 and (self.scoring == "softmax" or self.top_k > self.top_groups * self.experts // self.groups):
             yield (f"grouped routing takes sigmoid scoring and at most the chosen groups' experts per token "
                    f"({self.top_groups} x {self.experts // self.groups})")
 
@@ -54,9 +56,12 @@ class ExpertsSection:
         return ("groups", "top_groups", "scale") if self.scoring == "softmax" else ()
 
 
+ROUTED = ("moe", "hash_moe")            # the ffn kinds that route (`layers.hash_moe` for the second)
+
+
 def routed_layers(s) -> tuple[int, ...]:
     """The layers whose feed-forward is routed, in order (their routes are state)."""
-    return tuple(i for i, kind in enumerate(s.ffns) if kind == MoE.name)
+    return tuple(i for i, kind in enumerate(s.ffns) if kind in ROUTED)
 
 
 class MixtureOfExperts:
@@ -70,22 +75,33 @@ class MixtureOfExperts:
             self.shared = (Products(gate, up, together=kernels.together, linear=kernels.linear), down)
             self.shared_gate = w["shared_gate.weight"] if e.shared_gated else None
         self.bias = w.get("router.bias")
+        self.table = w.get("router.table")      # hash routing's experts per token id (`layers.hash_moe`)
         self.section, self.kernels, self.site = e, kernels, site
 
     def route(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] at positions start.. -> (weights [T, k], experts [T, k], best first)."""
         e, logits, choose = self.section, self.kernels.linear(h, self.router), partial(self.kernels.choose, self.site, start)
-        if e.scoring == "sigmoid":
+        if e.scoring != "softmax":
             groups = partial(self.kernels.choose, self.site + ".groups", start, ordered=False)
             return route_sigmoid(logits, self.bias, e.top_k, e.groups, e.top_groups, choose, groups,
-                                 normalize=e.normalize, scale=e.scale, fused=self.kernels.fused)
+                                 normalize=e.normalize, scale=e.scale, fused=self.kernels.fused,
+                                 sqrt_softplus=e.scoring == "sqrtsoftplus")
         return route(logits, e.top_k, choose, normalize=e.normalize, fused=self.kernels.fused)
 
+    def route_by_table(self, h: torch.Tensor, ids: torch.Tensor, table: torch.Tensor):
+        """Hash routing: each token's experts are its row of `table` [V, k] (nothing chosen),
+        weighted by their router scores -> (weights, experts) [T, k]."""
+        e = self.section
+        return route_sigmoid(self.kernels.linear(h, self.router), None, e.top_k, 1, 1, normalize=e.normalize,
+                             scale=e.scale, fused=self.kernels.fused, sqrt_softplus=e.scoring == "sqrtsoftplus",
+                             table_experts=table[ids])
+
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down)
+        limit = self.section.limit or None
+        routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down, limit)
         if self.shared is None:
             return routed
-        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear)
+        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear, limit)
         if self.shared_gate is None:
             return routed + shared
         return self.kernels.fused(sigmoid_gated_add)(routed, self.kernels.linear(h, self.shared_gate), shared)
@@ -94,15 +110,18 @@ class MixtureOfExperts:
 class RoutedFeed:
     """The ffn function of one routed layer: route, check and record the experts, run them."""
 
-    def __init__(self, s, params, layer: int, kernels: Kernels):
-        self.moe = MixtureOfExperts(s, params, f"layers.{layer}.moe.", kernels, f"layers.{layer}.ffn")
+    def __init__(self, s, params, layer: int, kernels: Kernels, kind: str = "moe"):
+        self.moe = MixtureOfExperts(s, params, f"layers.{layer}.{kind}.", kernels, f"layers.{layer}.ffn")
         self.column, self.experts = routed_layers(s).index(layer), s.section(ExpertsSection).experts
 
     def bind(self, txn):
         routes = txn.rows("routes")
 
         def feed(h, step):
-            weights, experts = self.moe.route(h, step.start)
+            if self.moe.table is not None:      # hash routing: by token id
+                weights, experts = self.moe.route_by_table(h, step.ids, self.moe.table)
+            else:
+                weights, experts = self.moe.route(h, step.start)
             txn.check_range(experts, self.experts, Check.ROUTE_RANGE)
             experts = experts.clamp(0, self.experts - 1)
             step.put([r.column(self.column) for r in routes], experts)
@@ -124,7 +143,7 @@ class MoE(Kind):
         E, I = e.experts, e.intermediate
         shapes = {f"{prefix}router.weight": (E, D), f"{prefix}experts.gate_up": (E, 2 * I, D),
                   f"{prefix}experts.down": (E, D, I)}
-        if e.scoring == "sigmoid":
+        if e.scoring != "softmax":
             shapes[f"{prefix}router.bias"] = (E,)
         if e.shared_intermediate:
             shapes |= swiglu_shapes(D, e.shared_intermediate, prefix + "shared.")
@@ -136,7 +155,10 @@ class MoE(Kind):
         return []
 
     def model_owners(self, s, dtype, state_dtype):
-        """`routes`: a row a position, a column per routed layer, its experts best first."""
+        """`routes`: a row a position, a column per routed layer (hash-routed ones too), its
+        experts best first; declared by the first routed kind of the spec."""
+        if next(kind for kind in s.ffns if kind in ROUTED) != self.name:
+            return []
         e = s.section(ExpertsSection)
         return [OwnerSpec("routes", (len(routed_layers(s)), e.top_k), torch.int32, APPENDED, limit=e.experts)]
 

@@ -35,11 +35,13 @@ def route(logits: torch.Tensor, top_k: int, choose=best_k, normalize: bool = Tru
     return fused(route_weights)(p, experts, normalize), experts
 
 
-def sigmoid_scores(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """σ(logits) in ≥ float32, and the scores experts are chosen by: σ(logits) + a per-expert
-    correction `bias` -> (p [T, E], choice [T, E])."""
-    p = torch.sigmoid(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32))
-    return p, p + bias.to(p.dtype)
+def sigmoid_scores(logits: torch.Tensor, bias: torch.Tensor | None, sqrt_softplus: bool = False):
+    """σ(logits) (or, `sqrt_softplus`, √softplus(logits): DeepSeek-V4's) in ≥ float32, and the
+    scores experts are chosen by: those plus a per-expert correction `bias` (None: none) ->
+    (p [T, E], choice [T, E])."""
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    p = F.softplus(x).sqrt() if sqrt_softplus else torch.sigmoid(x)
+    return p, p if bias is None else p + bias.to(p.dtype)
 
 
 def group_scores(choice: torch.Tensor, groups: int) -> torch.Tensor:
@@ -65,16 +67,22 @@ def scaled_weights(p: torch.Tensor, experts: torch.Tensor, normalize: bool, scal
     return w * scale
 
 
-def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int,
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, groups: int, top_groups: int,
                   choose=best_k, choose_groups=best_k, normalize: bool = True, scale: float = 1.0,
-                  fused=lambda op: op) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing by sigmoid scores (DeepSeek-V3's, Kimi's): experts chosen by σ(logits) + bias
-    among the `top_groups` best of `groups` groups (`choose_groups` makes that choice, a set),
-    weighted by their σ scores (`scaled_weights`) -> (weights, experts) [T, k], best first."""
-    p, choice = fused(sigmoid_scores)(logits, bias)
-    if groups > 1:
-        choice = outside_groups(choice, choose_groups(group_scores(choice, groups), top_groups), groups)
-    experts = choose(choice, top_k)
+                  fused=lambda op: op, sqrt_softplus: bool = False,
+                  table_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing by sigmoid scores (DeepSeek-V3's, Kimi's; √softplus with `sqrt_softplus`,
+    DeepSeek-V4's): experts chosen by the scores + bias among the `top_groups` best of `groups`
+    groups (`choose_groups` makes that choice, a set), or given (`table_experts` [T, k]: hash
+    routing, nothing chosen), weighted by their scores (`scaled_weights`) -> (weights, experts)
+    [T, k], best first where chosen."""
+    p, choice = fused(sigmoid_scores)(logits, bias, sqrt_softplus)
+    if table_experts is not None:
+        experts = table_experts
+    else:
+        if groups > 1:
+            choice = outside_groups(choice, choose_groups(group_scores(choice, groups), top_groups), groups)
+        experts = choose(choice, top_k)
     return fused(scaled_weights)(p, experts, normalize, scale), experts
 
 
@@ -83,28 +91,34 @@ def sigmoid_gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> t
     return x + torch.sigmoid(gate) * y
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's middle: silu(gate) ⊙ up."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU's middle: silu(gate) ⊙ up; with a `limit` (DeepSeek-V4's clipping), gate cut to at
+    most it and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
 
 
-def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _expert(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     gate, up = linear(h, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+    return linear(silu_mul(gate, up, limit), down)
 
 
-def experts_per_token(h, weights, experts, gate_up, down) -> torch.Tensor:
+# Every runner below takes (h, weights, experts, gate_up, down, limit=None): `limit` is SwiGLU's
+# clipping (`silu_mul`).
+
+def experts_per_token(h, weights, experts, gate_up, down, limit=None) -> torch.Tensor:
     """Each token, each choice in rank order: the readable twin."""
     out = torch.zeros_like(h)
     for t in range(h.shape[0]):
         for j in range(experts.shape[1]):
             e = int(experts[t, j])
-            y = _expert(h[t:t + 1], gate_up[e], down[e])
+            y = _expert(h[t:t + 1], gate_up[e], down[e], limit)
             out[t:t + 1] += weights[t, j].to(h.dtype) * y
     return out
 
 
-def experts_grouped(h, weights, experts, gate_up, down) -> torch.Tensor:
+def experts_grouped(h, weights, experts, gate_up, down, limit=None) -> torch.Tensor:
     """One batched call per expert over the tokens routed to it."""
     out = torch.zeros_like(h)
     flat = experts.flatten()
@@ -116,20 +130,20 @@ def experts_grouped(h, weights, experts, gate_up, down) -> torch.Tensor:
     for e, count in enumerate(counts):
         if count:
             rows = token[start:start + count]
-            y = _expert(h[rows], gate_up[e], down[e]) * scale[start:start + count, None]
+            y = _expert(h[rows], gate_up[e], down[e], limit) * scale[start:start + count, None]
             out.index_add_(0, rows, y)
             start += count
     return out
 
 
-def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
+def experts_grouped_mm(h, weights, experts, gate_up, down, limit=None) -> torch.Tensor:
     """The same as `experts_grouped`, with no host synchronisation: the (token, choice) rows are
     sorted by expert on the device and each projection is one grouped matrix multiply over the
     experts' row ranges (`torch.nn.functional.grouped_mm`). Widths whose rows are not a multiple
     of 16 bytes, which grouped_mm refuses, go to `experts_grouped` (a choice on shapes alone)."""
     row = h.element_size()
     if (h.shape[1] * row) % 16 or (down.shape[2] * row) % 16:
-        return experts_grouped(h, weights, experts, gate_up, down)
+        return experts_grouped(h, weights, experts, gate_up, down, limit)
     gate_up, down = dense(gate_up, h.dtype), dense(down, h.dtype)       # quantized stacks: rebuilt whole
     T, k = experts.shape
     ranked, order = torch.sort(experts.flatten(), stable=True)
@@ -138,7 +152,7 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
     ids = torch.arange(gate_up.shape[0], device=ranked.device, dtype=ranked.dtype)
     ends = torch.searchsorted(ranked, ids, right=True).to(torch.int32)
     gate, up = F.grouped_mm(h[token], gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
+    y = F.grouped_mm(silu_mul(gate, up, limit), down.transpose(1, 2), offs=ends)
     y = y * weights.flatten()[order].to(h.dtype)[:, None]
     # back to (token, choice) order, then summed over the choices in rank order: deterministic,
     # where an atomic index_add would not be on a GPU
@@ -147,7 +161,7 @@ def experts_grouped_mm(h, weights, experts, gate_up, down) -> torch.Tensor:
     return rows.view(T, k, -1).sum(1)
 
 
-def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
+def experts_gathered(h, weights, experts, gate_up, down, limit=None) -> torch.Tensor:
     """The same for a few tokens, in any dtype and with no host synchronisation: each (token,
     choice) row gathers a copy of its expert's two matrices and all rows run as one batched
     product. The copy costs a write and a second read of the chosen experts' weights, which a
@@ -156,7 +170,7 @@ def experts_gathered(h, weights, experts, gate_up, down) -> torch.Tensor:
     chosen = experts.flatten()
     x = h.repeat_interleave(k, dim=0)                                        # [T*k, D]
     gate, up = torch.bmm(dense(gate_up[chosen], h.dtype), x[:, :, None])[..., 0].chunk(2, dim=-1)
-    y = torch.bmm(dense(down[chosen], h.dtype), (F.silu(gate) * up)[:, :, None])[..., 0]     # [T*k, D]
+    y = torch.bmm(dense(down[chosen], h.dtype), silu_mul(gate, up, limit)[:, :, None])[..., 0]     # [T*k, D]
     y = y * weights.flatten().to(h.dtype)[:, None]
     return y.view(T, k, -1).sum(1)                                           # choices in rank order
 
@@ -173,10 +187,10 @@ FEW_ROWS = 16
 def experts_few_first(many, few=experts_gathered):
     """An expert runner that takes `few` (default `experts_gathered`) for at most FEW_ROWS
     (token, choice) rows and `many` for more (a choice on shapes alone)."""
-    def run(h, weights, experts, gate_up, down):
+    def run(h, weights, experts, gate_up, down, limit=None):
         if experts.numel() <= FEW_ROWS:
-            return few(h, weights, experts, gate_up, down)
-        return many(h, weights, experts, gate_up, down)
+            return few(h, weights, experts, gate_up, down, limit)
+        return many(h, weights, experts, gate_up, down, limit)
     run.many, run.few = many, few
     return run
 
