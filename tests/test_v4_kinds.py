@@ -1,7 +1,9 @@
-"""DeepSeek-V4's routed experts, the first of that family's kinds (its model is not in yet): the
-MoE kind with √softplus scores and SwiGLU clipping, and the hash-routed kind (each token's
-experts a row of a frozen table), each against transformers' `DeepseekV4SparseMoeBlock` on the
-same weights in float64, in exact and fast mode, with the clipping biting."""
+"""DeepSeek-V4's parts that hebrus has (the family's model is not in yet), each against
+transformers' module on the same weights in float64: the routed experts (the MoE kind with
+√softplus scores and SwiGLU clipping, and the hash-routed kind, each token's experts a row of a
+frozen table) against `DeepseekV4SparseMoeBlock`, in exact and fast mode, the clip biting; and
+the Hebrus model's hyper-connection residual (`ops.hyper`) against `DeepseekV4HyperConnection`
+with the decoder layer's mixing, and its head against `DeepseekV4HyperHead`: the same mHC."""
 from __future__ import annotations
 
 import types
@@ -101,3 +103,30 @@ def test_hash_routed_layers_run_through_the_engine():
     routes = whole.image.value("routes")
     assert routes.shape[1] == 4 and torch.equal(routes[:len(ids), 0].long(), table[torch.tensor(ids)])
     torch.testing.assert_close(_v4_ffns_model("fast").session().feed(ids), logits, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_the_hyper_connection_residual_is_v4s_mhc(streams):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection,
+                                                                      DeepseekV4HyperHead)
+    from hebrus.ops.hyper import hc_head, hc_post, hc_pre
+    config = transformers.DeepseekV4Config(hidden_size=D, hc_mult=streams, hc_sinkhorn_iters=7, hc_eps=1e-6,
+                                           rms_norm_eps=1e-6)
+    hc, head = DeepseekV4HyperConnection(config).double(), DeepseekV4HyperHead(config).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in (hc, head):
+            for _, p in module.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * (0.5 if p.dim() < 2 else 0.1))
+    X = torch.randn(9, streams, D, generator=gen, dtype=torch.float64)
+    y = torch.randn(9, D, generator=gen, dtype=torch.float64)              # a sublayer's output
+    from foreign import float64_everywhere                                  # their .float() casts, widened
+    with torch.no_grad(), float64_everywhere():
+        post, comb, collapsed = hc(X[None])
+        want = post[0].unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), X)
+        want_head = head(X[None])[0]
+    c, our_post, our_comb = hc_pre(X, hc.fn, hc.base, hc.scale, 7, 1e-6, 1e-6)
+    assert torch.allclose(c, collapsed[0], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(hc_post(X, y, our_post, our_comb), want, rtol=1e-12, atol=1e-12)
+    got_head = hc_head(X, head.hc_fn, head.hc_base, head.hc_scale, 1e-6, 1e-6)
+    assert torch.allclose(got_head, want_head, rtol=1e-12, atol=1e-12)
