@@ -9,7 +9,7 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, uniform
 from hebrus.layers.sublayer import Sublayer
-from hebrus.ops.gdn import (gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
+from hebrus.ops.gdn import (by_length, gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import Products
@@ -25,11 +25,8 @@ GDN_LANES = "gdn.lanes"   # (projected, b, a, conv_w, neg_a, dt_bias, heads, con
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
-def delta_rule_fast(q, k, v, g, beta, state):
-    """The chunked (WY) form over a chunk; the recurrence for a single token (also for several
-    sessions' single tokens: q [B, 1, H, dk])."""
-    rule = gdn_chunked if q.shape[-3] > 1 else gdn_recurrent
-    return rule(q, k, v, g, beta, state)
+# the chunked (WY) form over a chunk; the recurrence for a single token
+delta_rule_fast = by_length(gdn_chunked, gdn_recurrent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import torch
 
 from hebrus.layers.gdn import GatedDeltaNet, GDNMixer
 from hebrus.layers.kind import Cost, Kind, uniform
-from hebrus.ops.gdn import gdn_ragged, gdn_recurrent_states
+from hebrus.ops.gdn import by_length, gdn_ragged, gdn_recurrent_states
 from hebrus.ops.kda import kda_chunked, kda_recurrent
 from hebrus.ops.norm import accum_dtype, sigmoid_gated_rms_norm
 from hebrus.ops.quant import Products
@@ -25,10 +25,8 @@ RULE_RAGGED = "kda.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bou
 PROJECTED = ("in_proj_qkv.weight", "f_a_proj.weight", "b_proj.weight", "g_a_proj.weight")     # of h, side by side
 
 
-def rule_fast(q, k, v, g, beta, state):
-    """The chunked form over a chunk; the recurrence for a single token (or several sessions' single tokens)."""
-    rule = kda_chunked if q.shape[-3] > 1 else kda_recurrent
-    return rule(q, k, v, g, beta, state)
+# the chunked form over a chunk; the recurrence for a single token
+rule_fast = by_length(kda_chunked, kda_recurrent)
 
 
 @dataclass(frozen=True, slots=True)

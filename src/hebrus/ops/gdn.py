@@ -143,6 +143,14 @@ def chunked_inputs(q, k, v, g, beta, dt: torch.dtype, chunk: int):
     return T, v.shape[-1], dt, n, (q, k, v, g, beta.reshape(n, chunk, H).permute(2, 0, 1))
 
 
+def by_length(chunked, recurrent):
+    """The fast rule over one sequence: `chunked` for a chunk, `recurrent` for a single token
+    (also for several sessions' single tokens: q [B, 1, H, dk])."""
+    def rule(q, k, v, g, beta, state):
+        return (chunked if q.shape[-3] > 1 else recurrent)(q, k, v, g, beta, state)
+    return rule
+
+
 def gdn_ragged(rule):
     """`rule` (one sequence's, above) over N sequences of any lengths at once: q [T, H, dk] ...,
     state [N, H, dk, dv], sequence i rows bounds[i]..bounds[i+1] -> (o [T, H, dv], final states
