@@ -364,7 +364,7 @@ def test_a_kv_cache_needs_attention_layers():
     from hebrus.models.hebrus import preset
     config = preset("tiny").replace(layer_types=("gdn",) * 4)
     model = hebrus.Model(config, config.init_parameters())
-    with pytest.raises(InvalidInput, match="K/V rows .attention and qsa layers.; this hebrus model has none"):
+    with pytest.raises(InvalidInput, match="attention, qsa and latent attention layers.; this hebrus model has none"):
         model.with_kv_cache("int8")
 
 

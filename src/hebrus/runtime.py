@@ -133,8 +133,8 @@ class Model:
         model's dtype."""
         check_cache_format(kv_cache)
         if kv_cache is not None and not self.spec.keeps_rows:
-            raise InvalidInput(f"kv_cache quantizes attention's K/V rows (attention and qsa layers); this "
-                               f"{self.spec.family} model has none (latent attention's rows are kept as they are)")
+            raise InvalidInput(f"kv_cache quantizes attention's rows (attention, qsa and latent attention layers); "
+                               f"this {self.spec.family} model has none")
         return self._sized(Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
                              self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging))
 

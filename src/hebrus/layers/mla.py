@@ -4,7 +4,8 @@ key part every head shares (`rope_dim` wide), far fewer values a token than full
 (H·(nope + rope + value)). Heads' keys and values come from c through `kv_b_proj` (`ops.mla`):
 expanded per row (the definition, exact mode's) or folded into the query and the output
 (absorbed: fast mode's for a few queries, a decode step). The query comes from h directly, or
-through a normed low-rank pair (`q_rank` > 0)."""
+through a normed low-rank pair (`q_rank` > 0). With a quantized cache (`kv_cache`), a row is
+kept as codes with one float32 scale beside it (`latent_scale`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.mla import mla_absorbed, mla_expanded
 from hebrus.ops.qsa import dense_attention, dense_attention_fast
-from hebrus.ops.quant import Products
+from hebrus.ops.quant import CACHE_DTYPES, Products, QuantizedRows, dense, quantize_rows
 from hebrus.state.context import StepContext
 from hebrus.state.owners import APPENDED, OwnerSpec
 from hebrus.state.step import StepBatch
@@ -67,12 +68,14 @@ class LatentAttention(Sublayer):
         self.w, self.a, self.linear, self.latent_eps = w, a, kernels.linear, a.norm_eps
         self.up = w["kv_b_proj.weight"].view(a.heads, a.nope_dim + a.value_dim, a.kv_rank)
         self.attend, self.dense = kernels.ops[ATTEND], kernels.ops[DENSE]
+        self.cache = s.kv_cache
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
         rows = txn.rows(self.name + ".latent")
-        self.framed(batch, lambda at, h, state: (self._attend(h, at, rows), state), None)
+        scales = txn.rows(self.name + ".latent_scale") if self.cache is not None else None
+        self.framed(batch, lambda at, h, state: (self._attend(h, at, rows, scales), state), None)
 
-    def _attend(self, h: torch.Tensor, span: StepBatch, rows) -> torch.Tensor:
+    def _attend(self, h: torch.Tensor, span: StepBatch, rows, scales) -> torch.Tensor:
         """h [T, D] at the positions of `span`: write their latent rows, then each session's
         queries over its rows [0, position]."""
         a, w, T = self.a, self.w, h.shape[0]
@@ -81,11 +84,18 @@ class LatentAttention(Sublayer):
             q = self.linear(self.rms_norm(q, w["q_norm.weight"], self.latent_eps), w["q_b_proj.weight"])
         q = q.view(T, a.heads, a.nope_dim + a.rope_dim)
         latent = torch.cat([self.rms_norm(kv[:, :a.kv_rank], w["kv_norm.weight"], self.latent_eps), kv[:, a.kv_rank:]], -1)
-        span.put(rows, latent)
+        if self.cache is None:
+            span.put(rows, latent)
+        else:                                   # codes, and beside them a scale a row
+            codes, scale = quantize_rows(latent, self.cache)
+            span.put(rows, codes)
+            span.put(scales, scale[:, None])
         outs = []
         for i in range(span.sessions):          # each session over its own rows
             mine = span.session(i) if span.sessions > 1 else span
             visible = mine.visible(rows[span.which[i]])
+            if self.cache is not None:
+                visible = dense(QuantizedRows.of(visible, mine.visible(scales[span.which[i]]), q.dtype))
             outs.append(self.attend(span.rows_of(i, q), visible, mine.positions, self.up, a.nope_dim, self.dense))
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.linear(o.flatten(1), w["o_proj.weight"])
@@ -98,6 +108,7 @@ class MLA(Kind):
     # kv_b_proj stays float: both forms read it per head as a tensor, not through a product
     quantized = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj.weight", "o_proj.weight")
     outputs = ("o_proj.weight",)
+    keeps_rows = True                 # a kv-cache format applies to its latent rows
     # q_proj: the query's projection of h, whole or (q_rank > 0) down to the rank, then normed and up (q_b_proj)
     side_by_side = (("q_proj.weight", "kv_a_proj.weight"),)
 
@@ -114,8 +125,13 @@ class MLA(Kind):
         }
 
     def owners(self, s, prefix, dtype, state_dtype):
-        """A latent row a position: [c (kv_rank) ; r (rope_dim)]."""
-        return [OwnerSpec(prefix + "latent", (s.section(LatentSection).row,), dtype, APPENDED)]
+        """A latent row a position: [c (kv_rank) ; r (rope_dim)]; with a quantized cache, codes
+        and beside them a float32 scale a row."""
+        row = (s.section(LatentSection).row,)
+        if s.kv_cache is None:
+            return [OwnerSpec(prefix + "latent", row, dtype, APPENDED)]
+        return [OwnerSpec(prefix + "latent", row, CACHE_DTYPES[s.kv_cache], APPENDED),
+                OwnerSpec(prefix + "latent_scale", (1,), torch.float32, APPENDED)]
 
     def init(self, leaf, shape, gen):
         return None
