@@ -110,10 +110,10 @@ def test_each_tokens_bytes_are_its_share_of_the_text(chat_model):
     tokenizer = hebrus.load(chat_model).tokenizer
     for text in ("plain words", "héllo wörld ✓ 日本", "\n\t \x01"):
         ids = tokenizer.encode(text)
-        assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode(), text
-    assert tokenizer.token_bytes(10**6) == b""
+        assert b"".join(tokenizer.bytes_of(i) for i in ids) == text.encode(), text
+    assert tokenizer.bytes_of(10**6) == b""
     from hebrus.text.tokenizers import ByteTokenizer
-    assert ByteTokenizer().token_bytes(0xE2) == b"\xe2" and ByteTokenizer().token_bytes(300) == b""
+    assert ByteTokenizer().bytes_of(0xE2) == b"\xe2" and ByteTokenizer().bytes_of(300) == b""
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):

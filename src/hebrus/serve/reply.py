@@ -102,7 +102,7 @@ class Reply:
         if self.job.logprobs is None:
             return None
         scores = self.scores if scores is None else scores
-        word, raw = self.word, self.tokenizer.token_bytes
+        word, raw = self.word, self.tokenizer.bytes_of
         if chat:
             return {"content": [{"token": word(t), "logprob": p, "bytes": list(raw(t)),
                                  "top_logprobs": [{"token": word(i), "logprob": q, "bytes": list(raw(i))}

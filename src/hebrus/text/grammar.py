@@ -186,8 +186,9 @@ def _make_ll(tokenizer, vocab_size: int):
     stops = list(tokenizer.stop_ids)
     if inner is not None:                       # a checkpoint's tokenizer.json
         return LLTokenizer(inner.to_str(), n_vocab=vocab_size, eos_token=stops or None)
-    if hasattr(tokenizer, "token_bytes"):       # each id's bytes, listed (the bench's made-up vocabulary)
-        return LLTokenizer(TokenizerWrapper(_Listed(tokenizer.token_bytes, stops[0])), n_vocab=vocab_size)
+    listed = getattr(tokenizer, "token_bytes", None)
+    if isinstance(listed, (list, tuple)):      # each id's bytes, listed (the bench's made-up vocabulary)
+        return LLTokenizer(TokenizerWrapper(_Listed(listed, stops[0])), n_vocab=vocab_size)
     # bytes (token id = byte): an end token past the model's vocabulary when it has none, which
     # the mask never allows (the text ends when the grammar allows nothing more)
     end = stops[0] if stops else max(vocab_size, 256)

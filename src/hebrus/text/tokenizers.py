@@ -117,7 +117,7 @@ class ByteTokenizer(_Tokenizer):
     def stream(self) -> "ByteStream":
         return ByteStream()
 
-    def token_bytes(self, token: int) -> bytes:
+    def bytes_of(self, token: int) -> bytes:
         """The byte a token stands for (none past a byte)."""
         return bytes([token]) if 0 <= token < 256 else b""
 
@@ -161,7 +161,7 @@ class CheckpointTokenizer(_Tokenizer):
         self.special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
         self.stop_ids = self._stop_ids(vocab_size)
         self._literally = None                          # the tokenizer that ignores special tokens
-        self._byte_level: bool | None = None            # whether its vocabulary is byte-level (`token_bytes`)
+        self._byte_level: bool | None = None            # whether its vocabulary is byte-level (`bytes_of`)
         self.special_texts = tuple(t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
 
     def encode(self, text: str) -> list[int]:
@@ -183,7 +183,7 @@ class CheckpointTokenizer(_Tokenizer):
     def stream(self) -> "TokenStream":
         return TokenStream(self.tokenizer)
 
-    def token_bytes(self, token: int) -> bytes:
+    def bytes_of(self, token: int) -> bytes:
         """The bytes a token stands for, a piece of a character's too: read from its name in a
         byte-level vocabulary (each byte one printable character) or a byte-fallback one
         (`<0xNN>`), else the UTF-8 of its decoding; none for an id the tokenizer does not know."""
