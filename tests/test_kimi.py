@@ -163,3 +163,11 @@ def test_latent_rows_in_a_quantized_cache(tmp_path, kv_cache, bound):
     assert sum(o.nbytes for o in model.owners if o.kind != "banked") < \
         sum(o.nbytes for o in wide.owners if o.kind != "banked")
     assert main(["verify", "--model", str(folder), "--kv-cache", kv_cache]) == 0
+    fast = model.with_mode("fast")               # planned steps read every lane's rows at once
+    planned, eager = ([fast.session(decode=d) for _ in range(3)] for d in ("planned", "eager"))
+    for i, (p, e) in enumerate(zip(planned, eager)):
+        p.feed(IDS[:4 + i])
+        e.feed(IDS[:4 + i])
+    for t in IDS[:5]:                            # as for a float cache: the same to rounding
+        for a, b in zip(hebrus.feed_many(planned, [[t]] * 3), [e.feed([t]) for e in eager]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -16,8 +16,8 @@ import torch
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.sublayer import Sublayer
-from hebrus.ops.mla import mla_absorbed, mla_expanded
-from hebrus.ops.qsa import dense_attention, dense_attention_fast
+from hebrus.ops.mla import absorbed_output, absorbed_query, mla_absorbed, mla_expanded
+from hebrus.ops.qsa import dense_attention, dense_attention_fast, dense_attention_lanes
 from hebrus.ops.quant import CACHE_DTYPES, Products, QuantizedRows, dense, quantize_rows
 from hebrus.state.context import StepContext
 from hebrus.state.owners import APPENDED, OwnerSpec
@@ -25,6 +25,8 @@ from hebrus.state.step import StepBatch
 
 ATTEND = "mla.attend"           # (q, rows, positions, up, nope, attend) -> o: one session's queries over its latent rows
 DENSE = "mla.dense"             # (q, k_rows, v_rows, positions) -> o: the attention both forms run
+LANES = "mla.lanes"             # (q, k_blocks, v_blocks, tables, positions) -> o: N lanes' single (absorbed)
+                                # queries, each over its rows through its block table
 FEW_QUERIES = 16                # fast mode: up to this many queries absorbed, more expanded
 
 
@@ -67,7 +69,7 @@ class LatentAttention(Sublayer):
                                 linear=kernels.linear)
         self.w, self.a, self.linear, self.latent_eps = w, a, kernels.linear, a.norm_eps
         self.up = w["kv_b_proj.weight"].view(a.heads, a.nope_dim + a.value_dim, a.kv_rank)
-        self.attend, self.dense = kernels.ops[ATTEND], kernels.ops[DENSE]
+        self.attend, self.dense, self.attend_lanes = kernels.ops[ATTEND], kernels.ops[DENSE], kernels.ops.get(LANES)
         self.cache = s.kv_cache
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
@@ -90,6 +92,8 @@ class LatentAttention(Sublayer):
             codes, scale = quantize_rows(latent, self.cache)
             span.put(rows, codes)
             span.put(scales, scale[:, None])
+        if span.token_a_lane and self.attend_lanes is not None:
+            return self.linear(self._lanes(q, span, rows, scales).flatten(1), w["o_proj.weight"])
         outs = []
         for i in range(span.sessions):          # each session over its own rows
             mine = span.session(i) if span.sessions > 1 else span
@@ -99,6 +103,21 @@ class LatentAttention(Sublayer):
             outs.append(self.attend(span.rows_of(i, q), visible, mine.positions, self.up, a.nope_dim, self.dense))
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.linear(o.flatten(1), w["o_proj.weight"])
+
+    def _lanes(self, q: torch.Tensor, span: StepBatch, rows, scales) -> torch.Tensor:
+        """A planned step of a token a lane: every lane's absorbed query over its rows at once,
+        read through the step's tables (a quantized cache's rows gathered and rebuilt first: that
+        copy's blocks, lane after lane, are the blocks its tables name) -> o [N, H, value]."""
+        log = rows[0]                           # any lane's log: the storage is the same
+        if self.cache is None:
+            blocks, tables = log.storage[:, :, None], span.tables                  # [B, R, 1, row]
+        else:
+            N, W = span.tables.shape
+            rebuilt = dense(QuantizedRows.of(log.lanes(span.tables), scales[0].lanes(span.tables), q.dtype))
+            blocks = rebuilt.unflatten(1, (W, -1)).flatten(0, 1)[:, :, None]
+            tables = torch.arange(N * W, device=q.device).view(N, W)
+        wide = absorbed_query(q, self.up, self.a.nope_dim)
+        return absorbed_output(self.attend_lanes(wide, blocks, blocks, tables, span.positions), self.up, self.a.nope_dim)
 
 
 class MLA(Kind):
@@ -147,7 +166,8 @@ class MLA(Kind):
 
     def ops(self, mode, device, dtype):
         """Exact: every row expanded, attention as written. Fast: `attend_fast` over torch's fused
-        attention (`ops.qsa.dense_attention_fast`)."""
+        attention (`ops.qsa.dense_attention_fast`), and a planned step's lanes absorbed, all at
+        once over their tables (`ops.qsa.dense_attention_lanes`, the matrix-product form)."""
         if mode != "fast":
             return {ATTEND: mla_expanded, DENSE: dense_attention}
-        return {ATTEND: attend_fast, DENSE: dense_attention_fast}
+        return {ATTEND: attend_fast, DENSE: dense_attention_fast, LANES: dense_attention_lanes}

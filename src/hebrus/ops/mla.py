@@ -31,10 +31,19 @@ def mla_expanded(q, rows, positions, up, nope: int, attend) -> torch.Tensor:
 def mla_absorbed(q, rows, positions, up, nope: int, attend) -> torch.Tensor:
     """The same, W_uk folded into the query and W_uv applied after the weighted sum: one head of
     K/V, the rows as they lie (keys and values both; the values' last `rope` columns dropped)."""
-    kv_rank, rope = up.shape[-1], rows.shape[-1] - up.shape[-1]
-    up = up.to(q.dtype)
-    latent_q = torch.einsum("thd,hdc->thc", q[..., :nope], up[:, :nope])        # [T, H, kv_rank]
-    # the scores' scale is the expanded key's width, not the latent row's
-    wide = torch.cat([latent_q, q[..., nope:]], dim=-1) * ((kv_rank + rope) / (nope + rope)) ** 0.5
-    o = attend(wide, rows[:, None, :], rows[:, None, :], positions)[..., :kv_rank]
-    return torch.einsum("thc,hdc->thd", o, up[:, nope:])                          # [T, H, value]
+    wide = absorbed_query(q, up, nope)
+    return absorbed_output(attend(wide, rows[:, None, :], rows[:, None, :], positions), up, nope)
+
+
+def absorbed_query(q, up, nope: int) -> torch.Tensor:
+    """[q_nope W_uk,h ; q_rope] per head [T, H, kv_rank + rope], scaled so that a dense
+    attention's width^-½ gives the expanded key's (nope + rope)^-½."""
+    kv_rank, rope = up.shape[-1], q.shape[-1] - nope
+    latent_q = torch.einsum("thd,hdc->thc", q[..., :nope], up[:, :nope].to(q.dtype))    # [T, H, kv_rank]
+    return torch.cat([latent_q, q[..., nope:]], dim=-1) * ((kv_rank + rope) / (nope + rope)) ** 0.5
+
+
+def absorbed_output(o, up, nope: int) -> torch.Tensor:
+    """Each head's weighted sum of rows [T, H, kv_rank + rope] (its last `rope` columns are the
+    shared key part, dropped) through W_uv,h -> [T, H, value]."""
+    return torch.einsum("thc,hdc->thd", o[..., :up.shape[-1]], up[:, nope:].to(o.dtype))
