@@ -155,10 +155,9 @@ class Attention:
         if self.cache is None:
             blocks, tables = [logs[part].storage for part in (0, 1)], span.tables
         else:
-            N, W = span.tables.shape
-            blocks = [dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype)).unflatten(1, (W, -1))
-                      .flatten(0, 1) for part in (0, 1)]
-            tables = torch.arange(N * W, device=q.device).view(N, W)
+            k, v = (dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype)) for part in (0, 1))
+            (k, tables), (v, _) = span.as_blocks(k), span.as_blocks(v)
+            blocks = [k, v]
         return self.attend_lanes(q, *blocks, tables, span.positions)
 
     def _put(self, span, rows, part: int, value: torch.Tensor) -> None:

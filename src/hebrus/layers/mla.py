@@ -112,10 +112,9 @@ class LatentAttention(Sublayer):
         if self.cache is None:
             blocks, tables = log.storage[:, :, None], span.tables                  # [B, R, 1, row]
         else:
-            N, W = span.tables.shape
-            rebuilt = dense(QuantizedRows.of(log.lanes(span.tables), scales[0].lanes(span.tables), q.dtype))
-            blocks = rebuilt.unflatten(1, (W, -1)).flatten(0, 1)[:, :, None]
-            tables = torch.arange(N * W, device=q.device).view(N, W)
+            rebuilt, tables = span.as_blocks(dense(QuantizedRows.of(log.lanes(span.tables), scales[0].lanes(span.tables),
+                                                                    q.dtype)))
+            blocks = rebuilt[:, :, None]
         wide = absorbed_query(q, self.up, self.a.nope_dim)
         return absorbed_output(self.attend_lanes(wide, blocks, blocks, tables, span.positions), self.up, self.a.nope_dim)
 

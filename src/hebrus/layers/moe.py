@@ -13,7 +13,7 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind, normal
 from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
-                            grouped_mm_supports, route, route_sigmoid, sigmoid_gated_add)
+                            grouped_mm_supports, route, route_given, route_sigmoid, sigmoid_gated_add)
 from hebrus.ops.quant import Products
 from hebrus.state.owners import APPENDED, OwnerSpec
 
@@ -88,13 +88,13 @@ class MixtureOfExperts:
                                  sqrt_softplus=e.scoring == "sqrtsoftplus")
         return route(logits, e.top_k, choose, normalize=e.normalize, fused=self.kernels.fused)
 
-    def route_by_table(self, h: torch.Tensor, ids: torch.Tensor, table: torch.Tensor):
-        """Hash routing: each token's experts are its row of `table` [V, k] (nothing chosen),
+    def route_by_table(self, h: torch.Tensor, ids: torch.Tensor):
+        """Hash routing: each token's experts are its row of the table [V, k] (nothing chosen),
         weighted by their router scores -> (weights, experts) [T, k]."""
-        e = self.section
-        return route_sigmoid(self.kernels.linear(h, self.router), None, e.top_k, 1, 1, normalize=e.normalize,
-                             scale=e.scale, fused=self.kernels.fused, sqrt_softplus=e.scoring == "sqrtsoftplus",
-                             table_experts=table[ids])
+        e, experts = self.section, self.table[ids]
+        weights = route_given(self.kernels.linear(h, self.router), experts, e.normalize, e.scale, self.kernels.fused,
+                              e.scoring == "sqrtsoftplus")
+        return weights, experts
 
     def __call__(self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         limit = self.section.limit or None
@@ -119,7 +119,7 @@ class RoutedFeed:
 
         def feed(h, step):
             if self.moe.table is not None:      # hash routing: by token id
-                weights, experts = self.moe.route_by_table(h, step.ids, self.moe.table)
+                weights, experts = self.moe.route_by_table(h, step.ids)
             else:
                 weights, experts = self.moe.route(h, step.start)
             txn.check_range(experts, self.experts, Check.ROUTE_RANGE)

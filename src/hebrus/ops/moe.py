@@ -69,21 +69,24 @@ def scaled_weights(p: torch.Tensor, experts: torch.Tensor, normalize: bool, scal
 
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, groups: int, top_groups: int,
                   choose=best_k, choose_groups=best_k, normalize: bool = True, scale: float = 1.0,
-                  fused=lambda op: op, sqrt_softplus: bool = False,
-                  table_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  fused=lambda op: op, sqrt_softplus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing by sigmoid scores (DeepSeek-V3's, Kimi's; √softplus with `sqrt_softplus`,
     DeepSeek-V4's): experts chosen by the scores + bias among the `top_groups` best of `groups`
-    groups (`choose_groups` makes that choice, a set), or given (`table_experts` [T, k]: hash
-    routing, nothing chosen), weighted by their scores (`scaled_weights`) -> (weights, experts)
-    [T, k], best first where chosen."""
+    groups (`choose_groups` makes that choice, a set), weighted by their scores
+    (`scaled_weights`) -> (weights, experts) [T, k], best first."""
     p, choice = fused(sigmoid_scores)(logits, bias, sqrt_softplus)
-    if table_experts is not None:
-        experts = table_experts
-    else:
-        if groups > 1:
-            choice = outside_groups(choice, choose_groups(group_scores(choice, groups), top_groups), groups)
-        experts = choose(choice, top_k)
+    if groups > 1:
+        choice = outside_groups(choice, choose_groups(group_scores(choice, groups), top_groups), groups)
+    experts = choose(choice, top_k)
     return fused(scaled_weights)(p, experts, normalize, scale), experts
+
+
+def route_given(logits: torch.Tensor, experts: torch.Tensor, normalize: bool = True, scale: float = 1.0,
+                fused=lambda op: op, sqrt_softplus: bool = False) -> torch.Tensor:
+    """Hash routing's weights: `experts` [T, k] given (nothing chosen), weighted by their
+    scores as `route_sigmoid` weights its own -> [T, k]."""
+    p, _ = fused(sigmoid_scores)(logits, None, sqrt_softplus)
+    return fused(scaled_weights)(p, experts, normalize, scale)
 
 
 def sigmoid_gated_add(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -224,6 +224,13 @@ class StepBatch:
             for i, log in enumerate(logs):
                 log.write_range(self.starts[i], self.rows_of(i, value))
 
+    def as_blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every lane's rows gathered through the tables, lane after lane ([N, width * R, ...], as
+        `Log.lanes` gives them, rebuilt from a quantized cache), as blocks [N * width, R, ...] and
+        the tables [N, width] that name them in that order."""
+        N, W = self.tables.shape
+        return rows.unflatten(1, (W, -1)).flatten(0, 1), torch.arange(N * W, device=rows.device).view(N, W)
+
     def visible(self, log) -> torch.Tensor:
         """The rows attention may look at in one session's step (the caller masks per query by
         `positions`): every row the log holds in a planned step, else rows [0, end)."""
