@@ -251,7 +251,7 @@ class Boom(Exception):
 def test_handlers_are_restored_when_installing_them_is_interrupted(monkeypatch):
     from hebrus.state import interrupts
     before = {signum: signal.getsignal(signum) for signum in interrupts.DEFERRED}
-    real, calls = signal.signal, [0]
+    real, calls = interrupts._signal.signal, [0]        # the calls the swap makes
 
     def interrupted_second_install(signum, handler):
         calls[0] += 1
@@ -259,7 +259,7 @@ def test_handlers_are_restored_when_installing_them_is_interrupted(monkeypatch):
             raise Boom("a handler ran while installing")
         return real(signum, handler)
 
-    monkeypatch.setattr(interrupts.signal, "signal", interrupted_second_install)
+    monkeypatch.setattr(interrupts._signal, "signal", interrupted_second_install)
     previous = real(signal.SIGTERM, lambda *_: None)    # two Python handlers to swap
     try:
         with pytest.raises(Boom):
