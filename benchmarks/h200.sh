@@ -15,7 +15,8 @@
 # workloads shared, long and mixed, each with the prefix cache on and off),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
-# gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights).
+# gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights),
+# copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from).
 # Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -100,6 +101,9 @@ for part in "$@"; do
         timeout 120 python3 benchmarks/conv_prefill.py --out "$out" 2>&1 | grep -v Warn ;;
     gemv)
         timeout 300 python3 benchmarks/gemv.py --out "$out" 2>&1 | grep -v Warn ;;
+    copies)
+        timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
+        head -12 "$out/copy-sites-qwen3.5-1.7b.txt" ;;
     kernels)
         timeout 300 python3 benchmarks/decode_kernels.py --out "$out" 2>&1 | grep -v Warn
         timeout 120 python3 benchmarks/batch_profile.py --batch 64 --steps 10 --out "$out" 2>&1 | grep '^batch' ;;

@@ -114,8 +114,10 @@ def test_the_finite_checks_largest_magnitudes_are_the_infinity_norm(dtype):
         t = torch.randn(9, generator=g).to(dtype)
         t[4] = bad
         cases.append(t)
-    got = _norms(cases)
-    for t, n in zip(cases, got):
+    order, vectors = _norms(cases)
+    assert sorted(order) == list(range(len(cases))) and len(vectors) == 2    # the strided case apart
+    assert all(v.dim() == 1 and v.dtype == dtype for v in vectors)
+    for t, n in zip([cases[i] for i in order], torch.cat(vectors)):
         want = t.double().abs().max()
         assert bool(torch.isfinite(n)) == bool(torch.isfinite(t).all())
         if bool(torch.isfinite(t).all()):
@@ -337,27 +339,24 @@ def test_several_sessions_checks_say_each_sessions_own(defer):
     assert [words for words, _ in read] == [{}, {2: 1 << 3}, {2: 1 << 3}, {4: 1 << 5}]
 
 
-def test_checks_joined_in_order_whether_their_values_lie_together_or_apart():
-    """The fold's values, whatever their mix (runs of scalars side by side in one buffer, as a
-    multi-tensor reduction leaves them; scalars apart; rows of several sessions; float32,
-    bfloat16 and int64), come out as the stacked values in float64, in order; a run side by side
-    is taken as a view of its buffer, not copied."""
-    from hebrus.state.status import _follows, joined
+def test_checks_joined_keep_their_order_whatever_their_mix():
+    """The fold's values, whatever their mix (scalars and vectors; rows of several sessions;
+    float32, bfloat16 and int64, in runs or interleaved), come out as the stacked values in
+    float64, in order; a run in one copy (each run of one dtype and shape)."""
+    from hebrus.state.status import joined
     together = torch.tensor([1.5, float("nan"), -2.0, 4.0])
     half = torch.tensor([0.25, float("inf")], dtype=torch.bfloat16)
     apart = [torch.tensor(7, dtype=torch.int64), torch.tensor(-3.0)]
     mixes = [list(together.unbind()), [*together.unbind(), *apart, *half.unbind()],
              [apart[0], *together[1:3].unbind(), apart[1], together[0]],        # a run inside, a lone one from it
              [*half.unbind(), *together.unbind()], apart, [together[3]],
-             [torch.arange(3.0), torch.arange(3.0) + 1]]                         # rows: stacked, flattened
+             [torch.arange(3.0), torch.arange(3.0) + 1],                         # rows: stacked, flattened
+             [torch.arange(3.0), together, half, torch.tensor([9.0])]]           # one session's vector per launch
     for values in mixes:
-        want = torch.stack([v.to(torch.float64) for v in values]).reshape(-1)
+        want = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
         got = joined(values)
         assert got.dtype == torch.float64 and torch.equal(got.nan_to_num(), want.nan_to_num())
         assert torch.equal(got.isnan(), want.isnan())
-    run = together.unbind()                       # what is taken as one view: each after the one before it
-    assert all(_follows(run[i + 1], run[i]) for i in range(3)) and not _follows(run[0], run[1])
-    assert not _follows(apart[1], apart[0]) and not _follows(half[0], together[3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

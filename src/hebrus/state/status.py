@@ -60,7 +60,7 @@ class DeviceChecks:
     def reset(self) -> None:
         self._status: list[torch.Tensor] = []
         self._tests: list[tuple[int, int, object]] = []      # (cell, bit, bound test)
-        self._finite: list[torch.Tensor] = []
+        self._finite: list[torch.Tensor] = []                # one session: a vector per launch; several: [N] each
         self._finite_cells: list[int] = []
         self._pending: list[tuple[torch.Tensor, int | None]] = []
         self._pending_cells: list[int] = []
@@ -115,8 +115,9 @@ class DeviceChecks:
         of its rows (a sum is non-finite exactly when a value is: float64 does not overflow on
         finite 16- or 32-bit values), one launch."""
         if self.sessions == 1:
-            self._finite += _norms([t for t, _ in written])
-            self._finite_cells += cells
+            order, vectors = _norms([t for t, _ in written])
+            self._finite += vectors
+            self._finite_cells += [cells[i] for i in order]
             return
         named = []
         for (t, i), cell in zip(written, cells):
@@ -127,8 +128,9 @@ class DeviceChecks:
             else:
                 self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)
-        self._named += _norms([t for t, _, _ in named])
-        self._named_at += [(cell, i) for _, i, cell in named]
+        order, vectors = _norms([t for t, _, _ in named])
+        self._named += vectors
+        self._named_at += [(named[j][2], named[j][1]) for j in order]
 
     def _token_sessions(self) -> torch.Tensor:
         """Each token's session (a ragged step's; made on first use, never inside a capture)."""
@@ -210,36 +212,17 @@ class DeviceChecks:
 
 
 def joined(values: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors -> one float64 vector of their values, in order. Scalars lying side by side in
-    one buffer (a multi-tensor reduction's results: one launch, a vector of its own) are taken
-    as one view; only the others are stacked. (Stacking every scalar copied each with a kernel
-    of its own: 147 of a decode step's 463 launches on the 1.68B shape.)"""
-    pieces, loose = [], []
-    i = 0
-    while i < len(values):
-        j = i + 1
-        while j < len(values) and _follows(values[j], values[j - 1]):
-            j += 1
-        if j - i > 1:
-            if loose:
-                pieces.append(torch.stack(loose).reshape(-1))
-                loose = []
-            first = values[i]
-            pieces.append(first.as_strided((j - i,), (1,), first.storage_offset()))
-        else:
-            loose.append(values[i])
-        i = j
-    if loose:
-        pieces.append(torch.stack(loose).reshape(-1))
-    pieces = [p.to(torch.float64) for p in pieces]
+    """Tensors -> one float64 vector of their values, in order: each run of one dtype and shape
+    stacked in one copy, then cast. (One stack across dtypes copied every value with a kernel of
+    its own: 147 of a decode step's 463 launches on the 1.68B shape, traced on an H100.)"""
+    pieces, start = [], 0
+    for end in range(1, len(values) + 1):
+        if end < len(values) and (values[end].dtype, values[end].shape) == (values[start].dtype, values[start].shape):
+            continue
+        run = values[start:end]
+        pieces.append((run[0] if len(run) == 1 else torch.stack(run)).reshape(-1).to(torch.float64))
+        start = end
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _follows(t: torch.Tensor, before: torch.Tensor) -> bool:
-    """Whether scalar `t` is the element right after scalar `before` in the same buffer."""
-    return (t.dim() == 0 and before.dim() == 0 and t.dtype == before.dtype and t.device == before.device
-            and t.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
-            and t.storage_offset() == before.storage_offset() + 1)
 
 
 def _least_largest(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -264,14 +247,16 @@ _REDUCE = {                     # each row of a [rows, values] tensor -> [rows]
 }
 
 
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _norms(tensors: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     """The largest magnitude of each tensor (a NaN or Inf makes it non-finite), one multi-tensor
     launch per dtype (the ∞-norm; on the CPU the max of the absolute values): the fused route
-    takes dense tensors of one dtype (any other mix falls back to a launch per tensor)."""
+    takes dense tensors of one dtype (any other mix falls back to a launch per tensor). ->
+    (the tensors' indices in the order of the results, a vector of results per launch): each
+    launch's results stacked in one copy of one dtype."""
     groups: dict[object, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype if t.is_contiguous() else i, []).append(i)
-    out: list = [None] * len(tensors)
+    order, vectors = [], []
     for members in groups.values():
         group = [tensors[i] for i in members]
         device = group[0].device
@@ -283,9 +268,9 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             norms = torch._foreach_norm(group, math.inf)
         else:                           # float64: no finite 16- or 32-bit values overflow it
             norms = [t.sum(dtype=torch.float64) for t in group]
-        for i, n in zip(members, norms):
-            out[i] = n
-    return out
+        order += members
+        vectors.append(torch.stack(list(norms)))
+    return order, vectors
 
 
 @functools.cache
