@@ -95,7 +95,7 @@ def as_multimodal(folder: Path, model_type: str) -> None:
 @contextlib.contextmanager
 def float64_everywhere():
     """transformers computes norms, rotary angles, the delta rule and softmaxes in float32 even
-    in a float64 model (`.float()`, `.to(torch.float32)`, `softmax(dtype=torch.float32)`);
+    in a float64 model (`.float()`, `.to(torch.float32)`, `softmax(dtype=torch.float32)`, as a function or a method);
     inside this context those casts go to float64, so a float64 model is float64 throughout."""
     import torch.nn.functional as F
 
@@ -103,6 +103,7 @@ def float64_everywhere():
         return torch.float64 if dtype == torch.float32 else dtype
 
     orig_to, orig_float, orig_softmax, orig_type = torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.type
+    orig_method = torch.Tensor.softmax
 
     def to(self, *args, **kwargs):
         args = tuple(wide(a) if isinstance(a, torch.dtype) else a for a in args)
@@ -115,16 +116,21 @@ def float64_everywhere():
             kwargs["dtype"] = wide(kwargs["dtype"])
         return orig_softmax(x, *args, **kwargs)
 
+    def softmax_method(self, *args, **kwargs):
+        if "dtype" in kwargs:
+            kwargs["dtype"] = wide(kwargs["dtype"])
+        return orig_method(self, *args, **kwargs)
+
     def type_(self, dtype=None, *args, **kwargs):
         return orig_type(self, *args, **kwargs) if dtype is None else orig_type(self, wide(dtype), *args, **kwargs)
 
     torch.Tensor.to, torch.Tensor.float, F.softmax = to, lambda self, *a, **k: self.double(), softmax
-    torch.Tensor.type = type_
+    torch.Tensor.type, torch.Tensor.softmax = type_, softmax_method
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, F.softmax = orig_to, orig_float, orig_softmax
-        torch.Tensor.type = orig_type
+        torch.Tensor.type, torch.Tensor.softmax = orig_type, orig_method
 
 
 def in_float64(model):

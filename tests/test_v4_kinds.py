@@ -1,5 +1,7 @@
 """DeepSeek-V4's parts that hebrus has (the family's model is not in yet), each against
-transformers' module on the same weights in float64: the routed experts (the MoE kind with
+transformers' module on the same weights in float64: the attention of each layer type (the
+sliding window, HCA, CSA with its indexer: `ops.v4`, token by token from its state, against
+`DeepseekV4Attention` with its cache, fed in chunks); the routed experts (the MoE kind with
 √softplus scores and SwiGLU clipping, and the hash-routed kind, each token's experts a row of a
 frozen table) against `DeepseekV4SparseMoeBlock`, in exact and fast mode, the clip biting; and
 the Hebrus model's hyper-connection residual (`ops.hyper`) against `DeepseekV4HyperConnection`
@@ -13,6 +15,7 @@ import torch
 
 from hebrus.layers.kernels import kernels
 from hebrus.layers.moe import ExpertsSection, MixtureOfExperts
+from hebrus.ops.choose import top_k
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,3 +133,103 @@ def test_the_hyper_connection_residual_is_v4s_mhc(streams):
     assert torch.allclose(hc_post(X, y, our_post, our_comb), want, rtol=1e-12, atol=1e-12)
     got_head = hc_head(X, head.hc_fn, head.hc_base, head.hc_scale, 1e-6, 1e-6)
     assert torch.allclose(got_head, want_head, rtol=1e-12, atol=1e-12)
+
+
+# ---- attention: the sliding window, HCA and CSA against DeepseekV4Attention --------------------
+
+ATT = dict(hidden_size=16, num_attention_heads=4, head_dim=8, partial_rotary_factor=0.5, q_lora_rank=6,
+           o_groups=2, o_lora_rank=5, sliding_window=5, index_n_heads=8, index_head_dim=4, index_topk=2,
+           rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+           compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4})
+TYPES = ("sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention")
+
+
+def _attention(layer_type: str):
+    """transformers' attention of a `layer_type` layer and its rotary, float64, random weights
+    (the rotary's frequencies recomputed in float64)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+    # every layer of the type: the model's mask is built from its first layer's cache
+    config = transformers.DeepseekV4Config(num_hidden_layers=1, layer_types=[layer_type], vocab_size=V,
+                                           mlp_layer_types=["moe"], **ATT)
+    config._attn_implementation = "eager"
+    layer = DeepseekV4Attention(config, 0).double().eval()
+    rotary = DeepseekV4RotaryEmbedding(config).double()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * (0.7 if p.dim() < 2 else p.shape[-1] ** -0.5))
+        for module in [rotary] + [m for m in layer.modules() if hasattr(m, "main_inv_freq")]:
+            for kind, theta in (("main", 10000.0), ("compress", 160000.0)):
+                rope = 4
+                module.register_buffer(f"{kind}_inv_freq", theta ** (-torch.arange(0, rope, 2, dtype=torch.float64) / rope),
+                                       persistent=False)
+    return config, layer, rotary
+
+
+def _weights(layer) -> dict:
+    w = {"q_a": layer.q_a_proj.weight, "q_a_norm": layer.q_a_norm.weight, "q_b": layer.q_b_proj.weight,
+         "kv": layer.kv_proj.weight, "kv_norm": layer.kv_norm.weight, "sinks": layer.sinks,
+         "o_a": layer.o_a_proj.weight, "o_b": layer.o_b_proj.weight}
+    c = layer.compressor
+    if c is not None:
+        w |= {"c_kv": c.kv_proj.weight, "c_gate": c.gate_proj.weight, "c_bias": c.position_bias, "c_norm": c.kv_norm.weight}
+        if hasattr(c, "indexer"):
+            i = c.indexer
+            w |= {"i_kv": i.kv_proj.weight, "i_gate": i.gate_proj.weight, "i_bias": i.position_bias,
+                  "i_norm": i.kv_norm.weight, "i_q_b": i.q_b_proj.weight, "i_weights": i.scorer.weights_proj.weight}
+    return {k: v.detach() for k, v in w.items()}
+
+
+def _shape(layer_type: str):
+    from hebrus.ops.v4 import Shape
+    rate = ATT["compress_rates"].get(layer_type, 0)
+    csa = layer_type == "compressed_sparse_attention"
+    return Shape(4, 8, 4, ATT["sliding_window"], 2, 1e-6, rate, csa, 8 if csa else 0, 4 if csa else 0, 2 if csa else 0)
+
+
+@pytest.mark.parametrize("chunks", [(23,), (7, 1, 6, 9), (1,) * 23])
+@pytest.mark.parametrize("layer_type", TYPES)
+def test_v4_attention_matches_transformers_in_float64(layer_type, chunks, monkeypatch):
+    """Each layer type, fed in chunks that split windows anywhere (transformers with its cache,
+    ours token by token from its state): the same outputs within 1e-12, and the windows crossed
+    (the prompt closes several entries; the indexer keeps fewer than it sees). The indexer's
+    scores are sums of ReLUs, exactly 0 where every head's is: a tie at the cut would be broken
+    to the smaller index here and as torch.topk likes there, so each cut is checked to fall
+    between distinct scores (8 index heads make an all-zero score rare)."""
+    import hebrus.ops.v4 as v4
+    cuts = []
+
+    def untied_top_k(scores, k):
+        ranked = scores.sort(dim=-1, descending=True).values[0]
+        assert k == ranked.numel() or ranked[k - 1] > ranked[k], f"a tie at the indexer's cut: {ranked.tolist()}"
+        cuts.append(k < ranked.numel())
+        return top_k(scores, k)
+
+    monkeypatch.setattr(v4, "top_k", untied_top_k)
+    from transformers import DynamicCache
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from foreign import float64_everywhere
+    from hebrus.ops.v4 import fresh_state, interleaved_tables, step
+    config, layer, rotary = _attention(layer_type)
+    shape, w = _shape(layer_type), _weights(layer)
+    main, compress = interleaved_tables(4, 10000.0, 64, torch.float64), interleaved_tables(4, 160000.0, 64, torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(sum(chunks), 16, generator=gen, dtype=torch.float64)
+    cache, state, start = DynamicCache(config=config), fresh_state(shape, torch.float64), 0
+    for n in chunks:
+        x, positions = h[start:start + n][None], torch.arange(start, start + n)[None]
+        with torch.no_grad(), float64_everywhere():
+            mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None,
+                                                     cache=cache, position_ids=positions)
+            embeddings = {kind: rotary(x, positions, layer_type=kind) for kind in ("main", "compress")}
+            want = layer(x, embeddings, positions, mask, cache=cache)[0][0]
+        got = []
+        for t in range(start, start + n):
+            y, state = step(w, shape, state, h[t], t, main, compress)
+            got.append(y)
+        got = torch.stack(got)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (start, float((got - want).abs().max()))
+        start += n
+    if shape.rate:
+        assert state["entries"].shape[0] == sum(chunks) // shape.rate >= 5
+    assert any(cuts) == shape.overlap                          # CSA: some queries keep fewer than they see

@@ -1,0 +1,184 @@
+"""DeepSeek-V4's attention, as pure functions over one layer's state (the definition, token by
+token: exact mode's form, and the twin any faster one is tested against).
+
+Every layer attends over one head of shared keys and values (K = V: a row of `head_dim` values
+a position, RMS-normed, its trailing `rope_dim` values rotated at the row's position) within a
+sliding window of the last `window` positions, plus, in a compressing layer, entries that each
+summarise `rate` positions:
+
+- an entry closes when its window's last position arrives: its positions' projections `kv` and
+  `gate` (plus a learned bias per slot) weigh, per channel, by a softmax over the slots, the
+  result RMS-normed and rotated at the window's first position (`close`);
+- heavily compressed attention (HCA) attends to every closed entry; compressed sparse attention
+  (CSA) projects 2·head_dim values a position, two series: an entry weighs its own window's
+  second half together with the previous window's first half (2·rate slots; the first entry has
+  no previous window, its slots weigh nothing), and a lightning indexer (the same compression at
+  its own width, over its own projections) scores every closed entry for each query and keeps
+  the `index_topk` best.
+
+A query at position t sees window rows t - window < s ≤ t and entries w < (t + 1) // rate. Its
+heads' softmax takes a learned sink logit per head besides the rows' (`sink_attention`); the
+output's trailing `rope_dim` values are rotated back by t (the inverse rotation: each row's
+contribution then depends on its distance from t alone); heads go out through a grouped low-rank
+projection (`grouped_output`).
+
+Rotations here pair neighbouring channels (2i, 2i + 1), not the two halves (`ops.rope`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hebrus.ops.choose import top_k
+from hebrus.ops.norm import rms_norm
+
+
+def interleaved_tables(rope_dim: int, theta: float, positions: int, dtype: torch.dtype, device=None):
+    """cos, sin [positions, rope_dim / 2]: one angle per pair of channels, built in float64."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., d] with its trailing 2·P channels rotated pair by pair by cos, sin [T, P] (the
+    inverse rotation with `inverse`); the leading d - 2P channels as they are."""
+    P = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (P,)
+    cos, sin = cos.reshape(shape).to(x.dtype), sin.reshape(shape).to(x.dtype)
+    if inverse:
+        sin = -sin
+    keep, tail = x[..., :x.shape[-1] - 2 * P], x[..., x.shape[-1] - 2 * P:]
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([keep, rotated], dim=-1)
+
+
+def close(kv: torch.Tensor, gate: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """One entry from its slots: kv, gate [S, d] (gates with their bias; -inf: a slot that
+    weighs nothing) -> RMS-normed Σ_s softmax_s(gate) ⊙ kv_s [d] (unrotated)."""
+    weights = torch.softmax(gate, dim=0)
+    return rms_norm((weights * kv).sum(0), norm, eps)
+
+
+def slots(window, previous, rate: int, overlap: bool):
+    """An entry's slots from its window's projections (kv or gate [rate, c]) and, overlapping
+    (CSA: c = 2·d), the previous window's (None for the first entry): [rate or 2·rate, d]."""
+    if not overlap:
+        return window
+    d = window.shape[-1] // 2
+    return torch.cat([previous[:, :d], window[:, d:]])
+
+
+def sink_attention(q: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query's heads q [H, d] over rows [S, d] (keys and values both) with a sink logit per
+    head [H] beside the rows' -> [H, d]; no rows: zeros."""
+    logits = torch.cat([q @ rows.T * scale, sinks.to(q.dtype)[:, None]], dim=-1)
+    weights = torch.softmax(logits, dim=-1)[:, :-1]
+    return weights @ rows
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The lightning indexer's score of each key for one query: Σ_h weights_h · ReLU(q_h · key)
+    · scale, q [H, c], weights [H], keys [W, c] -> [W]."""
+    return (F.relu(q @ keys.T) * scale * weights[:, None]).sum(0)
+
+
+def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """Heads' outputs o [T, H·d] in `groups` groups, each through its own block of o_a
+    [groups·rank, H·d / groups], then all of them through o_b [D, groups·rank] -> [T, D]."""
+    T = o.shape[0]
+    x = o.view(T, groups, -1)                                            # [T, G, H·d / G]
+    w = o_a.view(groups, -1, x.shape[-1])                                # [G, rank, H·d / G]
+    return torch.einsum("tgi,gri->tgr", x, w.to(x.dtype)).reshape(T, -1) @ o_b.T.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One layer's dimensions. `rate` 0: the sliding window alone; `overlap`: CSA (two series,
+    an indexer), else HCA."""
+    heads: int
+    head_dim: int
+    rope_dim: int
+    window: int
+    groups: int
+    eps: float
+    rate: int = 0
+    overlap: bool = False
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+
+
+def fresh_state(shape: Shape, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A session's state before its first token: no rows, no entries; the partial windows'
+    gates -inf (their empty slots weigh nothing)."""
+    d, m = shape.head_dim, shape.rate
+    state = {"rows": torch.zeros(0, d, dtype=dtype)}
+    for name, width, entry in (("", d, d), ("index_", shape.index_dim, shape.index_dim)):
+        if not m or (name and not shape.overlap):
+            continue
+        c = 2 * width if shape.overlap else width
+        state |= {f"{name}window_kv": torch.zeros(m, c, dtype=dtype),
+                  f"{name}window_gate": torch.full((m, c), float("-inf"), dtype=dtype),
+                  f"{name}entries": torch.zeros(0, entry, dtype=dtype)}
+        if shape.overlap:
+            state |= {f"{name}previous_kv": torch.zeros(m, c, dtype=dtype),
+                      f"{name}previous_gate": torch.full((m, c), float("-inf"), dtype=dtype)}
+    return state
+
+
+def _compress(state, name: str, w, prefix: str, h, t: int, shape: Shape, tables) -> None:
+    """Position t's projections into the partial window `name` (with its slot's bias); when t
+    closes the window, its entry (rotated at the window's first position) appended."""
+    m = shape.rate
+    kv, gate = h @ w[prefix + "kv"].T, h @ w[prefix + "gate"].T + w[prefix + "bias"][t % m]
+    state[name + "window_kv"] = state[name + "window_kv"].clone()
+    state[name + "window_gate"] = state[name + "window_gate"].clone()
+    state[name + "window_kv"][t % m], state[name + "window_gate"][t % m] = kv, gate
+    if t % m != m - 1:
+        return
+    entry = close(slots(state[name + "window_kv"], state.get(name + "previous_kv"), m, shape.overlap),
+                  slots(state[name + "window_gate"], state.get(name + "previous_gate"), m, shape.overlap),
+                  w[prefix + "norm"], shape.eps)
+    cos, sin = tables
+    start = t - m + 1
+    entry = rotate_tail(entry[None], cos[start:start + 1], sin[start:start + 1])
+    state[name + "entries"] = torch.cat([state[name + "entries"], entry])
+    if shape.overlap:
+        state[name + "previous_kv"], state[name + "previous_gate"] = state[name + "window_kv"], state[name + "window_gate"]
+
+
+def step(w: dict, shape: Shape, state: dict, h: torch.Tensor, t: int, main, compress) -> tuple[torch.Tensor, dict]:
+    """One position t of one layer: normed input h [D] -> (output [D], the state after t).
+    `main`, `compress`: (cos, sin) tables of the two rotations (a sliding-window layer's rows
+    and queries take `main`; a compressing layer's, and its entries, `compress`). `w`: the
+    layer's weights by role (q_a, q_a_norm, q_b, kv, kv_norm, sinks, o_a, o_b; the compressor's
+    c_kv, c_gate, c_bias, c_norm; the indexer's i_kv, i_gate, i_bias, i_norm, i_q_b, i_weights)."""
+    state = dict(state)
+    H, d, eps = shape.heads, shape.head_dim, shape.eps
+    cos, sin = compress if shape.rate else main
+    at = slice(t, t + 1)
+    q_residual = rms_norm(h @ w["q_a"].T, w["q_a_norm"], eps)
+    q = rotate_tail(rms_norm((q_residual @ w["q_b"].T).view(1, H, d), None, eps), cos[at], sin[at])[0]
+    row = rotate_tail(rms_norm(h @ w["kv"].T, w["kv_norm"], eps)[None], cos[at], sin[at])
+    state["rows"] = torch.cat([state["rows"], row])
+    visible = [state["rows"][max(0, t - shape.window + 1):t + 1]]
+    if shape.rate:
+        _compress(state, "", w, "c_", h, t, shape, compress)
+        closed = (t + 1) // shape.rate
+        entries = state["entries"][:closed]
+        if shape.overlap:
+            _compress(state, "index_", w, "i_", h, t, shape, compress)
+            qi = (q_residual @ w["i_q_b"].T).view(1, shape.index_heads, shape.index_dim)
+            qi = rotate_tail(qi, compress[0][at], compress[1][at])[0]
+            weights = (h @ w["i_weights"].T) * shape.index_heads ** -0.5
+            scores = index_scores(qi, weights, state["index_entries"][:closed], shape.index_dim ** -0.5)
+            chosen = top_k(scores[None], min(shape.index_topk, closed))[0] if closed else scores.new_zeros(0, dtype=torch.long)
+            entries = entries[chosen]
+        visible.append(entries)
+    o = sink_attention(q, torch.cat(visible), w["sinks"], d ** -0.5)
+    o = rotate_tail(o[None], cos[at], sin[at], inverse=True).reshape(1, H * d)
+    return grouped_output(o, w["o_a"], w["o_b"], shape.groups)[0], state
