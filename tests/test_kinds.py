@@ -78,11 +78,11 @@ def test_every_registered_kind_declares_everything():
 def test_declared_weights_are_weights_the_kind_has():
     """A kind's `quantized`, `wide`, `integer` and `outputs` must be among its weights: a
     misspelt one would change nothing, silently."""
-    from hebrus.layers.attention import AttentionSection
     from hebrus.layers.kda import KdaSection
     from hebrus.layers.layout import layout
     from hebrus.layers.mla import LatentSection
     from hebrus.layers.moe import ExpertsSection
+    from hebrus.layers.v4_attention import V4AttentionSection
     spec = hebrus.load("tiny").spec
     qwen_like = ModelSpec(family="t", vocab_size=16, hidden_size=8, mixers=("attention",), ffns=("mlp",),
                           max_context=32, rms_norm_eps=1e-6, residual="plain",
@@ -92,9 +92,9 @@ def test_declared_weights_are_weights_the_kind_has():
                            sections=(KdaSection(2, 4, 4, 4, 4), LatentSection(2, 6, 4, 2, 4, q_rank),
                                      ExpertsSection(4, 2, 8, 8, shared_gated=False, scoring="sigmoid", groups=2)))
                  for q_rank in (0, 4)]
-    v4_like = ModelSpec(family="d", vocab_size=16, hidden_size=8, mixers=("attention", "attention"),
-                        ffns=("hash_moe", "moe"), max_context=32, rms_norm_eps=1e-6, residual="plain",
-                        sections=(spec.section(AttentionSection),
+    v4_like = ModelSpec(family="d", vocab_size=16, hidden_size=8, mixers=("swa", "hca", "csa"),
+                        ffns=("hash_moe", "moe", "moe"), max_context=32, rms_norm_eps=1e-6, residual="plain",
+                        sections=(V4AttentionSection(2, 4, 2, 3, 5, 2, 2, 1e4, 1.6e5, 4, 3, 2, 4, 2),
                                   ExpertsSection(4, 2, 8, 8, shared_gated=False, scoring="sqrtsoftplus", limit=7.0)))
     leaves: dict[str, set[str]] = {}
     for s in (spec, qwen_like, *kimi_like, v4_like):
@@ -207,7 +207,7 @@ def _mlp(inner):
 
 def test_an_unknown_kind_or_a_missing_section_fails_in_the_spec():
     spec = hebrus.load("tiny").spec
-    with pytest.raises(hebrus.InvalidInput, match=r"unknown mixer 'mamba'; mixers are attention, gdn, kda, mla, qsa"):
+    with pytest.raises(hebrus.InvalidInput, match=r"unknown mixer 'mamba'; mixers are attention, csa, gdn, hca, kda, mla, qsa, swa"):
         spec.replace(mixers=("mamba",) * 4)
     with pytest.raises(hebrus.InvalidInput, match=r"unknown ffn 'gdn'; ffns are hash_moe, mlp, moe"):
         spec.replace(ffns=("gdn",) * 4)

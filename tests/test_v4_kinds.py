@@ -215,7 +215,11 @@ def test_v4_attention_matches_transformers_in_float64(layer_type, chunks, monkey
     main, compress = interleaved_tables(4, 10000.0, 64, torch.float64), interleaved_tables(4, 160000.0, 64, torch.float64)
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(sum(chunks), 16, generator=gen, dtype=torch.float64)
-    cache, state, start = DynamicCache(config=config), fresh_state(shape, torch.float64), 0
+    empty = torch.zeros(0, 8, dtype=torch.float64)
+    state = {"rows": empty, "entries": empty, "keys": torch.zeros(0, 4, dtype=torch.float64),
+             "compressor": fresh_state(8, shape.rate, shape.overlap, torch.float64),
+             "indexer": fresh_state(4, shape.rate, True, torch.float64)} if shape.rate else {"rows": empty}
+    cache, start = DynamicCache(config=config), 0
     for n in chunks:
         x, positions = h[start:start + n][None], torch.arange(start, start + n)[None]
         with torch.no_grad(), float64_everywhere():
@@ -231,5 +235,114 @@ def test_v4_attention_matches_transformers_in_float64(layer_type, chunks, monkey
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (start, float((got - want).abs().max()))
         start += n
     if shape.rate:
-        assert state["entries"].shape[0] == sum(chunks) // shape.rate >= 5
+        assert sum(chunks) // shape.rate >= 5 and state["entries"].abs().sum(-1).count_nonzero() == sum(chunks) // shape.rate
     assert any(cuts) == shape.overlap                          # CSA: some queries keep fewer than they see
+
+
+# ---- the attention kinds in the engine ----------------------------------------------------------
+
+def _v4_attention_model(mode: str, dtype=torch.float64):
+    """The tiny preset with DeepSeek-V4's attention kinds as its mixers (a sliding window, HCA,
+    CSA twice; windows of 5, entries every 4 and 3 positions), its four-stream residual, random
+    weights."""
+    import hebrus
+    from hebrus.layers.layout import init_parameters
+    from hebrus.layers.v4_attention import V4AttentionSection
+    from hebrus.runtime import Model
+    tiny = hebrus.load("tiny")
+    section = V4AttentionSection(heads=4, head_dim=8, rope_dim=4, q_rank=6, window=5, groups=2, group_rank=5,
+                                 theta=1e4, compress_theta=1.6e5, hca_rate=4, csa_rate=3, index_heads=8, index_dim=4,
+                                 index_topk=2)
+    spec = tiny.spec.replace(mixers=("swa", "hca", "csa", "csa"), sections=tiny.spec.sections + (section,))
+    params = {name: t.to(dtype) if t.is_floating_point() else t for name, t in init_parameters(spec, 7).items()}
+    return Model._placed(tiny.config, spec, params, tiny.device, dtype, mode)
+
+
+def test_v4_attention_layers_give_the_same_bits_however_the_prompt_is_chunked():
+    """Exact mode: a prompt whole, in chunks that end inside windows, and token by token give the
+    same logits and the same state, bit for bit; fast mode is near it."""
+    model = _v4_attention_model("exact")
+    ids = [(7 * i + 3) % 250 + 1 for i in range(29)]
+    runs = []
+    for size in (29, 5, 1):
+        s = model.session()
+        for a in range(0, len(ids), size):
+            logits = s.feed(ids[a:a + size])
+        runs.append((s.digest(), logits))
+    assert all(d == runs[0][0] and torch.equal(x, runs[0][1]) for d, x in runs)
+    fast = _v4_attention_model("fast").session()
+    torch.testing.assert_close(fast.feed(ids), runs[0][1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_each_v4_attention_stage_is_the_definition(mode, monkeypatch):
+    """Each layer's stage, over a prompt in chunks, against `ops.v4.step` run position by position
+    on the normed inputs the stage was given and the same weights: the same outputs."""
+    from hebrus.layers.v4_attention import V4Attention
+    from hebrus.ops.v4 import Shape, fresh_state, step
+    model = _v4_attention_model(mode)
+    seen: dict[str, list] = {}
+    original = V4Attention._session
+
+    def recorded(self, at, h, state, logs, each):
+        y, state = original(self, at, h, state, logs, each)
+        seen.setdefault(self.name, []).append((h.clone(), y.clone()))
+        return y, state
+
+    monkeypatch.setattr(V4Attention, "_session", recorded)
+    s = model.session()
+    for chunk in ([5, 9, 2, 7, 11, 3], [4], [8, 1, 6, 2, 2, 9, 5]):
+        s.feed(chunk)
+    stages = {stage.name: stage for stage in model.stages if isinstance(stage, V4Attention)}
+    assert len(stages) == 4 and set(seen) == set(stages)
+    for name, stage in stages.items():
+        a, w = stage.a, stage.w
+        m = stage.rate
+        shape = Shape(a.heads, a.head_dim, a.rope_dim, a.window, a.groups, model.spec.rms_norm_eps, m, stage.overlap,
+                      a.index_heads, a.index_dim, a.index_topk)
+        roles = {"q_a": "q_a.weight", "q_a_norm": "q_a_norm.weight", "q_b": "q_b.weight", "kv": "kv.weight",
+                 "kv_norm": "kv_norm.weight", "sinks": "sinks", "o_a": "o_a.weight", "o_b": "o_b.weight"}
+        for role, prefix in (("c_", "compressor."), ("i_", "indexer.")):
+            roles |= {role + leaf: prefix + leaf + (".weight" if leaf != "bias" else "") for leaf in ("kv", "gate", "bias", "norm")}
+        roles |= {"i_q_b": "indexer.q_b.weight", "i_weights": "indexer.weights.weight"}
+        weights = {role: w[leaf] for role, leaf in roles.items() if leaf in w}
+        empty = torch.zeros(0, a.head_dim, dtype=torch.float64)
+        state = {"rows": empty, "entries": empty, "keys": torch.zeros(0, a.index_dim, dtype=torch.float64),
+                 "compressor": fresh_state(a.head_dim, m, stage.overlap, torch.float64),
+                 "indexer": fresh_state(a.index_dim, m, True, torch.float64)} if m else {"rows": empty}
+        hs = torch.cat([h for h, _ in seen[name]])
+        ys = torch.cat([y for _, y in seen[name]])
+        want = []
+        for t in range(hs.shape[0]):
+            y, state = step(weights, shape, state, hs[t], t, stage.tables if not m else None, stage.compress)
+            want.append(y)
+        assert torch.allclose(ys, torch.stack(want), rtol=1e-12, atol=1e-12), (name, float((ys - torch.stack(want)).abs().max()))
+
+
+def test_v4_attention_takes_eager_steps_only():
+    from hebrus.errors import InvalidInput
+    model = _v4_attention_model("fast")
+    with pytest.raises(InvalidInput, match="positions on the host"):
+        model.session(decode="planned")
+    assert model.session(decode="auto")._steps is None
+
+
+@pytest.mark.parametrize("kind", ["nonfinite", "structural", "status"])
+def test_a_failed_chunk_leaves_v4_attention_state_as_it_was(kind):
+    """A chunk failing at any of the V4 layers' stages, partway through a window: the session's
+    digest and its next logits are those of a session that never saw the chunk."""
+    from hebrus import faults
+    from hebrus.errors import ChunkAborted
+    model = _v4_attention_model("exact")
+    ids = [(5 * i + 1) % 250 + 1 for i in range(10)]
+    clean, failing = model.session(), model.session()
+    clean.feed(ids)
+    failing.feed(ids)
+    stages = [name for name in model.stage_names if name.split(".")[-1] in ("swa", "hca", "csa")]
+    assert len(stages) == 4
+    for stage in stages:
+        before = failing.digest()
+        with faults.inject(stage, kind), pytest.raises(ChunkAborted):
+            failing.feed([3, 4, 5])
+        assert failing.digest() == before, stage
+    assert torch.equal(failing.feed([9, 8]), clean.feed([9, 8])) and failing.digest() == clean.digest()

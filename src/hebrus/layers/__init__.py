@@ -9,6 +9,7 @@ from hebrus.layers import gdn  # noqa: F401                  Gated DeltaNet
 from hebrus.layers import attention  # noqa: F401            attention, qsa
 from hebrus.layers import kda  # noqa: F401                  Kimi delta attention
 from hebrus.layers import mla  # noqa: F401                  multi-head latent attention
+from hebrus.layers import v4_attention  # noqa: F401         DeepSeek-V4's swa, hca, csa
 from hebrus.layers import moe  # noqa: F401                  routed experts
 from hebrus.layers import hash_moe  # noqa: F401             hash-routed experts
 from hebrus.layers import mlp  # noqa: F401                  the dense MLP

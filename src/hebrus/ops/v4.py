@@ -86,13 +86,62 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
     return (F.relu(q @ keys.T) * scale * weights[:, None]).sum(0)
 
 
-def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped(o: torch.Tensor, o_a: torch.Tensor, groups: int) -> torch.Tensor:
     """Heads' outputs o [T, H·d] in `groups` groups, each through its own block of o_a
-    [groups·rank, H·d / groups], then all of them through o_b [D, groups·rank] -> [T, D]."""
+    [groups·rank, H·d / groups] -> [T, groups·rank] (the grouped output projection's first half)."""
     T = o.shape[0]
     x = o.view(T, groups, -1)                                            # [T, G, H·d / G]
     w = o_a.view(groups, -1, x.shape[-1])                                # [G, rank, H·d / G]
-    return torch.einsum("tgi,gri->tgr", x, w.to(x.dtype)).reshape(T, -1) @ o_b.T.to(x.dtype)
+    return torch.einsum("tgi,gri->tgr", x, w.to(x.dtype)).reshape(T, -1)
+
+
+def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """The grouped output projection: `grouped`, then all groups through o_b [D, groups·rank] -> [T, D]."""
+    return grouped(o, o_a, groups) @ o_b.T.to(o.dtype)
+
+
+def walk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps: float, cos, sin, each: bool = False):
+    """A compressor over T positions from `start`: kv, gate [T, c] (each gate with its slot's
+    bias), state (window_kv, window_gate, previous_kv, previous_gate: slot t % rate holds
+    position t's; the previous pair None without `overlap`), cos, sin the entries' rotation tables -> (rows [T, d]: zeros, but at a
+    position that closes its window the entry, rotated at the window's first position; the state
+    after the last position, or with `each` after every one, stacked)."""
+    window_kv, window_gate, previous_kv, previous_gate = state
+    d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
+    rows, states = [], []
+    for j in range(kv.shape[0]):
+        t = start + j
+        window_kv, window_gate = window_kv.clone(), window_gate.clone()
+        window_kv[t % rate], window_gate[t % rate] = kv[j], gate[j]
+        row = kv.new_zeros(1, d)
+        if t % rate == rate - 1:
+            # the first entry has no previous window: its slots weigh nothing
+            before = previous_gate if t >= rate or not overlap else torch.full_like(previous_gate, float("-inf"))
+            entry = close(slots(window_kv, previous_kv, rate, overlap), slots(window_gate, before, rate, overlap),
+                          norm, eps)
+            first = t - rate + 1
+            row = rotate_tail(entry[None], cos[first:first + 1], sin[first:first + 1])
+            if overlap:
+                previous_kv, previous_gate = window_kv, window_gate
+        rows.append(row)
+        states.append((window_kv, window_gate, previous_kv, previous_gate))
+    if each:
+        return torch.cat(rows), tuple(None if x[0] is None else torch.stack(x) for x in zip(*states))
+    return torch.cat(rows), states[-1]
+
+
+def closed(entries: torch.Tensor, t: int, rate: int) -> torch.Tensor:
+    """The entries position t sees, from an entry log that holds one row a position (an entry at
+    its window's last position, zeros elsewhere) up to at least t: w < (t + 1) // rate."""
+    return entries[rate - 1:t + 1:rate]
+
+
+def choose(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top: int, scale: float) -> torch.Tensor:
+    """The indexer's choice for one query: the `top` best-scored keys (all, when fewer), best
+    first, ties to the smaller index -> indices."""
+    if not keys.shape[0]:
+        return torch.zeros(0, dtype=torch.long, device=keys.device)
+    return top_k(index_scores(q, weights, keys, scale)[None], min(top, keys.shape[0]))[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,72 +161,44 @@ class Shape:
     index_topk: int = 0
 
 
-def fresh_state(shape: Shape, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A session's state before its first token: no rows, no entries; the partial windows'
-    gates -inf (their empty slots weigh nothing)."""
-    d, m = shape.head_dim, shape.rate
-    state = {"rows": torch.zeros(0, d, dtype=dtype)}
-    for name, width, entry in (("", d, d), ("index_", shape.index_dim, shape.index_dim)):
-        if not m or (name and not shape.overlap):
-            continue
-        c = 2 * width if shape.overlap else width
-        state |= {f"{name}window_kv": torch.zeros(m, c, dtype=dtype),
-                  f"{name}window_gate": torch.full((m, c), float("-inf"), dtype=dtype),
-                  f"{name}entries": torch.zeros(0, entry, dtype=dtype)}
-        if shape.overlap:
-            state |= {f"{name}previous_kv": torch.zeros(m, c, dtype=dtype),
-                      f"{name}previous_gate": torch.full((m, c), float("-inf"), dtype=dtype)}
-    return state
-
-
-def _compress(state, name: str, w, prefix: str, h, t: int, shape: Shape, tables) -> None:
-    """Position t's projections into the partial window `name` (with its slot's bias); when t
-    closes the window, its entry (rotated at the window's first position) appended."""
-    m = shape.rate
-    kv, gate = h @ w[prefix + "kv"].T, h @ w[prefix + "gate"].T + w[prefix + "bias"][t % m]
-    state[name + "window_kv"] = state[name + "window_kv"].clone()
-    state[name + "window_gate"] = state[name + "window_gate"].clone()
-    state[name + "window_kv"][t % m], state[name + "window_gate"][t % m] = kv, gate
-    if t % m != m - 1:
-        return
-    entry = close(slots(state[name + "window_kv"], state.get(name + "previous_kv"), m, shape.overlap),
-                  slots(state[name + "window_gate"], state.get(name + "previous_gate"), m, shape.overlap),
-                  w[prefix + "norm"], shape.eps)
-    cos, sin = tables
-    start = t - m + 1
-    entry = rotate_tail(entry[None], cos[start:start + 1], sin[start:start + 1])
-    state[name + "entries"] = torch.cat([state[name + "entries"], entry])
-    if shape.overlap:
-        state[name + "previous_kv"], state[name + "previous_gate"] = state[name + "window_kv"], state[name + "window_gate"]
+def fresh_state(width: int, rate: int, overlap: bool, dtype: torch.dtype):
+    """A compressor's state before its first position (a series of `width` values): zeros. A
+    window is full whenever it closes, and the previous window the first entry would read is
+    masked by position (`walk`), so no state holds an empty slot's -inf (a state is finite)."""
+    c = 2 * width if overlap else width
+    return tuple(torch.zeros(rate, c, dtype=dtype) for _ in range(4 if overlap else 2)) + (() if overlap else (None, None))
 
 
 def step(w: dict, shape: Shape, state: dict, h: torch.Tensor, t: int, main, compress) -> tuple[torch.Tensor, dict]:
-    """One position t of one layer: normed input h [D] -> (output [D], the state after t).
-    `main`, `compress`: (cos, sin) tables of the two rotations (a sliding-window layer's rows
-    and queries take `main`; a compressing layer's, and its entries, `compress`). `w`: the
-    layer's weights by role (q_a, q_a_norm, q_b, kv, kv_norm, sinks, o_a, o_b; the compressor's
-    c_kv, c_gate, c_bias, c_norm; the indexer's i_kv, i_gate, i_bias, i_norm, i_q_b, i_weights)."""
+    """The definition of one position t of one layer, from a session's state: normed input h [D]
+    -> (output [D], the state after t). The state: "rows" [t, d] (every earlier position's row),
+    and a compressing layer's "entries" [t, d] (one row a position, `walk`'s) and "compressor"
+    (its state), with CSA the indexer's "keys" and "indexer" too (empty at the first position:
+    `fresh_state`). `main`, `compress`: (cos, sin) tables of the two rotations (a sliding-window
+    layer's rows and queries take `main`; a compressing layer's, and its entries, `compress`).
+    `w`: the layer's weights by role (q_a, q_a_norm, q_b, kv, kv_norm, sinks, o_a, o_b; the
+    compressor's c_kv, c_gate, c_bias, c_norm; the indexer's i_kv, i_gate, i_bias, i_norm,
+    i_q_b, i_weights)."""
     state = dict(state)
-    H, d, eps = shape.heads, shape.head_dim, shape.eps
-    cos, sin = compress if shape.rate else main
+    H, d, eps, m = shape.heads, shape.head_dim, shape.eps, shape.rate
+    cos, sin = compress if m else main
     at = slice(t, t + 1)
     q_residual = rms_norm(h @ w["q_a"].T, w["q_a_norm"], eps)
     q = rotate_tail(rms_norm((q_residual @ w["q_b"].T).view(1, H, d), None, eps), cos[at], sin[at])[0]
     row = rotate_tail(rms_norm(h @ w["kv"].T, w["kv_norm"], eps)[None], cos[at], sin[at])
     state["rows"] = torch.cat([state["rows"], row])
     visible = [state["rows"][max(0, t - shape.window + 1):t + 1]]
-    if shape.rate:
-        _compress(state, "", w, "c_", h, t, shape, compress)
-        closed = (t + 1) // shape.rate
-        entries = state["entries"][:closed]
+    if m:
+        for name, log, p in (("compressor", "entries", "c_"), ("indexer", "keys", "i_"))[:1 + shape.overlap]:
+            kv, gate = h @ w[p + "kv"].T, h @ w[p + "gate"].T + w[p + "bias"][t % m]
+            rows, state[name] = walk(kv[None], gate[None], state[name], t, m, shape.overlap, w[p + "norm"], eps, *compress)
+            state[log] = torch.cat([state[log], rows])
+        entries = closed(state["entries"], t, m)
         if shape.overlap:
-            _compress(state, "index_", w, "i_", h, t, shape, compress)
-            qi = (q_residual @ w["i_q_b"].T).view(1, shape.index_heads, shape.index_dim)
-            qi = rotate_tail(qi, compress[0][at], compress[1][at])[0]
+            qi = rotate_tail((q_residual @ w["i_q_b"].T).view(1, shape.index_heads, shape.index_dim),
+                             compress[0][at], compress[1][at])[0]
             weights = (h @ w["i_weights"].T) * shape.index_heads ** -0.5
-            scores = index_scores(qi, weights, state["index_entries"][:closed], shape.index_dim ** -0.5)
-            chosen = top_k(scores[None], min(shape.index_topk, closed))[0] if closed else scores.new_zeros(0, dtype=torch.long)
-            entries = entries[chosen]
+            entries = entries[choose(qi, weights, closed(state["keys"], t, m), shape.index_topk, shape.index_dim ** -0.5)]
         visible.append(entries)
     o = sink_attention(q, torch.cat(visible), w["sinks"], d ** -0.5)
     o = rotate_tail(o[None], cos[at], sin[at], inverse=True).reshape(1, H * d)
