@@ -29,6 +29,15 @@ _KIMI = dict(vocab_size=101, hidden_size=40, num_attention_heads=4, num_key_valu
              routed_scaling_factor=2.446, max_position_embeddings=256, pad_token_id=None, bos_token_id=None,
              eos_token_id=None)
 
+# DeepSeek-V4: each attention type (windows of 5, entries every 4 and 3 positions: the prompt
+# crosses them), hash-routed then √softplus-routed experts clipped, two residual streams
+_V4 = dict(vocab_size=101, hidden_size=40, num_attention_heads=4, head_dim=16, partial_rotary_factor=0.25,
+           q_lora_rank=12, o_groups=2, o_lora_rank=10, sliding_window=5, index_n_heads=16, index_head_dim=8,
+           index_topk=2, compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 4},
+           n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+           routed_scaling_factor=1.5, swiglu_limit=2.0, hc_mult=2, hc_sinkhorn_iters=7,
+           max_position_embeddings=256, num_nextn_predict_layers=0, pad_token_id=None, bos_token_id=None,
+           eos_token_id=None)
 FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(_COMMON, intermediate_size=56, num_hidden_layers=5,
@@ -42,6 +51,10 @@ FAMILIES = {
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
                     dict(_KIMI, num_hidden_layers=5, layer_types=[LINEAR, FULL, LINEAR, LINEAR, FULL],
                          mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"])),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",
+                    dict(_V4, num_hidden_layers=4, mlp_layer_types=["hash_moe", "moe", "moe", "hash_moe"],
+                         layer_types=["sliding_attention", "heavily_compressed_attention",
+                                      "compressed_sparse_attention", "compressed_sparse_attention"])),
 }
 
 
@@ -49,11 +62,13 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter drawn so each part matters: norms away from their identity, decays in
     range, projections at 1/sqrt(fan_in)."""
     gen = torch.Generator().manual_seed(seed)
-    plain = model.config.model_type == "kimi_linear"          # its norms store w, not w - 1
+    plain = model.config.model_type in ("kimi_linear", "deepseek_v4")     # their norms store w, not w - 1
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):       # shifts which experts are chosen
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+            elif name.endswith("tid2eid"):                      # each token's experts, distinct
+                b.copy_(torch.rand(b.shape[0], model.config.n_routed_experts, generator=gen).argsort(-1)[:, :b.shape[1]])
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_((1 + 7 * torch.rand(p.shape, generator=gen)).log())
@@ -138,8 +153,17 @@ def in_float64(model):
     computed in float32 at construction) and whose experts run in the plain loop (the grouped
     matmul takes no float64)."""
     wide = copy.deepcopy(model).double()
-    if hasattr(wide, "set_experts_implementation") and getattr(wide.config, "num_experts", 0):
+    if hasattr(wide, "set_experts_implementation") and (getattr(wide.config, "num_experts", 0)
+                                                        or getattr(wide.config, "n_routed_experts", 0)):
         wide.set_experts_implementation("eager")
+    if wide.config.model_type == "deepseek_v4":        # two rotations, one table each, in every rotary module
+        for module in wide.modules():
+            if hasattr(module, "main_inv_freq"):
+                for label, params in wide.config.rope_parameters.items():
+                    dim = 2 * getattr(module, f"{label}_inv_freq").numel()
+                    setattr(module, f"{label}_inv_freq", 1.0 / (params["rope_theta"]
+                                                                ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)))
+        return wide
     rotary = getattr(wide.model, "rotary_emb", None)
     if rotary is None:                                  # a family without rotary (Kimi-Linear)
         return wide
@@ -158,6 +182,8 @@ def reference_run(model, ids: list[int], steps: int):
         states = {}
         kimi = model.config.model_type == "kimi_linear"
         for layer, kind in enumerate(model.config.layer_types):
+            if model.config.model_type == "deepseek_v4":     # its rows and entries: tests/test_v4_kinds.py
+                break
             if kind == LINEAR:
                 mixer = "kda" if kimi else "gdn"
                 states[f"layers.{layer}.{mixer}.conv"] = cache.get_conv_state(layer)[0].clone()

@@ -346,3 +346,95 @@ def test_a_failed_chunk_leaves_v4_attention_state_as_it_was(kind):
             failing.feed([3, 4, 5])
         assert failing.digest() == before, stage
     assert torch.equal(failing.feed([9, 8]), clean.feed([9, 8])) and failing.digest() == clean.digest()
+
+
+# ---- the family ---------------------------------------------------------------------------------
+
+def test_v4_state_matches_transformers_cache_in_float64(tmp_path):
+    """After a prompt that ends inside windows, every owner transformers' cache has a value for,
+    within 1e-12 in float64: each layer's last window - 1 rows (the cache keeps those), the
+    compressed entries and the indexer's keys (every `rate`-th row of our logs), the tokens of
+    the open window (their projections, our gates holding their slot's bias, the cache's not) and
+    CSA's previous window's first series."""
+    import hebrus
+    from foreign import build, float64_everywhere, in_float64
+    folder, model = build("deepseek_v4", tmp_path)
+    ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad(), float64_everywhere():
+        cache = in_float64(model)(torch.tensor([ids]), use_cache=True).cache
+    loaded = hebrus.load(folder, dtype=torch.float64)
+    params, ours = dict(loaded.named_parameters()), loaded.session()
+    ours.feed(ids)
+    config, checked = model.config, 0
+
+    def close(a, b):
+        nonlocal checked
+        assert a.shape == b.shape and torch.allclose(a, b.to(a.dtype), rtol=1e-12, atol=1e-12), float((a - b).abs().max())
+        checked += 1
+
+    for layer, kind in enumerate(config.layer_types):
+        mixer = {"sliding_attention": "swa", "heavily_compressed_attention": "hca",
+                 "compressed_sparse_attention": "csa"}[kind]
+        p, theirs = f"layers.{layer}.{mixer}.", cache.layers[layer]
+        window = theirs.keys[0, 0]
+        close(ours.image.value(p + "rows")[-window.shape[0]:], window)
+        if mixer == "swa":
+            continue
+        m = config.compress_rates[kind]
+        series = (("compressor", "", "entries", "compressor."),) + ((("indexer", "index_", "keys", "indexer."),)
+                                                                     if mixer == "csa" else ())
+        for name, state, log, weights in series:
+            close(ours.image.value(p + log)[m - 1::m], theirs.compressed_kv[name][0])
+            open_kv, open_gate = theirs.buffer_kv[name][0], theirs.buffer_gate[name][0]
+            k = open_kv.shape[0]
+            assert k == len(ids) % m and k > 0
+            close(ours.image.value(p + state + "window_kv")[:k], open_kv)
+            close(ours.image.value(p + state + "window_gate")[:k] - params[p + weights + "bias"][:k], open_gate)
+            if mixer == "csa":
+                d = theirs.overlap_kv[name].shape[-1]
+                close(ours.image.value(p + state + "previous_kv")[:, :d], theirs.overlap_kv[name][0])
+    assert checked == 1 + (1 + 3) + 2 * (1 + 2 * 4)          # swa, hca, two csa layers
+
+
+def test_verify_passes_for_the_family(tmp_path):
+    from foreign import build
+    from hebrus.cli import main
+    folder, _ = build("deepseek_v4", tmp_path)
+    assert main(["verify", "--model", str(folder)]) == 0
+
+
+def test_mtp_layers_are_left_unread_and_info_says_so(tmp_path, capsys):
+    """A checkpoint with multi-token-prediction layers (their tensors under `mtp.`) loads as
+    without them, and `hebrus info` names what it did not read."""
+    import json
+    from safetensors.torch import load_file, save_file
+    import hebrus
+    from foreign import build
+    from hebrus.cli import main
+    folder, _ = build("deepseek_v4", tmp_path)
+    before = hebrus.load(folder).session().feed([1, 2, 3])
+    tensors = load_file(folder / "model.safetensors")
+    save_file(tensors | {"mtp.0.attn.wq_a.weight": torch.zeros(12, 40)}, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    assert torch.equal(hebrus.load(folder).session().feed([1, 2, 3]), before)
+    assert main(["info", "--model", str(folder)]) == 0
+    assert "1 multi-token-prediction layer(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
+                          "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 16}}}, "rope_type 'yarn'"),
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_experts_per_tok": 9}, "exceeds n_routed_experts"),
+    ({"compress_rates": [4, 128]}, "compress_rates must be an object")])
+def test_configs_it_cannot_run_are_refused_by_name(tmp_path, change, message):
+    import json
+    import hebrus
+    from foreign import build
+    folder, _ = build("deepseek_v4", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(hebrus.InvalidInput, match=message):
+        hebrus.load(folder)

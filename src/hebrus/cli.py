@@ -485,6 +485,9 @@ def _info(args) -> int:
     for key, value in c.fields_in_use():
         print(f"  {key:26} {value}")
     print(f"  {'parameters':26} {parameter_count(c):,}")
+    unread = getattr(model.config, "num_nextn_predict_layers", 0)
+    if unread:
+        print(f"  {'not read':26} the checkpoint's {unread} multi-token-prediction layer(s) (nothing here uses them)")
     resident = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in model.paged)
     print(f"  {'resident weight bytes':26} {resident:,}")
     if model.paged:

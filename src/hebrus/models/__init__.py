@@ -11,10 +11,10 @@ from types import ModuleType
 from typing import Any
 
 from hebrus.errors import InvalidInput
-from hebrus.models import hebrus, kimi_linear, qwen3_5, qwen3_5_moe, qwen3_next
+from hebrus.models import deepseek_v4, hebrus, kimi_linear, qwen3_5, qwen3_5_moe, qwen3_next
 from hebrus.show import shown
 
-FAMILIES: tuple[ModuleType, ...] = (hebrus, qwen3_5, qwen3_5_moe, qwen3_next, kimi_linear)
+FAMILIES: tuple[ModuleType, ...] = (hebrus, qwen3_5, qwen3_5_moe, qwen3_next, kimi_linear, deepseek_v4)
 _BY_TYPE = {model_type: family for family in FAMILIES for model_type in family.MODEL_TYPES}
 
 
