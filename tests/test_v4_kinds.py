@@ -438,3 +438,48 @@ def test_configs_it_cannot_run_are_refused_by_name(tmp_path, change, message):
     (folder / "config.json").write_text(json.dumps(config | change))
     with pytest.raises(hebrus.InvalidInput, match=message):
         hebrus.load(folder)
+
+
+def test_a_random_checkpoint_of_the_bench_shape_loads(tmp_path, monkeypatch):
+    """The bench's DeepSeek-V4 shape at a tiny width: written in the release's layout (its
+    token-to-experts tables as integers, distinct experts a token), loaded through the importer."""
+    import hebrus
+    from hebrus.bench import shapes
+    tiny = dict(shapes.SHAPES["deepseek-v4-3b"], vocab_size=300, hidden_size=32, num_hidden_layers=5,
+                num_attention_heads=2, head_dim=16, qk_rope_head_dim=4, q_lora_rank=8, o_groups=2, o_lora_rank=8,
+                sliding_window=6, compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 5},
+                index_n_heads=4, index_head_dim=8, index_topk=3, n_routed_experts=6, moe_intermediate_size=16,
+                max_position_embeddings=128)
+    monkeypatch.setitem(shapes.SHAPES, "tiny-v4", tiny)
+    model = hebrus.load(shapes.random_checkpoint("tiny-v4", tmp_path))
+    table = dict(model.named_parameters())["layers.0.hash_moe.router.table"]
+    assert table.dtype == torch.int64 and all(len(set(row)) == 4 for row in table.tolist())
+    assert model.spec.mixers == ("hca", "hca", "hca", "csa", "hca")
+    assert torch.isfinite(model.session().feed(list(range(1, 40)))).all()
+
+
+def test_another_pattern_with_four_streams_matches_transformers_and_splits_anywhere(tmp_path):
+    """CSA first, then the window alone, HCA and CSA, hash routing in the second layer, four
+    residual streams: a 64-token prompt's logits within 1e-12 of transformers' in float64, and
+    the prompt split in two at every position (every offset into every window) gives the same
+    bits and state in exact mode."""
+    import hebrus
+    from foreign import build, float64_everywhere, in_float64
+    folder, model = build("deepseek_v4", tmp_path, seed=4, hc_mult=4,
+                          layer_types=["compressed_sparse_attention", "sliding_attention",
+                                       "heavily_compressed_attention", "compressed_sparse_attention"],
+                          mlp_layer_types=["moe", "hash_moe", "moe", "moe"])
+    ids = torch.randint(0, 101, (64,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad(), float64_everywhere():
+        want = in_float64(model)(torch.tensor([ids])).logits[0]
+    wide = hebrus.load(folder, dtype=torch.float64)
+    whole = wide.session()
+    got = whole.feed(ids)
+    assert float((got - want[-1]).abs().max() / want[-1].abs().max()) <= 1e-12
+    exact = hebrus.load(folder, mode="exact")
+    reference = exact.session()
+    last = reference.feed(ids)
+    for cut in range(1, len(ids)):
+        s = exact.session()
+        s.feed(ids[:cut])
+        assert torch.equal(s.feed(ids[cut:]), last) and s.digest() == reference.digest(), cut

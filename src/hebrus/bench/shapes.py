@@ -35,6 +35,20 @@ SHAPES = {
         "num_expert_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "moe_router_activation_func": "sigmoid",
         "model_max_length": 65536, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     },
+    # DeepSeek-V4's layer pattern (two HCA layers, then CSA and HCA in turn; the first three
+    # hash-routed) and its head, window, compress rates and indexer at a narrower width: 16
+    # layers of 2048, 16 experts of 1280 (4 a token) and a shared one, four residual streams
+    "deepseek-v4-3b": {
+        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+        "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 512, "sliding_window": 128,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "n_shared_experts": 1, "moe_intermediate_size": 1280, "num_hash_layers": 3,
+        "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hc_mult": 4,
+        "hc_sinkhorn_iters": 20, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    },
 }
 
 
@@ -58,6 +72,10 @@ def random_checkpoint(shape: str, folder: Path, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, dims in table.shapes.items():
+        if name.endswith("tid2eid"):            # each token's experts: distinct, at random
+            experts = data["n_routed_experts"]
+            tensors[name] = torch.rand(dims[0], experts, generator=gen).argsort(-1)[:, :dims[1]].contiguous()
+            continue
         if name.endswith("A_log"):
             tensor = (1 + 15 * torch.rand(dims, generator=gen)).log()
         elif "norm" in name:               # each norm the identity, as its family stores it (w or w - 1)
