@@ -288,3 +288,44 @@ def test_kimi_tool_call_sections_read_out_and_forced():
     assert not matcher.get_error()
     assert matcher.validate_tokens([tok.token_to_id(KIMI_OPEN), tok.token_to_id(KIMI_CALL)]) == 2
     assert matcher.validate_tokens(tok.encode("<").ids) == 0           # the mark spelled in ordinary tokens
+
+
+def test_dsml_tool_calls_read_out_streamed_and_forced():
+    """DeepSeek-V4's DSML: a block of invocations, each parameter a string or JSON as it says;
+    ASCII bars read as the fullwidth ones; a block that is not all calls of these tools stays
+    text; the forced grammar accepts a block of the tools' calls, token by token, and no other
+    text first."""
+    import llguidance
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from hebrus.text.tools import DSML
+    tools = [WEATHER, CLOCK]
+    block = (f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n'
+             f'<{DSML}parameter name="city" string="true">Oslo</{DSML}parameter>\n'
+             f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n'
+             f'<{DSML}invoke name="now">\n</{DSML}invoke>\n</{DSML}tool_calls>')
+    for text in (block, block.replace(DSML, "|DSML|")):
+        content, calls = split("Looking." + text, "dsml", tools)
+        assert content == "Looking." and [c.name for c in calls] == ["get_weather", "now"]
+        assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 3} and calls[1].arguments == "{}"
+    streamer, shown, got = Streamer("dsml", tools), "", []
+    for i in range(0, len("Looking." + block), 7):
+        piece, done = streamer.add(("Looking." + block)[i:i + 7])
+        shown += piece
+        got += done
+    assert shown == "Looking." and [c.name for c in got] == ["get_weather", "now"]
+    for bad in (block.replace('"now"', '"missing"'), block.replace('string="false">3', 'string="false">three'),
+                block.replace(f"</{DSML}invoke>\n<", f"</{DSML}invoke>\nx<")):
+        assert split(bad, "dsml", tools) == (bad, [])
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([block], trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ll = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[tok.token_to_id("<eos>")])
+    grammar = forced("dsml", tools, None, True)
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar.source))
+    assert not matcher.get_error()
+    ids = tok.encode(block).ids
+    assert matcher.validate_tokens(ids) == len(ids)
+    fresh = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(grammar.source))
+    assert fresh.validate_tokens(tok.encode("Sure." + block).ids) == 0

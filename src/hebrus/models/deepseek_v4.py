@@ -31,7 +31,7 @@ from hebrus.weights.table import FLOAT_DTYPES, NamesTable
 
 NAME = "deepseek_v4"
 MODEL_TYPES = ("deepseek_v4",)
-TOOL_CALLS = None           # how its models write tool calls: not yet read
+TOOL_CALLS = "dsml"         # how its models write tool calls (`hebrus.text.tools`)
 
 LAYER_KINDS = ("sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention")
 MIXERS = {"sliding_attention": "swa", "heavily_compressed_attention": "hca", "compressed_sparse_attention": "csa"}

@@ -10,6 +10,10 @@ Formats:
 - "kimi" (Kimi-Linear): `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>
   functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
   `<|tool_calls_section_end|>`; the section is one block, read as one or more calls.
+- "dsml" (DeepSeek-V4): `<｜DSML｜tool_calls>` then per call `<｜DSML｜invoke name="NAME">`, its
+  parameters `<｜DSML｜parameter name="KEY" string="true">TEXT</｜DSML｜parameter>` (a string taken as
+  it is) or `string="false">JSON<...>`, `</｜DSML｜invoke>`, then `</｜DSML｜tool_calls>`; the marks'
+  bars are fullwidth (U+FF5C), and ASCII bars are read as them.
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_en
 KIMI_CALL, KIMI_ARGUMENTS, KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 _KIMI = re.compile(r"\s*" + re.escape(KIMI_CALL) + r"\s*functions\.([^:<]+):\d+\s*" + re.escape(KIMI_ARGUMENTS)
                    + r"(.*?)" + re.escape(KIMI_END) + r"\s*", re.DOTALL)
+DSML = "\uff5cDSML\uff5c"
+DSML_OPEN, DSML_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+_INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"\n]+)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
+_DSML_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="([^"\n]+)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
+                             re.DOTALL)
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -45,6 +54,7 @@ def split(text: str, form: str, tools: list[dict]) -> tuple[str, list[Call]]:
     """(the text outside the tool calls, the calls) of a model's output; a block that cannot be
     read as calls of `tools` stays in the text as it was."""
     (open_, close), read = FORMATS[form]
+    text = _normal(text, form)
     block = re.compile(re.escape(open_) + r"(.*?)" + re.escape(close), re.DOTALL)
     calls, kept, at = [], [], 0
     for match in block.finditer(text):
@@ -84,6 +94,41 @@ def _read_kimi(body: str, functions: dict[str, dict]) -> list[Call]:
             return []
         calls.append(Call(name, json.dumps(arguments, ensure_ascii=False)))
     return calls if at == len(body) else []
+
+
+def _read_dsml(body: str, functions: dict[str, dict]) -> list[Call]:
+    """A block's invocations, each of a function of `functions`, its parameters strings or JSON
+    as each says, nothing else between them; else none."""
+    calls, at = [], 0
+    for match in _INVOKE.finditer(body):
+        if match.start() != at or match.group(1) not in functions:
+            return []
+        at = match.end()
+        arguments, inner, params = {}, 0, match.group(2)
+        for p in _DSML_PARAMETER.finditer(params):
+            if p.start() != inner:
+                return []
+            inner = p.end()
+            key, raw, value = p.groups()
+            if raw == "true":
+                arguments[key] = value
+                continue
+            try:
+                arguments[key] = json.loads(value)
+            except ValueError:
+                return []
+        if params[inner:].strip():
+            return []
+        calls.append(Call(match.group(1), json.dumps(arguments, ensure_ascii=False)))
+    return calls if at == len(body) else []
+
+
+def _normal(text: str, form: str) -> str:
+    """DSML's marks with ASCII bars as with fullwidth ones (one character for one: positions
+    in the text stay where they were)."""
+    if form != "dsml":
+        return text
+    return text.replace("<|DSML|", f"<{DSML}").replace("</|DSML|", f"</{DSML}")
 
 
 def _read_hermes(body: str, functions: dict[str, dict]) -> Call | None:
@@ -139,7 +184,7 @@ class Streamer:
 
     def add(self, piece: str) -> tuple[str, list[Call]]:
         """(content that may be shown now, calls completed now)."""
-        self.text += piece
+        self.text = _normal(self.text + piece, self.form)
         out, calls = "", []
         while True:
             rest = self.text[self.shown:]
@@ -181,6 +226,8 @@ def forced(form: str, tools: list[dict], name: str | None, parallel: bool) -> Gr
     body = "(" + calls + ")" + many
     if form == "kimi":                      # the calls inside one section (its marks are special tokens, named bare)
         body = f"{KIMI_OPEN} {body} {KIMI_CLOSE}"
+    elif form == "dsml":                    # the calls inside one block (its marks are text)
+        body = f"{_quoted(DSML_OPEN + chr(10))} {body} {_quoted(DSML_CLOSE)}"
     return Grammar.lark("start: " + body + "\n" + "\n".join(rules) + '\nVALUE: /[^<]*/\n')
 
 
@@ -209,6 +256,11 @@ def _call_rule(form: str, function: dict) -> str:
     if form == "kimi":
         return (f'{KIMI_CALL} {json.dumps("functions." + function["name"] + ":0")} {KIMI_ARGUMENTS} '
                 f"%json {json.dumps(parameters)} {KIMI_END}")
+    if form == "dsml":
+        properties = parameters.get("properties") or {}
+        each = " | ".join(_dsml_parameter(k, v) for k, v in properties.items())
+        return (_quoted(f'<{DSML}invoke name="{function["name"]}">\n') + (f" ({each})*" if each else "")
+                + " " + _quoted(f"</{DSML}invoke>\n"))
     if form == "hermes":
         head = json.dumps(f'{OPEN}\n{{"name": "{name}", "arguments": ')
         return f"{head} %json {json.dumps(parameters)} " + json.dumps("}\n" + CLOSE + "\n")
@@ -222,7 +274,22 @@ def _call_rule(form: str, function: dict) -> str:
     return (json.dumps(f"{OPEN}\n<function={name}>\n") + f" {params} " + json.dumps(f"</function>\n{CLOSE}\n"))
 
 
+def _dsml_parameter(key: str, schema) -> str:
+    """One parameter of a DSML invocation: text for a string (no '<' in it), else JSON of its schema."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    raw = kind in (None, "string") or (isinstance(kind, list) and "string" in kind)
+    head = _quoted(f'<{DSML}parameter name="{key}" string="{"true" if raw else "false"}">')
+    value = "VALUE" if raw else f"%json {json.dumps(schema)}"
+    return f"({head} {value} " + _quoted(f"</{DSML}parameter>\n") + ")"
+
+
+def _quoted(text: str) -> str:
+    """A grammar's string literal of `text`, its fullwidth bars as they are (not escaped)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 # each format: (the text that opens a block, the text that closes it), and the reader of a
 # block's body into its calls (none: the block is text)
 FORMATS = {"qwen3_xml": ((OPEN, CLOSE), _one(_read_xml)), "hermes": ((OPEN, CLOSE), _one(_read_hermes)),
-           "kimi": ((KIMI_OPEN, KIMI_CLOSE), _read_kimi)}
+           "kimi": ((KIMI_OPEN, KIMI_CLOSE), _read_kimi), "dsml": ((DSML_OPEN, DSML_CLOSE), _read_dsml)}
