@@ -428,7 +428,8 @@ def test_mtp_layers_are_left_unread_and_info_says_so(tmp_path, capsys):
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_experts_per_tok": 9}, "exceeds n_routed_experts"),
-    ({"compress_rates": [4, 128]}, "compress_rates must be an object")])
+    ({"compress_rates": [4, 128]}, "compress_rates must be an object"),
+    ({"quantization_config": {"quant_method": "fp8", "expert_dtype": "fp4"}}, "FP4")])
 def test_configs_it_cannot_run_are_refused_by_name(tmp_path, change, message):
     import json
     import hebrus

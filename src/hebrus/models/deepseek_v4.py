@@ -106,6 +106,11 @@ def config(data: Any) -> DeepseekV4Config:
     if not isinstance(data, dict):
         raise InvalidInput(f"a config is a JSON object, got {json_kind(data)}")
     text = dict(data)
+    quantized = text.get("quantization_config")
+    experts = (quantized.get("expert_dtype") if isinstance(quantized, dict) else None) or text.get("expert_dtype")
+    if experts not in (None, "fp8", "bf16", "bfloat16"):
+        raise InvalidInput(f"expert weights stored as {shown(experts)} (the published checkpoints' FP4) are not "
+                           f"supported; 16-bit and FP8 ones are")
     layers = text.get("num_hidden_layers")
     count = layers if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= 1024 else 0
     rates = text.pop("compress_rates", None) or {}
