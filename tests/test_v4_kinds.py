@@ -484,3 +484,30 @@ def test_another_pattern_with_four_streams_matches_transformers_and_splits_anywh
         s = exact.session()
         s.feed(ids[:cut])
         assert torch.equal(s.feed(ids[cut:]), last) and s.digest() == reference.digest(), cut
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("chunks", [(1,) * 17, (2, 7, 1, 3, 4), (17,), (5, 12)])
+def test_a_compressor_over_a_chunk_at_once_is_its_walk(overlap, chunks):
+    """`walk_chunk` against `walk`, chunk after chunk from the same state: the same entry rows
+    and the same state after each chunk (its open window's slots, CSA's previous window)."""
+    from hebrus.ops.v4 import fresh_state, interleaved_tables, walk, walk_chunk
+    gen = torch.Generator().manual_seed(8)
+    rate, d = 3, 4
+    c = 2 * d if overlap else d
+    kv = torch.randn(sum(chunks), c, generator=gen, dtype=torch.float64)
+    gate = torch.randn(sum(chunks), c, generator=gen, dtype=torch.float64)
+    norm = torch.randn(d, generator=gen, dtype=torch.float64)
+    cos, sin = interleaved_tables(2, 1e4, 32, torch.float64)
+    one = many = fresh_state(d, rate, overlap, torch.float64)
+    start, closing = 0, 0
+    for n in chunks:
+        part = slice(start, start + n)
+        rows, one = walk(kv[part], gate[part], one, start, rate, overlap, norm, 1e-6, cos, sin)
+        fast, many = walk_chunk(kv[part], gate[part], many, start, rate, overlap, norm, 1e-6, cos, sin)
+        assert torch.allclose(fast, rows, rtol=1e-12, atol=1e-12)
+        for a, b in zip(one, many):
+            assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+        closing += int(fast.abs().sum(-1).count_nonzero())
+        start += n
+    assert closing == sum(chunks) // rate                     # every window closed, in whichever chunk

@@ -9,11 +9,13 @@ exactly the state a longer chunk passes through, and any chunking gives the same
 
 Positions are read on the host (`StepBatch.starts`): the kinds take eager steps only (a
 planned step's positions live on the device; `host_positions` says so to the step runner).
-Both modes run the definition position by position for the attention; the projections, the
-rows and the compressors' walks run over the chunk."""
+Exact mode runs the definition position by position; fast mode a chunk at once (`walk_chunk`,
+`choose_chunk`, `attend_chunk`: every window the chunk closes in one softmax, every query's
+picks and attention in one product each), the same maps to rounding."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -22,7 +24,8 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import rms_norm
-from hebrus.ops.v4 import choose, closed, grouped, interleaved_tables, rotate_tail, sink_attention, walk
+from hebrus.ops.v4 import (attend_chunk, choose, choose_chunk, closed, grouped, interleaved_tables, rotate_tail,
+                           sink_attention, walk, walk_chunk)
 from hebrus.state.context import StepContext
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
 from hebrus.state.step import StepBatch
@@ -123,6 +126,16 @@ class V4Attention(Sublayer):
         rows = at.visible(logs["rows"][at.which[0]])
         entries = at.visible(logs["entries"][at.which[0]]) if m else None
         keys = at.visible(logs["keys"][at.which[0]]) if self.overlap else None
+        if self.kernels.whole_chunk:            # every query at once
+            first = max(0, start - a.window + 1)
+            closed_all = None if not m else closed(entries, start + T - 1, m)
+            chosen = None
+            if self.overlap:
+                chosen = choose_chunk(qi, weights, closed(keys, start + T - 1, m), start, m, a.index_topk,
+                                      a.index_dim ** -0.5)
+            o = attend_chunk(q, rows[first:], first, start, a.window, w["sinks"], d ** -0.5, closed_all, m, chosen)
+            o = rotate_tail(o, cos, sin, inverse=True).reshape(T, H * d)
+            return self.linear(grouped(o, w["o_a.weight"], a.groups), w["o_b.weight"]), state
         outs = []
         for j in range(T):
             t = start + j
@@ -148,7 +161,8 @@ class V4Attention(Sublayer):
             mine = state[i * per:(i + 1) * per]
             walked = mine if self.overlap else mine + (None, None)
             kv, gate = self.linear(h, w[p + "kv.weight"]), self.linear(h, w[p + "gate.weight"]) + w[p + "bias"][slot]
-            rows, walked = walk(kv, gate, walked, start, m, self.overlap, w[p + "norm.weight"], self.norm_eps, cos, sin, each)
+            fold = walk_chunk if self.kernels.whole_chunk and not each else partial(walk, each=each)
+            rows, walked = fold(kv, gate, walked, start, m, self.overlap, w[p + "norm.weight"], self.norm_eps, cos, sin)
             at.put(logs[log], rows)
             out += walked[:per]
         return tuple(out)

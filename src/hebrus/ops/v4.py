@@ -203,3 +203,88 @@ def step(w: dict, shape: Shape, state: dict, h: torch.Tensor, t: int, main, comp
     o = sink_attention(q, torch.cat(visible), w["sinks"], d ** -0.5)
     o = rotate_tail(o[None], cos[at], sin[at], inverse=True).reshape(1, H * d)
     return grouped_output(o, w["o_a"], w["o_b"], shape.groups)[0], state
+
+
+# ---- a chunk at once: fast mode's forms, each the same map as its position-by-position twin ------
+
+def walk_chunk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps: float, cos, sin):
+    """`walk` over a chunk at once (the state after its last position only): the chunk's rows
+    after the open window's earlier ones, cut into whole windows, every entry closed in one
+    softmax. -> (rows [T, d], state)."""
+    window_kv, window_gate, previous_kv, previous_gate = state
+    T, c = kv.shape
+    d = c // 2 if overlap else c
+    held = start % rate                                   # the open window's positions before the chunk
+    base = start - held
+    seq_kv = torch.cat([window_kv[:held], kv.to(window_kv.dtype)])          # in the state's dtype, as `walk`
+    seq_gate = torch.cat([window_gate[:held], gate.to(window_gate.dtype)])
+    n = (held + T) // rate                                # windows the chunk closes
+    rows = kv.new_zeros(T, d)
+    if n:
+        full_kv = seq_kv[:n * rate].view(n, rate, c)
+        full_gate = seq_gate[:n * rate].view(n, rate, c)
+        if overlap:
+            first = base == 0                             # the very first window has no previous one
+            before_kv = torch.cat([previous_kv[None], full_kv[:-1]])[..., :d]
+            before_gate = torch.cat([previous_gate[None], full_gate[:-1]])[..., :d]
+            if first:
+                before_gate = before_gate.clone()
+                before_gate[0] = float("-inf")
+            slot_kv = torch.cat([before_kv, full_kv[..., d:]], dim=1)           # [n, 2·rate, d]
+            slot_gate = torch.cat([before_gate, full_gate[..., d:]], dim=1)
+        else:
+            slot_kv, slot_gate = full_kv, full_gate
+        entries = rms_norm((torch.softmax(slot_gate, dim=1) * slot_kv).sum(1), norm, eps)
+        firsts = base + rate * torch.arange(n, device=kv.device)
+        entries = rotate_tail(entries, cos[firsts], sin[firsts])
+        closing = firsts + rate - 1 - start                                     # their rows in the chunk
+        rows[closing] = entries.to(rows.dtype)
+        if overlap:
+            previous_kv, previous_gate = full_kv[-1], full_gate[-1]
+    last = min(T, rate)                                   # each slot's latest position
+    slots = (torch.arange(start + T - last, start + T, device=kv.device)) % rate
+    window_kv, window_gate = window_kv.clone(), window_gate.clone()
+    window_kv[slots], window_gate[slots] = kv[-last:].to(window_kv.dtype), gate[-last:].to(window_gate.dtype)
+    return rows, (window_kv, window_gate, previous_kv, previous_gate)
+
+
+def attend_chunk(q, rows, first: int, start: int, window: int, sinks, scale: float, entries=None, rate: int = 0,
+                 chosen=None):
+    """Every query of a chunk at once: q [T, H, d] at positions start..start+T-1 over rows [S, d]
+    (position `first` on), each within its window, and entries [n, d] of which query t sees
+    w < (t + 1) // rate (all of them, or with `chosen` [T, k] the indexer's picks, -1 for none)
+    -> [T, H, d]. The same map as `sink_attention` a query."""
+    T = q.shape[0]
+    at = start + torch.arange(T, device=q.device)
+    row_at = first + torch.arange(rows.shape[0], device=q.device)
+    seen = (row_at[None] <= at[:, None]) & (row_at[None] > at[:, None] - window)            # [T, S]
+    logits = [torch.einsum("thd,sd->ths", q, rows.to(q.dtype)).masked_fill(~seen[:, None], float("-inf")) * scale]
+    if entries is not None and entries.shape[0]:
+        if chosen is None:
+            keys = entries.to(q.dtype)[None].expand(T, -1, -1)                             # [T, n, d]
+            valid = torch.arange(entries.shape[0], device=q.device)[None] < ((at + 1) // rate)[:, None]
+        else:
+            keys = entries.to(q.dtype)[chosen.clamp(min=0)]                                 # [T, k, d]
+            valid = chosen >= 0
+        logits.append(torch.einsum("thd,tkd->thk", q, keys).masked_fill(~valid[:, None], float("-inf")) * scale)
+    else:
+        keys = None
+    logits.append(sinks.to(q.dtype)[None, :, None].expand(T, -1, 1))
+    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    S = rows.shape[0]
+    out = torch.einsum("ths,sd->thd", weights[..., :S], rows.to(q.dtype))
+    if keys is not None:
+        out = out + torch.einsum("thk,tkd->thd", weights[..., S:-1], keys)
+    return out
+
+
+def choose_chunk(q, weights, keys, start: int, rate: int, top: int, scale: float) -> torch.Tensor:
+    """`choose` for every query of a chunk: q [T, H, c], weights [T, H], keys [n, c] -> [T, k]
+    (k = min(top, n)): query t's best of the keys it sees, best first, ties to the smaller
+    index, -1 past the ones it sees."""
+    T, n = q.shape[0], keys.shape[0]
+    at = start + torch.arange(T, device=q.device)
+    seen = torch.arange(n, device=q.device)[None] < ((at + 1) // rate)[:, None]
+    scores = (F.relu(torch.einsum("thc,nc->thn", q, keys.to(q.dtype))) * scale * weights[..., None]).sum(1)
+    picked = top_k(scores.masked_fill(~seen, float("-inf")), min(top, n))
+    return torch.where(seen.gather(1, picked), picked, -1)
