@@ -511,3 +511,34 @@ def test_a_compressor_over_a_chunk_at_once_is_its_walk(overlap, chunks):
         closing += int(fast.abs().sum(-1).count_nonzero())
         start += n
     assert closing == sum(chunks) // rate                     # every window closed, in whichever chunk
+
+
+@pytest.mark.parametrize("tile", [1, 3, 128])
+def test_a_chunk_of_queries_in_tiles_is_each_query_alone(tile, monkeypatch):
+    """`attend_chunk` and `choose_chunk` in tiles of any size, queries from mid-stream: each
+    query as `sink_attention` and `choose` have it alone (HCA: every entry it sees; CSA: its
+    picks), within 1e-12."""
+    import hebrus.ops.v4 as v4
+    monkeypatch.setattr(v4, "TILE", tile)
+    gen = torch.Generator().manual_seed(9)
+    H, d, window, rate, start, T = 3, 8, 5, 3, 11, 10
+    q = torch.randn(T, H, d, generator=gen, dtype=torch.float64)
+    rows = torch.randn(start + T, d, generator=gen, dtype=torch.float64)
+    entries = torch.randn((start + T) // rate, d, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64)
+    qi = torch.randn(T, 16, 4, generator=gen, dtype=torch.float64)
+    weights = torch.randn(T, 16, generator=gen, dtype=torch.float64)
+    keys = torch.randn(entries.shape[0], 4, generator=gen, dtype=torch.float64)
+    chosen = v4.choose_chunk(qi, weights, keys, start, rate, 2, 0.5)
+    first = start - window + 1
+    for picks in (None, chosen):
+        got = v4.attend_chunk(q, rows[first:], first, start, window, sinks, 0.3, entries, rate, picks)
+        for j in range(T):
+            t = start + j
+            mine = entries[:(t + 1) // rate]
+            if picks is not None:
+                alone = v4.choose(qi[j], weights[j], keys[:(t + 1) // rate], 2, 0.5)
+                assert chosen[j, :len(alone)].tolist() == alone.tolist() and (chosen[j, len(alone):] == -1).all()
+                mine = mine[alone]
+            want = v4.sink_attention(q[j], torch.cat([rows[t - window + 1:t + 1], mine]), sinks, 0.3)
+            assert torch.allclose(got[j], want, rtol=1e-12, atol=1e-12), (picks is None, j)

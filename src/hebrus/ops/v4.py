@@ -248,43 +248,62 @@ def walk_chunk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps:
     return rows, (window_kv, window_gate, previous_kv, previous_gate)
 
 
+TILE = 128          # queries a tile of `attend_chunk` and `choose_chunk`: their logits and picks are per tile
+
+
 def attend_chunk(q, rows, first: int, start: int, window: int, sinks, scale: float, entries=None, rate: int = 0,
                  chosen=None):
-    """Every query of a chunk at once: q [T, H, d] at positions start..start+T-1 over rows [S, d]
+    """Every query of a chunk: q [T, H, d] at positions start..start+T-1 over rows [S, d]
     (position `first` on), each within its window, and entries [n, d] of which query t sees
     w < (t + 1) // rate (all of them, or with `chosen` [T, k] the indexer's picks, -1 for none)
-    -> [T, H, d]. The same map as `sink_attention` a query."""
-    T = q.shape[0]
+    -> [T, H, d]. The same map as `sink_attention` a query; queries go `TILE` at a time, each
+    tile over the rows its windows reach (the logits of a tile, not of the chunk, are held)."""
+    outs = []
+    for a in range(0, q.shape[0], TILE):
+        b = min(a + TILE, q.shape[0])
+        lo = max(first, start + a - window + 1)                     # the tile's first row
+        outs.append(_attend_tile(q[a:b], rows[lo - first:start + b - first], lo, start + a, window, sinks, scale,
+                                 entries, rate, None if chosen is None else chosen[a:b]))
+    return torch.cat(outs)
+
+
+def _attend_tile(q, rows, first: int, start: int, window: int, sinks, scale: float, entries, rate: int, chosen):
+    T, S = q.shape[0], rows.shape[0]
     at = start + torch.arange(T, device=q.device)
-    row_at = first + torch.arange(rows.shape[0], device=q.device)
+    row_at = first + torch.arange(S, device=q.device)
     seen = (row_at[None] <= at[:, None]) & (row_at[None] > at[:, None] - window)            # [T, S]
-    logits = [torch.einsum("thd,sd->ths", q, rows.to(q.dtype)).masked_fill(~seen[:, None], float("-inf")) * scale]
+    rows = rows.to(q.dtype)
+    logits = [torch.einsum("thd,sd->ths", q, rows).masked_fill(~seen[:, None], float("-inf")) * scale]
+    keys = None
     if entries is not None and entries.shape[0]:
-        if chosen is None:
-            keys = entries.to(q.dtype)[None].expand(T, -1, -1)                             # [T, n, d]
-            valid = torch.arange(entries.shape[0], device=q.device)[None] < ((at + 1) // rate)[:, None]
-        else:
+        if chosen is None:                  # HCA: every closed entry
+            keys = entries.to(q.dtype)
+            valid = torch.arange(keys.shape[0], device=q.device)[None] < ((at + 1) // rate)[:, None]
+            logits.append(torch.einsum("thd,nd->thn", q, keys).masked_fill(~valid[:, None], float("-inf")) * scale)
+        else:                               # CSA: each query's picks
             keys = entries.to(q.dtype)[chosen.clamp(min=0)]                                 # [T, k, d]
-            valid = chosen >= 0
-        logits.append(torch.einsum("thd,tkd->thk", q, keys).masked_fill(~valid[:, None], float("-inf")) * scale)
-    else:
-        keys = None
+            logits.append(torch.einsum("thd,tkd->thk", q, keys).masked_fill(~(chosen >= 0)[:, None], float("-inf"))
+                          * scale)
     logits.append(sinks.to(q.dtype)[None, :, None].expand(T, -1, 1))
     weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
-    S = rows.shape[0]
-    out = torch.einsum("ths,sd->thd", weights[..., :S], rows.to(q.dtype))
+    out = torch.einsum("ths,sd->thd", weights[..., :S], rows)
     if keys is not None:
-        out = out + torch.einsum("thk,tkd->thd", weights[..., S:-1], keys)
+        shared = "thn,nd->thd" if chosen is None else "thk,tkd->thd"
+        out = out + torch.einsum(shared, weights[..., S:-1], keys)
     return out
 
 
 def choose_chunk(q, weights, keys, start: int, rate: int, top: int, scale: float) -> torch.Tensor:
-    """`choose` for every query of a chunk: q [T, H, c], weights [T, H], keys [n, c] -> [T, k]
-    (k = min(top, n)): query t's best of the keys it sees, best first, ties to the smaller
-    index, -1 past the ones it sees."""
+    """`choose` for every query of a chunk, `TILE` at a time: q [T, H, c], weights [T, H], keys
+    [n, c] -> [T, k] (k = min(top, n)): query t's best of the keys it sees, best first, ties to
+    the smaller index, -1 past the ones it sees."""
     T, n = q.shape[0], keys.shape[0]
-    at = start + torch.arange(T, device=q.device)
-    seen = torch.arange(n, device=q.device)[None] < ((at + 1) // rate)[:, None]
-    scores = (F.relu(torch.einsum("thc,nc->thn", q, keys.to(q.dtype))) * scale * weights[..., None]).sum(1)
-    picked = top_k(scores.masked_fill(~seen, float("-inf")), min(top, n))
-    return torch.where(seen.gather(1, picked), picked, -1)
+    keys, picks = keys.to(q.dtype), []
+    for a in range(0, T, TILE):
+        b = min(a + TILE, T)
+        at = start + torch.arange(a, b, device=q.device)
+        seen = torch.arange(n, device=q.device)[None] < ((at + 1) // rate)[:, None]
+        scores = (F.relu(torch.einsum("thc,nc->thn", q[a:b], keys)) * scale * weights[a:b, :, None]).sum(1)
+        picked = top_k(scores.masked_fill(~seen, float("-inf")), min(top, n))
+        picks.append(torch.where(seen.gather(1, picked), picked, -1))
+    return torch.cat(picks)
