@@ -542,3 +542,26 @@ def test_a_chunk_of_queries_in_tiles_is_each_query_alone(tile, monkeypatch):
                 mine = mine[alone]
             want = v4.sink_attention(q[j], torch.cat([rows[t - window + 1:t + 1], mine]), sinks, 0.3)
             assert torch.allclose(got[j], want, rtol=1e-12, atol=1e-12), (picks is None, j)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_v4_sessions_stepping_together_are_each_alone(mode):
+    """Three sessions at different positions (windows open at different slots) fed together,
+    a token each and then chunks of different lengths: each one's logits and state as when fed
+    alone (the same bits in exact mode)."""
+    import hebrus
+    model = _v4_attention_model(mode)
+    prompts = [[(3 * i + k) % 250 + 1 for i in range(n)] for k, n in ((1, 7), (2, 12), (3, 4))]
+    together, alone = [model.session() for _ in prompts], [model.session() for _ in prompts]
+    for s, a, p in zip(together, alone, prompts):
+        s.feed(p)
+        a.feed(p)
+    batch = hebrus.Batch(together)
+    for step in ([5, 6, 7], [[1, 2], [3], [4, 5, 6, 7, 8]], [9, 9, 9]):
+        got = batch.feed(step)
+        for s, a, ids, logits in zip(together, alone, step, got):
+            want = a.feed(ids if isinstance(ids, list) else [ids])
+            if mode == "exact":
+                assert torch.equal(logits, want) and s.digest() == a.digest()
+            else:
+                torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
