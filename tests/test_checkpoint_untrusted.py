@@ -68,7 +68,7 @@ def test_config_that_is_not_one_json_object_is_refused(folder, text):
     ("ple_buckets", 509, "ple_buckets must be a list of integers, got 509"),
     ("tie_embeddings", "yes", "tie_embeddings must be true or false, got 'yes'"),
     ("tie_embeddings", 0, "tie_embeddings must be true or false, got 0"),
-    ("model_type", "llama", "model_type 'llama' is not supported; supported: hebrus, kimi_linear, qwen3_5"),
+    ("model_type", "llama", "model_type 'llama' is not supported; supported: deepseek_v4, hebrus, kimi_linear, qwen3_5"),
 ])
 def test_config_fields_of_the_wrong_type_are_refused(folder, key, value, problem):
     _edit_config(folder, **{key: value})

@@ -253,6 +253,16 @@ def test_after_a_stop_string_a_choice_takes_nothing_more():
     assert whole["usage"]["completion_tokens"] == 4
 
 
+def _streamed(form: str, tools: list, text: str, step: int):
+    """`text` through a Streamer `step` characters at a time -> (content shown, calls)."""
+    streamer, shown, got = Streamer(form, tools), "", []
+    for i in range(0, len(text), step):
+        piece, done = streamer.add(text[i:i + step])
+        shown += piece
+        got += done
+    return shown, got
+
+
 def test_kimi_tool_call_sections_read_out_and_forced():
     """Kimi's format: a section of calls between special tokens, each `functions.NAME:i` with
     its JSON arguments; a section that is not all calls of these tools stays text; the forced
@@ -268,11 +278,7 @@ def test_kimi_tool_call_sections_read_out_and_forced():
     content, calls = split("Looking." + section, "kimi", tools)
     assert content == "Looking." and [c.name for c in calls] == ["get_weather", "now"]
     assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 3}
-    streamer, shown, got = Streamer("kimi", tools), "", []
-    for i in range(0, len("Looking." + section), 5):
-        piece, done = streamer.add(("Looking." + section)[i:i + 5])
-        shown += piece
-        got += done
+    shown, got = _streamed("kimi", tools, "Looking." + section, 5)
     assert shown == "Looking." and [c.name for c in got] == ["get_weather", "now"]
     for bad in (section.replace("functions.now", "functions.missing"), section.replace('{"city"', '["city"'),
                 section.replace(KIMI_END + KIMI_CALL, KIMI_END + "x" + KIMI_CALL)):
@@ -308,11 +314,7 @@ def test_dsml_tool_calls_read_out_streamed_and_forced():
         content, calls = split("Looking." + text, "dsml", tools)
         assert content == "Looking." and [c.name for c in calls] == ["get_weather", "now"]
         assert json.loads(calls[0].arguments) == {"city": "Oslo", "days": 3} and calls[1].arguments == "{}"
-    streamer, shown, got = Streamer("dsml", tools), "", []
-    for i in range(0, len("Looking." + block), 7):
-        piece, done = streamer.add(("Looking." + block)[i:i + 7])
-        shown += piece
-        got += done
+    shown, got = _streamed("dsml", tools, "Looking." + block, 7)
     assert shown == "Looking." and [c.name for c in got] == ["get_weather", "now"]
     for bad in (block.replace('"now"', '"missing"'), block.replace('string="false">3', 'string="false">three'),
                 block.replace(f"</{DSML}invoke>\n<", f"</{DSML}invoke>\nx<")):

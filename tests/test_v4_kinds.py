@@ -396,11 +396,12 @@ def test_v4_state_matches_transformers_cache_in_float64(tmp_path):
     assert checked == 1 + (1 + 3) + 2 * (1 + 2 * 4)          # swa, hca, two csa layers
 
 
-def test_verify_passes_for_the_family(tmp_path):
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "int8"]])
+def test_verify_passes_for_the_family(tmp_path, quantize):
     from foreign import build
     from hebrus.cli import main
     folder, _ = build("deepseek_v4", tmp_path)
-    assert main(["verify", "--model", str(folder)]) == 0
+    assert main(["verify", "--model", str(folder), *quantize]) == 0
 
 
 def test_mtp_layers_are_left_unread_and_info_says_so(tmp_path, capsys):
