@@ -110,7 +110,8 @@ def as_multimodal(folder: Path, model_type: str) -> None:
 @contextlib.contextmanager
 def float64_everywhere():
     """transformers computes norms, rotary angles, the delta rule and softmaxes in float32 even
-    in a float64 model (`.float()`, `.to(torch.float32)`, `softmax(dtype=torch.float32)`, as a function or a method);
+    in a float64 model (`.float()`, `.to(torch.float32)`, `softmax(dtype=torch.float32)`, as a function or a method,
+    `arange(dtype=torch.float32)`);
     inside this context those casts go to float64, so a float64 model is float64 throughout."""
     import torch.nn.functional as F
 
@@ -118,7 +119,7 @@ def float64_everywhere():
         return torch.float64 if dtype == torch.float32 else dtype
 
     orig_to, orig_float, orig_softmax, orig_type = torch.Tensor.to, torch.Tensor.float, F.softmax, torch.Tensor.type
-    orig_method = torch.Tensor.softmax
+    orig_method, orig_arange = torch.Tensor.softmax, torch.arange
 
     def to(self, *args, **kwargs):
         args = tuple(wide(a) if isinstance(a, torch.dtype) else a for a in args)
@@ -136,16 +137,21 @@ def float64_everywhere():
             kwargs["dtype"] = wide(kwargs["dtype"])
         return orig_method(self, *args, **kwargs)
 
+    def arange(*args, **kwargs):
+        if "dtype" in kwargs:
+            kwargs["dtype"] = wide(kwargs["dtype"])
+        return orig_arange(*args, **kwargs)
+
     def type_(self, dtype=None, *args, **kwargs):
         return orig_type(self, *args, **kwargs) if dtype is None else orig_type(self, wide(dtype), *args, **kwargs)
 
     torch.Tensor.to, torch.Tensor.float, F.softmax = to, lambda self, *a, **k: self.double(), softmax
-    torch.Tensor.type, torch.Tensor.softmax = type_, softmax_method
+    torch.Tensor.type, torch.Tensor.softmax, torch.arange = type_, softmax_method, arange
     try:
         yield
     finally:
         torch.Tensor.to, torch.Tensor.float, F.softmax = orig_to, orig_float, orig_softmax
-        torch.Tensor.type, torch.Tensor.softmax = orig_type, orig_method
+        torch.Tensor.type, torch.Tensor.softmax, torch.arange = orig_type, orig_method, orig_arange
 
 
 def in_float64(model):
@@ -157,12 +163,17 @@ def in_float64(model):
                                                         or getattr(wide.config, "n_routed_experts", 0)):
         wide.set_experts_implementation("eager")
     if wide.config.model_type == "deepseek_v4":        # two rotations, one table each, in every rotary module
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         for module in wide.modules():
             if hasattr(module, "main_inv_freq"):
                 for label, params in wide.config.rope_parameters.items():
                     dim = 2 * getattr(module, f"{label}_inv_freq").numel()
-                    setattr(module, f"{label}_inv_freq", 1.0 / (params["rope_theta"]
-                                                                ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)))
+                    if params.get("rope_type", "default") == "default":
+                        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+                    else:                               # its own init, computed in float64
+                        with float64_everywhere():
+                            inv_freq = ROPE_INIT_FUNCTIONS[params["rope_type"]](wide.config, None, layer_type=label)[0]
+                    setattr(module, f"{label}_inv_freq", inv_freq)
         return wide
     rotary = getattr(wide.model, "rotary_emb", None)
     if rotary is None:                                  # a family without rotary (Kimi-Linear)

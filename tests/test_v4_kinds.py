@@ -424,8 +424,10 @@ def test_mtp_layers_are_left_unread_and_info_says_so(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4},
+                          "compress": {"rope_type": "default", "rope_theta": 1.6e5}}}, "main has rope_type 'yarn'"),
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
-                          "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 16}}}, "rope_type 'yarn'"),
+                          "compress": {"rope_type": "longrope", "rope_theta": 1.6e5}}}, "rope_type 'longrope'"),
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_experts_per_tok": 9}, "exceeds n_routed_experts"),
@@ -566,3 +568,29 @@ def test_v4_sessions_stepping_together_are_each_alone(mode):
                 assert torch.equal(logits, want) and s.digest() == a.digest()
             else:
                 torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
+
+
+def test_yarn_on_the_compressing_layers_matches_transformers(tmp_path):
+    """A config with YaRN (transformers applies it to the compressing layers only, attention
+    factor 1): the prompt's logits and 8 greedy steps within 1e-12 of transformers' in float64,
+    and the compressing layers' rotation is not the plain one."""
+    import hebrus
+    from foreign import build, float64_everywhere, in_float64, reference_run
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+    folder, model = build("deepseek_v4", tmp_path, rope_parameters=yarn)
+    ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    with float64_everywhere():
+        prompt_logits, _, tokens, step_logits = reference_run(in_float64(model), ids, 8)
+    ours = hebrus.load(folder, dtype=torch.float64)
+    section = next(s for s in ours.spec.sections if type(s).__name__ == "V4AttentionSection")
+    assert section.yarn_factor == 4.0 and section.yarn_original == 64
+    session = ours.session()
+    for a in range(0, 23, 6):
+        logits = session.feed(ids[a:a + 6])
+        want = prompt_logits[min(a + 6, 23) - 1]
+        assert float((logits - want).abs().max() / want.abs().max()) <= 1e-12
+    for step in range(8):
+        assert float((session.logits - step_logits[step]).abs().max() / step_logits[step].abs().max()) <= 1e-12
+        session.feed([tokens[step]])
+    plain = hebrus.load(build("deepseek_v4", tmp_path / "plain")[0], dtype=torch.float64).session().feed(ids)
+    assert not torch.allclose(plain, prompt_logits[-1], rtol=1e-6, atol=1e-6)

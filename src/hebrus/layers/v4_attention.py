@@ -24,8 +24,8 @@ from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import rms_norm
-from hebrus.ops.v4 import (attend_chunk, choose, choose_chunk, closed, grouped, interleaved_tables, rotate_tail,
-                           sink_attention, walk, walk_chunk)
+from hebrus.ops.v4 import (Yarn, attend_chunk, choose, choose_chunk, closed, grouped, interleaved_tables,
+                           rotate_tail, sink_attention, walk, walk_chunk)
 from hebrus.state.context import StepContext
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
 from hebrus.state.step import StepBatch
@@ -48,6 +48,19 @@ class V4AttentionSection:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    # YaRN on the compressing layers' rotation (`ops.v4.Yarn`): factor 0 is none
+    yarn_factor: float = 0.0
+    yarn_original: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
+    yarn_attention: float = 1.0
+
+    def yarn(self) -> Yarn | None:
+        if not self.yarn_factor:
+            return None
+        return Yarn(self.yarn_factor, self.yarn_original, self.yarn_beta_fast, self.yarn_beta_slow, self.yarn_truncate,
+                    self.yarn_attention)
 
     def problems(self, s):
         if min(self.heads, self.head_dim, self.q_rank, self.window, self.groups, self.group_rank) < 1:
@@ -61,15 +74,18 @@ class V4AttentionSection:
             yield "v4_attention: compress rates must be at least 0"
         if self.csa_rate and min(self.index_heads, self.index_dim, self.index_topk) < 1:
             yield "v4_attention: a CSA layer's indexer needs index_heads, index_dim and index_topk of at least 1"
+        if self.yarn_factor and (self.yarn_factor < 0 or self.yarn_original < 1 or self.yarn_beta_slow <= 0
+                                 or self.yarn_beta_fast <= 0):
+            yield "v4_attention: YaRN needs a positive factor, original context and betas"
 
 
-def rotary(shared: dict, s, theta: float, like: torch.Tensor):
+def rotary(shared: dict, s, theta: float, like: torch.Tensor, yarn: Yarn | None = None):
     """The interleaved rotation's (cos, sin) for every position up to max_context, one per theta
-    for the model (`shared`)."""
-    key = ("v4_rotary", theta)
+    (and YaRN) for the model (`shared`)."""
+    key = ("v4_rotary", theta, yarn)
     if key not in shared:
         shared[key] = interleaved_tables(s.section(V4AttentionSection).rope_dim, theta, s.max_context,
-                                         like.dtype, like.device)
+                                         like.dtype, like.device, yarn)
     return shared[key]
 
 
@@ -83,7 +99,7 @@ class V4Attention(Sublayer):
         prefix = self.name + "."
         self.w = {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
         self.linear, self.norm_eps = kernels.linear, s.rms_norm_eps
-        self.compress = rotary(shared, s, a.compress_theta, params["embed.weight"])
+        self.compress = rotary(shared, s, a.compress_theta, params["embed.weight"], a.yarn())
         self.tables = self.compress if self.rate else rotary(shared, s, a.theta, params["embed.weight"])
         self.banked = kind.banked(prefix)
 

@@ -5,9 +5,9 @@ layers and √softplus-routed ones after (`hash_moe`, `moe`), SwiGLU clipped, wi
 expert; the manifold-constrained hyper-connection residual of `hc_mult` streams and its head
 (the Hebrus model's `hyper` residual); plain-weight RMSNorms.
 
-Read: transformers' layout and config (`save_pretrained`'s). Refused, by name: rotary scaling
-(the published checkpoints' YaRN on compressing layers), attention biases, other activations;
-FP4 expert weights are out of scope. A checkpoint's multi-token-prediction layers are not read
+Read: the release's layout and transformers' (`save_pretrained` writes the release's), with
+YaRN on the compressing layers' rotation. Refused, by name: any other rotary scaling, attention
+biases, other activations; FP4 expert weights are out of scope. A checkpoint's multi-token-prediction layers are not read
 (`num_nextn_predict_layers`: speculative decoding does not use them).
 """
 from __future__ import annotations
@@ -80,6 +80,12 @@ class DeepseekV4Config:
     attention_bias: bool = bounded(default=False)
     mlp_bias: bool = bounded(default=False)
     num_nextn_predict_layers: int = bounded(0, 64, 0)        # read for `hebrus info`; the layers are not
+    yarn_factor: float = bounded(0, 2**20, 0.0)               # YaRN on the compressing layers (0: none)
+    yarn_original: int = bounded(0, 2**24, 0)
+    yarn_beta_fast: float = bounded(0, 2**20, 32.0, open_low=True)
+    yarn_beta_slow: float = bounded(0, 2**20, 1.0, open_low=True)
+    yarn_truncate: bool = bounded(default=True)
+    yarn_attention: float = bounded(0, 2**10, 1.0, open_low=True)
 
     def __post_init__(self) -> None:
         problems = field_problems(self)
@@ -139,21 +145,37 @@ def config(data: Any) -> DeepseekV4Config:
 
 def _rotary(text: dict) -> None:
     """`qk_rope_head_dim` and the two thetas from `rope_parameters` (transformers' nested "main"
-    and "compress", or flat), `partial_rotary_factor` or the keys themselves; scaling refused."""
+    and "compress", or flat: then a scaling applies to the compressing layers, as transformers
+    has it), `partial_rotary_factor` or the keys themselves; YaRN on the compressing layers read
+    into `yarn_*` (its attention factor 1 unless given, as transformers sets it); any other
+    scaling, or one on the sliding-window layers, refused."""
     head_dim = text.get("head_dim")
-    rope = text.get("rope_parameters") or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise InvalidInput(f"rope_parameters must be an object, got {json_kind(rope)}")
     nested = {label: rope[label] for label in ("main", "compress") if isinstance(rope.get(label), dict)}
-    for label, params in (nested or {"": rope}).items():
+    main, compress = (nested.get("main", {}), nested.get("compress", {})) if nested else ({}, rope)
+    for label, params in (("main", main), ("compress", compress)):
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise InvalidInput(f"rope_parameters{'.' + label if label else ''} has rope_type {shown(kind)}: "
-                               f"only 'default' is supported (rotary scaling, the published checkpoints' YaRN, is not yet)")
-    if "main" in nested and "rope_theta" in nested["main"]:
-        text["rope_theta"] = nested["main"]["rope_theta"]
-    if "compress" in nested and "rope_theta" in nested["compress"]:
-        text["compress_rope_theta"] = nested["compress"]["rope_theta"]
+        allowed = ("default", "yarn") if label == "compress" else ("default",)
+        if kind not in allowed:
+            raise InvalidInput(f"rope_parameters{'.' + label if nested else ''} has rope_type {shown(kind)}: "
+                               f"{' or '.join(repr(k) for k in allowed)} is supported there")
+    if "rope_theta" in main:
+        text["rope_theta"] = main["rope_theta"]
+    if nested and "rope_theta" in compress:
+        text["compress_rope_theta"] = compress["rope_theta"]
+    if compress.get("rope_type", compress.get("type")) == "yarn":
+        factor = compress.get("factor")
+        original = compress.get("original_max_position_embeddings")
+        if factor is None and isinstance(original, int) and original > 0:
+            factor = text.get("max_position_embeddings", 1048576) / original
+        text |= {"yarn_factor": factor, "yarn_original": original, "yarn_beta_fast": compress.get("beta_fast") or 32.0,
+                 "yarn_beta_slow": compress.get("beta_slow") or 1.0, "yarn_truncate": rope.get("truncate", True),
+                 "yarn_attention": compress.get("attention_factor", 1.0)}
+        for key in ("mscale", "mscale_all_dim"):
+            if compress.get(key) and "attention_factor" not in compress:
+                raise InvalidInput(f"rope_parameters: YaRN's {key} without an attention_factor is not supported")
     factor = text.get("partial_rotary_factor") or next((p.get("partial_rotary_factor") for p in nested.values()), None)
     if "qk_rope_head_dim" not in text:
         if factor is None:
@@ -173,7 +195,9 @@ def spec(c: DeepseekV4Config) -> ModelSpec:
         window=c.sliding_window, groups=c.o_groups, group_rank=c.o_lora_rank, theta=c.rope_theta,
         compress_theta=c.compress_rope_theta, hca_rate=c.hca_rate if "hca" in mixers else 0,
         csa_rate=c.csa_rate if csa else 0, index_heads=c.index_n_heads if csa else 0,
-        index_dim=c.index_head_dim if csa else 0, index_topk=c.index_topk if csa else 0)
+        index_dim=c.index_head_dim if csa else 0, index_topk=c.index_topk if csa else 0,
+        yarn_factor=c.yarn_factor, yarn_original=c.yarn_original, yarn_beta_fast=c.yarn_beta_fast,
+        yarn_beta_slow=c.yarn_beta_slow, yarn_truncate=c.yarn_truncate, yarn_attention=c.yarn_attention)
     experts = ExpertsSection(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                              c.moe_intermediate_size * c.n_shared_experts, c.norm_topk_prob, shared_gated=False,
                              scoring=c.scoring_func, scale=c.routed_scaling_factor, limit=c.swiglu_limit or None)

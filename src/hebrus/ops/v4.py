@@ -26,6 +26,7 @@ Rotations here pair neighbouring channels (2i, 2i + 1), not the two halves (`ops
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,42 @@ from hebrus.ops.choose import top_k
 from hebrus.ops.norm import rms_norm
 
 
-def interleaved_tables(rope_dim: int, theta: float, positions: int, dtype: torch.dtype, device=None):
-    """cos, sin [positions, rope_dim / 2]: one angle per pair of channels, built in float64."""
+def interleaved_tables(rope_dim: int, theta: float, positions: int, dtype: torch.dtype, device=None,
+                       yarn: "Yarn | None" = None):
+    """cos, sin [positions, rope_dim / 2]: one angle per pair of channels, built in float64;
+    with `yarn`, its frequencies and its factor on both tables."""
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = yarn.frequencies(rope_dim, theta), yarn.attention
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
-    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+    return (angles.cos() * scale).to(dtype=dtype, device=device), (angles.sin() * scale).to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN's frequencies: each pair's interpolated by `factor` where it turns fewer than
+    `beta_slow` times over the `original` context, kept where more than `beta_fast` times, a
+    linear ramp between (its ends rounded outwards with `truncate`); cos and sin times `attention`."""
+    factor: float
+    original: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention: float = 1.0
+
+    def frequencies(self, rope_dim: int, theta: float) -> torch.Tensor:
+        def dim_of(turns: float) -> float:               # the pair index that turns `turns` times
+            return rope_dim * math.log(self.original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        kept = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+        return kept / self.factor * ramp + kept * (1 - ramp)
 
 
 def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
