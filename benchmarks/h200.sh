@@ -16,7 +16,8 @@
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights),
-# copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from).
+# copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
+# deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K).
 # Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -101,6 +102,15 @@ for part in "$@"; do
         timeout 120 python3 benchmarks/conv_prefill.py --out "$out" 2>&1 | grep -v Warn ;;
     gemv)
         timeout 300 python3 benchmarks/gemv.py --out "$out" 2>&1 | grep -v Warn ;;
+    deepseek)
+        # the DeepSeek-V4 shape (2.98B) at 1K and 32K against transformers (which needs deepseek_v4:
+        # carry a transformers wheel that has it), then 128K alone
+        timeout 400 python3 -m hebrus bench --model deepseek-v4-3b --contexts 1024,32768 --rounds 2 --decode-steps 16 \
+            --compare-transformers --cache /tmp/shapes --json "$out/bench-deepseek-v4-3b.json" \
+            --table "$out/bench-deepseek-v4-3b.md" 2>&1 | grep -v '^bench'
+        timeout 300 python3 -m hebrus bench --model deepseek-v4-3b --contexts 131072 --rounds 1 --decode-steps 8 \
+            --cache /tmp/shapes --json "$out/bench-deepseek-v4-3b-128k.json" \
+            --table "$out/bench-deepseek-v4-3b-128k.md" 2>&1 | grep -v '^bench' ;;
     copies)
         timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
         head -12 "$out/copy-sites-qwen3.5-1.7b.txt" ;;

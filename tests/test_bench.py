@@ -28,6 +28,10 @@ def test_bench_writes_a_table_and_json(tmp_path):
                 "decode_fraction_of_floor", "prefill_fraction_of_roofline"):
         assert point[key] > 0
     assert (tmp_path / "r.md").read_text() == out.getvalue()
+    owners = hebrus.load("tiny").owners                  # a session's state bytes, as the owners say
+    assert report["state_bytes_per_token"] == sum(o.nbytes for o in owners if o.kind == "appended") > 0
+    assert report["state_bytes_per_session"] == 2 * sum(o.nbytes for o in owners if o.kind == "banked") > 0
+    assert f"{report['state_bytes_per_token']:,} bytes a token of context" in out.getvalue()
 
 
 @pytest.mark.parametrize("argv, message", [(["--batch", "0"], "from 1 to"), (["--batch", "2,y"], "integers"),

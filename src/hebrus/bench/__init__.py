@@ -21,6 +21,7 @@ import torch
 from hebrus.bench.inplace import InPlaceBatch, InPlaceSession, _InPlaceContext, _InPlaceLanes
 from hebrus.bench.limits import copy_bandwidth, decode_bytes, matmul_flops, prefill_flops_per_token
 from hebrus.bench.shapes import SHAPES, random_checkpoint
+from hebrus.state.owners import BANKED, bank_bytes
 from hebrus.bench.timing import WARM_STEPS, _point, transformers_point
 
 __all__ = ["SHAPES", "WARM_STEPS", "InPlaceBatch", "InPlaceSession", "_InPlaceContext", "_InPlaceLanes",
@@ -100,8 +101,20 @@ def _report(model, label, bandwidth, flops, params, steps, rounds, chunk, decode
         "rounds": rounds, "prefill_chunk": chunk, "warm_decode_steps": WARM_STEPS,
         "ops_counted": ("kernels the profiler sees in one step" if device.type == "cuda"
                         else "operations one step dispatches, views aside"),
+        # a session's state: what each token of context adds (appended owners), and what it holds
+        # whatever its length (both banks of the banked owners)
+        "state_bytes_per_token": sum(o.nbytes for o in model.owners if o.kind != BANKED),
+        "state_bytes_per_session": bank_bytes(model.owners),
         "points": list(points),
     }
+
+
+def _state(report: dict) -> str:
+    """A session's state bytes, where the report has them (those before it do not)."""
+    if "state_bytes_per_token" not in report:
+        return ""
+    return (f"; a session's state: {report['state_bytes_per_token']:,} bytes a token of context and "
+            f"{report['state_bytes_per_session']:,} bytes whatever its length")
 
 
 def table(report: dict) -> str:
@@ -114,7 +127,8 @@ def table(report: dict) -> str:
         f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write), matrix "
         f"{report['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; medians of {report['rounds']} rounds, "
         f"{report['decode_steps']} decode steps, prefill in chunks of {report['prefill_chunk']}"
-        f"{'; ops/step: ' + report['ops_counted'] if 'ops_counted' in report else ''}.",
+        f"{'; ops/step: ' + report['ops_counted'] if 'ops_counted' in report else ''}"
+        f"{_state(report)}.",
         "",
     ]
     compared = any("transformers" in p for p in report["points"])
