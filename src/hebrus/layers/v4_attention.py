@@ -104,7 +104,8 @@ class V4Attention(Sublayer):
         self.banked = kind.banked(prefix)
 
     def run(self, txn: StepContext, batch: StepBatch) -> None:
-        logs = {name: txn.rows(self.name + "." + name) for name in ("rows", "entries", "keys")[:1 + bool(self.rate) + self.overlap]}
+        kept = ("rows", "entries", "keys")[:1 + bool(self.rate) + self.overlap]
+        logs = {name: txn.rows(self.name + "." + name) for name in kept}
         state = tuple(txn.read(name) for name in self.banked) or None
         state = self.framed(batch, lambda at, h, state, each=False: self._attend(at, h, state, logs, each), state)
         write = txn.write_each if batch.keeps else txn.write
@@ -137,7 +138,8 @@ class V4Attention(Sublayer):
         if m:
             state = self._walk(at, h, state, logs, each)
             if self.overlap:
-                qi = rotate_tail(self.linear(q_residual, w["indexer.q_b.weight"]).view(T, a.index_heads, a.index_dim), cos, sin)
+                qi = self.linear(q_residual, w["indexer.q_b.weight"]).view(T, a.index_heads, a.index_dim)
+                qi = rotate_tail(qi, cos, sin)
                 weights = self.linear(h, w["indexer.weights.weight"]) * a.index_heads ** -0.5
         rows = at.visible(logs["rows"][at.which[0]])
         entries = at.visible(logs["entries"][at.which[0]]) if m else None

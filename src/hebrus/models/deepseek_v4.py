@@ -122,8 +122,9 @@ def config(data: Any) -> DeepseekV4Config:
     rates = text.pop("compress_rates", None) or {}
     if not isinstance(rates, dict):
         raise InvalidInput(f"compress_rates must be an object, got {json_kind(rates)}")
-    text.setdefault("csa_rate", rates.get("compressed_sparse_attention", text.get("compress_rate_csa", RATES["compressed_sparse_attention"])))
-    text.setdefault("hca_rate", rates.get("heavily_compressed_attention", text.get("compress_rate_hca", RATES["heavily_compressed_attention"])))
+    for kind, key, old in (("compressed_sparse_attention", "csa_rate", "compress_rate_csa"),
+                           ("heavily_compressed_attention", "hca_rate", "compress_rate_hca")):
+        text.setdefault(key, rates.get(kind, text.get(old, RATES[kind])))
     if text.get("layer_types") is None:
         ratios = text.get("compress_ratios")
         if isinstance(ratios, list):
@@ -284,7 +285,8 @@ def names(s: ModelSpec, on_disk: set[str]) -> NamesTable:
         if e.shared_intermediate:
             h = e.shared_intermediate
             if g + "shared_experts.w1.weight" in on_disk:
-                for ours, theirs, shape in (("gate_proj", "w1", (h, D)), ("up_proj", "w3", (h, D)), ("down_proj", "w2", (D, h))):
+                for ours, theirs, shape in (("gate_proj", "w1", (h, D)), ("up_proj", "w3", (h, D)),
+                                            ("down_proj", "w2", (D, h))):
                     t.add(f"{x}shared.{ours}.weight", f"{g}shared_experts.{theirs}.weight", shape)
             else:
                 add_mlp(t, D, h, g + "shared_experts.", x + "shared.")

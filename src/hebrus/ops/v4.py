@@ -135,9 +135,10 @@ def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups
 def walk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps: float, cos, sin, each: bool = False):
     """A compressor over T positions from `start`: kv, gate [T, c] (each gate with its slot's
     bias), state (window_kv, window_gate, previous_kv, previous_gate: slot t % rate holds
-    position t's; the previous pair None without `overlap`), cos, sin the entries' rotation tables -> (rows [T, d]: zeros, but at a
-    position that closes its window the entry, rotated at the window's first position; the state
-    after the last position, or with `each` after every one, stacked)."""
+    position t's; the previous pair None without `overlap`), cos, sin the entries' rotation
+    tables -> (rows [T, d]: zeros, but at a position that closes its window the entry, rotated
+    at the window's first position; the state after the last position, or with `each` after
+    every one, stacked)."""
     window_kv, window_gate, previous_kv, previous_gate = state
     d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
     rows, states = [], []
