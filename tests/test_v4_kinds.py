@@ -594,3 +594,23 @@ def test_yarn_on_the_compressing_layers_matches_transformers(tmp_path):
         session.feed([tokens[step]])
     plain = hebrus.load(build("deepseek_v4", tmp_path / "plain")[0], dtype=torch.float64).session().feed(ids)
     assert not torch.allclose(plain, prompt_logits[-1], rtol=1e-6, atol=1e-6)
+
+
+def test_v4_sessions_interleaved_are_each_alone():
+    """Two sessions fed in turn, chunks of different lengths crossing windows, a fork of one
+    taken midway and fed on: each one's logits and state as when fed alone (exact mode, bits)."""
+    model = _v4_attention_model("exact")
+    a_chunks, b_chunks = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]], [[20, 21], [22], [23, 24, 25, 26], [27, 28, 29]]
+    a, b = model.session(), model.session()
+    fork = None
+    for i, (x, y) in enumerate(zip(a_chunks, b_chunks)):
+        a.feed(x)
+        if i == 1:
+            fork = a.fork()
+        b.feed(y)
+    fork.feed([30, 31, 32])
+    for chunks, session in ((a_chunks, a), (b_chunks, b), (a_chunks[:2] + [[30, 31, 32]], fork)):
+        alone = model.session()
+        for chunk in chunks:
+            last = alone.feed(chunk)
+        assert torch.equal(last, session.logits) and alone.digest() == session.digest()
