@@ -614,3 +614,15 @@ def test_v4_sessions_interleaved_are_each_alone():
         for chunk in chunks:
             last = alone.feed(chunk)
         assert torch.equal(last, session.logits) and alone.digest() == session.digest()
+
+
+def test_a_v4_session_saved_inside_a_window_restores_and_goes_on(tmp_path):
+    """Saved with windows open (its partial windows are banked state), restored: the same
+    digest, and the same logits and state from there on."""
+    model = _v4_attention_model("exact")
+    s = model.session()
+    s.feed([(11 * i) % 250 + 1 for i in range(13)])           # 13: inside windows of 3, 4 and 5
+    s.save(tmp_path / "s")
+    back = model.restore(tmp_path / "s")
+    assert back.digest() == s.digest() and torch.equal(back.logits, s.logits)
+    assert torch.equal(back.feed([7, 8, 9, 10]), s.feed([7, 8, 9, 10])) and back.digest() == s.digest()
