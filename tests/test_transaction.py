@@ -342,7 +342,7 @@ def test_several_sessions_checks_say_each_sessions_own(defer):
 def test_checks_joined_keep_their_order_whatever_their_mix():
     """The fold's values, whatever their mix (scalars and vectors; rows of several sessions;
     float32, bfloat16 and int64, in runs or interleaved), come out as the stacked values in
-    float64, in order; a run in one copy (each run of one dtype and shape)."""
+    float64, in order; a run in one copy (each run of one dtype)."""
     from hebrus.state.status import joined
     together = torch.tensor([1.5, float("nan"), -2.0, 4.0])
     half = torch.tensor([0.25, float("inf")], dtype=torch.bfloat16)

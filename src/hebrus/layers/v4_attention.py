@@ -152,19 +152,19 @@ class V4Attention(Sublayer):
                 chosen = choose_chunk(qi, weights, closed(keys, start + T - 1, m), start, m, a.index_topk,
                                       a.index_dim ** -0.5)
             o = attend_chunk(q, rows[first:], first, start, a.window, w["sinks"], d ** -0.5, closed_all, m, chosen)
-            o = rotate_tail(o, cos, sin, inverse=True).reshape(T, H * d)
-            return self.linear(grouped(o, w["o_a.weight"], a.groups), w["o_b.weight"]), state
-        outs = []
-        for j in range(T):
-            t = start + j
-            seen = [rows[max(0, t - a.window + 1):t + 1]]
-            if m:
-                mine = closed(entries, t, m)
-                if self.overlap:
-                    mine = mine[choose(qi[j], weights[j], closed(keys, t, m), a.index_topk, a.index_dim ** -0.5)]
-                seen.append(mine)
-            outs.append(sink_attention(q[j], torch.cat(seen).to(q.dtype), w["sinks"], d ** -0.5))
-        o = rotate_tail(torch.stack(outs), cos, sin, inverse=True).reshape(T, H * d)
+        else:                                   # the definition, a query at a time
+            outs = []
+            for j in range(T):
+                t = start + j
+                seen = [rows[max(0, t - a.window + 1):t + 1]]
+                if m:
+                    mine = closed(entries, t, m)
+                    if self.overlap:
+                        mine = mine[choose(qi[j], weights[j], closed(keys, t, m), a.index_topk, a.index_dim ** -0.5)]
+                    seen.append(mine)
+                outs.append(sink_attention(q[j], torch.cat(seen).to(q.dtype), w["sinks"], d ** -0.5))
+            o = torch.stack(outs)
+        o = rotate_tail(o, cos, sin, inverse=True).reshape(T, H * d)
         return self.linear(grouped(o, w["o_a.weight"], a.groups), w["o_b.weight"]), state
 
     def _walk(self, at: StepBatch, h: torch.Tensor, state, logs, each: bool):
@@ -174,7 +174,7 @@ class V4Attention(Sublayer):
         slot = torch.arange(start, start + h.shape[0], device=h.device) % m
         out = []
         parts = (("compressor.", "entries"), ("indexer.", "keys"))[:1 + self.overlap]
-        per = len(state) // len(parts)
+        per = 4 if self.overlap else 2             # window kv and gate, and CSA's previous window's
         for i, (p, log) in enumerate(parts):
             mine = state[i * per:(i + 1) * per]
             walked = mine if self.overlap else mine + (None, None)

@@ -10,9 +10,14 @@ import torch
 from hebrus.ops.norm import rms_norm
 
 
+def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
+    """θ^(-2i/dim) for each pair i of `dim` rotated values, in float64."""
+    return theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
 def rope_tables(dim: int, theta: float, positions: int, dtype: torch.dtype, device=None):
     """cos, sin tables [positions, dim] with inverse frequencies θ^(-2i/dim), built in float64."""
-    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = inverse_frequencies(dim, theta)
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)

@@ -34,14 +34,14 @@ import torch.nn.functional as F
 
 from hebrus.ops.choose import top_k
 from hebrus.ops.norm import rms_norm
+from hebrus.ops.rope import inverse_frequencies
 
 
 def interleaved_tables(rope_dim: int, theta: float, positions: int, dtype: torch.dtype, device=None,
                        yarn: "Yarn | None" = None):
     """cos, sin [positions, rope_dim / 2]: one angle per pair of channels, built in float64;
     with `yarn`, its frequencies and its factor on both tables."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    scale = 1.0
+    inv_freq, scale = inverse_frequencies(rope_dim, theta), 1.0
     if yarn is not None:
         inv_freq, scale = yarn.frequencies(rope_dim, theta), yarn.attention
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
@@ -70,7 +70,7 @@ class Yarn:
         if low == high:
             high += 0.001
         ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        kept = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+        kept = inverse_frequencies(rope_dim, theta)
         return kept / self.factor * ramp + kept * (1 - ramp)
 
 
@@ -95,7 +95,7 @@ def close(kv: torch.Tensor, gate: torch.Tensor, norm: torch.Tensor, eps: float) 
     return rms_norm((weights * kv).sum(0), norm, eps)
 
 
-def slots(window, previous, rate: int, overlap: bool):
+def slots(window, previous, overlap: bool):
     """An entry's slots from its window's projections (kv or gate [rate, c]) and, overlapping
     (CSA: c = 2·d), the previous window's (None for the first entry): [rate or 2·rate, d]."""
     if not overlap:
@@ -150,8 +150,7 @@ def walk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps: float
         if t % rate == rate - 1:
             # the first entry has no previous window: its slots weigh nothing
             before = previous_gate if t >= rate or not overlap else torch.full_like(previous_gate, float("-inf"))
-            entry = close(slots(window_kv, previous_kv, rate, overlap), slots(window_gate, before, rate, overlap),
-                          norm, eps)
+            entry = close(slots(window_kv, previous_kv, overlap), slots(window_gate, before, overlap), norm, eps)
             first = t - rate + 1
             row = rotate_tail(entry[None], cos[first:first + 1], sin[first:first + 1])
             if overlap:
@@ -275,9 +274,9 @@ def walk_chunk(kv, gate, state, start: int, rate: int, overlap: bool, norm, eps:
         if overlap:
             previous_kv, previous_gate = full_kv[-1], full_gate[-1]
     last = min(T, rate)                                   # each slot's latest position
-    slots = (torch.arange(start + T - last, start + T, device=kv.device)) % rate
+    latest = torch.arange(start + T - last, start + T, device=kv.device) % rate
     window_kv, window_gate = window_kv.clone(), window_gate.clone()
-    window_kv[slots], window_gate[slots] = kv[-last:].to(window_kv.dtype), gate[-last:].to(window_gate.dtype)
+    window_kv[latest], window_gate[latest] = kv[-last:].to(window_kv.dtype), gate[-last:].to(window_gate.dtype)
     return rows, (window_kv, window_gate, previous_kv, previous_gate)
 
 
