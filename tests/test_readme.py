@@ -51,12 +51,14 @@ def test_the_serving_examples_run_against_the_server_they_start():
         curl = "\n".join(lines[2:])
         answer = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
                                            timeout=PATIENCE, check=True).stdout)
-        assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["choices"][0]["text"]
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+        assert isinstance(answer["choices"][0]["text"], str)
         client = next(block for block in PYTHON if SERVED in block)
         done = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=PATIENCE,
                               env=env)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert len(done.stdout.strip()) > 0
+        # what a sampled reply says is the model's (it may be blank); that the stream ran to its end is ours
+        assert done.stdout.endswith("\n")
     finally:
         server.terminate()
         server.wait(PATIENCE)
