@@ -15,9 +15,14 @@ poisons a value that stage wrote for s alone, `status` sets the bit in s's statu
 others publish. `structural` and `command` belong to the pass: every session of it aborts, and
 the runner then runs each session alone; the fault stays armed for s until it has fired in a
 step of s alone, so s fails again there and the innocent sessions publish.
+
+`rank=r` targets rank r of a tensor-parallel model (`hebrus.parallel`): the fault travels with
+the next call to that rank's process and fires there; every rank then raises the same error.
 """
 from __future__ import annotations
 
+import os
+import signal
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ class InjectedFault(RuntimeError):
 
 
 PASS_KINDS = ("structural", "command")       # kinds that belong to a whole pass, not to one session's rows
+RANK = 0            # this process's rank of a tensor-parallel model (a worker's is set as it starts)
 
 
 @dataclass(slots=True)
@@ -44,22 +50,42 @@ class Fault:
     kind: str
     session: object = None                  # a `Session` whose part of a step it targets, or None
     fired: bool = False
+    rank: int = 0                           # the rank whose process it fires in
 
 
 @contextmanager
-def inject(stage: str, kind: str, session=None) -> Iterator[Fault]:
+def inject(stage: str, kind: str, session=None, rank: int = 0) -> Iterator[Fault]:
     """Arm one `kind` failure for the next transaction that reaches `stage` (with `session`, the
-    next one that holds that session's chunk, targeted at it)."""
+    next one that holds that session's chunk, targeted at it; with `rank`, on that rank of a
+    tensor-parallel model)."""
     if not isinstance(kind, str) or kind not in FAULT_KINDS:
         raise InvalidInput(f"unknown fault kind {kind!r}; kinds are: {', '.join(FAULT_KINDS)}")
     if not isinstance(stage, str) or not stage:
         raise InvalidInput("stage must be a stage name such as 'layers.0.gdn' (see model.stages)")
     if session is not None and not hasattr(session, "image"):
         raise InvalidInput(f"session must be a hebrus session or None, got {type(session).__name__}")
-    fault = Fault(stage, kind, session)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise InvalidInput(f"rank must be a rank's number (0, 1, ...), got {rank!r}")
+    with arm(Fault(stage, kind, session, rank=rank)) as fault:
+        yield fault
+
+
+@contextmanager
+def arm(fault: Fault) -> Iterator[Fault]:
+    """`fault` armed for the `with` block."""
     token = _armed.set(_armed.get() + (fault,))
     try:
         yield fault
+    finally:
+        _armed.reset(token)
+
+
+@contextmanager
+def armed_as(armed: list[Fault]) -> Iterator[None]:
+    """Exactly these faults armed for the `with` block (a worker's, sent with a call)."""
+    token = _armed.set(tuple(armed))
+    try:
+        yield
     finally:
         _armed.reset(token)
 
@@ -74,7 +100,7 @@ def after(stage: str, txn) -> None:
     if not faults:
         return
     for fault in faults:
-        if fault.fired or fault.stage != stage:
+        if fault.fired or fault.stage != stage or fault.rank != RANK:
             continue
         if fault.session is None:
             fault.fired = True
@@ -111,8 +137,17 @@ def _status(txn, session) -> None:
     txn.flag(bad, Status.INJECTED)
 
 
+def _killed(txn, session) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hung(txn, session) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# the five kinds; and for a tensor-parallel rank's loss (`hebrus.parallel.lose`), the rank's process killed or stopped
 _FIRE = {"structural": _structural, "nonfinite": _nonfinite, "alloc": _alloc,
-         "command": _command, "status": _status}
+         "command": _command, "status": _status, "killed": _killed, "hung": _hung}
 
 
 class _FailingRows:

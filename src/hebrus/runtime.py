@@ -15,6 +15,7 @@ from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.layout import side_by_side
 from hebrus.layers.owners import owner_specs
+from hebrus.layers.shard import shard_params, shard_spec
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of, layout
 from hebrus.models.hebrus import PRESETS, HebrusConfig, preset
@@ -48,15 +49,28 @@ class Model:
 
     @classmethod
     def _placed(cls, config, spec: ModelSpec, params, device, dtype, mode, chooser=None,
-                source: Path | None = None, paging: int | None = None) -> "Model":
+                source: Path | None = None, paging: int | None = None, ranks=None) -> "Model":
         """A model on parameters already placed (by `_place`), as a checkpoint load leaves them."""
         model = cls.__new__(cls)
-        model._build(config, spec, params, device, dtype, mode, chooser, source, paging)
+        model._build(config, spec, params, device, dtype, mode, chooser, source, paging, ranks)
         return model
 
+    def on_ranks(self, ranks) -> "Model":
+        """Rank `ranks.rank`'s part of this model over `ranks.world` ranks (`layers.shard`: its
+        spec and its part of every weight, copies of their own), stepping with the other ranks
+        through `ranks` (`engine.ranks.Ranks`). `hebrus.load(..., tensor_parallel=N)` makes one
+        in each rank's process (`hebrus.parallel`)."""
+        if self.paged:
+            raise InvalidInput("tensor parallelism keeps PLE tables resident: load without ple_cache_bytes")
+        spec = shard_spec(self.spec, ranks.world)
+        params = shard_params(self.spec, self._params, ranks.rank, ranks.world)
+        return self._sized(Model._placed(self.config, spec, params, self.device, self.dtype, self.mode,
+                                         self._chooser(), self.source, ranks=ranks), split=True)
+
     def _build(self, config, spec, params, device, dtype, mode, chooser=None, source: Path | None = None,
-               paging: int | None = None) -> None:
+               paging: int | None = None, ranks=None) -> None:
         mode = _mode(mode)
+        self.ranks = ranks          # a tensor-parallel model's rank (`engine.ranks.Ranks`), or None
         self.source = source                                        # the folder it was loaded from
         self.config, self.spec, self.device, self.dtype, self.mode = config, spec, device, dtype, mode
         self.state_dtype = accum_dtype(dtype)
@@ -70,7 +84,7 @@ class Model:
                         for name, p in params.items()
                         if not (name in self.paged and isinstance(self.paged[name].source, FileRows))}
         self.weight_storages = frozenset(p.untyped_storage().data_ptr() for p in self._params.values())
-        self.kernels = kernels(mode, chooser, device, dtype)  # the op table, chosen once, here
+        self.kernels = kernels(mode, chooser, device, dtype, ranks)  # the op table, chosen once, here
         weights = layout.as_layers_read(spec, {**self._params, **self.paged}, self.kernels.quantized_linear)
         self.stages = build_stages(spec, weights, self.kernels)
         self.owners: list[OwnerSpec] = owner_specs(spec, dtype, self.state_dtype)
@@ -95,8 +109,11 @@ class Model:
                 self._pool = self.pool_size.carve(self.owners, self.device, self.spec.max_context)
             return self._pool
 
-    def _sized(self, model: "Model") -> "Model":
+    def _sized(self, model: "Model", split: bool = False) -> "Model":
         """`model` (made from this one) with this one's pool size, and a pool of its own."""
+        if self.ranks is not None and not split:
+            raise InvalidInput("a tensor-parallel model's part is not remade on one rank: load the model again "
+                               "with the options wanted (mode, dtype, kv_cache, ...)")
         model.pool_size = self.pool_size
         return model
 
@@ -265,7 +282,8 @@ class Model:
 def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str = torch.float32, mode: str = "exact", progress=None,
          ple_cache_bytes: int | None = None, quantize: str | None = None, kv_cache: str | None = None,
-         pool_bytes: int | None = None, memory_fraction: float | None = None) -> Model:
+         pool_bytes: int | None = None, memory_fraction: float | None = None, tensor_parallel: int | None = None,
+         rendezvous: str | None = None, rank_timeout: float = 60.0) -> Model:
     """A preset name (trained: `hebrus.presets`; or random, initialised from the config's seed:
     `tiny`, `small`), a checkpoint directory of
     any supported family (`hebrus.models`), or a Hugging Face repo id ("Org/Name"), taken from
@@ -278,15 +296,37 @@ def load(name_or_path: str | Path = "tiny", *, device: str | torch.device = "cpu
     `dtype="auto"`: bfloat16 on a GPU, float32 on the CPU. The sessions' state lives in one
     pool (`state.pool`) of `pool_bytes`, or `memory_fraction` of the device's free memory when
     the pool is carved (at the first session); by default a quarter of the host's memory on the
-    CPU (touched only as sessions use it) and 30% of the free memory on a GPU."""
+    CPU (touched only as sessions use it) and 30% of the free memory on a GPU.
+
+    `tensor_parallel=N`: the model split over N ranks, one process each, this one rank 0 (a
+    `hebrus.parallel.ParallelModel`; the others started here, or with `rendezvous="HOST:PORT"`
+    joined from other hosts by `hebrus worker`); a collective that takes more than
+    `rank_timeout` seconds means a rank is lost."""
     check_cache_format(kv_cache)                            # before anything is read
     size = PoolSize(pool_bytes, memory_fraction).checked()
+    if tensor_parallel is not None or rendezvous is not None:
+        return _parallel(name_or_path, tensor_parallel, rendezvous, rank_timeout, device=device, dtype=dtype,
+                         mode=mode, ple_cache_bytes=ple_cache_bytes, quantize=quantize, kv_cache=kv_cache,
+                         pool_bytes=pool_bytes, memory_fraction=memory_fraction)
     model = _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, Quantization.parse(quantize)
                   if quantize is not None else None)
     model = model.quantized(quantize) if quantize is not None else model
     model = model.with_kv_cache(kv_cache) if kv_cache is not None else model
     model.pool_size = size
     return model
+
+
+def _parallel(name_or_path, world, rendezvous, timeout, **options):
+    """`load` over `world` ranks (`hebrus.parallel.launch`), its arguments checked here first."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise InvalidInput(f"tensor_parallel must be a number of ranks (1 or more), got {world!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise InvalidInput(f"rank_timeout must be a positive number of seconds, got {timeout!r}")
+    for name in ("quantize", "ple_cache_bytes"):
+        if options[name] is not None:
+            raise InvalidInput(f"{name} is not taken with tensor_parallel yet")
+    from hebrus import parallel
+    return parallel.launch(name_or_path, options, world, rendezvous, float(timeout))
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:

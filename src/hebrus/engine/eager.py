@@ -18,9 +18,10 @@ from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.step import StepBatch
+from hebrus.engine.ranks import PeerStopped
 from hebrus.state.txn import Transaction, abort_error
 
-__all__ = ["FRONTIER", "OUTPUT", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
+__all__ = ["FRONTIER", "OUTPUT", "agreement", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
 
 
 def transaction(model, images: list[Image], budgets: list[MemoryBudget], lengths: list[int],
@@ -40,7 +41,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
     txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None, tokens=[ids])
-    return finish(txn, _stages_of(model, ids), out, by_logits(keep))
+    return finish(txn, _stages_of(model, ids), out, by_logits(keep), ranks=agreement(model))
 
 
 def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out: torch.Tensor | None,
@@ -51,7 +52,7 @@ def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out
     chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
     end at the marks; a stage that writes a banked value without them refuses the chunk)."""
     txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids])
-    finish(txn, _stages_of(model, ids, marks), out)
+    finish(txn, _stages_of(model, ids, marks), out, ranks=agreement(model))
     return txn.after_each
 
 
@@ -73,31 +74,64 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
 def run_stages(model, txn, step: StepBatch) -> None:
     """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
     fields (the streams, a pending output, the branches' values) is checked with its writes and
-    counted as the step's working set."""
+    counted as the step's working set. Under tensor parallelism the ranks exchange their status
+    after each stage, and a stage that raised tells the others to stop (`engine.ranks`)."""
     txn.step = step
+    ranks = model.ranks
     for index, stage in enumerate(model.stages):
         txn.enter(index)
-        before = _carried(step)
-        stage.run(txn, step)
-        live = _carried(step)
-        txn.carry([v for v in live if not any(v is b for b in before)], live)
-        faults.after(stage.name, txn)
-        txn.seal()
+        try:
+            before = _carried(step)
+            stage.run(txn, step)
+            live = _carried(step)
+            txn.carry([v for v in live if not any(v is b for b in before)], live)
+            faults.after(stage.name, txn)
+            txn.seal()
+        except PeerStopped:
+            raise
+        except BaseException:
+            if ranks is not None:
+                ranks.stop()
+            raise
+        if ranks is not None:
+            ranks.go()
 
 
 def _carried(step: StepBatch) -> list[torch.Tensor]:
     return [v for v in (step.streams, step.pending, *step.terms.values()) if v is not None]
 
 
+def agreement(model) -> Callable[[ChunkAborted | None], ChunkAborted | None] | None:
+    """How a tensor-parallel model's ranks agree on a chunk (`engine.ranks.Ranks.agree`), or
+    None for a model on one rank."""
+    if model.ranks is None:
+        return None
+    names = model.stage_names
+    return lambda failure: model.ranks.agree(failure, lambda stage: names.index(stage) if stage in names
+                                             else len(names))
+
+
 def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,
-           keep: Callable[[Transaction], int] | None = None) -> int:
+           keep: Callable[[Transaction], int] | None = None,
+           ranks: Callable[[ChunkAborted | None], ChunkAborted | None] | None = None) -> int:
     """Do `work`, validate, (a prefix transaction) keep the first `keep(txn)` tokens, run the
     image's `before_flip` hook and publish, with signals held from the hook to the flip (so a
     journal's record is never on the disk for a chunk a signal kept from publishing); any
-    exception on the way but `keep`'s own is the abort of its kind. Returns the number of
-    tokens published."""
+    exception on the way but `keep`'s own is the abort of its kind. With `ranks` (a
+    tensor-parallel model's `agreement`), every rank's outcome decides after validation: all
+    publish, or every rank raises the same failure. Returns the number of tokens published."""
     try:
-        _as_abort(txn, lambda: (work(txn), txn.validate()))
+        if ranks is None:
+            _as_abort(txn, lambda: (work(txn), txn.validate()))
+        else:
+            failure = None
+            try:
+                _as_abort(txn, lambda: (work(txn), txn.validate()))
+            except ChunkAborted as exc:
+                failure = exc
+            agreed = ranks(failure)
+            if agreed is not None:
+                raise agreed from failure
         if keep is not None and not txn.keep(keep(txn)):      # the caller's choice: its errors are its own
             return 0
         if txn.image.before_flip is None:

@@ -59,13 +59,14 @@ def decode_route(model, decode: str) -> str:
         raise InvalidInput(f"decode must be one of {', '.join(DECODE)}; got {decode!r}")
     host = [type(stage).__name__ for stage in model.stages if getattr(stage, "host_positions", False)]
     plannable = (model.kernels.whole_chunk and model.kernels.choose is top_k_chooser and not model.paged
-                 and not host)
+                 and not host and model.ranks is None)
     if decode == "auto":
         return "graph" if plannable and model.device.type == "cuda" else "eager"
     if decode in ("planned", "graph") and not plannable:
         why = (f"runs {model.mode} mode" if not model.kernels.whole_chunk
                else "makes its choices with another chooser" if model.kernels.choose is not top_k_chooser
                else "streams its PLE tables in pages" if model.paged
+               else "is split over tensor-parallel ranks (eager steps only, for now)" if model.ranks is not None
                else f"has stages that read positions on the host ({', '.join(sorted(set(host)))})")
         raise InvalidInput(f"decode={decode!r} runs fast mode with the spec's top-k; this model {why} "
                            f"(use decode='eager')")

@@ -4,6 +4,7 @@ rotate the first `rotary_dim` features of each head (partial rotary), with table
 those features only."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels, unfused
-from hebrus.layers.kind import Cost, Kind, normal
+from hebrus.layers.kind import Cost, Kind, divided, normal, own, spans
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import layer_norm
 from hebrus.ops.qsa import (dense_attention, dense_attention_fast, dense_attention_lanes, index_scores, select,
@@ -238,6 +239,29 @@ class DenseAttention(Kind):
     keeps_rows = True
     side_by_side = (PROJECTED,)
     logs = ("k", "v")                     # its row logs
+    shards = "split"        # by query heads; K/V heads split too, or each rank the one its heads read
+
+    def shard_section(self, section, world):
+        heads = divided("query heads", section.heads, world)
+        if section.kv_heads % world and world % section.kv_heads:
+            raise ValueError(f"its K/V heads ({section.kv_heads}) neither divide among {world} ranks nor "
+                             f"divide {world}")
+        return dataclasses.replace(section, heads=heads, kv_heads=max(1, section.kv_heads // world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """q, gate and o by query heads; k and v by K/V heads, or (fewer K/V heads than ranks)
+        the one K/V head the rank's query heads read; the norms and the indexer (qsa) whole."""
+        a = s.section(AttentionSection)
+        hq, dh = a.heads // world, a.head_dim
+        if leaf in ("q_proj.weight", "gate_proj.weight"):
+            return spans(weight, 0, own(rank, hq * dh))
+        if leaf == "o_proj.weight":
+            return spans(weight, 1, own(rank, hq * dh))
+        if leaf in ("k_proj.weight", "v_proj.weight"):
+            if a.kv_heads % world == 0:
+                return spans(weight, 0, own(rank, a.kv_heads // world * dh))
+            return spans(weight, 0, own(rank * hq // (a.heads // a.kv_heads), dh))
+        return weight
 
     def weights(self, s, prefix):
         a, D = s.section(AttentionSection), s.hidden_size

@@ -2,12 +2,13 @@
 gated norm. Its state per layer: the conv's last Kc-1 inputs and the recurrent matrix S."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from hebrus.layers.kind import Cost, Kind, uniform
+from hebrus.layers.kind import Cost, Kind, divided, own, spans, uniform
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.gdn import (by_length, gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
@@ -156,6 +157,28 @@ class GDN(Kind):
     wide = ("A_log", "dt_bias")
     outputs = ("out_proj.weight",)
     side_by_side = (("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),)
+    shards = "split"            # by key heads, each with its value heads (value head j reads key head j // group)
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(section, key_heads=divided("key heads", section.key_heads, world),
+                                   value_heads=section.value_heads // world)
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """q, k and v rows of its heads (the conv's channels alike), z, b, a, the decays and the
+        out projection's columns by value heads; the norm (over one head) whole."""
+        g = s.section(DeltaNetSection)
+        hk, hv = g.key_heads // world, g.value_heads // world
+        if leaf in ("in_proj_qkv.weight", "conv.weight"):
+            width = g.key_heads * g.key_dim
+            return spans(weight, 0, own(rank, hk * g.key_dim), own(rank, hk * g.key_dim, width),
+                         own(rank, hv * g.value_dim, 2 * width))
+        if leaf == "in_proj_z.weight":
+            return spans(weight, 0, own(rank, hv * g.value_dim))
+        if leaf in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+            return spans(weight, 0, own(rank, hv))
+        if leaf == "out_proj.weight":
+            return spans(weight, 1, own(rank, hv * g.value_dim))
+        return weight
 
     def weights(self, s, prefix):
         g, D = s.section(DeltaNetSection), s.hidden_size

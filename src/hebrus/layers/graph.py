@@ -24,10 +24,14 @@ from hebrus.state.step import StepBatch
 
 
 class Embed:
+    """The first stage. Under tensor parallelism a rank holds rows rank·n .. (rank+1)·n of the
+    table (`layers.shard`): it looks up the tokens in them, zeros for the others, and the ranks'
+    rows are added up (each token's row is one rank's, plus zeros: the same bits)."""
     name = "embed"
 
-    def __init__(self, s: ModelSpec, params: Params):
+    def __init__(self, s: ModelSpec, params: Params, kernels: Kernels):
         self.table, self.streams, self.vocab = params["embed.weight"], s.hc_streams, s.vocab_size
+        self.rank, self.split, self.reduce = kernels.rank, kernels.world > 1, kernels.reduce
 
     def run(self, txn: StepContext, step: StepBatch) -> None:
         """The first stage of every pass over the stages (whoever runs them): the streams start
@@ -35,9 +39,17 @@ class Embed:
         again with its buffers refilled)."""
         step.forget()
         txn.check_range(step.ids, self.vocab, Check.TOKEN_RANGE)
-        x = self.table[step.ids.clamp(0, self.vocab - 1)]
+        x = self._rows(step.ids.clamp(0, self.vocab - 1))
         step.streams = x.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         step.pending = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return self.table[ids]
+        n = self.table.shape[0]
+        mine = ids - self.rank * n
+        held = (mine >= 0) & (mine < n)
+        return self.reduce(self.table[mine.clamp(0, n - 1)] * held[:, None].to(self.table.dtype))
 
 
 class Head:
@@ -49,11 +61,17 @@ class Head:
         self.norm, self.eps = params["norm.weight"], s.rms_norm_eps
         self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.out = params["embed.weight"] if s.tie_embeddings else params["lm_head.weight"]
-        self.linear = kernels.linear
+        self.linear, self.gather, self.vocab, self.split = kernels.linear, kernels.gather, s.vocab_size, kernels.world > 1
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed rows h [T, D] -> logits [T, V] (under tensor parallelism each rank's vocabulary
+        rows, joined: `layers.shard`)."""
+        logits = self.linear(h, self.out)
+        return self.gather(logits)[:, :self.vocab] if self.split else logits
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Streams X [T, n, D] -> logits [T, V]."""
-        return self.linear(self.rms_norm(self.residual.head(X), self.norm, self.eps), self.out)
+        return self._project(self.rms_norm(self.residual.head(X), self.norm, self.eps))
 
     def logits_row_by_row(self, X: torch.Tensor) -> torch.Tensor:
         """`logits`, each row computed as a chunk's last is (one row, in a buffer of its own), so
@@ -63,7 +81,7 @@ class Head:
     def _output(self, X: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
         """Logits of streams X, or of their normed stream h where the norm has run."""
         if h is not None:
-            return self.linear(h, self.out)
+            return self._project(h)
         return self.logits(X) if self.whole_chunk else self.logits_row_by_row(X)
 
     @staticmethod
@@ -102,7 +120,7 @@ def build_stages(s: ModelSpec, params: Params, kernels: Kernels) -> list:
     """The stages, in order, running on the op table `kernels` (see `layers.kernels`). A
     quantized model's weights reach here folded (`models.layout.as_layers_read`)."""
     shared: dict = {}
-    stages: list = [Embed(s, params)]
+    stages: list = [Embed(s, params, kernels)]
     stages += [KINDS[name].stage(s, params, None, kernels, shared) for name in s.branches]
     for layer, (mixer, ffn, *branches) in s.layer_kinds():
         stages.append(mixer.stage(s, params, layer, kernels, shared))

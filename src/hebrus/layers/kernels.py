@@ -37,6 +37,11 @@ def unfused(op: Callable) -> Callable:
     return op
 
 
+def alone(x: torch.Tensor) -> torch.Tensor:
+    """A model on one rank: its partial sums are whole sums, its logits every logit."""
+    return x
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     whole_chunk: bool          # True: each stage runs the whole chunk at once; False: token by token
@@ -47,10 +52,16 @@ class Kernels:
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
     sinkhorn: Callable = sinkhorn       # (logits, iters, eps) -> the hyper-connection's stream mix
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
+    # tensor parallelism (`layers.shard`): this rank of how many; a split sublayer's partial
+    # output [T, D] -> the sum over ranks; this rank's logits [T, V/world] -> every rank's, joined
+    rank: int = 0
+    world: int = 1
+    reduce: Callable = alone
+    gather: Callable = alone
 
 
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
-            dtype: torch.dtype | None = None) -> Kernels:
+            dtype: torch.dtype | None = None, ranks=None) -> Kernels:
     """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`), and
     every kind's ops for that mode, device and dtype (fast mode of a 16-bit model on CUDA runs
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
@@ -58,11 +69,15 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`), a batch-1
     step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`), and runs the
     hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
-    runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins."""
+    runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins.
+    `ranks`: a tensor-parallel model's rank (`engine.ranks.Ranks`), whose collectives the
+    frame adds its split sublayers' outputs and joins its logits with."""
     choose = top_k_chooser if chooser is None else chooser
     ops = kind_ops(mode, device, dtype)
+    parallel = {} if ranks is None else {"rank": ranks.rank, "world": ranks.world, "reduce": ranks.reduce,
+                                         "gather": ranks.gather}
     if mode != "fast":
-        return Kernels(False, choose, ops=ops)
+        return Kernels(False, choose, ops=ops, **parallel)
     fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
     if device is None or device.type == "cpu":
         from hebrus.ops import cpu
@@ -79,4 +94,4 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
         except ImportError:
             pass
     return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
-                   ops=ops)
+                   ops=ops, **parallel)

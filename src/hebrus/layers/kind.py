@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 ROLES = ("mixer", "ffn", "branch")
+SHARDS = ("split", "whole", "no")         # how a kind's layer lies over tensor-parallel ranks
 KINDS: dict[str, "Kind"] = {}
 
 # What every kind declares, and what a branch adds.
@@ -94,6 +95,15 @@ class Kind:
     The section is a frozen dataclass with `key` (its name in `hebrus info`) and
     `problems(spec)` (what is wrong, as text), optionally `unused(spec)` (fields not in use).
     A base class that is not itself a kind is defined with `register=False`.
+
+    Tensor parallelism (`layers.shard`): `shards` says how a kind's layer is laid over ranks:
+    "split" (its heads or inner width divided among them: each rank holds its part of every
+    weight and owner, and its output is a partial sum the frame adds up across ranks), "whole"
+    (every rank holds all of it and computes the same), or "no" (not yet: a model with it
+    refuses `tensor_parallel`, naming the kind). A kind that splits declares
+    `shard_section(section, world)` (its section as each of `world` ranks holds it; a
+    `ValueError` says why it cannot be divided so) and `shard_weight(s, leaf, weight, rank,
+    world)` (rank `rank`'s part of its whole weight `leaf` in a model of spec `s`).
     """
 
     name: ClassVar[str]
@@ -105,6 +115,7 @@ class Kind:
     outputs: ClassVar[tuple[str, ...]] = ()
     keeps_rows: ClassVar[bool] = False
     side_by_side: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    shards: ClassVar[str] = "no"
 
     def __init_subclass__(cls, register: bool = True, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -125,6 +136,14 @@ class Kind:
         """Ops of its own for a model of `mode` on `device` in `dtype`, by name."""
         return {}
 
+    def shard_section(self, section, world: int):
+        """Its section as each of `world` ranks holds it (kinds that split)."""
+        return section
+
+    def shard_weight(self, s, leaf: str, weight: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """Rank `rank`'s part of its weight `leaf` (kinds that split; whole otherwise)."""
+        return weight
+
 
 def _register(cls: type) -> None:
     wanted = DECLARATIONS + (BRANCH_DECLARATIONS if getattr(cls, "role", None) == "branch" else ())
@@ -132,6 +151,8 @@ def _register(cls: type) -> None:
     if missing:
         raise TypeError(f"layer kind {cls.__module__}.{cls.__name__} does not declare: {', '.join(missing)} "
                         f"(every kind declares {', '.join(DECLARATIONS)}; see hebrus.layers.kind)")
+    if cls.shards not in SHARDS:
+        raise TypeError(f"layer kind {cls.name!r} shards {cls.shards!r}; kinds shard as one of {', '.join(SHARDS)}")
     if cls.role not in ROLES:
         raise TypeError(f"layer kind {cls.name!r} has role {cls.role!r}; roles are {', '.join(ROLES)}")
     section = cls.section
@@ -170,6 +191,25 @@ def normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Te
 
 def uniform(shape: tuple[int, ...], lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
     return lo + (hi - lo) * torch.rand(shape, generator=gen, **CPU32)
+
+
+# Parts of weights, for the kinds' `shard_weight`.
+def divided(what: str, count: int, world: int) -> int:
+    """count / world, or a ValueError saying what does not divide (for `shard_section`)."""
+    if count % world:
+        raise ValueError(f"its {what} ({count}) do not divide among {world} ranks")
+    return count // world
+
+
+def spans(weight: torch.Tensor, dim: int, *ranges: tuple[int, int]) -> torch.Tensor:
+    """The index ranges of `weight` along `dim`, one after another, in a tensor of their own."""
+    index = torch.cat([torch.arange(a, b) for a, b in ranges])
+    return weight.index_select(dim, index.to(weight.device))
+
+
+def own(rank: int, size: int, offset: int = 0) -> tuple[int, int]:
+    """Rank `rank`'s range of `size` entries a rank, from `offset` (for `spans`)."""
+    return offset + rank * size, offset + (rank + 1) * size
 
 
 def check_unique(entries, what: str, verb: str) -> None:

@@ -1,13 +1,14 @@
 """The dense MLP, an ffn kind: down(silu(gate(h)) ⊙ up(h))."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from hebrus.layers.kernels import unfused
-from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.kind import Cost, Kind, divided, own, spans
 from hebrus.ops.moe import silu_mul
 from hebrus.ops.quant import Products, linear
 
@@ -28,6 +29,13 @@ def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused
     """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
     the op table's (`Kernels.linear`)."""
     return product(fused(silu_mul)(*gate_up(h), limit), down)
+
+
+def swiglu_part(leaf: str, weight: torch.Tensor, inner: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s part of a SwiGLU's projection `leaf` (`PROJECTIONS`) of `inner` features:
+    the gate's and up's rows, the down projection's columns."""
+    part = own(rank, inner // world)
+    return spans(weight, 1 if leaf == PROJECTIONS[2] else 0, part)
 
 
 def swiglu_shapes(D: int, inner: int, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -52,6 +60,13 @@ class MLP(Kind):
     quantized = PROJECTIONS
     outputs = ("down_proj.weight",)
     side_by_side = (PROJECTIONS[:2],)
+    shards = "split"            # by inner features
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(section, intermediate=divided("inner features", section.intermediate, world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        return swiglu_part(leaf, weight, s.section(MLPSection).intermediate, rank, world)
 
     def weights(self, s, prefix):
         return swiglu_shapes(s.hidden_size, s.section(MLPSection).intermediate, prefix)

@@ -2,6 +2,7 @@
 chosen experts, a column a layer, in the model's `routes` rows."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -10,8 +11,8 @@ import torch
 
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
-from hebrus.layers.kind import Cost, Kind, normal
-from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_shapes
+from hebrus.layers.kind import Cost, Kind, divided, normal, own, spans
+from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_part, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route, route_given, route_sigmoid, sigmoid_gated_add)
 from hebrus.ops.quant import Products
@@ -137,6 +138,25 @@ class MoE(Kind):
     wide = ("router.bias",)
     outputs = ("experts.down", "shared.down_proj.weight")
     side_by_side = (tuple("shared." + name for name in PROJECTIONS[:2]),)
+    shards = "split"        # every expert (and the shared one) by inner features; the router whole
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(
+            section, intermediate=divided("experts' inner features", section.intermediate, world),
+            shared_intermediate=divided("shared expert's inner features", section.shared_intermediate, world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """Each expert's gate and up rows ([E, 2I, D]: gate's I, then up's) and down columns of
+        the rank's inner features; the shared expert's alike; the router and its table whole."""
+        e = s.section(ExpertsSection)
+        inner = e.intermediate // world
+        if leaf == "experts.gate_up":
+            return spans(weight, 1, own(rank, inner), own(rank, inner, e.intermediate))
+        if leaf == "experts.down":
+            return spans(weight, 2, own(rank, inner))
+        if leaf.startswith("shared.") and leaf.removeprefix("shared.") in PROJECTIONS:
+            return swiglu_part(leaf.removeprefix("shared."), weight, e.shared_intermediate, rank, world)
+        return weight
 
     def weights(self, s, prefix):
         e, D = s.section(ExpertsSection), s.hidden_size

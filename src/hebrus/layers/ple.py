@@ -174,6 +174,7 @@ class PLE(Kind):
     quantized = ()
     integer = ("hash_constants",)
     outputs = ("norm.weight",)
+    shards = "whole"            # every rank looks up and adds the same terms
 
     def model_weights(self, s):
         p, V = s.section(PLESection), s.vocab_size

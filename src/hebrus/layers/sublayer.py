@@ -141,12 +141,16 @@ class Sublayer:
         self.norm = params[f"{p}{part}_norm.weight"]
         self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.defer = kernels.whole_chunk and isinstance(self.residual, PlainResidual)
+        self.reduce = kernels.reduce
 
-    def framed(self, batch: StepBatch, body: Callable, state, inputs: tuple = (), ragged: bool = False):
+    def framed(self, batch: StepBatch, body: Callable, state, inputs: tuple = (), ragged: bool = False,
+               whole: bool = False):
         """The sublayer over the step, through `scan`: `body(at, h, *inputs, state) -> (y, state)`
         (called with `each=True` where `scan` says) gets its normed input h [T, D] and gives its
         output y [T, D]; the residual's pre and the norm run before it, the residual's post after
-        it, and the streams and the pending output move on in `batch`. -> the state `scan` gives
+        it, and the streams and the pending output move on in `batch`. Under tensor parallelism
+        a rank's output is its part of the sum, added up across ranks here (`Kernels.reduce`),
+        unless the body gives it `whole` (it adds its own parts up). -> the state `scan` gives
         back."""
         def step(at, X, pending, *rest, **each):
             if pending is not None:             # the last sublayer's output, added in the norm's op
@@ -156,6 +160,8 @@ class Sublayer:
                 c, post, comb = self.residual.pre(X)
                 h = self.rms_norm(c, self.norm, self.eps)
             y, state = body(at, h, *rest, **each)
+            if not whole:
+                y = self.reduce(y)
             if self.defer:                      # left pending where the next sublayer adds it
                 return (X, y), state
             return (self.residual.post(X, y, post, comb), None), state
@@ -181,9 +187,9 @@ class FeedForward(Sublayer):
 
         def body(at, h, *rest):
             *inputs, state = rest
-            y = f(h, at)
+            y = self.reduce(f(h, at))               # the branches' terms are whole on every rank
             for term, x in zip(terms, inputs):
                 y = y + term(h, x)
             return y, state
 
-        self.framed(batch, body, None, tuple(batch.terms[i][:, self.layer] for i in self.terms))
+        self.framed(batch, body, None, tuple(batch.terms[i][:, self.layer] for i in self.terms), whole=True)

@@ -11,7 +11,8 @@ from hebrus.text.generation import DEVICE, DTYPE, MODE, TextStream, stream_text
 def load(model, **options) -> Model:
     """`model` if it is a loaded one, else the model it names loaded with the text-level
     defaults (fast mode, device and dtype "auto")."""
-    if isinstance(model, Model):
+    from hebrus.parallel import ParallelModel
+    if isinstance(model, (Model, ParallelModel)):
         if options:
             raise InvalidInput(f"{', '.join(sorted(options))}: options for loading; this model is loaded already")
         return model
