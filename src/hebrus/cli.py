@@ -1,4 +1,4 @@
-"""The `hebrus` command: generate, chat, verify, bench, quantize, serve, download, info."""
+"""The `hebrus` command: generate, chat, verify, bench, quantize, serve, download, worker, info."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                           "plain format (ROLE. then the text) for a model without one")
     gen.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     _text_args(gen)
+    _parallel_args(gen)
     gen.set_defaults(handler=_generate)
 
     chat = sub.add_parser("chat", help="an interactive conversation",
@@ -90,12 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     _model_args(chat)
     chat.add_argument("--system", default=None, help="a system message opening the conversation")
     _text_args(chat)
+    _parallel_args(chat)
     chat.set_defaults(handler=_chat)
 
     ver = sub.add_parser("verify", help="run the conformance suite",
                          description="Every stage × every fault kind, plus chunking and interleaving equivalence. "
                                      "Exit code 0 only when everything passed.")
     _model_args(ver, default_mode="exact")
+    _parallel_args(ver)
     ver.set_defaults(handler=_verify)
 
     bench_command.add_parser(sub, MODEL_HELP, lambda args: _load(args, threads=False))
@@ -158,6 +161,16 @@ def _parser() -> argparse.ArgumentParser:
     down.add_argument("repo", help="the repo id, Org/Name")
     down.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
     down.set_defaults(handler=_download)
+
+    worker = sub.add_parser("worker", help="join a tensor-parallel model loaded on another host as one of its ranks",
+                            description="Join the rendezvous of a model loaded elsewhere with --tensor-parallel N "
+                                        "--rendezvous HOST:PORT, as rank R (1 .. N-1): learn the model and its "
+                                        "options there, load this rank's part, and run every call until the model "
+                                        "is closed.")
+    worker.add_argument("--rendezvous", required=True, metavar="HOST:PORT",
+                        help="the address the loading process serves the rendezvous on")
+    worker.add_argument("--rank", required=True, type=int, metavar="R", help="this process's rank, 1 or more")
+    worker.set_defaults(handler=_worker)
 
     info = sub.add_parser("info", help="show the config, the stages and every owner with its bytes",
                           description="What a model is made of and what one session of it holds.")
@@ -259,6 +272,21 @@ def _model_args(p: argparse.ArgumentParser, default_mode: str = text.MODE) -> No
                       help="the state pool as this fraction (0..1] of the device's free memory when it is carved")
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split the model over N ranks, a process each (this one rank 0; the others started here, "
+                        "or with --rendezvous joined from other hosts by `hebrus worker`)")
+    p.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
+                   help="with --tensor-parallel: wait on this address for workers started by `hebrus worker` "
+                        "on other hosts instead of starting them here")
+
+
+def _worker(args) -> int:
+    from hebrus import parallel
+    parallel.serve_worker(args.rendezvous, args.rank)
+    return 0
+
+
 def _text_args(p: argparse.ArgumentParser) -> None:
     """Generation options; those left out take the text-level defaults (README: Defaults)."""
     p.add_argument("--max-new-tokens", type=int, default=text.MAX_NEW_TOKENS,
@@ -351,7 +379,9 @@ def _load(args, say: bool = True, threads: bool = True):
     model = load(args.model, device=args.device, dtype=args.dtype, mode=args.mode, progress=progress,
                  ple_cache_bytes=getattr(args, "ple_cache_bytes", None), quantize=getattr(args, "quantize", None),
                  kv_cache=getattr(args, "kv_cache", None), pool_bytes=getattr(args, "pool_bytes", None),
-                 memory_fraction=getattr(args, "memory_fraction", None))
+                 memory_fraction=getattr(args, "memory_fraction", None),
+                 **{name: getattr(args, name) for name in ("tensor_parallel", "rendezvous")
+                    if getattr(args, name, None) is not None})
     if say:
         import torch
         from hebrus.layers.layout import parameter_count

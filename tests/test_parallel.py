@@ -1,0 +1,196 @@
+"""Tensor parallelism on the CPU: two ranks (gloo, a worker process beside the test's) against
+one, on every family that shards; the fault matrix across ranks; a rank killed or hung
+mid-chunk; two processes meeting over a TCP rendezvous as two hosts would."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PATIENCE, tokens
+
+import hebrus
+from hebrus import parallel
+from hebrus.errors import FAULT_KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+KIND_ERRORS = {"structural": hebrus.StructuralError, "nonfinite": hebrus.NonFiniteError,
+               "alloc": hebrus.AllocationError, "command": hebrus.CommandError,
+               "status": hebrus.DeviceStatusError}
+
+
+@pytest.fixture
+def closing():
+    """Models loaded over ranks in a test, closed after it (one a process at a time)."""
+    made = []
+    yield made.append
+    for model in made:
+        model.close()
+
+
+def over_ranks(closing, source, world: int = 2, **options):
+    model = hebrus.load(source, tensor_parallel=world, **options)
+    closing(model)
+    return model
+
+
+def _checkpoint(family: str, folder: Path) -> Path:
+    from foreign import build
+    overrides = {"qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=4)}.get(family, {})
+    return build(family, folder, **overrides)[0]
+
+
+@pytest.mark.parametrize("family", ["hebrus", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, closing):
+    """Logits within 1e-12 of the model on one rank (the parts are added in another order),
+    every chunking the same bits on each rank (exact mode), and the same greedy tokens in float32."""
+    source = "tiny" if family == "hebrus" else _checkpoint(family, tmp_path)
+    ids = tokens(40, seed=3, vocab=101)
+    one = hebrus.load(source, dtype=torch.float64)
+    two = over_ranks(closing, source, dtype=torch.float64)
+    alone, split = one.session(), two.session()
+    expected = alone.feed(ids)
+    got = split.feed(ids)
+    assert (got - expected).abs().max().item() <= 1e-12 * max(1.0, expected.abs().max().item())
+    chunked = two.session()
+    chunked.feed(ids[:7])
+    chunked.prefill(ids[7:], chunk_size=5)
+    assert chunked.digests() == split.digests()              # each rank's part, bit for bit
+    assert len(set(split.digests())) == 2                     # and the parts differ
+    two.close()
+
+    one32, two32 = hebrus.load(source), over_ranks(closing, source)
+    want = list(one32.session().generate(ids, max_new_tokens=16))
+    assert list(two32.session().generate(ids, max_new_tokens=16)) == want
+
+
+def test_one_rank_is_the_model_bit_for_bit(closing):
+    """A world of one runs the same collectives (over itself): the same bits as no ranks at all."""
+    ids = tokens(30, seed=1)
+    plain = hebrus.load("tiny").session()
+    one = over_ranks(closing, "tiny", world=1).session()
+    assert torch.equal(one.feed(ids), plain.feed(ids))
+    assert one.digests() == [plain.digest()]
+
+
+def test_every_fault_on_either_rank_aborts_every_rank_alike(closing):
+    """Every stage x every kind, on rank 0 and on rank 1: every rank raises the same error (the
+    injected kind at the injected stage), and no rank's part of the session changes."""
+    model = over_ranks(closing, "tiny")
+    s = model.session()
+    s.feed(tokens(12, seed=2))
+    before = s.digests()
+    for rank in (0, 1):
+        for stage in model.stage_names:
+            for kind in FAULT_KINDS:
+                with hebrus.inject(stage, kind, rank=rank) as fault:
+                    with pytest.raises(KIND_ERRORS[kind]) as raised:
+                        s.feed(tokens(3, seed=5))
+                assert fault.fired
+                assert raised.value.stage == stage and f"rank {rank} of 2" in str(raised.value), (stage, kind, rank)
+                assert s.digests() == before, (stage, kind, rank)
+    s.feed(tokens(3, seed=5))                 # and the ranks go on together
+    assert s.frontier == 15
+
+
+def test_a_session_after_a_fault_equals_one_without(closing):
+    """An aborted chunk leaves nothing behind: fed again, the same bits on every rank."""
+    model = over_ranks(closing, "tiny")
+    clean, faulted = model.session(), model.session()
+    with hebrus.inject("layers.1.ffn", "nonfinite", rank=1):
+        with pytest.raises(hebrus.NonFiniteError):
+            faulted.feed(tokens(9))
+    clean.feed(tokens(9))
+    faulted.feed(tokens(9))
+    assert faulted.digests() == clean.digests()
+
+
+def _lose(model, s, how: str):
+    """Feed a chunk while rank 1 is `how` mid-chunk -> what the feed raised, in time."""
+    outcome: list = []
+
+    def feed():
+        try:
+            with parallel.lose("layers.2.gdn", rank=1, how=how):
+                s.feed(tokens(4, seed=9))
+            outcome.append(None)
+        except BaseException as exc:            # what the survivor raised
+            outcome.append(exc)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    thread.join(PATIENCE)
+    assert outcome, "the surviving rank did not return"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_rank_lost_mid_chunk_aborts_the_survivor_with_nothing_published(how, closing):
+    """Rank 1 killed (SIGKILL) or stopped as it reaches a stage: rank 0 raises a command failure
+    (the connection closed, or the group's timeout), publishes nothing, and the model refuses
+    every call after."""
+    model = over_ranks(closing, "tiny", rank_timeout=3.0)
+    s = model.session()
+    s.feed(tokens(6))
+    digest, frontier = s.digest(), s.frontier
+    error = _lose(model, s, how)
+    assert isinstance(error, hebrus.CommandError), error
+    assert "stopped answering" in str(error)
+    assert s.digest() == digest and s.frontier == frontier
+    with pytest.raises(hebrus.InvalidInput, match="broken"):
+        s.feed(tokens(2))
+    model.close()
+    assert all(p.poll() is not None for p in model.processes)
+
+
+def test_two_processes_meet_over_a_tcp_rendezvous(closing):
+    """As two hosts would: this process loads with a rendezvous address, a worker started by
+    hand (`hebrus worker`) joins it there."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = subprocess.Popen([sys.executable, "-m", "hebrus", "worker", "--rendezvous", f"127.0.0.1:{port}",
+                               "--rank", "1"], env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        model = over_ranks(closing, "tiny", rendezvous=f"127.0.0.1:{port}", dtype=torch.float64)
+        ids = tokens(20)
+        got = model.session().feed(ids)
+        expected = hebrus.load("tiny", dtype=torch.float64).session().feed(ids)
+        assert (got - expected).abs().max().item() <= 1e-12
+        model.close()
+        assert worker.wait(PATIENCE) == 0, worker.stdout.read()
+    finally:
+        worker.kill()
+
+
+def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing):
+    with pytest.raises(hebrus.InvalidInput, match="tensor_parallel must be"):
+        hebrus.load("tiny", tensor_parallel=0)
+    with pytest.raises(hebrus.InvalidInput, match="rank_timeout"):
+        hebrus.load("tiny", tensor_parallel=2, rank_timeout=-1)
+    with pytest.raises(hebrus.InvalidInput, match="quantize is not taken"):
+        hebrus.load("tiny", tensor_parallel=2, quantize="int8")
+    with pytest.raises(hebrus.InvalidInput, match="rendezvous must be HOST:PORT"):
+        hebrus.load("tiny", tensor_parallel=2, rendezvous="nowhere")
+    with pytest.raises(hebrus.InvalidInput, match="cannot be split over ranks yet .*mla"):
+        hebrus.load(_checkpoint("kimi_linear", tmp_path / "kimi"), tensor_parallel=2)
+    with pytest.raises(hebrus.InvalidInput, match="gdn layers: its key heads \\(1\\) do not divide among 2"):
+        from foreign import build
+        hebrus.load(build("qwen3_5_moe", tmp_path / "moe")[0], tensor_parallel=2)
+    model = over_ranks(closing, "tiny")            # and a model loads after refusals
+    s = model.session()
+    with pytest.raises(hebrus.InvalidInput, match="rank 5 does not exist"):
+        with hebrus.inject("embed", "structural", rank=5):
+            s.feed([1, 2])
+    with pytest.raises(hebrus.InvalidInput, match="not available under tensor parallelism"):
+        s.save(tmp_path / "s.safetensors")
+    with pytest.raises(hebrus.InvalidInput, match="not available on a tensor-parallel model"):
+        model.with_mode("fast")
+    with pytest.raises(hebrus.InvalidInput, match="one tensor-parallel model a process"):
+        hebrus.load("tiny", tensor_parallel=2)
+    assert s.feed([1, 2]).shape == (256,)
