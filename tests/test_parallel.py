@@ -194,3 +194,15 @@ def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing)
     with pytest.raises(hebrus.InvalidInput, match="one tensor-parallel model a process"):
         hebrus.load("tiny", tensor_parallel=2)
     assert s.feed([1, 2]).shape == (256,)
+
+
+def test_verify_runs_the_fault_matrix_on_every_rank():
+    """`hebrus verify --tensor-parallel 2`: every stage x kind injected on each rank held, and
+    the ranks within the dtype's tolerance of one rank (fast mode: one collective a stage)."""
+    done = subprocess.run([sys.executable, "-m", "hebrus", "verify", "--model", "tiny", "--mode", "fast",
+                           "--tensor-parallel", "2"], capture_output=True, text=True, timeout=PATIENCE,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "faults injected on rank 1 of 2" in done.stdout
+    assert done.stdout.count("held") == 2 * 11 * 5             # two tables of 11 stages x 5 kinds
+    assert " 0 failed" in done.stdout

@@ -388,7 +388,10 @@ def _load(args, say: bool = True, threads: bool = True):
         threads = torch.get_num_threads()
         where = f"{model.device}" + (f", {threads} thread{'s' if threads != 1 else ''}"
                                      if model.device.type == "cpu" else "")
-        _error(f"hebrus: {args.model}: {model.family}, {parameter_count(model.spec) / 1e6:.2f}M parameters, "
+        world = getattr(model, "world", None)
+        held = (f"over {world} ranks, rank 0 holding {parameter_count(model.spec) / 1e6:.2f}M parameters" if world
+                else f"{parameter_count(model.spec) / 1e6:.2f}M parameters")
+        _error(f"hebrus: {args.model}: {model.family}, {held}, "
                f"{str(model.dtype).removeprefix('torch.')}, {model.mode} mode, on {where}; loaded in "
                f"{time.perf_counter() - started:.1f} s")
     return model
@@ -465,9 +468,14 @@ def _verify(args) -> int:
     seconds = time.perf_counter() - started
     print(f"hebrus verify: model {args.model}, mode {args.mode}, device {model.device}, "
           f"dtype {str(model.dtype).removeprefix('torch.')}\n")
-    _fault_table(model, [r for r in results if r.group == "fault"])
-    print("\none session's fault in a ragged step of three")
-    _fault_table(model, [r for r in results if r.group == "batch"])
+    world = getattr(model, "world", None)
+    for rank in range(world) if world else [None]:
+        if rank is not None:
+            print(f"{'' if rank == 0 else chr(10)}faults injected on rank {rank} of {world} (every rank raises the same)")
+        _fault_table(model, [r for r in results if r.group == "fault"], rank)
+    if not world:
+        print("\none session's fault in a ragged step of three")
+        _fault_table(model, [r for r in results if r.group == "batch"])
     print("\nequivalence")
     for r in (r for r in results if r.group == "equivalence"):
         print(f"  {r.verdict:6}  {r.name}" + (f"  ({r.detail})" if r.detail else ""))
@@ -482,10 +490,11 @@ def _verify(args) -> int:
     return 0 if not failures else 1
 
 
-def _fault_table(model, results) -> None:
+def _fault_table(model, results, rank: int | None = None) -> None:
+    from hebrus.verify import cell
     cells = {r.name: r.verdict for r in results}
     _table(["faults", *FAULT_KINDS],
-           [[stage] + [cells.get(f"{stage} × {k}", "-") for k in FAULT_KINDS] for stage in model.stage_names])
+           [[stage] + [cells.get(cell(stage, k, rank), "-") for k in FAULT_KINDS] for stage in model.stage_names])
 
 
 def _table(header: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import os
 import pickle
 import secrets
@@ -57,12 +58,14 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Plan:
-    """What every rank loads: the model, its options, the world, the backend, the timeout."""
+    """What every rank loads: the model, its options, the world, the backend, the timeout, and
+    how many CPU threads each rank computes with (rank 0's)."""
     source: Any
     options: dict
     world: int
     backend: str
     timeout: float
+    threads: int
 
 
 class Call:
@@ -85,7 +88,7 @@ def launch(source, options: dict, world: int, rendezvous: str | None = None,
     device = options.get("device", "cpu")
     backend = "nccl" if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()) \
         else "gloo"
-    plan = Plan(source, options, world, backend, timeout)
+    plan = Plan(source, options, world, backend, timeout, torch.get_num_threads())
     host, port = _address(rendezvous)
     with _lock:
         if _live is not None and not _live.closed:
@@ -271,7 +274,7 @@ class _Mirror:
 class ParallelSession(_Mirror):
     """A session on every rank. `feed`, `prefill`, `generate`, `generate_text`, `fork` run on
     every rank; what it holds (`frontier`, `logits`, ...) reads rank 0's; `digests()` every
-    rank's digest of its part."""
+    rank's digest of its part, `digest()` one of them all."""
 
     CALLS = ("feed", "prefill", "generate", "generate_text", "fork", "constrain")
 
@@ -294,8 +297,13 @@ class ParallelSession(_Mirror):
         """Each rank's digest of the part of the session it holds, rank by rank."""
         return self._run("digests")
 
+    def digest(self) -> str:
+        """SHA-256 of every rank's digest (`digests`), in rank order: it changes when any part
+        does."""
+        return hashlib.sha256(" ".join(self.digests()).encode()).hexdigest()
 
-LOCAL_SESSION_CALLS = frozenset({"digest"})
+
+LOCAL_SESSION_CALLS: frozenset[str] = frozenset()
 
 
 class ParallelIterator(_Mirror):
@@ -337,6 +345,7 @@ def work(host: str, port: int, rank: int) -> None:
     faults.RANK = rank
     store = distributed.TCPStore(host, port, is_master=False, timeout=_seconds(START_TIMEOUT))
     plan = pickle.loads(store.get(KEY + "plan"))
+    torch.set_num_threads(plan.threads)
     store.set(f"{KEY}ready/{rank}", b"1")
     model = _rank_model(plan, rank, store)
     store.set(f"{KEY}joined/{rank}", b"1")

@@ -59,13 +59,23 @@ class Result:
 
 
 def checks(model, seed: int = 0) -> list[Check]:
+    """The suite for `model`. A tensor-parallel model (`hebrus.parallel`) runs the fault matrix
+    on each rank (every rank must raise the injected failure and keep its part: a session's
+    digest is every part's), its equivalence checks, and one of its own: its ranks against the
+    model on one rank; it does not step several sessions in one pass, so no batch cells."""
     rng = random.Random(seed)
     vocab = model.spec.vocab_size
     warm = [rng.randrange(vocab) for _ in range(WARM)]
     chunk = [rng.randrange(vocab) for _ in range(CHUNK)]
     reference = _Reference(model, warm, chunk)
-    out = [Check("fault", f"{stage} × {kind}", _fault_check(model, stage, kind, warm, chunk, reference))
-           for stage in model.stage_names for kind in FAULT_KINDS]
+    world = getattr(model, "world", None)
+    out = [Check("fault", cell(stage, kind, rank), _fault_check(model, stage, kind, warm, chunk, reference, rank))
+           for rank in (range(world) if world else [None]) for stage in model.stage_names for kind in FAULT_KINDS]
+    if world:
+        out += list(_equivalence_checks(model, rng, whole=False))
+        out.append(Check("equivalence", f"{world} ranks = one rank within {BOUNDS[model.dtype].tolerance:.2g}",
+                         lambda: _ranks_like_one(model, [rng.randrange(vocab) for _ in range(40)])))
+        return out
     batch = _Batch(model, random.Random(seed + 1))     # its own draws: the other checks' inputs unchanged
     out += [Check("batch", f"{stage} × {kind}", _batch_check(batch, n % 2, stage, kind))
             for n, stage in enumerate(model.stage_names) for kind in FAULT_KINDS]
@@ -91,14 +101,31 @@ class _Reference:
         return self._value
 
 
-def _fault_check(model, stage, kind, warm, chunk, reference) -> Callable[[], Verdict]:
+def cell(stage: str, kind: str, rank: int | None = None) -> str:
+    """A fault cell's name (on a rank of a tensor-parallel model: prefixed with it)."""
+    return f"{stage} × {kind}" if rank is None else f"rank {rank}: {stage} × {kind}"
+
+
+def _ranks_like_one(model, tokens) -> Verdict:
+    """A tensor-parallel model's logits after `tokens` against the same model on one rank, within
+    the dtype's tolerance (the ranks add their parts in another order)."""
+    from hebrus.runtime import load
+    one = load(model.plan.source, **model.plan.options)
+    expected = one.session().feed(tokens)
+    got = model.session().feed(tokens)
+    error = relative_error(got, expected)
+    bound = BOUNDS[model.dtype].tolerance
+    return Verdict(error <= bound, "ok" if error <= bound else "FAILED", f"relative error {error:.2g}")
+
+
+def _fault_check(model, stage, kind, warm, chunk, reference, rank: int | None = None) -> Callable[[], Verdict]:
     def run() -> Verdict:
         s = model.session()
         s.feed(warm)
         before, frontier = s.digest(), s.frontier
         sentinel = torch.full((model.spec.vocab_size,), 12345.0, dtype=model.dtype, device=model.device)
         try:
-            with inject(stage=stage, kind=kind):
+            with inject(stage=stage, kind=kind, **({} if rank is None else {"rank": rank})):
                 s.feed(chunk, out=sentinel)
         except ChunkAborted as exc:
             if (exc.kind, exc.stage) != (kind, stage):
@@ -236,7 +263,9 @@ def _page_check(model, warm, chunk, reference) -> Callable[[], Verdict]:
     return run
 
 
-def _equivalence_checks(model, rng: random.Random) -> Iterator[Check]:
+def _equivalence_checks(model, rng: random.Random, whole: bool = True) -> Iterator[Check]:
+    """Exact mode: chunkings and interleavings, bit for bit; fast mode (with `whole`: a model on
+    one rank, which can rerun itself in exact mode) against exact mode."""
     vocab = model.spec.vocab_size
     tokens = [rng.randrange(vocab) for _ in range(40)]
     splits = [_random_split(len(tokens), rng) for _ in range(3)]
@@ -247,7 +276,7 @@ def _equivalence_checks(model, rng: random.Random) -> Iterator[Check]:
                     lambda: _same_bits(model, tokens, [[len(tokens)]] + splits))
         yield Check("equivalence", "interleaved sessions (bit-identical)",
                     lambda: _interleaved(model, tokens, rng))
-    else:
+    elif whole:
         bound = BOUNDS[model.dtype]
         yield Check("equivalence", f"fast = exact within {bound.tolerance:.2g}, choices replayed",
                     lambda: fast_close_to_exact(model, tokens, [[len(tokens)], [1] * len(tokens)] + splits))
