@@ -136,11 +136,11 @@ def test_a_rank_lost_mid_chunk_aborts_the_survivor_with_nothing_published(how, c
     model = over_ranks(closing, "tiny", rank_timeout=3.0)
     s = model.session()
     s.feed(tokens(6))
-    digest, frontier = s.digest(), s.frontier
+    digest, frontier = s.local.digest(), s.frontier
     error = _lose(model, s, how)
     assert isinstance(error, hebrus.CommandError), error
     assert "stopped answering" in str(error)
-    assert s.digest() == digest and s.frontier == frontier
+    assert s.local.digest() == digest and s.frontier == frontier
     with pytest.raises(hebrus.InvalidInput, match="broken"):
         s.feed(tokens(2))
     model.close()

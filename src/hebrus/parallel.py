@@ -10,7 +10,8 @@ stages add their parts up across ranks, and before any rank flips, the ranks agr
 (`engine.ranks`): all publish, or every rank raises the same `ChunkAborted`.
 
 `hebrus.load(..., tensor_parallel=N)` starts N - 1 worker processes on this host (fresh
-interpreters, `work`; CPU: gloo;
+interpreters, `work`; CPU: gloo, every rank, this process too until `close`, computing with
+1/N of the threads this process had;
 CUDA: NCCL, rank r on device r) and gives a `ParallelModel`. Every call on it or on its sessions
 runs on every rank: this process writes the call (pickled, numbered) to the rendezvous store,
 which each worker reads and runs, runs it itself, then reads how each worker's call ended, which
@@ -88,7 +89,10 @@ def launch(source, options: dict, world: int, rendezvous: str | None = None,
     device = options.get("device", "cpu")
     backend = "nccl" if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()) \
         else "gloo"
-    plan = Plan(source, options, world, backend, timeout, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if backend == "gloo":                       # the ranks share this host's cores
+        threads = max(1, threads // world)
+    plan = Plan(source, options, world, backend, timeout, threads)
     host, port = _address(rendezvous)
     with _lock:
         if _live is not None and not _live.closed:
@@ -100,6 +104,8 @@ def launch(source, options: dict, world: int, rendezvous: str | None = None,
         processes = []
         if rendezvous is None:                  # the workers are this host's: started here
             processes = [_start(store.port, rank) for rank in range(1, world)]
+        before = torch.get_num_threads()
+        torch.set_num_threads(plan.threads)
         try:
             _await(store, [f"{KEY}ready/{rank}" for rank in range(1, world)], processes, START_TIMEOUT,
                    "loading their parts")
@@ -110,9 +116,10 @@ def launch(source, options: dict, world: int, rendezvous: str | None = None,
             for p in processes:
                 p.kill()
             _end_group()
+            torch.set_num_threads(before)
             raise
         store.set_timeout(_seconds(timeout))
-        _live = ParallelModel(local, plan, store, processes)
+        _live = ParallelModel(local, plan, store, processes, before)
         return _live
 
 
@@ -121,8 +128,9 @@ class ParallelModel:
     `tokenizer`, `stages`, `device`, ...) are rank 0's; `session()` makes a session on every
     rank (`ParallelSession`); `close()` ends the workers."""
 
-    def __init__(self, local, plan: Plan, store, processes: list):
+    def __init__(self, local, plan: Plan, store, processes: list, threads: int):
         self.local, self.plan, self.store, self.processes = local, plan, store, processes
+        self.host_threads = threads                 # this process's CPU threads before the ranks shared them
         self.world, self.closed, self.broken = plan.world, False, None
         self._calls, self._numbers = 0, 1
         self._forget: list[int] = []
@@ -155,6 +163,7 @@ class ParallelModel:
                     p.kill()
                     p.wait(5)
             _end_group()
+            torch.set_num_threads(self.host_threads)
             if _live is self:
                 _live = None
 
@@ -292,6 +301,12 @@ class ParallelSession(_Mirror):
             raise InvalidInput(f"session.{name}() is not available under tensor parallelism yet; "
                                f"these are: {', '.join(self.CALLS + tuple(sorted(LOCAL_SESSION_CALLS)))}")
         return value
+
+    @property
+    def local(self):
+        """This process's part of the session (rank 0's `Session`): readable when the other ranks
+        are lost."""
+        return self._local
 
     def digests(self) -> list[str]:
         """Each rank's digest of the part of the session it holds, rank by rank."""

@@ -55,6 +55,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--constrained", action="store_true",
                        help="structured output: --model decoding --decode-steps greedy steps under a JSON schema "
                             "against the same steps free, at each of --batch sessions stepping together")
+    bench.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                       help="--model split over N ranks (a process each) against the same model in this process: "
+                            "prefill tokens/s at each of --contexts and decode ms/step, both eager, side by side")
     bench.add_argument("--serve", action="store_true",
                        help="the HTTP server (hebrus serve, in this process, over loopback) at each of "
                             "--clients concurrent streaming requests against the same engine decoding offline: "
@@ -163,6 +166,8 @@ def run(args, load_model) -> int:
         return quant.command(args, contexts, batches, load_as)
     if args.model in bench.SHAPES:
         args.model = str(bench.random_checkpoint(args.model, Path(args.cache) / args.model))
+    if args.tensor_parallel is not None:
+        return _parallel(args, contexts)
     if args.spec:
         return _spec(args, contexts, load_model)
     if args.serve:
@@ -306,6 +311,26 @@ def _constrained(args, batches: tuple[int, ...], load_model) -> int:
               "points": constrained.points(model, batches, args.decode_steps, args.rounds,
                                            ProgressBar("bench --constrained", unit="run"))}
     return _written(args, report, constrained.table(report))
+
+
+def _parallel(args, contexts: list[int]) -> int:
+    from hebrus import bench
+    from hebrus.bench import parallel
+    from hebrus.progress import ProgressBar
+    options = dict(device=args.device, dtype=args.dtype, mode=args.mode)
+    plain = load(args.model, **options)
+    kept = [c for c in contexts if c + args.decode_steps <= plain.spec.max_context]
+    if not kept:
+        raise InvalidInput(f"no context leaves room for {args.decode_steps} decode steps within the model's "
+                           f"max_context {plain.spec.max_context}")
+    with load(args.model, tensor_parallel=args.tensor_parallel, **options) as split:
+        report = {"model": Path(args.model).name, "world": args.tensor_parallel, "device": str(plain.device),
+                  "dtype": str(plain.dtype).removeprefix("torch."), "mode": plain.mode, "rounds": args.rounds,
+                  "decode_steps": args.decode_steps, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  "commit": bench._commit()}
+        report |= parallel.run(plain, split, kept, args.decode_steps, args.rounds, args.chunk,
+                               ProgressBar("bench --tensor-parallel", unit="context"))
+    return _written(args, report, parallel.table(report))
 
 
 def _written(args, report: dict, text: str) -> int:

@@ -74,10 +74,9 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
 def run_stages(model, txn, step: StepBatch) -> None:
     """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
     fields (the streams, a pending output, the branches' values) is checked with its writes and
-    counted as the step's working set. Under tensor parallelism the ranks exchange their status
-    after each stage, and a stage that raised tells the others to stop (`engine.ranks`)."""
+    counted as the step's working set. Under tensor parallelism a stage that raises tells the
+    other ranks at their next exchange (`engine.ranks`)."""
     txn.step = step
-    ranks = model.ranks
     for index, stage in enumerate(model.stages):
         txn.enter(index)
         try:
@@ -89,12 +88,11 @@ def run_stages(model, txn, step: StepBatch) -> None:
             txn.seal()
         except PeerStopped:
             raise
-        except BaseException:
-            if ranks is not None:
-                ranks.stop()
+        except Exception as exc:
+            if model.ranks is not None:
+                model.ranks.stop(exc if isinstance(exc, ChunkAborted) else abort_error(txn.stage, exc),
+                                 _order(model))
             raise
-        if ranks is not None:
-            ranks.go()
 
 
 def _carried(step: StepBatch) -> list[torch.Tensor]:
@@ -106,9 +104,13 @@ def agreement(model) -> Callable[[ChunkAborted | None], ChunkAborted | None] | N
     None for a model on one rank."""
     if model.ranks is None:
         return None
+    return lambda failure: model.ranks.agree(failure, _order(model))
+
+
+def _order(model) -> Callable[[str], int]:
+    """Where a failure's stage lies among the stages (after them: validation, the journal)."""
     names = model.stage_names
-    return lambda failure: model.ranks.agree(failure, lambda stage: names.index(stage) if stage in names
-                                             else len(names))
+    return lambda stage: names.index(stage) if stage in names else len(names)
 
 
 def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Tensor | None,

@@ -3,13 +3,14 @@ their parts up with, and the distributed commit.
 
 Every rank runs the same chunk over its shards (`layers.shard`), in its own transaction. The
 stages meet at collectives (`reduce`: a split sublayer's partial outputs added up; `gather`: the
-logits' vocabulary parts joined), and before each of them, and after each stage, the ranks
-exchange one status word: 0 to go on, 1 from a rank whose stage raised. A rank that raises sends
-its 1 at its next exchange and stops; the others, which are at the same exchange (everything
-before it was the same on every rank), stop there too, so no rank is left waiting in a
-collective the others never reach. Then, stopped or not, every rank puts its own failure (none,
-or its kind, stage and detail) on the table (`agree`): the earliest failing stage's, the lowest
-rank's among equals, is every rank's, and each raises that same `ChunkAborted`, or all publish.
+logits' vocabulary parts joined), and before each of them the ranks exchange a record of fixed
+size (`RECORD` bytes): empty to go on, or a failure (its kind, stage and detail). A rank whose
+stage raises sends its failure at its next exchange and stops; the others are at that same
+exchange (everything before it was the same on every rank), read it, and stop too, so no rank
+is left waiting in a collective the others never reach. After validation a last exchange
+carries each rank's outcome, unless the ranks stopped already (`agree`). Every rank then holds
+the same records and picks the same failure, the earliest failing stage's, the lowest rank's
+among equals: each raises that same `ChunkAborted`, or all publish.
 
 A rank that stops answering (its process killed, a hung device) makes a collective fail or run
 past the group's timeout: the survivor's chunk aborts as `RankLost` (the `command` kind) with
@@ -39,18 +40,34 @@ class RankLost(CommandError):
     snapshots)."""
 
 
+RECORD = 512             # bytes of an exchanged record: a failure's kind, stage order and detail
+KINDS = tuple(BY_KIND)
+
+
 class Ranks:
-    """Rank `rank` of `world` over `group` (a `torch.distributed` process group)."""
+    """Rank `rank` of `world` over `group` (a `torch.distributed` process group; None: the
+    default one)."""
 
     def __init__(self, rank: int, world: int, group, device: torch.device):
         self.rank, self.world, self.group, self.device = rank, world, group, device
         self.lost: str | None = None            # why the group is broken, once it is
+        self._records: list | None = None       # the records of the exchange that stopped this chunk
 
     # ---- the stages' collectives ----------------------------------------------------------
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks of every rank's `x` (a new tensor)."""
+        """The sum over ranks of every rank's `x` (a new tensor). On the CPU every part is
+        gathered and added up in rank order on each rank (gloo's all-reduce of a small tensor
+        takes about five times its all-gather on a 2-core machine); NCCL adds them up itself."""
         from torch import distributed
         self.go()
+        if self.device.type == "cpu":
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            self._collective(lambda: distributed.all_gather(parts, x, group=self.group), "adding up a layer's parts")
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return total
         y = x.contiguous().clone()
         self._collective(lambda: distributed.all_reduce(y, group=self.group), "adding up a layer's parts")
         return y
@@ -64,46 +81,63 @@ class Ranks:
         self._collective(lambda: distributed.all_gather(parts, x, group=self.group), "joining the logits")
         return torch.cat(parts, dim=-1)
 
-    # ---- the status exchanges ---------------------------------------------------------------
+    # ---- the exchanges ------------------------------------------------------------------------
     def go(self) -> None:
-        """The exchange before a collective and after a stage: PeerStopped if a rank stopped."""
-        if self._exchange(0):
+        """The exchange before a collective: PeerStopped when a rank sent a failure."""
+        if self.world > 1 and self._exchange(None):
             raise PeerStopped("ranks", "another rank's stage failed")
 
-    def stop(self) -> None:
-        """This rank's stage raised: tell the others at the exchange they are at (once a chunk)."""
-        if self.lost is None:
+    def stop(self, failure: ChunkAborted, order: Callable[[str], int]) -> None:
+        """This rank's stage raised `failure`: tell the others at the exchange they are at."""
+        if self.world > 1 and self.lost is None and self._records is None:
             try:
-                self._exchange(1)
+                self._exchange((order(failure.stage), failure))
             except RankLost:
                 pass
 
     def agree(self, failure: ChunkAborted | None, order: Callable[[str], int]) -> ChunkAborted | None:
-        """Every rank's failure put together: the earliest failing stage's (`order` ranks a stage
-        name), the lowest rank's among equals, as a new `ChunkAborted` equal on every rank; None
-        when no rank failed, and every rank publishes."""
-        from torch import distributed
+        """The chunk's outcome on every rank: this rank's `failure` (or None) and every other's,
+        the earliest failing stage's (`order` ranks a stage name), the lowest rank's among
+        equals, as a new `ChunkAborted` equal on every rank; None when no rank failed, and every
+        rank publishes."""
+        records, self._records = self._records, None
         if isinstance(failure, RankLost):
             return failure
-        mine = None if failure is None or isinstance(failure, PeerStopped) else \
-            (order(failure.stage), failure.kind, failure.stage, failure.detail)
-        everyone: list = [None] * self.world
-        self._collective(lambda: distributed.all_gather_object(everyone, mine, group=self.group),
-                         "agreeing on the chunk")
-        failed = [(f[0], rank, f) for rank, f in enumerate(everyone) if f is not None]
+        if self.world == 1:
+            return failure
+        if records is None:                     # no rank stopped: the last exchange, each rank's outcome
+            mine = None if failure is None else (order(failure.stage), failure)
+            try:
+                if not self._exchange(mine):
+                    return None
+            except RankLost as lost:
+                return lost
+            records, self._records = self._records, None
+        failed = [(at, rank, kind, stage, detail) for rank, record in enumerate(records) if record is not None
+                  for at, kind, stage, detail in [record]]
         if not failed:
-            if failure is not None:                 # stopped, yet no rank says why: cannot happen
-                return StructuralError("ranks", "a rank stopped without a failure of its own")
-            return None
-        _, rank, (_, kind, stage, detail) = min(failed)
+            return None if failure is None else StructuralError("ranks", "a rank stopped without a failure of its own")
+        _, rank, kind, stage, detail = min(failed)
         return BY_KIND[kind](stage, f"{detail} (rank {rank} of {self.world})")
 
     # ---- internals ------------------------------------------------------------------------------
-    def _exchange(self, value: int) -> int:
+    def _exchange(self, mine: tuple[int, ChunkAborted] | None) -> bool:
+        """Every rank's record of this exchange (kept when one is a failure) -> whether one is."""
         from torch import distributed
-        flag = torch.full((1,), value, dtype=torch.int32, device=self.device)
-        self._collective(lambda: distributed.all_reduce(flag, group=self.group), "exchanging the ranks' status")
-        return int(flag.item())
+        record = torch.zeros(RECORD, dtype=torch.uint8)
+        if mine is not None:
+            at, failure = mine
+            detail = f"{failure.stage}\0{failure.detail}".encode()[:RECORD - 4]
+            record[:4] = torch.tensor([1, KINDS.index(failure.kind), at // 256, at % 256], dtype=torch.uint8)
+            record[4:4 + len(detail)] = torch.frombuffer(bytearray(detail), dtype=torch.uint8)
+        record = record.to(self.device)
+        parts = [torch.empty_like(record) for _ in range(self.world)]
+        self._collective(lambda: distributed.all_gather(parts, record, group=self.group), "exchanging the ranks' status")
+        records = [_read(part.cpu()) for part in parts]
+        if any(r is not None for r in records):
+            self._records = records
+            return True
+        return False
 
     def _collective(self, work: Callable[[], object], what: str) -> None:
         if self.lost is not None:
@@ -114,3 +148,12 @@ class Ranks:
             self.lost = f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise RankLost("ranks", f"rank {self.rank} of {self.world}: {self.lost}: a rank stopped "
                                     f"answering") from exc
+
+
+def _read(record: torch.Tensor) -> tuple[int, str, str, str] | None:
+    """An exchanged record -> (stage order, kind, stage, detail), or None: no failure."""
+    if not int(record[0]):
+        return None
+    text = bytes(record[4:].tolist()).rstrip(b"\0").decode(errors="replace")
+    stage, _, detail = text.partition("\0")
+    return int(record[2]) * 256 + int(record[3]), KINDS[int(record[1])], stage, detail
