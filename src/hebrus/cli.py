@@ -283,7 +283,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _worker(args) -> int:
     from hebrus import parallel
-    parallel.serve_worker(args.rendezvous, args.rank)
+    from hebrus.runtime import rank_model
+    parallel.serve_worker(args.rendezvous, args.rank, rank_model)
     return 0
 
 

@@ -81,9 +81,10 @@ class Call:
 
 
 # ---- the caller's side ------------------------------------------------------------------------
-def launch(source, options: dict, world: int, rendezvous: str | None = None,
+def launch(source, options: dict, world: int, build, rendezvous: str | None = None,
            timeout: float = DEFAULT_TIMEOUT) -> "ParallelModel":
-    """Start the ranks of `source` loaded with `options` over `world` processes (this one rank 0)."""
+    """Start the ranks of `source` loaded with `options` over `world` processes (this one rank 0);
+    `build(plan, rank, store)` makes a rank's part of the model (`runtime.rank_model`)."""
     global _live
     from torch import distributed
     device = options.get("device", "cpu")
@@ -109,7 +110,7 @@ def launch(source, options: dict, world: int, rendezvous: str | None = None,
         try:
             _await(store, [f"{KEY}ready/{rank}" for rank in range(1, world)], processes, START_TIMEOUT,
                    "loading their parts")
-            local = _rank_model(plan, 0, store)
+            local = build(plan, 0, store)
             _await(store, [f"{KEY}joined/{rank}" for rank in range(1, world)], processes, timeout,
                    "joining the group")
         except BaseException:
@@ -349,20 +350,21 @@ def _start(port: int, rank: int) -> subprocess.Popen:
     script is run again), importing this hebrus."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package, os.environ.get("PYTHONPATH"))))}
-    return subprocess.Popen([sys.executable, "-c", f"from hebrus.parallel import work; work('127.0.0.1', {port}, {rank})"],
-                            env=env, stdin=subprocess.DEVNULL)
+    code = f"from hebrus import parallel, runtime; parallel.work('127.0.0.1', {port}, {rank}, runtime.rank_model)"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL)
 
 
 # ---- a worker's side --------------------------------------------------------------------------
-def work(host: str, port: int, rank: int) -> None:
-    """A worker: join the store at host:port as `rank`, load its part, then run every call."""
+def work(host: str, port: int, rank: int, build) -> None:
+    """A worker: join the store at host:port as `rank`, load its part (`build`, as `launch`'s),
+    then run every call."""
     from torch import distributed
     faults.RANK = rank
     store = distributed.TCPStore(host, port, is_master=False, timeout=_seconds(START_TIMEOUT))
     plan = pickle.loads(store.get(KEY + "plan"))
     torch.set_num_threads(plan.threads)
     store.set(f"{KEY}ready/{rank}", b"1")
-    model = _rank_model(plan, rank, store)
+    model = build(plan, rank, store)
     store.set(f"{KEY}joined/{rank}", b"1")
     store.set_timeout(datetime.timedelta(days=365))     # a worker waits for calls as long as the caller lives
     objects: dict[int, Any] = {0: model}
@@ -400,22 +402,17 @@ def _run_call(call: Call, objects: dict, rank: int) -> tuple[tuple, list]:
     return ending, [index for index, fault in armed if fault.fired]
 
 
-def _rank_model(plan: Plan, rank: int, store):
-    """Rank `rank`'s part of the plan's model: the whole model loaded, split (`Model.on_ranks`),
-    in a group of every rank."""
+def init_group(plan: Plan, rank: int, store) -> torch.device | None:
+    """Join the ranks' process group as `rank` (NCCL: on device rank mod the devices) -> the
+    device a CUDA rank computes on, or None."""
     from torch import distributed
-
-    from hebrus.engine.ranks import Ranks
-    from hebrus.runtime import load
-    options = dict(plan.options)
+    device = None
     if plan.backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        options["device"] = device
     distributed.init_process_group(plan.backend, store=distributed.PrefixStore(KEY + "group", store), rank=rank,
                                    world_size=plan.world, timeout=_seconds(plan.timeout))
-    model = load(plan.source, **options)
-    return model.on_ranks(Ranks(rank, plan.world, None, model.device))
+    return device
 
 
 def _end_group() -> None:
@@ -454,12 +451,12 @@ def _seconds(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
 
 
-def serve_worker(rendezvous: str, rank: int) -> None:
+def serve_worker(rendezvous: str, rank: int, build) -> None:
     """`hebrus worker`: join a tensor-parallel model's rendezvous at HOST:PORT as `rank`."""
     host, port = _address(rendezvous)
     if rank < 1:
         raise InvalidInput(f"a worker's rank is 1 or more (rank 0 is the process that loads the model), got {rank}")
-    work(host, port, rank)
+    work(host, port, rank, build)
 
 
 def lose(stage: str, rank: int, how: str = "killed"):

@@ -326,7 +326,18 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
         if options[name] is not None:
             raise InvalidInput(f"{name} is not taken with tensor_parallel yet")
     from hebrus import parallel
-    return parallel.launch(name_or_path, options, world, rendezvous, float(timeout))
+    return parallel.launch(name_or_path, options, world, rank_model, rendezvous, float(timeout))
+
+
+def rank_model(plan, rank: int, store) -> Model:
+    """Rank `rank`'s part of `plan`'s model (`hebrus.parallel.Plan`): in the ranks' process group,
+    the whole model loaded, then split (`Model.on_ranks`)."""
+    from hebrus import parallel
+    from hebrus.engine.ranks import Ranks
+    device = parallel.init_group(plan, rank, store)
+    options = dict(plan.options) | ({} if device is None else {"device": device})
+    model = load(plan.source, **options)
+    return model.on_ranks(Ranks(rank, plan.world, None, model.device))
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:
