@@ -17,7 +17,9 @@
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
-# deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K).
+# deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
+# parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
+# over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
 # Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -121,6 +123,15 @@ for part in "$@"; do
         timeout 300 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024 --rounds 2 --decode eager \
             --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-eager-decode.json" \
             --table "$out/bench-qwen3.5-1.7b-eager-decode.md" 2>&1 | grep -v '^bench' ;;
+    parallel)
+        for n in 1 $( [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 2 ); do
+            timeout 280 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024,8192 --rounds 3 \
+                --tensor-parallel $n --cache /tmp/shapes --json "$out/bench-qwen3.5-1.7b-tp$n.json" \
+                --table "$out/bench-qwen3.5-1.7b-tp$n.md" 2>&1 | grep -v '^bench'
+        done
+        k=one_rank; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && k="one_rank or equal_one"     # NCCL: a GPU a rank
+        HEBRUS_DEVICE=cuda timeout 250 python3 -m pytest -q -x tests/test_parallel.py -k "$k" \
+            > "$out/tests-parallel-cuda.txt" 2>&1; tail -3 "$out/tests-parallel-cuda.txt" ;;
     *)
         echo "unknown part $part" >&2; exit 2 ;;
     esac

@@ -3,6 +3,7 @@ one, on every family that shards; the fault matrix across ranks; a rank killed o
 mid-chunk; two processes meeting over a TCP rendezvous as two hosts would."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from hebrus import parallel
 from hebrus.errors import FAULT_KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = os.environ.get("HEBRUS_DEVICE", "cpu")     # the ranks-against-one tests on a GPU: cuda (NCCL)
 KIND_ERRORS = {"structural": hebrus.StructuralError, "nonfinite": hebrus.NonFiniteError,
                "alloc": hebrus.AllocationError, "command": hebrus.CommandError,
                "status": hebrus.DeviceStatusError}
@@ -50,8 +52,8 @@ def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, 
     every chunking the same bits on each rank (exact mode), and the same greedy tokens in float32."""
     source = "tiny" if family == "hebrus" else _checkpoint(family, tmp_path)
     ids = tokens(40, seed=3, vocab=101)
-    one = hebrus.load(source, dtype=torch.float64)
-    two = over_ranks(closing, source, dtype=torch.float64)
+    one = hebrus.load(source, dtype=torch.float64, device=DEVICE)
+    two = over_ranks(closing, source, dtype=torch.float64, device=DEVICE)
     alone, split = one.session(), two.session()
     expected = alone.feed(ids)
     got = split.feed(ids)
@@ -63,7 +65,7 @@ def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, 
     assert len(set(split.digests())) == 2                     # and the parts differ
     two.close()
 
-    one32, two32 = hebrus.load(source), over_ranks(closing, source)
+    one32, two32 = hebrus.load(source, device=DEVICE), over_ranks(closing, source, device=DEVICE)
     want = list(one32.session().generate(ids, max_new_tokens=16))
     assert list(two32.session().generate(ids, max_new_tokens=16)) == want
 
@@ -71,8 +73,8 @@ def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, 
 def test_one_rank_is_the_model_bit_for_bit(closing):
     """A world of one runs the same collectives (over itself): the same bits as no ranks at all."""
     ids = tokens(30, seed=1)
-    plain = hebrus.load("tiny").session()
-    one = over_ranks(closing, "tiny", world=1).session()
+    plain = hebrus.load("tiny", device=DEVICE).session()
+    one = over_ranks(closing, "tiny", world=1, device=DEVICE).session()
     assert torch.equal(one.feed(ids), plain.feed(ids))
     assert one.digests() == [plain.digest()]
 
@@ -147,6 +149,33 @@ def test_a_rank_lost_mid_chunk_aborts_the_survivor_with_nothing_published(how, c
     assert all(p.poll() is not None for p in model.processes)
 
 
+def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_path, closing):
+    """Saved over ranks (a file a rank), a rank killed mid-chunk, the model loaded again: the
+    session restored equals what it was, and goes on as one that never broke. A rank's damaged
+    file is refused on every rank."""
+    model = over_ranks(closing, "tiny", rank_timeout=3.0)
+    s = model.session()
+    s.feed(tokens(10))
+    s.save(tmp_path / "s.hs")
+    saved = s.digests()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.hs", "s.hs.rank1"]
+    assert isinstance(_lose(model, s, "killed"), hebrus.CommandError)
+    model.close()
+
+    again = over_ranks(closing, "tiny")
+    back = again.restore(tmp_path / "s.hs")
+    assert back.digests() == saved
+    back.feed(tokens(4, seed=9))
+    fresh = again.session()
+    fresh.feed(tokens(10))
+    fresh.feed(tokens(4, seed=9))
+    assert back.digests() == fresh.digests()
+    (tmp_path / "s.hs.rank1").write_bytes(b"not a session")
+    with pytest.raises(hebrus.InvalidInput, match="rank 1's file"):
+        again.restore(tmp_path / "s.hs")
+    assert again.session().feed([1, 2]).shape == (256,)         # and the ranks go on together
+
+
 def test_two_processes_meet_over_a_tcp_rendezvous(closing):
     """As two hosts would: this process loads with a rendezvous address, a worker started by
     hand (`hebrus worker`) joins it there."""
@@ -154,7 +183,7 @@ def test_two_processes_meet_over_a_tcp_rendezvous(closing):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     worker = subprocess.Popen([sys.executable, "-m", "hebrus", "worker", "--rendezvous", f"127.0.0.1:{port}",
-                               "--rank", "1"], env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+                               "--rank", "1"], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         model = over_ranks(closing, "tiny", rendezvous=f"127.0.0.1:{port}", dtype=torch.float64)
@@ -188,7 +217,7 @@ def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing)
         with hebrus.inject("embed", "structural", rank=5):
             s.feed([1, 2])
     with pytest.raises(hebrus.InvalidInput, match="not available under tensor parallelism"):
-        s.save(tmp_path / "s.safetensors")
+        s.feed_prefix([1, 2], lambda logits: 1)
     with pytest.raises(hebrus.InvalidInput, match="not available on a tensor-parallel model"):
         model.with_mode("fast")
     with pytest.raises(hebrus.InvalidInput, match="one tensor-parallel model a process"):
@@ -201,7 +230,7 @@ def test_verify_runs_the_fault_matrix_on_every_rank():
     the ranks within the dtype's tolerance of one rank (fast mode: one collective a stage)."""
     done = subprocess.run([sys.executable, "-m", "hebrus", "verify", "--model", "tiny", "--mode", "fast",
                            "--tensor-parallel", "2"], capture_output=True, text=True, timeout=PATIENCE,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "faults injected on rank 1 of 2" in done.stdout
     assert done.stdout.count("held") == 2 * 11 * 5             # two tables of 11 stages x 5 kinds

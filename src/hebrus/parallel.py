@@ -145,6 +145,12 @@ class ParallelModel:
             raise InvalidInput("a tensor-parallel model's sessions do not keep journals yet")
         return self._call(0, "session", (), options)
 
+    def restore(self, path, **options) -> "ParallelSession":
+        """A session on every rank as `ParallelSession.save` wrote it: rank 0 from `path`, rank r
+        from `path.rank{r}` (`Model.restore`'s checks on each: the file must be that rank's part
+        of this model, undamaged)."""
+        return self._call(0, "restore", (path,), options)
+
     def close(self) -> None:
         """End the workers and leave the group (the model can no longer run)."""
         global _live
@@ -220,18 +226,23 @@ class ParallelModel:
             if isinstance(result, ChunkAborted) and type(result).__name__ == "RankLost":
                 self.broken = str(result)           # the others cannot answer: nothing to hear
                 raise result
-            theirs = self._hear(number, mine, armed, alike=method not in LOCALLY)
+            try:
+                theirs = self._hear(number, mine, armed, alike=method not in LOCALLY, files=method in PER_RANK_FILE)
+            except InvalidInput:
+                self._forget.append(call.result)        # what some ranks made of the call goes
+                raise
             if isinstance(result, BaseException):
                 raise result
             if method in LOCALLY:                   # what every rank has, rank by rank
                 return [result, *theirs]
             return self._mirror(result, call.result)
 
-    def _hear(self, number: int, mine: tuple, armed: list, alike: bool = True) -> list:
+    def _hear(self, number: int, mine: tuple, armed: list, alike: bool = True, files: bool = False) -> list:
         """How each worker's call `number` ended, which must be how this one's did (the same
         exception's type, or, `alike`, the same value) -> what each gave back, where that is a
-        number or a string."""
-        values = []
+        number or a string. A call that reads or writes each rank's own file (`files`: no
+        collective, no state shared) may end otherwise on a rank: InvalidInput saying how."""
+        values, otherwise = [], None
         for rank in range(1, self.world):
             key = f"{KEY}reply/{number}/{rank}"
             try:
@@ -244,9 +255,16 @@ class ParallelModel:
             for index in fired:
                 next(f for f in armed if _faulted(f) == index).fired = True
             if ending[0] != mine[0] or ending[1] != mine[1] and (ending[0] == "raised" or alike):
-                self.broken = f"rank {rank} ended a call otherwise: {ending}, rank 0: {mine}"
-                raise StructuralError("ranks", self.broken)
+                if not files:
+                    self.broken = f"rank {rank} ended a call otherwise: {ending}, rank 0: {mine}"
+                    raise StructuralError("ranks", self.broken)
+                otherwise = otherwise or (rank, ending)
             values.append(ending[1])
+        if otherwise is not None:
+            rank, ending = otherwise
+            said = f"{ending[1]}: {ending[2]}" if ending[0] == "raised" else "it went through"
+            raise InvalidInput(f"rank {rank}'s file ended otherwise than rank 0's ({said}); rank 0's: "
+                               f"{mine[1] + ': ' + mine[2] if mine[0] == 'raised' else 'it went through'}")
         return values
 
     def _mirror(self, result, number: int):
@@ -262,6 +280,12 @@ class ParallelModel:
 
 
 LOCAL_MODEL_CALLS = frozenset({"named_parameters"})
+PER_RANK_FILE = frozenset({"save", "restore"})     # their first argument names rank 0's file (`rank_file`)
+
+
+def rank_file(path, rank: int) -> str:
+    """The file rank `rank` keeps its part of a session in, for rank 0's `path`."""
+    return os.fspath(path) if rank == 0 else f"{os.fspath(path)}.rank{rank}"
 LOCALLY = {"digests": "digest"}         # calls whose every rank's value comes back: what each rank runs
 
 
@@ -284,9 +308,11 @@ class _Mirror:
 class ParallelSession(_Mirror):
     """A session on every rank. `feed`, `prefill`, `generate`, `generate_text`, `fork` run on
     every rank; what it holds (`frontier`, `logits`, ...) reads rank 0's; `digests()` every
-    rank's digest of its part, `digest()` one of them all."""
+    rank's digest of its part, `digest()` one of them all. `save(path)` writes a file a rank:
+    rank 0's `path`, rank r's `path.rank{r}` (each atomic, each with its part's digest and its
+    part's fingerprint), which `ParallelModel.restore(path)` reads back."""
 
-    CALLS = ("feed", "prefill", "generate", "generate_text", "fork", "constrain")
+    CALLS = ("feed", "prefill", "generate", "generate_text", "fork", "constrain", "save")
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -392,8 +418,10 @@ def _run_call(call: Call, objects: dict, rank: int) -> tuple[tuple, list]:
             armed.append(((stage, kind, session, on), faults.Fault(stage, kind, objects.get(session), rank=on)))
     with faults.armed_as([fault for _, fault in armed]):
         try:
-            target = objects[call.target]
-            result = getattr(target, LOCALLY.get(call.method, call.method))(*call.args, **call.kwargs)
+            target, args = objects[call.target], call.args
+            if call.method in PER_RANK_FILE and args:
+                args = (rank_file(args[0], rank), *args[1:])
+            result = getattr(target, LOCALLY.get(call.method, call.method))(*args, **call.kwargs)
             if hasattr(result, "__next__") or type(result).__name__ == "Session":
                 objects[call.result] = result
             ending = ("ok", _small(result))

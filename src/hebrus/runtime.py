@@ -55,16 +55,18 @@ class Model:
         model._build(config, spec, params, device, dtype, mode, chooser, source, paging, ranks)
         return model
 
-    def on_ranks(self, ranks) -> "Model":
+    def on_ranks(self, ranks, device: torch.device | None = None) -> "Model":
         """Rank `ranks.rank`'s part of this model over `ranks.world` ranks (`layers.shard`: its
-        spec and its part of every weight, copies of their own), stepping with the other ranks
-        through `ranks` (`engine.ranks.Ranks`). `hebrus.load(..., tensor_parallel=N)` makes one
-        in each rank's process (`hebrus.parallel`)."""
+        spec and its part of every weight, copies of their own, on `device`, by default this
+        model's), stepping with the other ranks through `ranks` (`engine.ranks.Ranks`).
+        `hebrus.load(..., tensor_parallel=N)` makes one in each rank's process (`hebrus.parallel`)."""
         if self.paged:
             raise InvalidInput("tensor parallelism keeps PLE tables resident: load without ple_cache_bytes")
+        device = self.device if device is None else device
         spec = shard_spec(self.spec, ranks.world)
-        params = shard_params(self.spec, self._params, ranks.rank, ranks.world)
-        return self._sized(Model._placed(self.config, spec, params, self.device, self.dtype, self.mode,
+        params = {name: part.to(device) for name, part in
+                  shard_params(self.spec, self._params, ranks.rank, ranks.world).items()}
+        return self._sized(Model._placed(self.config, spec, params, device, self.dtype, self.mode,
                                          self._chooser(), self.source, ranks=ranks), split=True)
 
     def _build(self, config, spec, params, device, dtype, mode, chooser=None, source: Path | None = None,
@@ -335,9 +337,15 @@ def rank_model(plan, rank: int, store) -> Model:
     from hebrus import parallel
     from hebrus.engine.ranks import Ranks
     device = parallel.init_group(plan, rank, store)
-    options = dict(plan.options) | ({} if device is None else {"device": device})
-    model = load(plan.source, **options)
-    return model.on_ranks(Ranks(rank, plan.world, None, model.device))
+    if device is None:
+        model = load(plan.source, **plan.options)
+        return model.on_ranks(Ranks(rank, plan.world, None, model.device))
+    # a GPU rank reads the whole model into host memory and places only its part on its device:
+    # the model need not fit one device
+    dtype = plan.options.get("dtype", torch.float32)
+    dtype = _auto_dtype(device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
+    model = load(plan.source, **(plan.options | {"device": "cpu", "dtype": dtype}))
+    return model.on_ranks(Ranks(rank, plan.world, None, device), device)
 
 
 def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:
