@@ -260,6 +260,7 @@ class ParallelModel:
                     raise StructuralError("ranks", self.broken)
                 otherwise = otherwise or (rank, ending)
             values.append(ending[1])
+        self.store.delete_key(f"{KEY}call/{number}")      # every worker has read it
         if otherwise is not None:
             rank, ending = otherwise
             said = f"{ending[1]}: {ending[2]}" if ending[0] == "raised" else "it went through"
@@ -402,7 +403,6 @@ def work(host: str, port: int, rank: int, build) -> None:
             break
         if call is None:
             break
-        store.delete_key(f"{KEY}call/{number}")
         for gone in call.forget:
             objects.pop(gone, None)
         ending, fired = _run_call(call, objects, rank)

@@ -5,6 +5,7 @@ DeltaNet's (`layers.gdn`), one key head per value head; its state per layer too:
 Kc-1 inputs and the recurrent matrix S."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -12,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from hebrus.layers.gdn import GatedDeltaNet, GDNMixer
-from hebrus.layers.kind import Cost, Kind, uniform
+from hebrus.layers.kind import Cost, Kind, divided, own, spans, uniform
 from hebrus.ops.gdn import by_length, gdn_ragged, gdn_recurrent_states
 from hebrus.ops.kda import kda_chunked, kda_recurrent
 from hebrus.ops.norm import accum_dtype, sigmoid_gated_rms_norm
@@ -83,6 +84,30 @@ class KDA(Kind):
     wide = ("A_log", "dt_bias")
     outputs = ("o_proj.weight",)
     side_by_side = (PROJECTED,)
+    shards = "split"            # by heads; the gates' low-rank inputs (f_a, g_a) every head shares
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(section, heads=divided("heads", section.heads, world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """q, k and v rows of its heads (the conv's channels alike), b, the decays (A_log a
+        head, dt_bias a key channel), the gates' second halves and the out projection's columns
+        by heads; the gates' low-rank first halves and the norm (over one head) whole."""
+        d = s.section(KdaSection)
+        h = d.heads // world
+        if leaf in ("in_proj_qkv.weight", "conv.weight"):
+            width = d.heads * d.key_dim
+            return spans(weight, 0, own(rank, h * d.key_dim), own(rank, h * d.key_dim, width),
+                         own(rank, h * d.value_dim, 2 * width))
+        if leaf in ("b_proj.weight", "A_log"):
+            return spans(weight, 0, own(rank, h))
+        if leaf in ("f_b_proj.weight", "dt_bias"):
+            return spans(weight, 0, own(rank, h * d.key_dim))
+        if leaf == "g_b_proj.weight":
+            return spans(weight, 0, own(rank, h * d.value_dim))
+        if leaf == "o_proj.weight":
+            return spans(weight, 1, own(rank, h * d.value_dim))
+        return weight
 
     def weights(self, s, prefix):
         d, D = s.section(KdaSection), s.hidden_size

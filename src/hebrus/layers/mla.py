@@ -8,13 +8,14 @@ through a normed low-rank pair (`q_rank` > 0). With a quantized cache (`kv_cache
 kept as codes with one float32 scale beside it (`latent_scale`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from hebrus.layers.kernels import Kernels
-from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.kind import Cost, Kind, divided, own, spans
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.mla import absorbed_output, absorbed_query, mla_absorbed, mla_expanded
 from hebrus.ops.qsa import dense_attention, dense_attention_fast, dense_attention_lanes
@@ -129,6 +130,25 @@ class MLA(Kind):
     keeps_rows = True                 # a kv-cache format applies to its latent rows
     # q_proj: the query's projection of h, whole or (q_rank > 0) down to the rank, then normed and up (q_b_proj)
     side_by_side = (("q_proj.weight", "kv_a_proj.weight"),)
+    shards = "split"            # by heads; the latent row every head reads whole on every rank
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(section, heads=divided("heads", section.heads, world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """The query's rows (q_b_proj's with a low-rank query), kv_b_proj's rows and the out
+        projection's columns by heads; the latent's projection and norm, and a low-rank query's
+        first half and norm, whole (each rank computes and keeps the same latent rows)."""
+        a = s.section(LatentSection)
+        h = a.heads // world
+        query = "q_b_proj.weight" if a.q_rank else "q_proj.weight"
+        if leaf == query:
+            return spans(weight, 0, own(rank, h * (a.nope_dim + a.rope_dim)))
+        if leaf == "kv_b_proj.weight":
+            return spans(weight, 0, own(rank, h * (a.nope_dim + a.value_dim)))
+        if leaf == "o_proj.weight":
+            return spans(weight, 1, own(rank, h * a.value_dim))
+        return weight
 
     def weights(self, s, prefix):
         a, D = s.section(LatentSection), s.hidden_size

@@ -14,6 +14,7 @@ Exact mode runs the definition position by position; fast mode a chunk at once (
 picks and attention in one product each), the same maps to rounding."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
@@ -21,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from hebrus.layers.kernels import Kernels
-from hebrus.layers.kind import Cost, Kind
+from hebrus.layers.kind import Cost, Kind, divided, own, spans
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import rms_norm
 from hebrus.ops.v4 import (Yarn, attend_chunk, choose, choose_chunk, closed, grouped, interleaved_tables,
@@ -195,6 +196,27 @@ class SlidingAttention(Kind):
     wide = ("sinks",)
     outputs = ("o_b.weight",)
     overlap: ClassVar[bool] = False
+    shards = "split"        # by query heads and the output's groups; K = V rows, compressor, indexer whole
+
+    def shard_section(self, section, world):
+        return dataclasses.replace(section, heads=divided("query heads", section.heads, world),
+                                   groups=divided("output projection's groups", section.groups, world))
+
+    def shard_weight(self, s, leaf, weight, rank, world):
+        """q_b's rows and the sinks of the rank's heads; o_a's rows and o_b's columns of its groups
+        (group g reads heads' values g·H·d/G onwards: the rank's groups read its heads' alone);
+        q_a, the K = V row's projection, the compressor, the indexer and the norms whole."""
+        a = s.section(V4AttentionSection)
+        heads, groups = a.heads // world, a.groups // world
+        if leaf == "q_b.weight":
+            return spans(weight, 0, own(rank, heads * a.head_dim))
+        if leaf == "sinks":
+            return spans(weight, 0, own(rank, heads))
+        if leaf == "o_a.weight":
+            return spans(weight, 0, own(rank, groups * a.group_rank))
+        if leaf == "o_b.weight":
+            return spans(weight, 1, own(rank, groups * a.group_rank))
+        return weight
 
     def rate(self, a: V4AttentionSection) -> int:
         return 0
