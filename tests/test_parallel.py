@@ -112,6 +112,15 @@ def test_every_fault_on_either_rank_aborts_every_rank_alike(closing):
     assert s.frontier == 15
 
 
+def test_text_generation_runs_on_every_rank(closing):
+    """The text level drives every rank's session: the same text as the model in one process."""
+    options = dict(max_new_tokens=12, temperature=0)
+    expected = hebrus.load("shakespeare").session().generate_text("ROMEO.\n", **options).text()
+    with hebrus.load("shakespeare", tensor_parallel=2) as model:
+        assert model.session().generate_text("ROMEO.\n", **options).text() == expected
+        assert isinstance(hebrus.generate(model, "JULIET.\n", max_new_tokens=4), str)   # sampled, one seed for all
+
+
 def test_a_session_after_a_fault_equals_one_without(closing):
     """An aborted chunk leaves nothing behind: fed again, the same bits on every rank."""
     model = over_ranks(closing, "tiny")
@@ -164,8 +173,8 @@ def test_a_rank_lost_mid_chunk_aborts_the_survivor_with_nothing_published(how, c
 
 def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_path, closing):
     """Saved over ranks (a file a rank), a rank killed mid-chunk, the model loaded again: the
-    session restored equals what it was, and goes on as one that never broke. A rank's damaged
-    file is refused on every rank."""
+    session restored equals what it was, and goes on as one that never broke. A rank's file of
+    another save, or a damaged one, is refused."""
     model = over_ranks(closing, "tiny", rank_timeout=3.0)
     s = model.session()
     s.feed(tokens(10))
@@ -183,8 +192,12 @@ def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_pat
     fresh.feed(tokens(10))
     fresh.feed(tokens(4, seed=9))
     assert back.digests() == fresh.digests()
+    back.save(tmp_path / "later.hs")                    # a part of another save beside this one's
+    (tmp_path / "s.hs.rank1").write_bytes((tmp_path / "later.hs.rank1").read_bytes())
+    with pytest.raises(hebrus.InvalidInput, match="not one save"):
+        again.restore(tmp_path / "s.hs")
     (tmp_path / "s.hs.rank1").write_bytes(b"not a session")
-    with pytest.raises(hebrus.InvalidInput, match="rank 1's file"):
+    with pytest.raises(hebrus.InvalidInput, match="not one save"):
         again.restore(tmp_path / "s.hs")
     assert again.session().feed([1, 2]).shape == (256,)         # and the ranks go on together
 
@@ -235,6 +248,13 @@ def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing)
         model.with_mode("fast")
     with pytest.raises(hebrus.InvalidInput, match="one tensor-parallel model a process"):
         hebrus.load("tiny", tensor_parallel=2)
+    with pytest.raises(hebrus.InvalidInput, match="steps only with the other ranks"):
+        s.local.feed([1, 2])                    # rank 0's part alone: refused, not left waiting
+    with pytest.raises(hebrus.InvalidInput, match="a worker's rank"):
+        parallel.lose("embed", 0)
+    with pytest.raises(hebrus.InvalidInput, match="not split over ranks"):
+        with hebrus.inject("embed", "structural", rank=1):
+            hebrus.load("tiny").session().feed([1, 2])
     assert s.feed([1, 2]).shape == (256,)
 
 

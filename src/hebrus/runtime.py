@@ -322,8 +322,15 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
     """`load` over `world` ranks (`hebrus.parallel.launch`), its arguments checked here first."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise InvalidInput(f"tensor_parallel must be a number of ranks (1 or more), got {world!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise InvalidInput(f"rank_timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout < float("inf"):
+        raise InvalidInput(f"rank_timeout must be a number of seconds, at least 1, got {timeout!r}")
+    given = options["device"]
+    if resolve_device(given).type == "cuda":            # a clear error for a device there is not
+        if not (isinstance(given, str) and given == "auto") and torch.device(given).index is not None:
+            raise InvalidInput(f"under tensor parallelism rank r computes on cuda:r; give device='cuda', not {given}")
+        if rendezvous is None and torch.cuda.device_count() < world:
+            raise InvalidInput(f"{world} ranks on this host need {world} CUDA devices (one a rank); "
+                               f"{torch.cuda.device_count()} are visible")
     for name in ("quantize", "ple_cache_bytes"):
         if options[name] is not None:
             raise InvalidInput(f"{name} is not taken with tensor_parallel yet")
@@ -332,7 +339,7 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
 
 
 def rank_model(plan, rank: int, store) -> Model:
-    """Rank `rank`'s part of `plan`'s model (`hebrus.parallel.Plan`): in the ranks' process group,
+    """Rank `rank`'s part of `plan`'s model (`hebrus.parallel.calls.Plan`): in the ranks' process group,
     the whole model loaded, then split (`Model.on_ranks`)."""
     from hebrus import parallel
     from hebrus.engine.ranks import Ranks

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import ChunkAborted
+from hebrus.errors import ChunkAborted, InvalidInput
 from hebrus.layers.checks import Check
 from hebrus.layers.owners import FRONTIER, OUTPUT
 from hebrus.state.budget import MemoryBudget
@@ -40,7 +40,8 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, each=keep is not None, tokens=[ids])
+    txn = _begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve,
+                                            each=keep is not None, tokens=[ids]))
     return finish(txn, _stages_of(model, ids), out, by_logits(keep), ranks=agreement(model))
 
 
@@ -51,9 +52,26 @@ def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out
     after that many tokens -> those values by owner, [len(marks), ...] each, checked with the
     chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
     end at the marks; a stage that writes a banked value without them refuses the chunk)."""
-    txn = transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids])
+    txn = _begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids]))
     finish(txn, _stages_of(model, ids, marks), out, ranks=agreement(model))
     return txn.after_each
+
+
+def _begun(model, begin: Callable[[], Transaction]) -> Transaction:
+    """`begin()`'s transaction. A rank of a tensor-parallel model steps only inside a call every
+    rank runs, and a transaction one rank cannot begin (its pool full) stops the others at
+    their first exchange."""
+    ranks = model.ranks
+    if ranks is None:
+        return begin()
+    if not ranks.open:
+        raise InvalidInput("this is one rank's part of a tensor-parallel model: it steps only with the other "
+                           "ranks, through the ParallelModel's sessions")
+    try:
+        return begin()
+    except Exception as exc:
+        ranks.stop(exc if isinstance(exc, ChunkAborted) else abort_error("begin", exc), _order(model))
+        raise
 
 
 def _stages_of(model, ids: torch.Tensor, marks: tuple[int, ...] | None = None):

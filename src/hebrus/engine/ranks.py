@@ -51,6 +51,7 @@ class Ranks:
     def __init__(self, rank: int, world: int, group, device: torch.device):
         self.rank, self.world, self.group, self.device = rank, world, group, device
         self.lost: str | None = None            # why the group is broken, once it is
+        self.open = False                       # inside a call every rank runs (`hebrus.parallel`)
         self._records: list | None = None       # the records of the exchange that stopped this chunk
 
     # ---- the stages' collectives ----------------------------------------------------------
