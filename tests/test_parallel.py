@@ -48,9 +48,10 @@ def _checkpoint(family: str, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", ["hebrus", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "deepseek_v4"])
-def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, closing):
+def test_two_ranks_equal_one_in_float64_and_greedy(family, tmp_path, closing):
     """Logits within 1e-12 of the model on one rank (the parts are added in another order),
-    every chunking the same bits on each rank (exact mode), and the same greedy tokens in float32."""
+    every chunking the same bits on each rank (exact mode), and the same greedy tokens (float64;
+    float32 for the Hebrus model, whose test runs both)."""
     source = "tiny" if family == "hebrus" else _checkpoint(family, tmp_path)
     ids = tokens(40, seed=3, vocab=101)
     one = hebrus.load(source, dtype=torch.float64, device=DEVICE)
@@ -65,11 +66,12 @@ def test_two_ranks_equal_one_in_float64_and_greedy_in_float32(family, tmp_path, 
     assert chunked.digests() == split.digests()              # each rank's part, bit for bit
     # the parts differ, but DeepSeek-V4's state is what every head shares (whole on each rank)
     assert len(set(split.digests())) == (1 if family == "deepseek_v4" else 2)
-    two.close()
-
-    one32, two32 = hebrus.load(source, device=DEVICE), over_ranks(closing, source, device=DEVICE)
-    want = list(one32.session().generate(ids, max_new_tokens=16))
-    assert list(two32.session().generate(ids, max_new_tokens=16)) == want
+    assert list(split.generate([], max_new_tokens=8)) == list(alone.generate([], max_new_tokens=8))
+    if family == "hebrus":
+        two.close()
+        one32, two32 = hebrus.load(source, device=DEVICE), over_ranks(closing, source, device=DEVICE)
+        want = list(one32.session().generate(ids, max_new_tokens=16))
+        assert list(two32.session().generate(ids, max_new_tokens=16)) == want
 
 
 def test_four_ranks_with_fewer_kv_heads_than_ranks(tmp_path, closing):

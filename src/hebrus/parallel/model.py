@@ -113,9 +113,9 @@ class ParallelModel:
                 self.store.set(f"{KEY}call/{self._calls}", pickle.dumps(None))
             except RuntimeError:
                 pass
-            for p in self.processes:
+            for p in self.processes:            # a broken model's workers may be stopped or stuck: no wait
                 try:
-                    p.wait(5)
+                    p.wait(5 if self.broken is None else 0)
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(5)
