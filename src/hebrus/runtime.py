@@ -57,8 +57,8 @@ class Model:
 
     def on_ranks(self, ranks, device: torch.device | None = None) -> "Model":
         """Rank `ranks.rank`'s part of this model over `ranks.world` ranks (`layers.shard`: its
-        spec and its part of every weight, copies of their own, on `device`, by default this
-        model's), stepping with the other ranks through `ranks` (`engine.ranks.Ranks`).
+        spec and its part of every weight, each split one a copy of its own, on `device`, by
+        default this model's), stepping with the other ranks through `ranks` (`engine.ranks.Ranks`).
         `hebrus.load(..., tensor_parallel=N)` makes one in each rank's process (`hebrus.parallel`)."""
         if self.paged:
             raise InvalidInput("tensor parallelism keeps PLE tables resident: load without ple_cache_bytes")

@@ -490,10 +490,11 @@ class Session:
                                   self.model.weight_storages)
 
     def _check_faults(self) -> None:
-        if self.model.ranks is None and any(f.rank != faults.RANK for f in faults.armed()):
+        armed = faults.armed()
+        if self.model.ranks is None and any(f.rank != faults.RANK for f in armed):
             raise InvalidInput("a fault armed for another rank: this model is not split over ranks "
                                "(hebrus.load(..., tensor_parallel=N))")
-        unknown = [f.stage for f in faults.armed() if f.stage not in self._stage_names]
+        unknown = [f.stage for f in armed if f.stage not in self._stage_names]
         if unknown:
             raise InvalidInput(f"fault armed for unknown stage {unknown[0]!r}; stages are: "
                                + ", ".join(self._stage_names))

@@ -141,17 +141,16 @@ def finish(txn: Transaction, work: Callable[[Transaction], None], out: torch.Ten
     tensor-parallel model's `agreement`), every rank's outcome decides after validation: all
     publish, or every rank raises the same failure. Returns the number of tokens published."""
     try:
-        if ranks is None:
+        failure = None
+        try:
             _as_abort(txn, lambda: (work(txn), txn.validate()))
-        else:
-            failure = None
-            try:
-                _as_abort(txn, lambda: (work(txn), txn.validate()))
-            except ChunkAborted as exc:
-                failure = exc
-            agreed = ranks(failure)
-            if agreed is not None:
-                raise agreed from failure
+        except ChunkAborted as exc:
+            if ranks is None:
+                raise
+            failure = exc
+        agreed = None if ranks is None else ranks(failure)
+        if agreed is not None:
+            raise agreed from failure
         if keep is not None and not txn.keep(keep(txn)):      # the caller's choice: its errors are its own
             return 0
         if txn.image.before_flip is None:

@@ -62,9 +62,7 @@ class Ranks:
         from torch import distributed
         self.go()
         if self.device.type == "cpu":
-            x = x.contiguous()
-            parts = [torch.empty_like(x) for _ in range(self.world)]
-            self._collective(lambda: distributed.all_gather(parts, x, group=self.group), "adding up a layer's parts")
+            parts = self._parts(x, "adding up a layer's parts")
             total = parts[0]
             for part in parts[1:]:
                 total = total + part
@@ -75,12 +73,8 @@ class Ranks:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [..., n], rank after rank along the last dimension [..., world·n]."""
-        from torch import distributed
         self.go()
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._collective(lambda: distributed.all_gather(parts, x, group=self.group), "joining the logits")
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self._parts(x, "joining the logits"), dim=-1)
 
     # ---- the exchanges ------------------------------------------------------------------------
     def go(self) -> None:
@@ -139,6 +133,14 @@ class Ranks:
             self._records = records
             return True
         return False
+
+    def _parts(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's `x`, rank by rank."""
+        from torch import distributed
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._collective(lambda: distributed.all_gather(parts, x, group=self.group), what)
+        return parts
 
     def _collective(self, work: Callable[[], object], what: str) -> None:
         if self.lost is not None:

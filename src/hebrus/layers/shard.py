@@ -54,25 +54,23 @@ def shard_spec(s: ModelSpec, world: int) -> ModelSpec:
 
 
 def shard_params(s: ModelSpec, params: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s part of every weight of a model of spec `s` (whole), each a tensor of its
-    own (the whole ones may be let go)."""
+    """Rank `rank`'s part of every weight of a model of spec `s` (whole): a split weight's a
+    tensor of its own (`Kind.shard_weight`'s `spans` copy it out), a whole one the same."""
     out = {}
     for w in layout(s):
         weight = params[w.name]
         if w.kind is not None and w.kind.shards == "split":
-            part = w.kind.shard_weight(s, w.leaf, weight, rank, world)
+            out[w.name] = w.kind.shard_weight(s, w.leaf, weight, rank, world)
         elif w.kind is None and w.name in VOCABULARY:
-            part = vocabulary_part(weight, rank, world)
+            out[w.name] = vocabulary_part(weight, rank, world)
         else:
-            part = weight
-        out[w.name] = part if part is weight else part.contiguous().clone()
+            out[w.name] = weight
     return out
 
 
 def vocabulary_part(table: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rows rank·n .. (rank+1)·n of a [V, D] table, n = ceil(V / world), zeros past V."""
+    """Rows rank·n .. (rank+1)·n of a [V, D] table, n = ceil(V / world), zeros past V: a tensor
+    of its own."""
     n = vocabulary_rows(table.shape[0], world)
     part = table[rank * n:(rank + 1) * n]
-    if part.shape[0] < n:
-        part = torch.cat([part, part.new_zeros((n - part.shape[0], *table.shape[1:]))])
-    return part
+    return torch.cat([part, part.new_zeros((n - part.shape[0], *table.shape[1:]))])

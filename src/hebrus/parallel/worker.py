@@ -21,7 +21,6 @@ def work(host: str, port: int, rank: int, build) -> None:
     `runtime.rank_model`), then run every call. A part that cannot load is said in the store
     (the caller raises it), not here."""
     from torch import distributed
-    from hebrus.session import Session
     faults.RANK = rank
     try:
         store = distributed.TCPStore(host, port, is_master=False, timeout=seconds(START_TIMEOUT))
@@ -52,22 +51,23 @@ def work(host: str, port: int, rank: int, build) -> None:
             break
         for gone in call.forget:
             objects.pop(gone, None)
-        answer = _run(call, objects, rank, plan.world, model, Session)
+        answer = _run(call, objects, rank, plan.world, model)
         store.set(f"{KEY}reply/{number}/{rank}", pickle.dumps(answer))
         number += 1
     end_group()
 
 
-def _run(call: Call, objects: dict, rank: int, world: int, model, session_type) -> tuple[tuple, list]:
+def _run(call: Call, objects: dict, rank: int, world: int, model) -> tuple[tuple, list]:
     """Run `call` on this rank's objects -> (how it ended, the indices of its armed faults that
     fired)."""
+    from hebrus.session import Session
     armed = [(index, faults.Fault(stage, kind, objects.get(session), rank=on))
              for index, (stage, kind, session, on) in enumerate(call.armed) if on == rank]
     model.ranks.open = True
     try:
         with faults.armed_as([fault for _, fault in armed]):
             result = perform(objects[call.target], call, rank, world)
-        if isinstance(result, session_type) or hasattr(result, "__next__"):
+        if isinstance(result, Session) or hasattr(result, "__next__"):
             objects[call.result] = result
         said = ("ok", small(result))
     except BaseException as exc:
