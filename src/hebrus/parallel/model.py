@@ -203,7 +203,8 @@ class ParallelModel:
             raise InvalidInput(f"{method}: its arguments cannot be sent to the other ranks ({type(exc).__name__}: "
                                f"{exc}); a tensor-parallel session takes token ids, numbers and strings") from None
         self._numbers += 1
-        self.store.set(f"{KEY}call/{self._calls}", message)
+        if self.world > 1:                      # a world of one has no worker to read it
+            self.store.set(f"{KEY}call/{self._calls}", message)
         self._calls += 1
         return call, armed
 
@@ -232,7 +233,8 @@ class ParallelModel:
                     raise RanksDisagree(f"{self.broken}; the model is broken")
                 otherwise = otherwise or (rank, said)
             values.append(said[1])
-        self.store.delete_key(f"{KEY}call/{number}")      # every worker has read it
+        if self.world > 1:
+            self.store.delete_key(f"{KEY}call/{number}")  # every worker has read it
         if otherwise is not None:
             rank, said = otherwise
             raise InvalidInput(f"rank {rank}'s file ended otherwise than rank 0's: rank {rank}: {_said(said)}; "
