@@ -74,6 +74,25 @@ def test_two_ranks_equal_one_in_float64_and_greedy(family, tmp_path, closing):
         assert list(two32.session().generate(ids, max_new_tokens=16)) == want
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear", "deepseek_v4"])
+def test_a_rank_reads_its_part_of_each_weight_as_the_whole_model_splits(family, tmp_path):
+    """A rank's load cuts each weight to its part as it is read (never the whole model in
+    memory): the same spec, names and bits as the whole model loaded, then split, on each rank;
+    a kv_cache taken with it."""
+    from hebrus.engine.ranks import Ranks
+    from hebrus.runtime import _load
+    folder = _checkpoint(family, tmp_path)
+    cpu, cache = torch.device("cpu"), None if family in ("kimi_linear", "deepseek_v4") else "int8"
+    whole = hebrus.load(folder, dtype=torch.float64, kv_cache=cache)
+    for rank in (0, 1):
+        read = _load(folder, cpu, torch.float64, "exact", None, None, None, Ranks(rank, 2, None, cpu), cache)
+        split = whole.on_ranks(Ranks(rank, 2, None, cpu))
+        assert read.spec == split.spec and read.spec != whole.spec
+        got, want = dict(read.named_parameters()), dict(split.named_parameters())
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[name], want[name]) for name in want), family
+
+
 def test_four_ranks_with_fewer_kv_heads_than_ranks(tmp_path, closing):
     """Four ranks over two K/V heads (each rank holds the one its query heads read), an uneven
     vocabulary split, three workers reading every call: within 1e-12 of one process."""

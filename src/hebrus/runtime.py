@@ -15,7 +15,7 @@ from hebrus.layers.graph import build_stages
 from hebrus.layers.kernels import Chooser, kernels, top_k_chooser
 from hebrus.layers.layout import side_by_side
 from hebrus.layers.owners import owner_specs
-from hebrus.layers.shard import shard_params, shard_spec
+from hebrus.layers.shard import shard_params, shard_spec, weight_parts
 from hebrus.layers.spec import ModelSpec
 from hebrus.models import family_of, layout
 from hebrus.models.hebrus import PRESETS, HebrusConfig, preset
@@ -150,11 +150,7 @@ class Model:
         """The same weights (shared) with attention's K/V rows and index keys stored as "int8"
         or "fp8" codes with a float32 scale per row (per head of a K/V row), or None: in the
         model's dtype."""
-        check_cache_format(kv_cache)
-        if kv_cache is not None and not self.spec.keeps_rows:
-            raise InvalidInput(f"kv_cache quantizes attention's rows (attention, qsa and latent attention layers); "
-                               f"this {self.spec.family} model has none")
-        return self._sized(Model._placed(self.config, self.spec.replace(kv_cache=kv_cache), {**self._params, **self._in_files()},
+        return self._sized(Model._placed(self.config, _cached(self.spec, kv_cache), {**self._params, **self._in_files()},
                              self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging))
 
     def quantized(self, quantize) -> "Model":
@@ -339,23 +335,25 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
 
 
 def rank_model(plan, rank: int, store) -> Model:
-    """Rank `rank`'s part of `plan`'s model (`hebrus.parallel.calls.Plan`): in the ranks' process group,
-    the whole model loaded, then split (`Model.on_ranks`)."""
+    """Rank `rank`'s part of `plan`'s model (`hebrus.parallel.calls.Plan`), in the ranks' process
+    group, on the rank's device (NCCL: cuda:rank): from a checkpoint, each weight is read, cut to
+    this rank's part and placed before the next is read, so a rank holds its part and one whole
+    weight at a time (the model need fit neither one device nor one rank's host memory); a
+    preset's random weights are made whole in host memory, then split (`Model.on_ranks`)."""
     from hebrus import parallel
     from hebrus.engine.ranks import Ranks
-    device = parallel.init_group(plan, rank, store)
-    if device is None:
-        model = load(plan.source, **plan.options)
-        return model.on_ranks(Ranks(rank, plan.world, None, model.device))
-    # a GPU rank reads the whole model into host memory and places only its part on its device:
-    # the model need not fit one device
-    dtype = plan.options.get("dtype", torch.float32)
-    dtype = _auto_dtype(device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
-    model = load(plan.source, **(plan.options | {"device": "cpu", "dtype": dtype}))
-    return model.on_ranks(Ranks(rank, plan.world, None, device), device)
+    o = plan.options
+    device = parallel.init_group(plan, rank, store) or resolve_device(o["device"])
+    model = _load(plan.source, device, o["dtype"], o["mode"], None, None, None, Ranks(rank, plan.world, None, device),
+                  o["kv_cache"])
+    model.pool_size = PoolSize(o["pool_bytes"], o["memory_fraction"]).checked()
+    return model
 
 
-def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize) -> Model:
+def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize, ranks=None,
+          kv_cache: str | None = None) -> Model:
+    """The model `load` names (`ranks`: that rank's part of it, with `kv_cache` taken here; else
+    `load` takes it after)."""
     device, mode = resolve_device(device), _mode(mode)
     dtype = _auto_dtype(device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
     if ple_cache_bytes is not None:
@@ -363,6 +361,9 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
                                 "the tables resident)", ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         config = preset(name_or_path)
+        if ranks is not None:
+            whole = Model(config, config.init_parameters(), dtype=dtype, mode=mode)
+            return whole.with_kv_cache(kv_cache).on_ranks(ranks, device)
         return Model(config, config.init_parameters(), device=device, dtype=dtype, mode=mode,
                      ple_cache_bytes=ple_cache_bytes)
     if isinstance(name_or_path, str) and name_or_path in TRAINED:
@@ -383,8 +384,12 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
     def stream(name: str) -> torch.dtype | None:            # PLE tables stay in their file when paged
         return layout.storage_dtype(name, dtype) if ple_cache_bytes is not None and name.startswith(PAGED) else None
 
+    def split(spec: ModelSpec):                             # each weight cut to this rank's part as it is read
+        return shard_spec(spec, ranks.world), weight_parts(spec, ranks.rank, ranks.world)
+
     loaded = checkpoint.load(path, family_of, place, progress, dtype_of if device.type == "cpu" else None,
-                             dtype=dtype, device=device, stream=stream, layout=layout)
+                             dtype=dtype, device=device, stream=stream, layout=layout,
+                             split=split if ranks is not None else None)
     if quantize is not None and loaded.spec.quantization is not None:
         raise InvalidInput(f"{path} is stored quantized ({loaded.spec.quantization.name}); load it without "
                            f"quantize")
@@ -392,8 +397,18 @@ def _load(name_or_path, device, dtype, mode, progress, ple_cache_bytes, quantize
         check_parts(loaded.params, loaded.spec.quantization, where=str(path))
     except InvalidInput as exc:
         raise CheckpointError(str(exc)) from None
-    return Model._placed(loaded.config, loaded.spec, loaded.params, device, dtype, mode,
-                         source=Path(os.path.abspath(path)), paging=ple_cache_bytes)
+    spec = loaded.spec if ranks is None else _cached(loaded.spec, kv_cache)
+    return Model._placed(loaded.config, spec, loaded.params, device, dtype, mode,
+                         source=Path(os.path.abspath(path)), paging=ple_cache_bytes, ranks=ranks)
+
+
+def _cached(spec: ModelSpec, kv_cache: str | None) -> ModelSpec:
+    """`spec` with attention's rows kept as `kv_cache` codes (`Model.with_kv_cache`)."""
+    check_cache_format(kv_cache)
+    if kv_cache is not None and not spec.keeps_rows:
+        raise InvalidInput(f"kv_cache quantizes attention's rows (attention, qsa and latent attention layers); "
+                           f"this {spec.family} model has none")
+    return spec.replace(kv_cache=kv_cache)
 
 
 def _is_dir(path: Path) -> bool:

@@ -12,6 +12,7 @@ rank, and equal there.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -53,19 +54,26 @@ def shard_spec(s: ModelSpec, world: int) -> ModelSpec:
     return dataclasses.replace(s, sections=tuple(sections))
 
 
+def weight_parts(s: ModelSpec, rank: int, world: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """Rank `rank`'s part of one weight of a model of spec `s` (whole), by its name: a split
+    weight's a tensor of its own (`Kind.shard_weight`'s `spans` copy it out), a whole one the
+    same. A load cuts each weight as it is read (`weights.checkpoint.load`'s `split`)."""
+    entries = {w.name: w for w in layout(s)}
+
+    def part(name: str, weight: torch.Tensor) -> torch.Tensor:
+        w = entries.get(name)
+        if w is not None and w.kind is not None and w.kind.shards == "split":
+            return w.kind.shard_weight(s, w.leaf, weight, rank, world)
+        if w is not None and w.kind is None and name in VOCABULARY:
+            return vocabulary_part(weight, rank, world)
+        return weight
+    return part
+
+
 def shard_params(s: ModelSpec, params: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s part of every weight of a model of spec `s` (whole): a split weight's a
-    tensor of its own (`Kind.shard_weight`'s `spans` copy it out), a whole one the same."""
-    out = {}
-    for w in layout(s):
-        weight = params[w.name]
-        if w.kind is not None and w.kind.shards == "split":
-            out[w.name] = w.kind.shard_weight(s, w.leaf, weight, rank, world)
-        elif w.kind is None and w.name in VOCABULARY:
-            out[w.name] = vocabulary_part(weight, rank, world)
-        else:
-            out[w.name] = weight
-    return out
+    """Rank `rank`'s part of every weight of a model of spec `s` (whole, in memory)."""
+    part = weight_parts(s, rank, world)
+    return {w.name: part(w.name, params[w.name]) for w in layout(s)}
 
 
 def vocabulary_part(table: torch.Tensor, rank: int, world: int) -> torch.Tensor:

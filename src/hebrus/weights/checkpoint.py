@@ -185,7 +185,8 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
          progress: Callable[[int, int], None] | None = None,
          dtype_of: Callable[[str], torch.dtype] | None = None, *, dtype: torch.dtype = torch.float32,
          device: torch.device = torch.device("cpu"),
-         stream: Callable[[str], torch.dtype | None] | None = None, layout: Any) -> Loaded:
+         stream: Callable[[str], torch.dtype | None] | None = None, layout: Any,
+         split: Callable[[Any], tuple[Any, Callable[[str, torch.Tensor], torch.Tensor]]] | None = None) -> Loaded:
     """Read and check a checkpoint of the family `family_of(parsed config.json)` gives (a module
     of hebrus.models: config, spec, names table). Each of the model's tensors is built
     from its file tensors, handed to `place` (default: kept as built, on the CPU) and only then is
@@ -196,7 +197,11 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
     `stream(name)`: for a two-dimensional tensor stored as the model uses it, a dtype means "leave
     it in its file": it comes back as a `weights.pages.FileRows` reading rows in that dtype.
     `layout` says what a spec stores (`hebrus.models.layout`: parameter_shapes, float_shapes,
-    quantized, load_bytes): this module knows no family and no layer."""
+    quantized, load_bytes): this module knows no family and no layer.
+    `split(spec)` -> (the spec of what is held, `cut(name, tensor)`): each tensor is cut to the
+    part held (one rank's of a model over ranks, `layers.shard.weight_parts`) before it is
+    placed, so a load holds the parts plus one whole tensor at a time; the memory check and the
+    `Loaded` spec are the part's, and `dtype_of` is not taken with it (no buffer is made whole)."""
     folder = Path(path)
     identity = _identity(folder)
     family, config, quantization = _read_family_config(folder, family_of)
@@ -204,12 +209,17 @@ def load(path: str | Path, family_of: Callable[[Any], Any],
         spec = family.spec(config).replace(quantization=quantization)
     except InvalidInput as exc:
         raise CheckpointError(f"{folder / CONFIG}: {exc}") from None
-    _check_allocation(layout.load_bytes, spec, dtype, device, folder / CONFIG, stream)
-    params = _read_weights(family, layout, spec, folder, place or (lambda name, t: t), progress, dtype_of, stream)
+    place = place or (lambda name, t: t)
+    held = spec
+    if split is not None:
+        held, cut = split(spec)
+        place, dtype_of = (lambda name, t, whole=place: whole(name, cut(name, t))), None
+    _check_allocation(layout.load_bytes, held, dtype, device, folder / CONFIG, stream)
+    params = _read_weights(family, layout, spec, folder, place, progress, dtype_of, stream)
     if _identity(folder) != identity:
         raise CheckpointError(f"{folder}: was replaced while it was being read (a save into it?); "
                               f"load it again")
-    return Loaded(family, config, spec, params)
+    return Loaded(family, config, held, params)
 
 
 def _read_weights(family, layout, spec, folder: Path, place, progress, dtype_of, stream=None) -> dict:
