@@ -223,9 +223,9 @@ def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_pat
     assert again.session().feed([1, 2]).shape == (256,)         # and the ranks go on together
 
 
-def test_two_processes_meet_over_a_tcp_rendezvous(closing):
-    """As two hosts would: this process loads with a rendezvous address, a worker started by
-    hand (`hebrus worker`) joins it there."""
+def test_two_processes_meet_over_a_tcp_rendezvous(closing, capsys):
+    """As two hosts would: this process loads with a rendezvous address (saying what it waits
+    for), a worker started by hand (`hebrus worker`) joins it there."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -234,6 +234,7 @@ def test_two_processes_meet_over_a_tcp_rendezvous(closing):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         model = over_ranks(closing, "tiny", rendezvous=f"127.0.0.1:{port}", dtype=torch.float64)
+        assert f"hebrus worker --rendezvous 127.0.0.1:{port} --rank R" in capsys.readouterr().err
         ids = tokens(20)
         got = model.session().feed(ids)
         expected = hebrus.load("tiny", dtype=torch.float64).session().feed(ids)

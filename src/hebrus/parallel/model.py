@@ -51,6 +51,9 @@ def launch(source, options: dict, world: int, build, rendezvous: str | None = No
             raise InvalidInput(f"cannot serve the rendezvous on {host}:{port}: {str(exc).splitlines()[0]}") from None
         store.set(KEY + "plan", pickle.dumps(plan))
         processes = [] if rendezvous is not None else [_start(store.port, rank) for rank in range(1, world)]
+        if rendezvous is not None and world > 1:            # the wait may be long: say what it waits for
+            print(f"hebrus: waiting up to {START_TIMEOUT:g} s for ranks 1..{world - 1} at {host}:{port} "
+                  f"(on each other host: hebrus worker --rendezvous {host}:{port} --rank R)", file=sys.stderr)
         before = torch.get_num_threads()
         torch.set_num_threads(plan.threads)
         try:
