@@ -111,21 +111,24 @@ def test_journaled_sessions_are_not_batched(tmp_path, fast):
         hebrus.feed_many([s, fast.session()], [1, 2])
 
 
-def test_no_committed_token_is_lost_over_200_kills(tmp_path):
+KILLS = 200 if os.environ.get("HEBRUS_HYPOTHESIS") == "long" else 80     # CI's slice: the first 80 of seed 7's
+
+
+def test_no_committed_token_is_lost_over_many_kills(tmp_path):
     """A child journaling a session is SIGKILLed at random points (in prefill chunks, single
-    tokens, prefix transactions, snapshot saves and journal writes) 200 times, half of them with
+    tokens, prefix transactions, snapshot saves and journal writes) `KILLS` times, half of them with
     the disk filling up and freeing again at random points; each time recovery holds exactly the
     chunks whose call returned (and perhaps the one in flight), never one that aborted, with the
     digest of a session fed the same chunks."""
     harness = Path(__file__).with_name("crash_harness.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    done = subprocess.run([sys.executable, str(harness), "200", "7", str(tmp_path)], capture_output=True,
+    done = subprocess.run([sys.executable, str(harness), str(KILLS), "7", str(tmp_path)], capture_output=True,
                           text=True, timeout=1800, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["kills"] == 200 and result["failed"] == 0 and result["tokens_lost"] == 0, result
+    assert result["kills"] == KILLS and result["failed"] == 0 and result["tokens_lost"] == 0, result
     # the seed's kill points wait for the child's answers, so these hold at any speed
-    assert result["trials_with_an_aborted_chunk"] > 0 and result["killed_after_all"] < 200, result
+    assert result["trials_with_an_aborted_chunk"] > 0 and result["killed_after_all"] < KILLS, result
 
 
 @pytest.mark.parametrize("cut", [0, 5, -1])
