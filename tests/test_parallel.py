@@ -245,6 +245,56 @@ def test_two_processes_meet_over_a_tcp_rendezvous(closing, capsys):
         worker.kill()
 
 
+def test_the_server_steps_requests_over_ranks_and_a_failing_one_stays_alone(closing):
+    """`hebrus serve --tensor-parallel 2`'s engine: concurrent requests, stepped one after
+    another on every rank, answer as the same model's sessions do; one failed mid-decode (its
+    fourth token's chunk aborted through the test-only fault hook on rank 0) aborts on every
+    rank and answers an error, its neighbours untouched; the prefix cache is refused."""
+    uvicorn, httpx = pytest.importorskip("uvicorn"), pytest.importorskip("httpx")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import wait_until
+    from hebrus import serve
+    model = over_ranks(closing, "tiny")
+    prompts = [f"Request {i}: once more".encode() for i in range(4)]
+    doomed = 2
+
+    def fault(request):
+        return "layers.1.qsa" if bytes(request.prompt) == prompts[doomed] and len(request.produced) == 3 else None
+    with pytest.raises(hebrus.InvalidInput, match="prefix cache is not available under tensor parallelism"):
+        serve.build(model, "tiny")
+    refused = subprocess.run([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--tensor-parallel", "2",
+                              "--prefix-cache-bytes", "5"], capture_output=True, text=True, timeout=PATIENCE)
+    assert refused.returncode == 2 and "not available under --tensor-parallel yet" in refused.stderr
+    app, scheduler = serve.build(model, "tiny", cache_bytes=0, max_sessions=4, fault=fault)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started), "the server did not start"
+
+        def ask(i):
+            return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=PATIENCE,
+                              json={"model": "tiny", "prompt": prompts[i].decode(), "max_tokens": 8, "temperature": 0})
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, range(4)))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        scheduler.stop(drain_seconds=5)
+    assert replies[doomed].status_code != 200 and "nonfinite" in replies[doomed].text
+    from hebrus.text import ByteTokenizer
+    for i, reply in enumerate(replies):
+        if i != doomed:
+            decoder = ByteTokenizer().stream()
+            ids = model.session().generate(list(prompts[i]), max_new_tokens=8)
+            want = "".join(decoder.push(t) for t in ids) + decoder.flush()
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want, i
+
+
 def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing):
     with pytest.raises(hebrus.InvalidInput, match="tensor_parallel must be"):
         hebrus.load("tiny", tensor_parallel=0)

@@ -59,7 +59,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
+from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, PoolExhausted
 from hebrus.sampling import Sampling, constrained, counted, penalise, sample_many
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
@@ -136,8 +136,15 @@ class Scheduler:
             raise ValueError(f"prefill_share must be positive, got {prefill_share}")
         self.prefill_share, self.pace = prefill_share, Pace()
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
-        # is graphs on CUDA); exact mode steps them one after another
+        # is graphs on CUDA); exact mode, and a model over tensor-parallel ranks (whose passes of
+        # several sessions are not mirrored on every rank yet), step them one after another
         self.decode = decode_route(model, decode)
+        self.joint = model.kernels.whole_chunk and model.ranks is None
+        if model.ranks is not None and cache_bytes:
+            raise InvalidInput("the prefix cache is not available under tensor parallelism yet: its states are not "
+                               "mirrored on every rank (serve with cache_bytes=0, --prefix-cache-bytes 0)")
+        if model.ranks is not None:     # nor are host copies: a preempted request is fed its tokens again
+            preempt_host_bytes = 0
         # "one": a turn that feeds prompt chunks steps the decoding requests in the same pass;
         # "two": in a pass of their own after it, from the static step plan where `decode` is
         # "planned" or "graph" (a pass of chunks and steps together is eager); "auto": two
@@ -184,7 +191,7 @@ class Scheduler:
         for i, session in enumerate(sessions):
             session.feed([(7 * j + i) % vocab for j in range(9)])
             session.feed([1 % vocab])
-        if self.model.kernels.whole_chunk:
+        if self.joint:
             for width in (1, 2):
                 batch = Batch(sessions[:width], decode=self.decode)
                 for _ in range(3):          # the third step replays what the second captured
@@ -453,7 +460,7 @@ class Scheduler:
         not take alone (`alone(request, chunk)`, `_feed` unless given); all of them alone when
         that call fails as a whole (no one session's abort)."""
         alone = alone or self._feed
-        joint = [(r, c) for r, c in chunks if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
+        joint = [(r, c) for r, c in chunks if self.joint and not (self.fault and self.fault(r))]
         results = {}
         if joint:
             try:
