@@ -194,8 +194,9 @@ def test_a_rank_lost_mid_chunk_aborts_the_survivor_with_nothing_published(how, c
 
 def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_path, closing):
     """Saved over ranks (a file a rank), a rank killed mid-chunk, the model loaded again: the
-    session restored equals what it was, and goes on as one that never broke. A rank's file of
-    another save, or a damaged one, is refused."""
+    session restored equals what it was, and goes on as one that never broke. A save that one
+    rank cannot write changes no rank's file; a rank's file of another save, or a damaged one,
+    is refused."""
     model = over_ranks(closing, "tiny", rank_timeout=3.0)
     s = model.session()
     s.feed(tokens(10))
@@ -213,6 +214,12 @@ def test_a_lost_rank_is_rebuilt_and_its_sessions_restored_from_snapshots(tmp_pat
     fresh.feed(tokens(10))
     fresh.feed(tokens(4, seed=9))
     assert back.digests() == fresh.digests()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    (tmp_path / "s.hs.saving.rank1").mkdir()            # rank 1 cannot write its part: no rank's file changes
+    with pytest.raises(hebrus.InvalidInput, match="rank 1's file ended otherwise"):
+        back.save(tmp_path / "s.hs")
+    (tmp_path / "s.hs.saving.rank1").rmdir()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     back.save(tmp_path / "later.hs")                    # a part of another save beside this one's
     (tmp_path / "s.hs.rank1").write_bytes((tmp_path / "later.hs.rank1").read_bytes())
     with pytest.raises(hebrus.InvalidInput, match="not one save"):

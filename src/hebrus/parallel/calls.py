@@ -43,7 +43,7 @@ class Call:
 
 
 LOCALLY = {"digests": "digest", "saved_set": "saved_set"}    # calls whose every rank's value comes back
-PER_RANK_FILE = frozenset({"save", "restore", "saved_set"})   # their first argument names rank 0's file
+PER_RANK_FILE = frozenset({"save", "restore", "saved_set", "settle", "discard"})  # their first argument names rank 0's file
 
 
 def rank_file(path, rank: int) -> str:
@@ -60,6 +60,13 @@ def perform(target, call: Call, rank: int, world: int):
         args = (rank_file(args[0], rank), *args[1:])
     if call.method == "saved_set":
         return saved_set(*args)
+    if call.method == "settle":                 # a save's staged file moved over the file it saves
+        os.replace(args[0], rank_file(args[1], rank))
+        return None
+    if call.method == "discard":                # a save's staged file let go (a rank may not have one)
+        if os.path.lexists(args[0]):
+            os.remove(args[0])
+        return None
     if call.method == "save":
         kwargs["note"] = json.dumps({"saved set": kwargs.pop(SET), "rank": rank, "world": world,
                                      "note": kwargs.get("note")})

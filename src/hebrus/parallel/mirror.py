@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import weakref
 
@@ -56,8 +57,20 @@ class ParallelSession(_Mirror):
         return stream_text(self, prompt, **options)
 
     def save(self, path, note: str | None = None) -> None:
-        """Write every rank's part, each to its own file (`rank_file`), all marked as one save."""
-        self._run("save", path, note=note, **{SET: secrets.token_hex(8)})
+        """Write every rank's part, each to its own file (`rank_file`), all marked as one save:
+        first beside it (`path.saving`, each rank's), then, once every rank has written its
+        part, each moved over its file. A rank that cannot write its part leaves every rank's
+        file as it was."""
+        staged = f"{os.fspath(path)}.saving"
+        try:
+            self._run("save", staged, note=note, **{SET: secrets.token_hex(8)})
+        except BaseException:
+            try:
+                self._owner.call(0, "discard", (staged,), {})
+            except Exception:           # what is left of it is said by the save's own error
+                pass
+            raise
+        self._owner.call(0, "settle", (staged, path), {})
 
     def digests(self) -> list[str]:
         """Each rank's digest of the part of the session it holds, rank by rank."""
