@@ -252,17 +252,43 @@ def test_two_processes_meet_over_a_tcp_rendezvous(closing, capsys):
         worker.kill()
 
 
-def test_the_server_steps_requests_over_ranks_and_a_failing_one_stays_alone(closing):
-    """`hebrus serve --tensor-parallel 2`'s engine: concurrent requests, stepped one after
-    another on every rank, answer as the same model's sessions do; one failed mid-decode (its
-    fourth token's chunk aborted through the test-only fault hook on rank 0) aborts on every
-    rank and answers an error, its neighbours untouched; the prefix cache is refused."""
+def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):
+    """`hebrus.feed_many` of sessions over two ranks (fast mode: one pass): within 1e-12 of the
+    same pass in one process (float64); a fault in one session's part of the pass on rank 1
+    aborts that session alone, on every rank alike, its parts unchanged, the others published."""
+    ids = [tokens(9, seed=i) for i in range(3)]
+    one = hebrus.load("tiny", dtype=torch.float64, mode="fast")
+    model = over_ranks(closing, "tiny", dtype=torch.float64, mode="fast")
+    alone, split = [one.session() for _ in ids], [model.session() for _ in ids]
+    want, got = hebrus.feed_many(alone, ids), hebrus.feed_many(split, ids)
+    for w, g in zip(want, got):
+        assert (g - w).abs().max().item() <= 1e-12 * max(1.0, w.abs().max().item())
+    before = [s.digests() for s in split]
+    with hebrus.inject("layers.1.qsa", "nonfinite", session=split[1], rank=1) as fault:
+        results = hebrus.feed_many(split, [[5], [6], [7]])
+    assert fault.fired
+    assert isinstance(results[1], hebrus.NonFiniteError) and results[1].stage == "layers.1.qsa"
+    assert "rank 1 of 2" in str(results[1])
+    assert split[1].digests() == before[1]
+    assert all(isinstance(r, torch.Tensor) for r in (results[0], results[2]))
+    assert [s.frontier for s in split] == [10, 9, 10]
+    assert hebrus.feed_many(split, [[1], [2], [3]])[1].shape == (256,)      # the ranks go on together
+    with pytest.raises(hebrus.InvalidInput, match="outs is not taken under tensor parallelism"):
+        hebrus.feed_many(split, [[1], [2], [3]], outs=[None] * 3)
+
+
+def test_the_server_steps_requests_together_over_ranks_and_a_failing_one_stays_alone(closing):
+    """`hebrus serve --tensor-parallel 2`'s engine: concurrent requests, stepped together in
+    one pass on every rank (fast mode, float64), answer as the same model's sessions do alone;
+    one failed mid-decode (its fourth token's chunk aborted through the test-only fault hook on
+    rank 0, stepped alone) aborts on every rank and answers an error, its neighbours untouched;
+    the prefix cache is refused."""
     uvicorn, httpx = pytest.importorskip("uvicorn"), pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
 
     from conftest import wait_until
     from hebrus import serve
-    model = over_ranks(closing, "tiny")
+    model = over_ranks(closing, "tiny", mode="fast", dtype=torch.float64)
     prompts = [f"Request {i}: once more".encode() for i in range(4)]
     doomed = 2
 
@@ -293,6 +319,7 @@ def test_the_server_steps_requests_over_ranks_and_a_failing_one_stays_alone(clos
         thread.join(10)
         scheduler.stop(drain_seconds=5)
     assert replies[doomed].status_code != 200 and "nonfinite" in replies[doomed].text
+    assert scheduler.widest > 1                 # several requests' tokens in one pass over the ranks
     from hebrus.text import ByteTokenizer
     for i, reply in enumerate(replies):
         if i != doomed:

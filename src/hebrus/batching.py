@@ -30,7 +30,11 @@ def feed_many(sessions, tokens, outs=None) -> list:
     first; a bad one raises `InvalidInput` and changes nothing. A signal that arrives while the
     sessions publish is delivered once they all have; its exception carries `.results`, the
     list above. (`Batch` does the same for a fixed list of sessions, step after step, from CUDA
-    graphs on a GPU.)"""
+    graphs on a GPU.) Sessions of a model over tensor-parallel ranks step together on every
+    rank (`ParallelModel.feed_many`)."""
+    over = getattr(sessions[0], "over_ranks", None) if isinstance(sessions, (list, tuple)) and sessions else None
+    if over is not None:
+        return over.feed_many(sessions, tokens, outs)
     sessions, model = _batch_sessions(sessions)
     runners = {id(s._steps) for s in sessions}
     return _feed_together(sessions, model, tokens, outs, sessions[0]._steps if len(runners) == 1 else None)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hebrus.engine.eager import OUTPUT, run_chunk, run_marked, run_stages, transaction
-from hebrus.errors import ChunkAborted
+from hebrus.engine.eager import OUTPUT, agreement_each, begun, run_chunk, run_marked, run_stages, transaction
+from hebrus.errors import ChunkAborted, InvalidInput
 from hebrus.state.step import StepBatch
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction
@@ -22,8 +22,10 @@ def run_step(model, sessions, chunks: list[torch.Tensor], outs) -> list:
     """chunks[i]: session i's token ids (the caller holds every session's lock, in inference
     mode). Returns, per session, its last logits (`outs[i]` or a new tensor) or the
     `ChunkAborted` that aborted it."""
-    txn, work = _step(model, sessions, chunks)
-    return conclude(model, txn, work, sessions, chunks, outs)
+    begun = _step(model, sessions, chunks)
+    if begun is None:               # not begun on this rank: each alone, as on every rank
+        return [run_alone(model, s, c, o) for s, c, o in zip(sessions, chunks, outs)]
+    return conclude(model, *begun, sessions, chunks, outs)
 
 
 def run_marked_step(model, sessions, chunks: list[torch.Tensor], marks: list[tuple[int, ...]]) -> list:
@@ -32,8 +34,11 @@ def run_marked_step(model, sessions, chunks: list[torch.Tensor], marks: list[tup
     after that many tokens (`eager.run_marked`, each session's stateful stages in pieces that
     end at its marks) -> per session (its last logits, those values by owner [len(marks[i]),
     ...]) or the `ChunkAborted` that aborted it."""
-    txn, work = _step(model, sessions, chunks, marks)
-    results = _shared_pass(txn, work, [None] * len(sessions))
+    begun = _step(model, sessions, chunks, marks)
+    if begun is None:               # not begun on this rank: each alone, as on every rank
+        return [run_marked_alone(model, s, c, m) for s, c, m in zip(sessions, chunks, marks)]
+    txn, work = begun
+    results = _shared_pass(model, txn, work, [None] * len(sessions))
     out = []
     for i, (result, session, chunk) in enumerate(zip(results, sessions, chunks)):
         if result is None:              # the pass failed, not this session: its chunk alone
@@ -57,10 +62,21 @@ def run_marked_alone(model, session, chunk: torch.Tensor, marks: tuple[int, ...]
 
 
 def _step(model, sessions, chunks: list[torch.Tensor], marks=None):
-    """The transaction of a step of `chunks` over `sessions`, and the work of its one pass."""
+    """The transaction of a step of `chunks` over `sessions`, and the work of its one pass. Over
+    tensor-parallel ranks, None where this rank could not begin it: the others, told at their
+    first exchange, find the pass failed, and every rank agrees so (`_shared_pass`)."""
     lengths = [len(c) for c in chunks]
-    txn = transaction(model, [s.image for s in sessions], [s.budget for s in sessions], lengths,
-                      reserve=[s.reserve for s in sessions], tokens=chunks)
+    try:
+        txn = begun(model, lambda: transaction(model, [s.image for s in sessions], [s.budget for s in sessions],
+                                               lengths, reserve=[s.reserve for s in sessions], tokens=chunks))
+    except InvalidInput:
+        raise
+    except Exception:
+        agreed = agreement_each(model)
+        if agreed is None:
+            raise
+        agreed([None] * len(sessions), True)
+        return None
     ids = torch.cat(list(chunks)).to(model.device)
 
     def work() -> None:             # no fault is armed here: its injection points do nothing
@@ -78,25 +94,34 @@ def conclude(model, txn: Transaction, work, sessions, chunks, outs) -> list:
     the pass itself (an exception no session's own, device work that did not complete) leaves
     every session unchanged; then each session that did not fail on its own runs its chunk
     alone, so only a session that fails again is reported."""
-    results = _shared_pass(txn, work, outs)
+    results = _shared_pass(model, txn, work, outs)
     return [r if r is not None else run_alone(model, s, c, o) for r, s, c, o in zip(results, sessions, chunks, outs)]
 
 
-def _shared_pass(txn: Transaction, work, outs) -> list:
+def _shared_pass(model, txn: Transaction, work, outs) -> list:
     """The pass, validation and publication of `conclude` -> each session's outcome, None for
     a session that did not fail on its own when the pass itself failed. Every session is
-    finished (published or aborted) on the way out."""
+    finished (published or aborted) on the way out. Over tensor-parallel ranks every rank's
+    outcomes decide each session's, alike on every rank (`Ranks.agree_each`)."""
     try:
+        rows = None
         try:
             work()
             # the logits of sessions with no `out` copied now, while the device may still run the
             # step (the private rows the flip publishes; a failed session's row is let go)
             rows = _private_logits(txn) if any(out is None for out in outs) else None
         except Exception:
-            return [p.failure for p in txn.parts]
-        results: list = txn.failures()
-        if txn.pass_failed:
-            return [p.failure for p in txn.parts]
+            results, failed = [p.failure for p in txn.parts], True
+        else:
+            results = txn.failures()
+            failed = txn.pass_failed
+            if failed:
+                results = [p.failure for p in txn.parts]
+        agreed = agreement_each(model)
+        if agreed is not None:
+            results, failed = agreed(results, failed)
+        if failed:
+            return results
         try:
             with deferred_signals():        # a signal lands after every session has published
                 for j, failure in enumerate(results):

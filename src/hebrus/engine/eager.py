@@ -21,7 +21,7 @@ from hebrus.state.step import StepBatch
 from hebrus.engine.ranks import PeerStopped
 from hebrus.state.txn import Transaction, abort_error
 
-__all__ = ["FRONTIER", "OUTPUT", "agreement", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
+__all__ = ["FRONTIER", "OUTPUT", "agreement", "agreement_each", "begun", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
 
 
 def transaction(model, images: list[Image], budgets: list[MemoryBudget], lengths: list[int],
@@ -40,7 +40,7 @@ def run_chunk(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out:
     transaction: once the chunk has passed every check, `keep(logits at every position [T, V])`
     says how many of its tokens to publish (0: none; what it raises is raised as it is).
     Returns the number of tokens published."""
-    txn = _begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve,
+    txn = begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve,
                                             each=keep is not None, tokens=[ids]))
     return finish(txn, _stages_of(model, ids), out, by_logits(keep), ranks=agreement(model))
 
@@ -52,12 +52,12 @@ def run_marked(model, image: Image, budget: MemoryBudget, ids: torch.Tensor, out
     after that many tokens -> those values by owner, [len(marks), ...] each, checked with the
     chunk's writes (what a prefix cache keeps; the chunk's stateful stages run in pieces that
     end at the marks; a stage that writes a banked value without them refuses the chunk)."""
-    txn = _begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids]))
+    txn = begun(model, lambda: transaction(model, [image], [budget], [len(ids)], reserve=reserve, tokens=[ids]))
     finish(txn, _stages_of(model, ids, marks), out, ranks=agreement(model))
     return txn.after_each
 
 
-def _begun(model, begin: Callable[[], Transaction]) -> Transaction:
+def begun(model, begin: Callable[[], Transaction]) -> Transaction:
     """`begin()`'s transaction. A rank of a tensor-parallel model steps only inside a call every
     rank runs, and a transaction one rank cannot begin (its pool full) stops the others at
     their first exchange."""
@@ -123,6 +123,14 @@ def agreement(model) -> Callable[[ChunkAborted | None], ChunkAborted | None] | N
     if model.ranks is None:
         return None
     return lambda failure: model.ranks.agree(failure, _order(model))
+
+
+def agreement_each(model) -> Callable[[list, bool], tuple[list, bool]] | None:
+    """How a tensor-parallel model's ranks agree on a pass of several sessions
+    (`engine.ranks.Ranks.agree_each`), or None for a model on one rank."""
+    if model.ranks is None:
+        return None
+    return lambda failures, whole: model.ranks.agree_each(failures, whole, _order(model))
 
 
 def _order(model) -> Callable[[str], int]:

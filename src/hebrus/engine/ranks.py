@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from hebrus.errors import (AllocationError, ChunkAborted, CommandError, DeviceStatusError, NonFiniteError,
-                           StructuralError)
+                           PoolExhausted, StructuralError)
 
 BY_KIND = {cls.kind: cls for cls in (StructuralError, NonFiniteError, AllocationError, CommandError,
                                      DeviceStatusError)}
@@ -40,6 +40,7 @@ class RankLost(CommandError):
     snapshots)."""
 
 
+BY_NAME = {cls.__name__: cls for cls in (*BY_KIND.values(), PoolExhausted)}
 RECORD = 512             # bytes of an exchanged record: a failure's kind, stage order and detail
 KINDS = tuple(BY_KIND)
 
@@ -114,6 +115,31 @@ class Ranks:
             return None if failure is None else StructuralError("ranks", "a rank stopped without a failure of its own")
         _, rank, kind, stage, detail = min(failed)
         return BY_KIND[kind](stage, f"{detail} (rank {rank} of {self.world})")
+
+    def agree_each(self, failures: list, whole: bool, order: Callable[[str], int]) -> tuple[list, bool]:
+        """A pass of several sessions, each its own transaction (`engine.batch`): every rank's
+        outcome of each session (its `ChunkAborted`, or None) and whether the pass itself failed
+        -> each session's outcome on every rank alike (the earliest failing stage's, the lowest
+        rank's among equals, as `agree` picks), and whether the pass failed on any rank."""
+        if self.world == 1:
+            return failures, whole
+        from torch import distributed
+        self._records = None                    # a stopped pass's exchange is read: this one decides
+        mine = (whole, [None if f is None else (order(f.stage), type(f).__name__, f.stage, f.detail)
+                        for f in failures])
+        theirs: list = [None] * self.world
+        self._collective(lambda: distributed.all_gather_object(theirs, mine, group=self.group),
+                         "agreeing on the sessions' outcomes")
+        agreed = []
+        for j in range(len(failures)):
+            failed = [(at, rank, name, stage, detail) for rank, (_, records) in enumerate(theirs)
+                      if records[j] is not None for at, name, stage, detail in [records[j]]]
+            if not failed:
+                agreed.append(None)
+                continue
+            _, rank, name, stage, detail = min(failed)
+            agreed.append(BY_NAME.get(name, StructuralError)(stage, f"{detail} (rank {rank} of {self.world})"))
+        return agreed, any(w for w, _ in theirs)
 
     # ---- internals ------------------------------------------------------------------------------
     def _exchange(self, mine: tuple[int, ChunkAborted] | None) -> bool:

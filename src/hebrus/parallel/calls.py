@@ -42,6 +42,24 @@ class Call:
     forget: tuple
 
 
+@dataclass(frozen=True)
+class Ref:
+    """An object every rank holds under `number` (a session), passed in a call's arguments."""
+    number: int
+
+
+TOGETHER = -1                   # the target of calls on several sessions at once: `hebrus.batching`
+
+
+def resolved(value, lookup):
+    """`value` with each `Ref` in it (itself, or in a list or tuple) replaced by `lookup(number)`."""
+    if isinstance(value, Ref):
+        return lookup(value.number)
+    if isinstance(value, (list, tuple)):
+        return type(value)(resolved(v, lookup) for v in value)
+    return value
+
+
 LOCALLY = {"digests": "digest", "saved_set": "saved_set"}    # calls whose every rank's value comes back
 PER_RANK_FILE = frozenset({"save", "restore", "saved_set", "settle", "discard"})  # their first argument names rank 0's file
 
@@ -86,7 +104,11 @@ def saved_set(path) -> str | None:
 
 
 def small(value):
-    """What a rank's answer carries of its call's value: a number or a string, else None."""
+    """What a rank's answer carries of its call's value: a number or a string; for a list (a
+    pass's outcomes, `feed_many`), the type of each item, which every rank must share; else
+    None."""
+    if isinstance(value, list):
+        return tuple(type(v).__name__ for v in value)
     return value if isinstance(value, (int, float, str)) else None
 
 

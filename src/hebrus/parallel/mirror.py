@@ -11,7 +11,9 @@ from hebrus.errors import InvalidInput
 from hebrus.parallel.calls import SET
 
 
-class _Mirror:
+class Mirror:
+    """An object every rank holds under one number."""
+
     def __init__(self, owner, number: int, local):
         self._owner, self._number, self._local = owner, number, local
         weakref.finalize(self, owner.dropped, number)
@@ -20,7 +22,7 @@ class _Mirror:
         return self._owner.call(self._number, method, args, kwargs, self._local)
 
 
-class ParallelSession(_Mirror):
+class ParallelSession(Mirror):
     """A session on every rank. `feed`, `prefill`, `generate`, `fork`, `constrain` and `save`
     run on every rank; `generate_text` here, driving them; what it holds (`frontier`, `logits`,
     ...) reads rank 0's; `digests()` gives every rank's digest of its part, `digest()` one of
@@ -44,6 +46,12 @@ class ParallelSession(_Mirror):
             raise InvalidInput(f"session.{name}() is not available under tensor parallelism yet; these are: "
                                f"{', '.join(self.CALLS + ('generate_text', 'save', 'digest', 'digests'))}")
         return value
+
+    @property
+    def over_ranks(self):
+        """The `ParallelModel` this session's ranks belong to (`hebrus.feed_many` takes several
+        sessions through it)."""
+        return self._owner
 
     @property
     def local(self):
@@ -82,7 +90,7 @@ class ParallelSession(_Mirror):
         return hashlib.sha256(" ".join(self.digests()).encode()).hexdigest()
 
 
-class ParallelIterator(_Mirror):
+class ParallelIterator(Mirror):
     """A generator every rank holds: each step runs on every rank."""
 
     def __iter__(self):

@@ -3,6 +3,7 @@ rank 0 in this process, whose `call` runs a call on every rank."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -15,9 +16,9 @@ import torch
 from hebrus import faults
 from hebrus.engine.ranks import RankLost
 from hebrus.errors import InvalidInput
-from hebrus.parallel.calls import (DEFAULT_TIMEOUT, KEY, LOCALLY, PER_RANK_FILE, START_TIMEOUT, Call, Plan, address,
-                                   ending, perform, seconds, small)
-from hebrus.parallel.mirror import ParallelIterator, ParallelSession
+from hebrus.parallel.calls import (DEFAULT_TIMEOUT, KEY, LOCALLY, PER_RANK_FILE, START_TIMEOUT, TOGETHER, Call, Plan,
+                                   Ref, address, ending, perform, seconds, small)
+from hebrus.parallel.mirror import ParallelIterator, ParallelSession, Mirror
 from hebrus.parallel.worker import end_group
 from hebrus.state.interrupts import deferred_signals
 
@@ -142,7 +143,7 @@ class ParallelModel:
         value = getattr(self.local, name)
         if callable(value) and not isinstance(value, torch.Tensor) and name != "named_parameters":
             raise InvalidInput(f"model.{name}() is not available on a tensor-parallel model yet "
-                               f"(these are: session, restore, close)")
+                               f"(these are: session, restore, feed_many, close)")
         return value
 
     def __repr__(self) -> str:
@@ -155,10 +156,11 @@ class ParallelModel:
         mirrored on every rank; for `LOCALLY`'s calls, every rank's value)."""
         with self._lock, deferred_signals():
             self._usable()
-            call, armed = self._posted(target, method, args, kwargs)
+            call, armed = self._posted(target, method, self._swapped(args, lambda m: Ref(m._number)), kwargs)
             self.local.ranks.open = True
             try:
-                result = perform(obj if obj is not None else self.local, call, 0, self.world)
+                mine = dataclasses.replace(call, args=self._swapped(args, lambda m: m._local))
+                result = perform(obj if obj is not None else self.local, mine, 0, self.world)
                 mine = ("ok", small(result))
             except BaseException as exc:
                 result, mine = exc, ending(exc)
@@ -177,6 +179,27 @@ class ParallelModel:
             if method in LOCALLY:
                 return [result, *theirs]
             return self._mirror(result, call.result)
+
+    def feed_many(self, sessions, tokens, outs=None) -> list:
+        """`hebrus.feed_many` of this model's sessions: one pass on every rank, each session its
+        own transaction there, each session's outcome agreed by every rank
+        (`engine.ranks.Ranks.agree_each`)."""
+        from hebrus import batching
+        if outs is not None:
+            raise InvalidInput("outs is not taken under tensor parallelism (a tensor here cannot be written on the "
+                               "other ranks); the logits come back as new tensors")
+        return self.call(TOGETHER, "feed_many", (list(sessions), tokens), {}, batching)
+
+    def _swapped(self, value, swap):
+        """`value` with each object mirrored on the ranks (a session; itself, or in a list or
+        tuple) replaced by `swap(it)`; one of another model is refused."""
+        if isinstance(value, Mirror):
+            if value._owner is not self:
+                raise InvalidInput("a session of another tensor-parallel model (or one closed) cannot be passed here")
+            return swap(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._swapped(v, swap) for v in value)
+        return value
 
     def dropped(self, number: int) -> None:
         """Object `number` is let go here: the workers let it go with the next call."""

@@ -3,6 +3,7 @@ host. It joins the rendezvous store, loads its part of the model, then runs ever
 caller writes, in order, until the caller says stop or goes away."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sys
 from typing import Any
@@ -11,7 +12,8 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import InvalidInput
-from hebrus.parallel.calls import KEY, START_TIMEOUT, Call, Plan, address, ending, perform, seconds, small
+from hebrus.parallel.calls import (KEY, START_TIMEOUT, TOGETHER, Call, Plan, address, ending, perform, resolved,
+                                   seconds, small)
 
 FOREVER = seconds(365 * 24 * 3600)      # a worker waits for calls as long as the caller lives
 
@@ -40,7 +42,8 @@ def work(host: str, port: int, rank: int, build) -> None:
         sys.exit(1)
     store.set(f"{KEY}joined/{rank}", b"1")
     store.set_timeout(FOREVER)
-    objects: dict[int, Any] = {0: model}
+    from hebrus import batching
+    objects: dict[int, Any] = {0: model, TOGETHER: batching}
     number = 0
     while True:
         try:
@@ -61,6 +64,7 @@ def _run(call: Call, objects: dict, rank: int, world: int, model) -> tuple[tuple
     """Run `call` on this rank's objects -> (how it ended, the indices of its armed faults that
     fired)."""
     from hebrus.session import Session
+    call = dataclasses.replace(call, args=resolved(call.args, objects.__getitem__))
     armed = [(index, faults.Fault(stage, kind, objects.get(session), rank=on))
              for index, (stage, kind, session, on) in enumerate(call.armed) if on == rank]
     model.ranks.open = True

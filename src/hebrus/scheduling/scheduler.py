@@ -136,10 +136,8 @@ class Scheduler:
             raise ValueError(f"prefill_share must be positive, got {prefill_share}")
         self.prefill_share, self.pace = prefill_share, Pace()
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
-        # is graphs on CUDA); exact mode, and a model over tensor-parallel ranks (whose passes of
-        # several sessions are not mirrored on every rank yet), step them one after another
+        # is graphs on CUDA; eager over tensor-parallel ranks); exact mode steps them one after another
         self.decode = decode_route(model, decode)
-        self.joint = model.kernels.whole_chunk and model.ranks is None
         if model.ranks is not None and cache_bytes:
             raise InvalidInput("the prefix cache is not available under tensor parallelism yet: its states are not "
                                "mirrored on every rank (serve with cache_bytes=0, --prefix-cache-bytes 0)")
@@ -191,11 +189,10 @@ class Scheduler:
         for i, session in enumerate(sessions):
             session.feed([(7 * j + i) % vocab for j in range(9)])
             session.feed([1 % vocab])
-        if self.joint:
+        if self.model.kernels.whole_chunk:
             for width in (1, 2):
-                batch = Batch(sessions[:width], decode=self.decode)
                 for _ in range(3):          # the third step replays what the second captured
-                    batch.feed([1 % vocab] * width)
+                    self._together(sessions[:width], [1 % vocab] * width)
 
     def submit(self, request: Request) -> None:
         with self._wake:
@@ -460,7 +457,7 @@ class Scheduler:
         not take alone (`alone(request, chunk)`, `_feed` unless given); all of them alone when
         that call fails as a whole (no one session's abort)."""
         alone = alone or self._feed
-        joint = [(r, c) for r, c in chunks if self.joint and not (self.fault and self.fault(r))]
+        joint = [(r, c) for r, c in chunks if self.model.kernels.whole_chunk and not (self.fault and self.fault(r))]
         results = {}
         if joint:
             try:
@@ -578,7 +575,7 @@ class Scheduler:
         runner = self.model.steps(capture=True) if self.decode == "graph" else None
         replays, started = runner.replays if runner is not None else 0, time.perf_counter()
         try:
-            step = Batch([r.session for r in requests], decode=self.decode).feed([chunk[0] for _, chunk in joint])
+            step = self._together([r.session for r in requests], [chunk[0] for _, chunk in joint])
         finally:
             self.spent["together"] += time.perf_counter() - started
         kind = "replayed" if runner is not None and runner.replays > replays else "slow"
@@ -586,6 +583,13 @@ class Scheduler:
         self.timed[kind + "_s"] += time.perf_counter() - started
         self.widest = max(self.widest, len(requests))
         return {r.id: result for r, result in zip(requests, step)}
+
+    def _together(self, sessions: list, tokens: list[int]) -> list:
+        """One step of `sessions` by `tokens` in one pass: from the static step plan (`Batch`)
+        where the route takes it, else `feed_many` (on every rank of a model over ranks)."""
+        if self.decode == "eager":
+            return feed_many(sessions, tokens)
+        return Batch(sessions, decode=self.decode).feed(tokens)
 
     def _stepped(self, request: Request, token: int, result) -> None:
         """Take in a request's step of `token`: its logits, or the exception that failed it."""
