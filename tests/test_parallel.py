@@ -252,6 +252,21 @@ def test_two_processes_meet_over_a_tcp_rendezvous(closing, capsys):
         worker.kill()
 
 
+def test_ple_tables_paged_from_the_file_on_every_rank(tmp_path, closing):
+    """A Hebrus checkpoint over two ranks with its PLE tables paged from the file through a
+    small cache (whole on every rank): within 1e-12 of one process with the tables resident; a
+    preset is refused (nothing to page from)."""
+    folder = hebrus.load("tiny", dtype=torch.float64).save(tmp_path / "tiny")
+    ids = tokens(30, seed=6)
+    expected = hebrus.load(folder, dtype=torch.float64).session().feed(ids)
+    model = over_ranks(closing, folder, dtype=torch.float64, ple_cache_bytes=1 << 14)
+    assert model.paged
+    got = model.session().feed(ids)
+    assert (got - expected).abs().max().item() <= 1e-12 * max(1.0, expected.abs().max().item())
+    with pytest.raises(hebrus.InvalidInput, match="paged from a checkpoint's file"):
+        hebrus.load("tiny", tensor_parallel=2, ple_cache_bytes=1 << 14)
+
+
 def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):
     """`hebrus.feed_many` of sessions over two ranks (fast mode: one pass): within 1e-12 of the
     same pass in one process (float64); a fault in one session's part of the pass on rank 1

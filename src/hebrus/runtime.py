@@ -327,9 +327,11 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
         if rendezvous is None and torch.cuda.device_count() < world:
             raise InvalidInput(f"{world} ranks on this host need {world} CUDA devices (one a rank); "
                                f"{torch.cuda.device_count()} are visible")
-    for name in ("quantize", "ple_cache_bytes"):
-        if options[name] is not None:
-            raise InvalidInput(f"{name} is not taken with tensor_parallel yet")
+    if options["quantize"] is not None:
+        raise InvalidInput("quantize is not taken with tensor_parallel yet")
+    if options["ple_cache_bytes"] is not None and isinstance(name_or_path, str) and name_or_path in PRESETS:
+        raise InvalidInput("under tensor parallelism PLE tables are paged from a checkpoint's file: save the preset "
+                           "(hebrus.load(name).save(folder)) and load the folder with ple_cache_bytes")
     from hebrus import parallel
     return parallel.launch(name_or_path, options, world, rank_model, rendezvous, float(timeout))
 
@@ -344,8 +346,8 @@ def rank_model(plan, rank: int, store) -> Model:
     from hebrus.engine.ranks import Ranks
     o = plan.options
     device = parallel.init_group(plan, rank, store) or resolve_device(o["device"])
-    model = _load(plan.source, device, o["dtype"], o["mode"], None, None, None, Ranks(rank, plan.world, None, device),
-                  o["kv_cache"])
+    model = _load(plan.source, device, o["dtype"], o["mode"], None, o["ple_cache_bytes"], None,
+                  Ranks(rank, plan.world, None, device), o["kv_cache"])
     model.pool_size = PoolSize(o["pool_bytes"], o["memory_fraction"]).checked()
     return model
 
