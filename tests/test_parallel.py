@@ -267,6 +267,33 @@ def test_ple_tables_paged_from_the_file_on_every_rank(tmp_path, closing):
         hebrus.load("tiny", tensor_parallel=2, ple_cache_bytes=1 << 14)
 
 
+def test_each_rank_quantizes_its_part(tmp_path, closing):
+    """quantize over two ranks: each rank quantizes its float part (a split row's scales are its
+    part's): the logits as near the float model's as one process's quantized model is (int8;
+    each within quantization's noise), every fault still aborting every rank alike; a
+    checkpoint stored quantized is refused, saying what to load instead."""
+    ids = tokens(24, seed=8)
+    full = hebrus.load("tiny").session().feed(ids)
+    alone = hebrus.load("tiny", quantize="int8").session().feed(ids)
+    model = over_ranks(closing, "tiny", quantize="int8")
+    assert model.spec.quantization.name == "int8"
+    s = model.session()
+    got = s.feed(ids)
+
+    def error(x):
+        return ((x - full).norm() / full.norm()).item()
+    assert 0 < error(got) <= 2 * error(alone) + 1e-3, (error(got), error(alone))
+    before = s.digests()
+    with hebrus.inject("layers.1.ffn", "nonfinite", rank=1):
+        with pytest.raises(hebrus.NonFiniteError, match="rank 1 of 2"):
+            s.feed([1, 2])
+    assert s.digests() == before
+    stored = hebrus.load("tiny", quantize="int8").save(tmp_path / "q")
+    model.close()
+    with pytest.raises(hebrus.InvalidInput, match="stored quantized \\(int8\\) does not split over ranks yet"):
+        hebrus.load(stored, tensor_parallel=2)
+
+
 def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):
     """`hebrus.feed_many` of sessions over two ranks (fast mode: one pass): within 1e-12 of the
     same pass in one process (float64); a fault in one session's part of the pass on rank 1
@@ -349,8 +376,8 @@ def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing)
         hebrus.load("tiny", tensor_parallel=0)
     with pytest.raises(hebrus.InvalidInput, match="rank_timeout"):
         hebrus.load("tiny", tensor_parallel=2, rank_timeout=-1)
-    with pytest.raises(hebrus.InvalidInput, match="quantize is not taken"):
-        hebrus.load("tiny", tensor_parallel=2, quantize="int8")
+    with pytest.raises(hebrus.InvalidInput, match="quantize must be one of"):
+        hebrus.load("tiny", tensor_parallel=2, quantize="int3")
     with pytest.raises(hebrus.InvalidInput, match="rendezvous must be HOST:PORT"):
         hebrus.load("tiny", tensor_parallel=2, rendezvous="nowhere")
     from foreign import build

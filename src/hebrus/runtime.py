@@ -157,14 +157,17 @@ class Model:
         """The same model with its large projections quantized (`weights.quant`): "int8",
         "int4", "int4-zp" (int4 with zero points), "fp8", or a `Quantization`. The other
         weights are shared with this model, not copied."""
-        q = Quantization.parse(quantize)
+        return self._sized(self._quantized(Quantization.parse(quantize)))
+
+    def _quantized(self, q: Quantization) -> "Model":
+        """`quantized`'s model (a rank's part quantized as a part of the same ranks)."""
         if self.spec.quantization is not None:
             raise InvalidInput(f"this model is already quantized ({self.spec.quantization.name}); load its "
                                f"float checkpoint to quantize it otherwise")
         params = quantize_params(self._params, q, layout.quantized(self.spec))
         check_parts(params, q)                  # what a save would write must load again
-        return self._sized(Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
-                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging))
+        return Model._placed(self.config, self.spec.replace(quantization=q), {**params, **self._in_files()},
+                             self.device, self.dtype, self.mode, self._chooser(), self.source, self.paging, self.ranks)
 
     def _in_files(self) -> dict[str, FileRows]:
         """The paged tables read from their checkpoint file (no parameter in memory)."""
@@ -328,7 +331,7 @@ def _parallel(name_or_path, world, rendezvous, timeout, **options):
             raise InvalidInput(f"{world} ranks on this host need {world} CUDA devices (one a rank); "
                                f"{torch.cuda.device_count()} are visible")
     if options["quantize"] is not None:
-        raise InvalidInput("quantize is not taken with tensor_parallel yet")
+        Quantization.parse(options["quantize"])             # a format there is not: refused here
     if options["ple_cache_bytes"] is not None and isinstance(name_or_path, str) and name_or_path in PRESETS:
         raise InvalidInput("under tensor parallelism PLE tables are paged from a checkpoint's file: save the preset "
                            "(hebrus.load(name).save(folder)) and load the folder with ple_cache_bytes")
@@ -341,13 +344,16 @@ def rank_model(plan, rank: int, store) -> Model:
     group, on the rank's device (NCCL: cuda:rank): from a checkpoint, each weight is read, cut to
     this rank's part and placed before the next is read, so a rank holds its part and one whole
     weight at a time (the model need fit neither one device nor one rank's host memory); a
-    preset's random weights are made whole in host memory, then split (`Model.on_ranks`)."""
+    preset's random weights are made whole in host memory, then split (`Model.on_ranks`). With
+    `quantize`, each rank quantizes its float part."""
     from hebrus import parallel
     from hebrus.engine.ranks import Ranks
     o = plan.options
     device = parallel.init_group(plan, rank, store) or resolve_device(o["device"])
     model = _load(plan.source, device, o["dtype"], o["mode"], None, o["ple_cache_bytes"], None,
                   Ranks(rank, plan.world, None, device), o["kv_cache"])
+    if o["quantize"] is not None:           # each rank quantizes its part (a split row's scales are its part's)
+        model = model._quantized(Quantization.parse(o["quantize"]))
     model.pool_size = PoolSize(o["pool_bytes"], o["memory_fraction"]).checked()
     return model
 

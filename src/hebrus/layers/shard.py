@@ -39,7 +39,8 @@ def shard_spec(s: ModelSpec, world: int) -> ModelSpec:
                            f"ranks yet ({', '.join(refused)}); kinds that can: "
                            f"{', '.join(sorted(n for n, k in KINDS.items() if k.shards != 'no'))}")
     if s.quantization is not None:
-        raise InvalidInput("tensor parallelism loads float weights; quantize is not taken with it yet")
+        raise InvalidInput(f"a checkpoint stored quantized ({s.quantization.name}) does not split over ranks yet: load "
+                           f"its float checkpoint with quantize=, and each rank quantizes its part")
     sections = list(s.sections)
     for kind in kinds:
         if kind.shards != "split" or kind.section is None:
