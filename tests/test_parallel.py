@@ -3,6 +3,7 @@ one, on every family that shards; the fault matrix across ranks; a rank killed o
 mid-chunk; two processes meeting over a TCP rendezvous as two hosts would."""
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -292,6 +293,58 @@ def test_each_rank_quantizes_its_part(tmp_path, closing):
     model.close()
     with pytest.raises(hebrus.InvalidInput, match="stored quantized \\(int8\\) does not split over ranks yet"):
         hebrus.load(stored, tensor_parallel=2)
+
+
+def test_a_session_over_ranks_goes_to_host_memory_and_back(closing):
+    """`host_copy` over ranks (what the server does with a session it preempts): each rank
+    copies its part; `from_host` makes a session on every rank with every part's digest, which
+    goes on as the original does."""
+    model = over_ranks(closing, "tiny")
+    s = model.session()
+    s.feed(tokens(14, seed=4))
+    copy = s.host_copy()
+    assert copy.nbytes > 0 and copy.frontier == 14
+    back = model.from_host(copy)
+    assert back.digests() == s.digests()
+    assert torch.equal(back.feed([3, 4]), s.feed([3, 4])) and back.digests() == s.digests()
+    with pytest.raises(hebrus.InvalidInput, match="a host copy of a session of this model"):
+        model.from_host(s)
+
+
+def test_the_engine_preempts_requests_over_ranks_to_host_memory_and_back(closing):
+    """Four requests of 30 prompt tokens and 40 new ones need 20 blocks of 16 rows; every
+    rank's pool has 12 (the same pool_bytes, the same parts). Requests are preempted (each
+    rank's part to host memory) and come back; each answers exactly as it does alone."""
+    from hebrus.sampling import Sampling
+    from hebrus.scheduling.scheduler import Request, Scheduler
+    probe = over_ranks(closing, "tiny")
+    slot, block = probe.local.pool.slot_nbytes, probe.local.pool.block_nbytes
+    probe.close()
+    model = over_ranks(closing, "tiny", pool_bytes=slot + 2 * block + 4 * slot + 12 * block + block // 2)
+    assert model.local.pool.free_blocks == 12 and model.local.pool.free_slots >= 4
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0)
+    requests = []
+    for seed in range(4):
+        got = []
+        request = Request(key="k", prompt=tokens(30, seed=seed), max_tokens=40, sampling=Sampling(temperature=0.8),
+                          seed=seed, stop_ids=frozenset(), emit=lambda kind, value, got=got: kind == "token" and got.append(value))
+        request.got = got
+        requests.append(request)
+    scheduler.waiting.extend(requests)
+    for _ in range(10_000):
+        if not (scheduler.waiting or scheduler.running or scheduler.preempted):
+            break
+        if not scheduler.preempted:
+            scheduler._take_waiting()
+        scheduler._turn()
+    assert scheduler.preemptions > 0 and scheduler.host_held == 0
+    del scheduler
+    gc.collect()
+    model.session().feed([1])                   # a call: the workers let go what this process did
+    assert model.local.pool.free_blocks == 12
+    for request in requests:
+        want = list(model.session().generate(request.prompt, max_new_tokens=40, temperature=0.8, seed=request.seed))
+        assert request.got == want
 
 
 def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):

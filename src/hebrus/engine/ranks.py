@@ -40,9 +40,9 @@ class RankLost(CommandError):
     snapshots)."""
 
 
-BY_NAME = {cls.__name__: cls for cls in (*BY_KIND.values(), PoolExhausted)}
-RECORD = 512             # bytes of an exchanged record: a failure's kind, stage order and detail
-KINDS = tuple(BY_KIND)
+BY_NAME = {cls.__name__: cls for cls in (*BY_KIND.values(), PoolExhausted)}   # what a failure is raised as
+NAMES = tuple(BY_NAME)
+RECORD = 512             # bytes of an exchanged record: a failure's class, stage order and detail
 
 
 class Ranks:
@@ -109,12 +109,12 @@ class Ranks:
             except RankLost as lost:
                 return lost
             records, self._records = self._records, None
-        failed = [(at, rank, kind, stage, detail) for rank, record in enumerate(records) if record is not None
-                  for at, kind, stage, detail in [record]]
+        failed = [(at, rank, name, stage, detail) for rank, record in enumerate(records) if record is not None
+                  for at, name, stage, detail in [record]]
         if not failed:
             return None if failure is None else StructuralError("ranks", "a rank stopped without a failure of its own")
-        _, rank, kind, stage, detail = min(failed)
-        return BY_KIND[kind](stage, f"{detail} (rank {rank} of {self.world})")
+        _, rank, name, stage, detail = min(failed)
+        return BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})")
 
     def agree_each(self, failures: list, whole: bool, order: Callable[[str], int]) -> tuple[list, bool]:
         """A pass of several sessions, each its own transaction (`engine.batch`): every rank's
@@ -125,8 +125,7 @@ class Ranks:
             return failures, whole
         from torch import distributed
         self._records = None                    # a stopped pass's exchange is read: this one decides
-        mine = (whole, [None if f is None else (order(f.stage), type(f).__name__, f.stage, f.detail)
-                        for f in failures])
+        mine = (whole, [None if f is None else (order(f.stage), _named(f), f.stage, f.detail) for f in failures])
         theirs: list = [None] * self.world
         self._collective(lambda: distributed.all_gather_object(theirs, mine, group=self.group),
                          "agreeing on the sessions' outcomes")
@@ -138,7 +137,7 @@ class Ranks:
                 agreed.append(None)
                 continue
             _, rank, name, stage, detail = min(failed)
-            agreed.append(BY_NAME.get(name, StructuralError)(stage, f"{detail} (rank {rank} of {self.world})"))
+            agreed.append(BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})"))
         return agreed, any(w for w, _ in theirs)
 
     # ---- internals ------------------------------------------------------------------------------
@@ -149,7 +148,7 @@ class Ranks:
         if mine is not None:
             at, failure = mine
             detail = f"{failure.stage}\0{failure.detail}".encode()[:RECORD - 4]
-            record[:4] = torch.tensor([1, KINDS.index(failure.kind), at // 256, at % 256], dtype=torch.uint8)
+            record[:4] = torch.tensor([1, NAMES.index(_named(failure)), at // 256, at % 256], dtype=torch.uint8)
             record[4:4 + len(detail)] = torch.frombuffer(bytearray(detail), dtype=torch.uint8)
         record = record.to(self.device)
         parts = [torch.empty_like(record) for _ in range(self.world)]
@@ -180,9 +179,17 @@ class Ranks:
 
 
 def _read(record: torch.Tensor) -> tuple[int, str, str, str] | None:
-    """An exchanged record -> (stage order, kind, stage, detail), or None: no failure."""
+    """An exchanged record -> (stage order, the failure's class name, stage, detail), or None: no
+    failure."""
     if not int(record[0]):
         return None
     text = bytes(record[4:].tolist()).rstrip(b"\0").decode(errors="replace")
     stage, _, detail = text.partition("\0")
-    return int(record[2]) * 256 + int(record[3]), KINDS[int(record[1])], stage, detail
+    return int(record[2]) * 256 + int(record[3]), NAMES[int(record[1])], stage, detail
+
+
+def _named(failure: ChunkAborted) -> str:
+    """The class a failure is raised as on every rank: its own where every rank knows it (a
+    refused pool block stays `PoolExhausted`, which a server preempts for), else its kind's."""
+    name = type(failure).__name__
+    return name if name in BY_NAME else BY_KIND[failure.kind].__name__

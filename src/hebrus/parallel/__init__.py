@@ -30,9 +30,9 @@ again and restore its sessions from their snapshots (`ParallelSession.save`: a f
 all from one save, which `ParallelModel.restore` checks).
 """
 from hebrus.parallel.calls import rank_file
-from hebrus.parallel.mirror import ParallelIterator, ParallelSession
+from hebrus.parallel.mirror import ParallelHostCopy, ParallelIterator, ParallelSession
 from hebrus.parallel.model import ParallelModel, RanksDisagree, launch, lose
 from hebrus.parallel.worker import init_group, serve_worker, work
 
-__all__ = ["ParallelIterator", "ParallelModel", "ParallelSession", "RanksDisagree", "init_group", "launch", "lose",
+__all__ = ["ParallelHostCopy", "ParallelIterator", "ParallelModel", "ParallelSession", "RanksDisagree", "init_group", "launch", "lose",
            "rank_file", "serve_worker", "work"]

@@ -55,7 +55,7 @@ def resolved(value, lookup):
     """`value` with each `Ref` in it (itself, or in a list or tuple) replaced by `lookup(number)`."""
     if isinstance(value, Ref):
         return lookup(value.number)
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return type(value)(resolved(v, lookup) for v in value)
     return value
 

@@ -23,14 +23,14 @@ class Mirror:
 
 
 class ParallelSession(Mirror):
-    """A session on every rank. `feed`, `prefill`, `generate`, `fork`, `constrain` and `save`
-    run on every rank; `generate_text` here, driving them; what it holds (`frontier`, `logits`,
+    """A session on every rank. `feed`, `prefill`, `generate`, `fork`, `constrain`,
+    `host_copy` (a `ParallelHostCopy`) and `save` run on every rank; `generate_text` here, driving them; what it holds (`frontier`, `logits`,
     ...) reads rank 0's; `digests()` gives every rank's digest of its part, `digest()` one of
     them all. `save(path)` writes a file a rank, rank 0's `path`, rank r's `path.rank{r}`
     (each atomic, with its part's digest and fingerprint, and the note kept inside a record of
     the save), which `ParallelModel.restore(path)` reads back."""
 
-    CALLS = ("feed", "prefill", "generate", "fork", "constrain")
+    CALLS = ("feed", "prefill", "generate", "fork", "constrain", "host_copy")
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -98,6 +98,17 @@ class ParallelIterator(Mirror):
 
     def __next__(self):
         return self._run("__next__")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._local, name)
+
+
+class ParallelHostCopy(Mirror):
+    """A session's published state in host memory on every rank, each rank's part
+    (`Session.host_copy`): `ParallelModel.from_host` makes a session of it on every rank; what
+    it holds (`nbytes`, `frontier`) reads rank 0's."""
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -18,7 +18,7 @@ from hebrus.engine.ranks import RankLost
 from hebrus.errors import InvalidInput
 from hebrus.parallel.calls import (DEFAULT_TIMEOUT, KEY, LOCALLY, PER_RANK_FILE, START_TIMEOUT, TOGETHER, Call, Plan,
                                    Ref, address, ending, perform, seconds, small)
-from hebrus.parallel.mirror import ParallelIterator, ParallelSession, Mirror
+from hebrus.parallel.mirror import Mirror, ParallelHostCopy, ParallelIterator, ParallelSession
 from hebrus.parallel.worker import end_group
 from hebrus.state.interrupts import deferred_signals
 
@@ -143,7 +143,7 @@ class ParallelModel:
         value = getattr(self.local, name)
         if callable(value) and not isinstance(value, torch.Tensor) and name != "named_parameters":
             raise InvalidInput(f"model.{name}() is not available on a tensor-parallel model yet "
-                               f"(these are: session, restore, feed_many, close)")
+                               f"(these are: session, restore, from_host, feed_many, close)")
         return value
 
     def __repr__(self) -> str:
@@ -180,6 +180,13 @@ class ParallelModel:
                 return [result, *theirs]
             return self._mirror(result, call.result)
 
+    def from_host(self, copy, **options) -> ParallelSession:
+        """A session on every rank from `copy` (`ParallelSession.host_copy`), each rank's from
+        its part (`Model.from_host`'s options)."""
+        if not isinstance(copy, ParallelHostCopy):
+            raise InvalidInput("copy must be a host copy of a session of this model (session.host_copy())")
+        return self.call(0, "from_host", (copy,), options)
+
     def feed_many(self, sessions, tokens, outs=None) -> list:
         """`hebrus.feed_many` of this model's sessions: one pass on every rank, each session its
         own transaction there, each session's outcome agreed by every rank
@@ -197,7 +204,7 @@ class ParallelModel:
             if value._owner is not self:
                 raise InvalidInput("a session of another tensor-parallel model (or one closed) cannot be passed here")
             return swap(value)
-        if isinstance(value, (list, tuple)):
+        if type(value) in (list, tuple):
             return type(value)(self._swapped(v, swap) for v in value)
         return value
 
@@ -268,9 +275,11 @@ class ParallelModel:
         return values
 
     def _mirror(self, result, number: int):
-        from hebrus.session import Session
+        from hebrus.session import HostCopy, Session
         if isinstance(result, Session):
             return ParallelSession(self, number, result)
+        if isinstance(result, HostCopy):
+            return ParallelHostCopy(self, number, result)
         if hasattr(result, "__next__"):
             return ParallelIterator(self, number, result)
         return result

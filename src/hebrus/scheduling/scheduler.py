@@ -141,8 +141,6 @@ class Scheduler:
         if model.ranks is not None and cache_bytes:
             raise InvalidInput("the prefix cache is not available under tensor parallelism yet: its states are not "
                                "mirrored on every rank (serve with cache_bytes=0, --prefix-cache-bytes 0)")
-        if model.ranks is not None:     # nor are host copies: a preempted request is fed its tokens again
-            preempt_host_bytes = 0
         # "one": a turn that feeds prompt chunks steps the decoding requests in the same pass;
         # "two": in a pass of their own after it, from the static step plan where `decode` is
         # "planned" or "graph" (a pass of chunks and steps together is eager); "auto": two
