@@ -377,24 +377,23 @@ def test_the_server_steps_requests_together_over_ranks_and_a_failing_one_stays_a
     one pass on every rank (fast mode, float64), answer as the same model's sessions do alone;
     one failed mid-decode (its fourth token's chunk aborted through the test-only fault hook on
     rank 0, stepped alone) aborts on every rank and answers an error, its neighbours untouched;
-    the prefix cache is refused."""
+    then a prompt that begins with an earlier one is answered from the prefix cache (states
+    kept on every rank), as a cold run answers it."""
     uvicorn, httpx = pytest.importorskip("uvicorn"), pytest.importorskip("httpx")
     from concurrent.futures import ThreadPoolExecutor
 
     from conftest import wait_until
     from hebrus import serve
+    from hebrus.text import ByteTokenizer
     model = over_ranks(closing, "tiny", mode="fast", dtype=torch.float64)
-    prompts = [f"Request {i}: once more".encode() for i in range(4)]
+    prompts = [f"Request {i}: once more unto the breach, dear friends, once more, or close the wall".encode()
+               for i in range(4)]
+    prompts.append(prompts[0] + b" up with our English dead")
     doomed = 2
 
     def fault(request):
         return "layers.1.qsa" if bytes(request.prompt) == prompts[doomed] and len(request.produced) == 3 else None
-    with pytest.raises(hebrus.InvalidInput, match="prefix cache is not available under tensor parallelism"):
-        serve.build(model, "tiny")
-    refused = subprocess.run([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--tensor-parallel", "2",
-                              "--prefix-cache-bytes", "5"], capture_output=True, text=True, timeout=PATIENCE)
-    assert refused.returncode == 2 and "not available under --tensor-parallel yet" in refused.stderr
-    app, scheduler = serve.build(model, "tiny", cache_bytes=0, max_sessions=4, fault=fault)
+    app, scheduler = serve.build(model, "tiny", max_sessions=4, share_prefixes=True, fault=fault)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -409,19 +408,36 @@ def test_the_server_steps_requests_together_over_ranks_and_a_failing_one_stays_a
                               json={"model": "tiny", "prompt": prompts[i].decode(), "max_tokens": 8, "temperature": 0})
         with ThreadPoolExecutor(4) as pool:
             replies = list(pool.map(ask, range(4)))
+        replies.append(ask(4))
     finally:
         server.should_exit = True
         thread.join(10)
         scheduler.stop(drain_seconds=5)
     assert replies[doomed].status_code != 200 and "nonfinite" in replies[doomed].text
     assert scheduler.widest > 1                 # several requests' tokens in one pass over the ranks
-    from hebrus.text import ByteTokenizer
+    assert replies[4].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
     for i, reply in enumerate(replies):
         if i != doomed:
             decoder = ByteTokenizer().stream()
             ids = model.session().generate(list(prompts[i]), max_new_tokens=8)
             want = "".join(decoder.push(t) for t in ids) + decoder.flush()
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want, i
+
+
+def test_a_session_over_ranks_keeps_states_as_it_goes(closing):
+    """`feed_keeping` and `feed_keeping_many` over ranks (what the prefix cache keeps): each kept
+    state is a session on every rank, bit for bit what feeding its prefix gives (exact mode)."""
+    model = over_ranks(closing, "tiny")
+    ids = tokens(20, seed=5)
+    s = model.session()
+    _, kept = s.feed_keeping(ids, [7, 20])
+    fed = model.session()
+    fed.feed(ids[:7])
+    assert kept[0].digests() == fed.digests() and kept[1].digests() == s.digests()
+    other = model.session()
+    [(_, more), (_, mine)] = hebrus.batching.feed_keeping_many([fed, other], [ids[7:12], ids[:3]], [[5], [2]])
+    assert more[0].digests() == fed.digests() and torch.equal(more[0].feed([9]), fed.feed([9]))
+    assert mine[0].frontier == 2 and other.frontier == 3
 
 
 def test_what_cannot_be_split_is_refused_before_anything_runs(tmp_path, closing):

@@ -49,7 +49,10 @@ def feed_keeping_many(sessions, tokens, marks) -> list:
     any step runs the sessions' pieces between marks in rounds, each round one call); exact mode
     runs each session's chunk as it would alone, so each kept session is bit for bit what
     `feed_keeping` keeps. Failures, checks and faults as `feed_many`'s; nothing is changed by a
-    bad argument."""
+    bad argument. Sessions of a model over tensor-parallel ranks: as `feed_many`'s."""
+    over = getattr(sessions[0], "over_ranks", None) if isinstance(sessions, (list, tuple)) and sessions else None
+    if over is not None:
+        return over.feed_keeping_many(sessions, tokens, marks)
     sessions, model = _batch_sessions(sessions)
     chunks = _chunks(tokens, sessions, model)
     chunks = list(chunks) if isinstance(chunks, torch.Tensor) else chunks

@@ -142,10 +142,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="a turn of the engine loop feeds its prompt chunks and steps its decoding requests in "
                             "one pass, or in two (chunks, then steps replayed from CUDA graphs); default auto: "
                             "two where the steps replay graphs (fast mode on CUDA), else one")
-    serve.add_argument("--prefix-cache-bytes", type=int, default=None, metavar="BYTES",
+    serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
-                            "with cached tokens feeds only the rest (default 1 GiB; 0: off; off under "
-                            "--tensor-parallel, which does not take it yet)")
+                            "with cached tokens feeds only the rest (default 1 GiB; 0: off)")
     serve.add_argument("--prefix-every", type=int, default=64, metavar="K",
                        help="the prefix cache keeps a prompt's state every K tokens (default 64): a hit "
                             "recomputes fewer than K tokens")
@@ -190,13 +189,9 @@ def _serve(args) -> int:
         raise InvalidInput("--prefill-tokens must be at least 1")
     if not args.prefill_share > 0:
         raise InvalidInput("--prefill-share must be a positive number of decode steps")
-    if args.prefix_cache_bytes is not None and args.prefix_cache_bytes < 0:
+    if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
-    if args.tensor_parallel is not None and args.prefix_cache_bytes:
-        raise InvalidInput("--prefix-cache-bytes: the prefix cache is not available under --tensor-parallel yet "
-                           "(leave it out, or give 0)")
-    if args.prefix_cache_bytes is None:
-        args.prefix_cache_bytes = 0 if args.tensor_parallel is not None else 1 << 30
+
     if args.prefix_every < 1:
         raise InvalidInput("--prefix-every must be at least 1")
     import importlib

@@ -60,6 +60,18 @@ def resolved(value, lookup):
     return value
 
 
+def kept(value, number, path: tuple = ()):
+    """The objects of a call's value that every rank keeps for later calls (a session, a host
+    copy, a generator; the value itself, or inside its lists and tuples, as `feed_keeping`'s
+    sessions are), each with its key: the call's `number`, or (number, *the path to it)."""
+    from hebrus.session import HostCopy, Session
+    if isinstance(value, (Session, HostCopy)) or hasattr(value, "__next__"):
+        yield (number, *path) if path else number, value
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from kept(item, number, (*path, i))
+
+
 LOCALLY = {"digests": "digest", "saved_set": "saved_set"}    # calls whose every rank's value comes back
 PER_RANK_FILE = frozenset({"save", "restore", "saved_set", "settle", "discard"})  # their first argument names rank 0's file
 

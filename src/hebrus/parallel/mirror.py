@@ -24,13 +24,14 @@ class Mirror:
 
 class ParallelSession(Mirror):
     """A session on every rank. `feed`, `prefill`, `generate`, `fork`, `constrain`,
-    `host_copy` (a `ParallelHostCopy`) and `save` run on every rank; `generate_text` here, driving them; what it holds (`frontier`, `logits`,
+    `feed_keeping` (its sessions on every rank), `host_copy` (a `ParallelHostCopy`) and `save`
+    run on every rank; `generate_text` here, driving them; what it holds (`frontier`, `logits`,
     ...) reads rank 0's; `digests()` gives every rank's digest of its part, `digest()` one of
     them all. `save(path)` writes a file a rank, rank 0's `path`, rank r's `path.rank{r}`
     (each atomic, with its part's digest and fingerprint, and the note kept inside a record of
     the save), which `ParallelModel.restore(path)` reads back."""
 
-    CALLS = ("feed", "prefill", "generate", "fork", "constrain", "host_copy")
+    CALLS = ("feed", "prefill", "generate", "fork", "constrain", "host_copy", "feed_keeping")
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

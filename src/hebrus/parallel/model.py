@@ -143,7 +143,7 @@ class ParallelModel:
         value = getattr(self.local, name)
         if callable(value) and not isinstance(value, torch.Tensor) and name != "named_parameters":
             raise InvalidInput(f"model.{name}() is not available on a tensor-parallel model yet "
-                               f"(these are: session, restore, from_host, feed_many, close)")
+                               f"(these are: session, restore, from_host, feed_many, feed_keeping_many, close)")
         return value
 
     def __repr__(self) -> str:
@@ -186,6 +186,12 @@ class ParallelModel:
         if not isinstance(copy, ParallelHostCopy):
             raise InvalidInput("copy must be a host copy of a session of this model (session.host_copy())")
         return self.call(0, "from_host", (copy,), options)
+
+    def feed_keeping_many(self, sessions, tokens, marks) -> list:
+        """`hebrus.batching.feed_keeping_many` of this model's sessions, on every rank (each
+        session's outcome agreed by every rank); the sessions kept are sessions on every rank."""
+        from hebrus import batching
+        return self.call(TOGETHER, "feed_keeping_many", (list(sessions), tokens, marks), {}, batching)
 
     def feed_many(self, sessions, tokens, outs=None) -> list:
         """`hebrus.feed_many` of this model's sessions: one pass on every rank, each session its
@@ -274,15 +280,19 @@ class ParallelModel:
                                f"rank 0: {_said(mine)}")
         return values
 
-    def _mirror(self, result, number: int):
+    def _mirror(self, value, number: int, path: tuple = ()):
+        """`value` with what every rank keeps of it (`calls.kept`) in mirrors, under the same keys."""
         from hebrus.session import HostCopy, Session
-        if isinstance(result, Session):
-            return ParallelSession(self, number, result)
-        if isinstance(result, HostCopy):
-            return ParallelHostCopy(self, number, result)
-        if hasattr(result, "__next__"):
-            return ParallelIterator(self, number, result)
-        return result
+        key = (number, *path) if path else number
+        if isinstance(value, Session):
+            return ParallelSession(self, key, value)
+        if isinstance(value, HostCopy):
+            return ParallelHostCopy(self, key, value)
+        if hasattr(value, "__next__"):
+            return ParallelIterator(self, key, value)
+        if type(value) in (list, tuple):
+            return type(value)(self._mirror(item, number, (*path, i)) for i, item in enumerate(value))
+        return value
 
 
 def lose(stage: str, rank: int, how: str = "killed"):

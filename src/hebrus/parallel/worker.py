@@ -12,8 +12,8 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import InvalidInput
-from hebrus.parallel.calls import (KEY, START_TIMEOUT, TOGETHER, Call, Plan, address, ending, perform, resolved,
-                                   seconds, small)
+from hebrus.parallel.calls import (KEY, START_TIMEOUT, TOGETHER, Call, Plan, address, ending, kept, perform,
+                                   resolved, seconds, small)
 
 FOREVER = seconds(365 * 24 * 3600)      # a worker waits for calls as long as the caller lives
 
@@ -63,7 +63,6 @@ def work(host: str, port: int, rank: int, build) -> None:
 def _run(call: Call, objects: dict, rank: int, world: int, model) -> tuple[tuple, list]:
     """Run `call` on this rank's objects -> (how it ended, the indices of its armed faults that
     fired)."""
-    from hebrus.session import HostCopy, Session
     call = dataclasses.replace(call, args=resolved(call.args, objects.__getitem__))
     armed = [(index, faults.Fault(stage, kind, objects.get(session), rank=on))
              for index, (stage, kind, session, on) in enumerate(call.armed) if on == rank]
@@ -71,8 +70,7 @@ def _run(call: Call, objects: dict, rank: int, world: int, model) -> tuple[tuple
     try:
         with faults.armed_as([fault for _, fault in armed]):
             result = perform(objects[call.target], call, rank, world)
-        if isinstance(result, (Session, HostCopy)) or hasattr(result, "__next__"):
-            objects[call.result] = result
+        objects.update(kept(result, call.result))
         said = ("ok", small(result))
     except BaseException as exc:
         said = ending(exc)

@@ -59,7 +59,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, PoolExhausted
+from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling, constrained, counted, penalise, sample_many
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
@@ -138,9 +138,6 @@ class Scheduler:
         # the route of the decoding requests' steps together in fast mode (`decode_route`: "auto"
         # is graphs on CUDA; eager over tensor-parallel ranks); exact mode steps them one after another
         self.decode = decode_route(model, decode)
-        if model.ranks is not None and cache_bytes:
-            raise InvalidInput("the prefix cache is not available under tensor parallelism yet: its states are not "
-                               "mirrored on every rank (serve with cache_bytes=0, --prefix-cache-bytes 0)")
         # "one": a turn that feeds prompt chunks steps the decoding requests in the same pass;
         # "two": in a pass of their own after it, from the static step plan where `decode` is
         # "planned" or "graph" (a pass of chunks and steps together is eager); "auto": two
