@@ -106,7 +106,8 @@ def test_four_ranks_with_fewer_kv_heads_than_ranks(tmp_path, closing):
 
 
 def test_one_rank_is_the_model_bit_for_bit(closing):
-    """A world of one runs the same collectives (over itself): the same bits as no ranks at all."""
+    """A world of one (its sums and joins the identities, as over one rank they are): the same
+    bits as no ranks at all, its one exchange after validation skipped."""
     ids = tokens(30, seed=1)
     plain = hebrus.load("tiny", device=DEVICE).session()
     one = over_ranks(closing, "tiny", world=1, device=DEVICE).session()

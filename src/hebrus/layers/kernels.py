@@ -71,11 +71,13 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
     runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins.
     `ranks`: a tensor-parallel model's rank (`engine.ranks.Ranks`), whose collectives the
-    frame adds its split sublayers' outputs and joins its logits with."""
+    frame adds its split sublayers' outputs and joins its logits with (over more than one rank)."""
     choose = top_k_chooser if chooser is None else chooser
     ops = kind_ops(mode, device, dtype)
-    parallel = {} if ranks is None else {"rank": ranks.rank, "world": ranks.world, "reduce": ranks.reduce,
-                                         "gather": ranks.gather}
+    # a world of one adds up and joins nothing: its collectives stay the identities (NCCL's
+    # all-reduce over one rank cost its eager steps 20%)
+    parallel = {} if ranks is None or ranks.world == 1 else {"rank": ranks.rank, "world": ranks.world,
+                                                            "reduce": ranks.reduce, "gather": ranks.gather}
     if mode != "fast":
         return Kernels(False, choose, ops=ops, **parallel)
     fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
