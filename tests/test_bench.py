@@ -99,6 +99,20 @@ def test_bench_against_transformers_on_the_same_checkpoint(tmp_path):
     assert "transformers prefill tok/s" in out.getvalue()
 
 
+def test_transformers_out_of_memory_is_reported_not_fatal(tmp_path, monkeypatch):
+    """transformers running out of memory at a length (its eager attention at 32K on an H100)
+    is that point's error in the report, and the bench goes on."""
+    transformers = pytest.importorskip("transformers")
+    from hebrus.bench.timing import transformers_point
+
+    class Greedy(torch.nn.Module):
+        def forward(self, ids, **_):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.25 GiB.")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Greedy())
+    point = transformers_point(tmp_path, [1, 2, 3], 2, 1, torch.device("cpu"), torch.float32)
+    assert point == {"error": "out of memory at 3 tokens (CUDA out of memory. Tried to allocate 32.25 GiB.)"}
+
+
 def test_bench_measures_sessions_decoding_together(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     argv = ["bench", "--model", "tiny", "--contexts", "16", "--batch", "1,3", "--decode-steps", "2",

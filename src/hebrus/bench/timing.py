@@ -187,24 +187,28 @@ def transformers_point(folder: Path, prompt: list[int], steps: int, rounds: int,
     # the cache's keyword: `past_key_values` until transformers 5.2x renamed it `cache`
     key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     prefill, decode = [], []
-    with torch.inference_mode():
-        for r in range(rounds + 1):
-            sync(device)
-            t = time.perf_counter()
-            out = hf(ids, use_cache=True)
-            sync(device)
-            spent = time.perf_counter() - t
-            cache, token = out[key], out.logits[:, -1:].argmax(-1)
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = hf(token, use_cache=True, **{key: cache})
-                cache, token = out[key], out.logits[:, -1:].argmax(-1)
+    try:
+        with torch.inference_mode():
+            for r in range(rounds + 1):
                 sync(device)
-            if r:
-                prefill.append(spent / len(prompt))
-                decode.append((time.perf_counter() - t) / steps)
-    del hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+                t = time.perf_counter()
+                out = hf(ids, use_cache=True)
+                sync(device)
+                spent = time.perf_counter() - t
+                cache, token = out[key], out.logits[:, -1:].argmax(-1)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    out = hf(token, use_cache=True, **{key: cache})
+                    cache, token = out[key], out.logits[:, -1:].argmax(-1)
+                    sync(device)
+                if r:
+                    prefill.append(spent / len(prompt))
+                    decode.append((time.perf_counter() - t) / steps)
+    except torch.OutOfMemoryError as exc:          # transformers' own limit at this length: said, not fatal
+        return {"error": f"out of memory at {len(prompt)} tokens ({str(exc).splitlines()[0][:160]})"}
+    finally:
+        out = cache = hf = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return {"version": transformers.__version__, "prefill_s_per_token": statistics.median(prefill),
             "decode_s_per_step": statistics.median(decode)}
