@@ -5,7 +5,8 @@ available: transformers keeps norms and the delta rule in float32 even in a floa
 
 Run: python benchmarks/foreign_parity.py [--out FILE]  (needs transformers; tests/foreign.py
 builds the models, 23 prompt tokens, 32 greedy steps; exact mode is fed one token at a
-time, fast mode in chunks of 8)."""
+time, fast mode in chunks of 8; DeepSeek-V4's state is compared owner by owner with
+transformers' cache in float64, `foreign.v4_cache_pairs`)."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import hebrus  # noqa: E402
-from foreign import FAMILIES, build, float64_everywhere, in_float64, reference_run  # noqa: E402
+from foreign import FAMILIES, build, float64_everywhere, in_float64, reference_run, v4_cache_pairs  # noqa: E402
 
 STEPS = 32
+V4_IDS = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(3)).tolist()   # ends inside its windows
 
 
 METRIC = "max"
@@ -53,6 +55,12 @@ def measure(family: str, folder: Path, model) -> list[str]:
         truth.feed([wide_tokens[step]])
     rows = [f"| {family} | float64 | everything: logits, states, 32 decode steps | {worst:.2e} "
             f"(hebrus f64 vs transformers f64 throughout) | | |"]
+    if family == "deepseek_v4":     # its state against transformers' cache, owner by owner (float64)
+        found: dict[str, float] = {}
+        for quantity, mine, theirs in v4_cache_pairs(folder, model, V4_IDS):
+            found[quantity] = max(found.get(quantity, 0.0), rel(mine, theirs))
+        rows += [f"| {family} | float64 | {quantity} (against transformers' cache) | {error:.2e} | | |"
+                 for quantity, error in found.items()]
     for mode in ("exact", "fast"):
         session = hebrus.load(folder, mode=mode).session()
         # exact: one token at a time (every position's logits); fast: chunks of 8, its batched path

@@ -213,3 +213,42 @@ def reference_run(model, ids: list[int], steps: int):
             step_logits.append(logits)
             logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
     return prompt_logits, states, tokens, step_logits
+
+
+def v4_cache_pairs(folder, model, ids: list[int]):
+    """A DeepSeek-V4 checkpoint (`build("deepseek_v4", ...)`, loaded from `folder` in float64)
+    fed `ids` -> (quantity, hebrus's value, transformers' float64 cache's) for every owner the
+    cache has a value for: each layer's last window - 1 rows (the cache keeps those), the
+    compressed entries and the indexer's keys (every `rate`-th row of the logs), the tokens of
+    the open window (their projections, and the gates less their slot's bias, which the cache's
+    lack) and CSA's previous window's first series. The prompt must end inside every window."""
+    import hebrus
+    with torch.no_grad(), float64_everywhere():
+        cache = in_float64(model)(torch.tensor([ids]), use_cache=True).cache
+    loaded = hebrus.load(folder, dtype=torch.float64)
+    params, ours = dict(loaded.named_parameters()), loaded.session()
+    ours.feed(ids)
+    config = model.config
+    for layer, kind in enumerate(config.layer_types):
+        mixer = {"sliding_attention": "swa", "heavily_compressed_attention": "hca",
+                 "compressed_sparse_attention": "csa"}[kind]
+        p, theirs = f"layers.{layer}.{mixer}.", cache.layers[layer]
+        window = theirs.keys[0, 0]
+        yield f"{mixer}.rows (window)", ours.image.value(p + "rows")[-window.shape[0]:], window
+        if mixer == "swa":
+            continue
+        m = config.compress_rates[kind]
+        series = (("compressor", "", "entries", "compressor."),) + ((("indexer", "index_", "keys", "indexer."),)
+                                                                     if mixer == "csa" else ())
+        for name, state, log, weights in series:
+            yield f"{mixer}.{log}", ours.image.value(p + log)[m - 1::m], theirs.compressed_kv[name][0]
+            open_kv, open_gate = theirs.buffer_kv[name][0], theirs.buffer_gate[name][0]
+            k = open_kv.shape[0]
+            assert k == len(ids) % m and k > 0, "the prompt must end inside every window"
+            yield f"{mixer}.{state}window_kv", ours.image.value(p + state + "window_kv")[:k], open_kv
+            yield (f"{mixer}.{state}window_gate", ours.image.value(p + state + "window_gate")[:k]
+                   - params[p + weights + "bias"][:k], open_gate)
+            if mixer == "csa":
+                d = theirs.overlap_kv[name].shape[-1]
+                yield f"{mixer}.{state}previous_kv", ours.image.value(p + state + "previous_kv")[:, :d], \
+                    theirs.overlap_kv[name][0]

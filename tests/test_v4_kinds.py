@@ -352,47 +352,17 @@ def test_a_failed_chunk_leaves_v4_attention_state_as_it_was(kind):
 
 def test_v4_state_matches_transformers_cache_in_float64(tmp_path):
     """After a prompt that ends inside windows, every owner transformers' cache has a value for,
-    within 1e-12 in float64: each layer's last window - 1 rows (the cache keeps those), the
-    compressed entries and the indexer's keys (every `rate`-th row of our logs), the tokens of
-    the open window (their projections, our gates holding their slot's bias, the cache's not) and
-    CSA's previous window's first series."""
-    import hebrus
-    from foreign import build, float64_everywhere, in_float64
+    within 1e-12 in float64 (`foreign.v4_cache_pairs`: each layer's last window - 1 rows, the
+    compressed entries and the indexer's keys, the open window's tokens, CSA's previous
+    window's first series)."""
+    from foreign import build, v4_cache_pairs
     folder, model = build("deepseek_v4", tmp_path)
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(3)).tolist()
-    with torch.no_grad(), float64_everywhere():
-        cache = in_float64(model)(torch.tensor([ids]), use_cache=True).cache
-    loaded = hebrus.load(folder, dtype=torch.float64)
-    params, ours = dict(loaded.named_parameters()), loaded.session()
-    ours.feed(ids)
-    config, checked = model.config, 0
-
-    def close(a, b):
-        nonlocal checked
-        assert a.shape == b.shape and torch.allclose(a, b.to(a.dtype), rtol=1e-12, atol=1e-12), float((a - b).abs().max())
+    checked = 0
+    for quantity, ours, theirs in v4_cache_pairs(folder, model, ids):
+        assert ours.shape == theirs.shape and torch.allclose(ours, theirs.to(ours.dtype), rtol=1e-12, atol=1e-12), \
+            (quantity, float((ours - theirs).abs().max()))
         checked += 1
-
-    for layer, kind in enumerate(config.layer_types):
-        mixer = {"sliding_attention": "swa", "heavily_compressed_attention": "hca",
-                 "compressed_sparse_attention": "csa"}[kind]
-        p, theirs = f"layers.{layer}.{mixer}.", cache.layers[layer]
-        window = theirs.keys[0, 0]
-        close(ours.image.value(p + "rows")[-window.shape[0]:], window)
-        if mixer == "swa":
-            continue
-        m = config.compress_rates[kind]
-        series = (("compressor", "", "entries", "compressor."),) + ((("indexer", "index_", "keys", "indexer."),)
-                                                                     if mixer == "csa" else ())
-        for name, state, log, weights in series:
-            close(ours.image.value(p + log)[m - 1::m], theirs.compressed_kv[name][0])
-            open_kv, open_gate = theirs.buffer_kv[name][0], theirs.buffer_gate[name][0]
-            k = open_kv.shape[0]
-            assert k == len(ids) % m and k > 0
-            close(ours.image.value(p + state + "window_kv")[:k], open_kv)
-            close(ours.image.value(p + state + "window_gate")[:k] - params[p + weights + "bias"][:k], open_gate)
-            if mixer == "csa":
-                d = theirs.overlap_kv[name].shape[-1]
-                close(ours.image.value(p + state + "previous_kv")[:, :d], theirs.overlap_kv[name][0])
     assert checked == 1 + (1 + 3) + 2 * (1 + 2 * 4)          # swa, hca, two csa layers
 
 
