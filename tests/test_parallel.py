@@ -351,7 +351,8 @@ def test_the_engine_preempts_requests_over_ranks_to_host_memory_and_back(closing
 def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):
     """`hebrus.feed_many` of sessions over two ranks (fast mode: one pass): within 1e-12 of the
     same pass in one process (float64); a fault in one session's part of the pass on rank 1
-    aborts that session alone, on every rank alike, its parts unchanged, the others published."""
+    aborts that session alone, on every rank alike, its parts unchanged, the others published;
+    so does one at the head, after the pass's last collective."""
     ids = [tokens(9, seed=i) for i in range(3)]
     one = hebrus.load("tiny", dtype=torch.float64, mode="fast")
     model = over_ranks(closing, "tiny", dtype=torch.float64, mode="fast")
@@ -368,6 +369,10 @@ def test_sessions_step_together_over_ranks_and_each_outcome_is_agreed(closing):
     assert split[1].digests() == before[1]
     assert all(isinstance(r, torch.Tensor) for r in (results[0], results[2]))
     assert [s.frontier for s in split] == [10, 9, 10]
+    with hebrus.inject("head", "structural", session=split[0], rank=1):    # after the pass's last collective
+        results = hebrus.feed_many(split, [[1], [2], [3]])
+    assert isinstance(results[0], hebrus.StructuralError) and results[0].stage == "head"
+    assert [s.frontier for s in split] == [10, 10, 11]
     assert hebrus.feed_many(split, [[1], [2], [3]])[1].shape == (256,)      # the ranks go on together
     with pytest.raises(hebrus.InvalidInput, match="outs is not taken under tensor parallelism"):
         hebrus.feed_many(split, [[1], [2], [3]], outs=[None] * 3)

@@ -216,11 +216,13 @@ class Session:
         """The new sessions after each of `marks` of `chunk` fed from `record` (the public one
         before it), from the values kept after them (`kept`: by owner, [len(marks) or one more,
         ...]) and the record's constraint after the chunk's first tokens; None where the pool has
-        no slot."""
+        no slot (on any rank of a model over ranks)."""
         ids = chunk.tolist() if record.constraint is not None else ()
-        return [self._prefix_at(record.frontier + m, {name: values[j] for name, values in kept.items()},
-                                record.constraint and record.constraint.after(ids[:m]))
-                for j, m in enumerate(marks)]
+        sessions = [self._prefix_at(record.frontier + m, {name: values[j] for name, values in kept.items()},
+                                    record.constraint and record.constraint.after(ids[:m]))
+                    for j, m in enumerate(marks)]
+        ranks = self.model.ranks            # over tensor-parallel ranks: kept where every rank kept its part
+        return sessions if ranks is None else ranks.kept_everywhere(sessions)
 
     def _prefix_at(self, frontier: int, banked: dict, constraint=None) -> "Session | None":
         """A new session at `frontier` of this one's rows with `banked` values and `constraint`,

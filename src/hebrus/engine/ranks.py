@@ -124,7 +124,9 @@ class Ranks:
         if self.world == 1:
             return failures, whole
         from torch import distributed
-        self._records = None                    # a stopped pass's exchange is read: this one decides
+        if self._records is None:               # a rank whose stage failed after the last exchange sent one
+            self._exchange(None)                # (`stop`): every rank that sent none meets it here
+        self._records = None                    # the exchange's records are read: this one decides
         mine = (whole, [None if f is None else (order(f.stage), _named(f), f.stage, f.detail) for f in failures])
         theirs: list = [None] * self.world
         self._collective(lambda: distributed.all_gather_object(theirs, mine, group=self.group),
@@ -139,6 +141,19 @@ class Ranks:
             _, rank, name, stage, detail = min(failed)
             agreed.append(BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})"))
         return agreed, any(w for w, _ in theirs)
+
+    def kept_everywhere(self, kept: list) -> list:
+        """Sessions each rank made alike (the prefixes `Session.feed_keeping` keeps): one is kept
+        only where every rank made its part (a pool with no slot, or a device with no memory,
+        may refuse it on one rank), else let go on every rank (None)."""
+        if self.world == 1:
+            return kept
+        from torch import distributed
+        made: list = [None] * self.world
+        mine = [s is not None for s in kept]
+        self._collective(lambda: distributed.all_gather_object(made, mine, group=self.group),
+                         "agreeing on the sessions kept")
+        return [s if all(theirs[j] for theirs in made) else None for j, s in enumerate(kept)]
 
     # ---- internals ------------------------------------------------------------------------------
     def _exchange(self, mine: tuple[int, ChunkAborted] | None) -> bool:

@@ -191,6 +191,7 @@ class ParallelModel:
         """`hebrus.batching.feed_keeping_many` of this model's sessions, on every rank (each
         session's outcome agreed by every rank); the sessions kept are sessions on every rank."""
         from hebrus import batching
+        tokens = tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens
         return self.call(TOGETHER, "feed_keeping_many", (list(sessions), tokens, marks), {}, batching)
 
     def feed_many(self, sessions, tokens, outs=None) -> list:
@@ -198,6 +199,7 @@ class ParallelModel:
         own transaction there, each session's outcome agreed by every rank
         (`engine.ranks.Ranks.agree_each`)."""
         from hebrus import batching
+        tokens = tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens   # unpickled on each rank's CPU
         if outs is not None:
             raise InvalidInput("outs is not taken under tensor parallelism (a tensor here cannot be written on the "
                                "other ranks); the logits come back as new tensors")

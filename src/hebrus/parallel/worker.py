@@ -63,11 +63,11 @@ def work(host: str, port: int, rank: int, build) -> None:
 def _run(call: Call, objects: dict, rank: int, world: int, model) -> tuple[tuple, list]:
     """Run `call` on this rank's objects -> (how it ended, the indices of its armed faults that
     fired)."""
-    call = dataclasses.replace(call, args=resolved(call.args, objects.__getitem__))
     armed = [(index, faults.Fault(stage, kind, objects.get(session), rank=on))
              for index, (stage, kind, session, on) in enumerate(call.armed) if on == rank]
     model.ranks.open = True
     try:
+        call = dataclasses.replace(call, args=resolved(call.args, objects.__getitem__))
         with faults.armed_as([fault for _, fault in armed]):
             result = perform(objects[call.target], call, rank, world)
         objects.update(kept(result, call.result))
