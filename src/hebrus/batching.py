@@ -32,7 +32,7 @@ def feed_many(sessions, tokens, outs=None) -> list:
     list above. (`Batch` does the same for a fixed list of sessions, step after step, from CUDA
     graphs on a GPU.) Sessions of a model over tensor-parallel ranks step together on every
     rank (`ParallelModel.feed_many`)."""
-    over = getattr(sessions[0], "over_ranks", None) if isinstance(sessions, (list, tuple)) and sessions else None
+    over = _over_ranks(sessions)
     if over is not None:
         return over.feed_many(sessions, tokens, outs)
     sessions, model = _batch_sessions(sessions)
@@ -50,7 +50,7 @@ def feed_keeping_many(sessions, tokens, marks) -> list:
     runs each session's chunk as it would alone, so each kept session is bit for bit what
     `feed_keeping` keeps. Failures, checks and faults as `feed_many`'s; nothing is changed by a
     bad argument. Sessions of a model over tensor-parallel ranks: as `feed_many`'s."""
-    over = getattr(sessions[0], "over_ranks", None) if isinstance(sessions, (list, tuple)) and sessions else None
+    over = _over_ranks(sessions)
     if over is not None:
         return over.feed_keeping_many(sessions, tokens, marks)
     sessions, model = _batch_sessions(sessions)
@@ -97,6 +97,11 @@ class Batch:
 
     def feed(self, tokens, outs=None) -> list:
         return _feed_together(self.sessions, self.model, tokens, outs, self._steps)
+
+
+def _over_ranks(sessions):
+    """The `ParallelModel` whose sessions these are, or None (sessions of a model in this process)."""
+    return getattr(sessions[0], "over_ranks", None) if isinstance(sessions, (list, tuple)) and sessions else None
 
 
 def _batch_sessions(sessions) -> tuple[list, object]:

@@ -104,7 +104,6 @@ def _shared_pass(model, txn: Transaction, work, outs) -> list:
     finished (published or aborted) on the way out. Over tensor-parallel ranks every rank's
     outcomes decide each session's, alike on every rank (`Ranks.agree_each`)."""
     try:
-        rows = None
         try:
             work()
             # the logits of sessions with no `out` copied now, while the device may still run the

@@ -109,12 +109,10 @@ class Ranks:
             except RankLost as lost:
                 return lost
             records, self._records = self._records, None
-        failed = [(at, rank, name, stage, detail) for rank, record in enumerate(records) if record is not None
-                  for at, name, stage, detail in [record]]
-        if not failed:
-            return None if failure is None else StructuralError("ranks", "a rank stopped without a failure of its own")
-        _, rank, name, stage, detail = min(failed)
-        return BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})")
+        agreed = self._earliest(records)
+        if agreed is None and failure is not None:
+            return StructuralError("ranks", "a rank stopped without a failure of its own")
+        return agreed
 
     def agree_each(self, failures: list, whole: bool, order: Callable[[str], int]) -> tuple[list, bool]:
         """A pass of several sessions, each its own transaction (`engine.batch`): every rank's
@@ -131,15 +129,7 @@ class Ranks:
         theirs: list = [None] * self.world
         self._collective(lambda: distributed.all_gather_object(theirs, mine, group=self.group),
                          "agreeing on the sessions' outcomes")
-        agreed = []
-        for j in range(len(failures)):
-            failed = [(at, rank, name, stage, detail) for rank, (_, records) in enumerate(theirs)
-                      if records[j] is not None for at, name, stage, detail in [records[j]]]
-            if not failed:
-                agreed.append(None)
-                continue
-            _, rank, name, stage, detail = min(failed)
-            agreed.append(BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})"))
+        agreed = [self._earliest([records[j] for _, records in theirs]) for j in range(len(failures))]
         return agreed, any(w for w, _ in theirs)
 
     def kept_everywhere(self, kept: list) -> list:
@@ -156,6 +146,17 @@ class Ranks:
         return [s if all(theirs[j] for theirs in made) else None for j, s in enumerate(kept)]
 
     # ---- internals ------------------------------------------------------------------------------
+    def _earliest(self, records: list) -> ChunkAborted | None:
+        """Every rank's record of one transaction, rank by rank ((stage order, class name, stage,
+        detail), or None) -> the failure every rank raises: the earliest failing stage's, the
+        lowest rank's among equals; None when no rank failed."""
+        failed = [(at, rank, name, stage, detail) for rank, record in enumerate(records) if record is not None
+                  for at, name, stage, detail in [record]]
+        if not failed:
+            return None
+        _, rank, name, stage, detail = min(failed)
+        return BY_NAME[name](stage, f"{detail} (rank {rank} of {self.world})")
+
     def _exchange(self, mine: tuple[int, ChunkAborted] | None) -> bool:
         """Every rank's record of this exchange (kept when one is a failure) -> whether one is."""
         from torch import distributed

@@ -51,25 +51,37 @@ class Ref:
 TOGETHER = -1                   # the target of calls on several sessions at once: `hebrus.batching`
 
 
-def resolved(value, lookup):
-    """`value` with each `Ref` in it (itself, or in a list or tuple) replaced by `lookup(number)`."""
-    if isinstance(value, Ref):
-        return lookup(value.number)
+def mapped(value, each, path: tuple = ()):
+    """`value` with each item that is no list or tuple (itself, or inside its lists and tuples)
+    replaced by `each(item, the path to it)`."""
     if type(value) in (list, tuple):
-        return type(value)(resolved(v, lookup) for v in value)
-    return value
+        return type(value)(mapped(item, each, (*path, i)) for i, item in enumerate(value))
+    return each(value, path)
 
 
-def kept(value, number, path: tuple = ()):
-    """The objects of a call's value that every rank keeps for later calls (a session, a host
-    copy, a generator; the value itself, or inside its lists and tuples, as `feed_keeping`'s
-    sessions are), each with its key: the call's `number`, or (number, *the path to it)."""
+def key(number: int, path: tuple):
+    """What every rank keeps an object of call `number`'s value under: the number, or (number,
+    *the path to it inside the value)."""
+    return (number, *path) if path else number
+
+
+def keeps(value) -> bool:
+    """Whether every rank keeps `value` for later calls: a session, a host copy, a generator."""
     from hebrus.session import HostCopy, Session
-    if isinstance(value, (Session, HostCopy)) or hasattr(value, "__next__"):
-        yield (number, *path) if path else number, value
-    elif type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            yield from kept(item, number, (*path, i))
+    return isinstance(value, (Session, HostCopy)) or hasattr(value, "__next__")
+
+
+def resolved(value, lookup):
+    """`value` with each `Ref` in it replaced by `lookup(number)`."""
+    return mapped(value, lambda item, _: lookup(item.number) if isinstance(item, Ref) else item)
+
+
+def kept(value, number: int) -> dict:
+    """The objects of call `number`'s value that every rank keeps (`keeps`; the value itself, or
+    inside its lists and tuples, as `feed_keeping`'s sessions are), by key."""
+    found = {}
+    mapped(value, lambda item, path: found.update({key(number, path): item}) if keeps(item) else None)
+    return found
 
 
 LOCALLY = {"digests": "digest", "saved_set": "saved_set"}    # calls whose every rank's value comes back

@@ -21,6 +21,12 @@ class Mirror:
     def _run(self, method: str, *args, **kwargs):
         return self._owner.call(self._number, method, args, kwargs, self._local)
 
+    def __getattr__(self, name: str):
+        """What it holds reads rank 0's."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._local, name)
+
 
 class ParallelSession(Mirror):
     """A session on every rank. `feed`, `prefill`, `generate`, `fork`, `constrain`,
@@ -100,18 +106,8 @@ class ParallelIterator(Mirror):
     def __next__(self):
         return self._run("__next__")
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._local, name)
-
 
 class ParallelHostCopy(Mirror):
     """A session's published state in host memory on every rank, each rank's part
     (`Session.host_copy`): `ParallelModel.from_host` makes a session of it on every rank; what
     it holds (`nbytes`, `frontier`) reads rank 0's."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._local, name)

@@ -17,7 +17,7 @@ from hebrus import faults
 from hebrus.engine.ranks import RankLost
 from hebrus.errors import InvalidInput
 from hebrus.parallel.calls import (DEFAULT_TIMEOUT, KEY, LOCALLY, PER_RANK_FILE, START_TIMEOUT, TOGETHER, Call, Plan,
-                                   Ref, address, ending, perform, seconds, small)
+                                   Ref, address, ending, keeps, key, mapped, perform, seconds, small)
 from hebrus.parallel.mirror import Mirror, ParallelHostCopy, ParallelIterator, ParallelSession
 from hebrus.parallel.worker import end_group
 from hebrus.state.interrupts import deferred_signals
@@ -208,13 +208,13 @@ class ParallelModel:
     def _swapped(self, value, swap):
         """`value` with each object mirrored on the ranks (a session; itself, or in a list or
         tuple) replaced by `swap(it)`; one of another model is refused."""
-        if isinstance(value, Mirror):
-            if value._owner is not self:
+        def each(item, _):
+            if not isinstance(item, Mirror):
+                return item
+            if item._owner is not self:
                 raise InvalidInput("a session of another tensor-parallel model (or one closed) cannot be passed here")
-            return swap(value)
-        if type(value) in (list, tuple):
-            return type(value)(self._swapped(v, swap) for v in value)
-        return value
+            return swap(item)
+        return mapped(value, each)
 
     def dropped(self, number: int) -> None:
         """Object `number` is let go here: the workers let it go with the next call."""
@@ -282,19 +282,17 @@ class ParallelModel:
                                f"rank 0: {_said(mine)}")
         return values
 
-    def _mirror(self, value, number: int, path: tuple = ()):
+    def _mirror(self, value, number: int):
         """`value` with what every rank keeps of it (`calls.kept`) in mirrors, under the same keys."""
         from hebrus.session import HostCopy, Session
-        key = (number, *path) if path else number
-        if isinstance(value, Session):
-            return ParallelSession(self, key, value)
-        if isinstance(value, HostCopy):
-            return ParallelHostCopy(self, key, value)
-        if hasattr(value, "__next__"):
-            return ParallelIterator(self, key, value)
-        if type(value) in (list, tuple):
-            return type(value)(self._mirror(item, number, (*path, i)) for i, item in enumerate(value))
-        return value
+
+        def each(item, path):
+            if not keeps(item):
+                return item
+            kind = (ParallelSession if isinstance(item, Session) else ParallelHostCopy if isinstance(item, HostCopy)
+                    else ParallelIterator)
+            return kind(self, key(number, path), item)
+        return mapped(value, each)
 
 
 def lose(stage: str, rank: int, how: str = "killed"):
