@@ -13,6 +13,25 @@ from pathlib import Path
 import torch
 from gpu_model import model_and_prompt, options
 
+
+
+def kernel_sequence(prof, steps: int) -> str:
+    """The GPU's work over `steps` profiled steps: kernels a step, GPU-busy time against the
+    span from the first kernel's start to the last one's end (what lies between is the host's
+    time and the gaps), then the last step's kernels in order with their microseconds."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return "no kernels recorded\n"
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    per = len(kernels) // steps
+    head = (f"{len(kernels)} kernels over {steps} steps ({len(kernels) / steps:.1f} a step); GPU busy "
+            f"{busy / steps:.1f} us a step of a {span / steps:.1f} us span ({busy / span:.1%})\n"
+            f"the last step's {per} kernels in order (us, name):\n")
+    return head + "".join(f"{e.time_range.elapsed_us():8.2f}  {e.name[:110]}\n" for e in kernels[-per:])
+
+
 args = options("small", 40, routes=(str, "graph,planned,eager"))
 model, prompt = model_and_prompt(args)
 lines = []
@@ -38,9 +57,10 @@ for decode in args.routes.split(","):
             for t in range(5):
                 s.feed([t])
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
         host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         Path(args.out, f"profile-{args.model}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n\n" + host)
+        Path(args.out, f"kernels-{args.model}.txt").write_text(kernel_sequence(prof, 5))
         python = cProfile.Profile()
         python.enable()
         for t in range(args.steps):
