@@ -548,6 +548,33 @@ def test_a_product_after_an_op_matches_the_op_then_the_product(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq, hk, d, width", [(8, 2, 256, 64), (6, 2, 24, 24), (4, 4, 64, 32), (3, 1, 40, 10)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
+    """q's and k's norms and rotations in one kernel (`ops.cuda.rotary`) against
+    `ops.rope.normed_rotated_pair` in float64 on the same values, q and k slices of one product's
+    columns as the layer passes them, partial and whole rotary widths, a head that is not a power
+    of two; deterministic; float32 and odd widths left to the twin (None)."""
+    from hebrus.ops.cuda.rotary import normed_rotated_pair as kernel
+    from hebrus.ops.rope import normed_rotated_pair, rope_tables
+    g = torch.Generator(device="cuda").manual_seed(hq * d + T)
+    projected = torch.randn(T, (hq + 2 * hk) * d + 7, generator=g, device="cuda").to(dtype)
+    q, k = projected[:, :hq * d].view(T, hq, d), projected[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    wq, wk = (1 + 0.1 * torch.randn(d, generator=g, device="cuda")).to(dtype), torch.rand(d, generator=g, device="cuda").to(dtype)
+    cos, sin = rope_tables(width, 10000.0, 64, dtype, "cuda")
+    at = torch.tensor([0, 3, 17, 40, 63][:T], device="cuda")
+    cos, sin = cos[at], sin[at]
+    got = kernel(q, k, wq, wk, cos, sin, 1e-6)
+    assert all(torch.equal(x, y) for x, y in zip(got, kernel(q, k, wq, wk, cos, sin, 1e-6)))
+    want = normed_rotated_pair(*(t.double() for t in (q, k, wq, wk, cos, sin)), 1e-6)
+    for x, y in zip(got, want):
+        assert x.dtype == dtype and x.shape == y.shape and _rel(x, y) <= 1e-2
+    assert kernel(q.float(), k.float(), wq, wk, cos.float(), sin.float(), 1e-6) is None
+    assert kernel(q, k, wq, wk, cos[:, :width - 1], sin[:, :width - 1], 1e-6) is None
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
 def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):

@@ -31,6 +31,8 @@ DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: a
 LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions) -> o: N sessions' single
                                         # queries, each over its rows through its block table
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
+ROTATE = "attention.rotate"             # (q, k, q_norm, k_norm, cos, sin, eps) -> (q, k) normed and rotated,
+                                        # or None where it does not take them
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 PROJECTED = ("q_proj.weight", "gate_proj.weight", "k_proj.weight", "v_proj.weight")     # of h, side by side
 INDEXED = ("index_q.weight", "index_k.weight", "index_w.weight")                         # of the indexer's input
@@ -95,7 +97,7 @@ class Attention:
                               if indexed else None)                                              # -> qi, ki, iw
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
         self.linear, self.linear_after = kernels.linear, kernels.linear_after
-        self.attend_lanes = kernels.ops.get(LANES)
+        self.attend_lanes, self.rotate = kernels.ops.get(LANES), kernels.ops.get(ROTATE)
         self.index_input = kernels.ops[INDEX_INPUT]
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
         self.hi, self.di, self.top_k = a.index_heads, a.index_dim, a.top_k
@@ -111,10 +113,8 @@ class Attention:
         query picked a row past its own position."""
         T, w = h.shape[0], self.w
         cos, sin = (span.take(t) for t in self.rope)
-        rotate = self.fused(normed_rotated)
         q, gate, k, v = self.project(h)
-        q = rotate(q.view(T, self.hq, self.dh), w["q_norm.weight"], cos, sin, self.eps)
-        k = rotate(k.view(T, self.hkv, self.dh), w["k_norm.weight"], cos, sin, self.eps)
+        q, k = self._rotated(q.view(T, self.hq, self.dh), k.view(T, self.hkv, self.dh), cos, sin)
         self._put(span, rows, 0, k)
         self._put(span, rows, 1, v.view(T, self.hkv, self.dh))
         if self.indexed:
@@ -144,6 +144,17 @@ class Attention:
                         lower=None)
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.linear_after(sigmoid_gated, (o, gate.view(T, self.hq, self.dh)), w["o_proj.weight"])
+
+    def _rotated(self, q, k, cos, sin):
+        """q and k each normed per head and rotated: in one op where the table has one that takes
+        them (`ROTATE`), else each through the fused twin."""
+        w = self.w
+        both = None if self.rotate is None else self.rotate(q, k, w["q_norm.weight"], w["k_norm.weight"], cos, sin,
+                                                              self.eps)
+        if both is None:
+            rotate = self.fused(normed_rotated)
+            both = rotate(q, w["q_norm.weight"], cos, sin, self.eps), rotate(k, w["k_norm.weight"], cos, sin, self.eps)
+        return both
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the
@@ -308,14 +319,17 @@ class DenseAttention(Kind):
         attention for a chunk and two matrix products for a few queries, and one query per lane
         over rows read through block tables (for a 16-bit model on CUDA, a kernel reading them
         where they lie: `hebrus.ops.cuda.attention_lanes`); sparse attention over the picked
-        rows; the indexer reads the layer's input as it is."""
+        rows; the indexer reads the layer's input as it is. On CUDA, q's and k's norms and
+        rotations also run as one kernel (`hebrus.ops.cuda.rotary`)."""
         dense = dense_attention_fast if mode == "fast" else dense_attention
         ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
         if mode == "fast":                    # exact mode runs each session alone
             ops[LANES] = dense_attention_lanes
             if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
                 from hebrus.ops.cuda.attention_lanes import attention_lanes_cuda
+                from hebrus.ops.cuda.rotary import normed_rotated_pair
                 ops[LANES] = attention_lanes_cuda        # the rows read where they lie
+                ops[ROTATE] = normed_rotated_pair        # q's and k's norms and rotations in one kernel
         return ops
 
 

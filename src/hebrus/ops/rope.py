@@ -39,3 +39,10 @@ def normed_rotated(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
                    eps: float) -> torch.Tensor:
     """RMSNorm per head, then the rotation: a query's or key's way into attention."""
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def normed_rotated_pair(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query's and a key's `normed_rotated`, each with its own norm's weight: the readable twin
+    of a kernel that does both at once (`hebrus.ops.cuda.rotary`)."""
+    return normed_rotated(q, wq, cos, sin, eps), normed_rotated(k, wk, cos, sin, eps)

@@ -1,0 +1,65 @@
+"""A query's and a key's way into attention on CUDA: RMSNorm per head, then the rotation of its
+first features (`hebrus.ops.rope.normed_rotated`, the readable twin, once for q and once for k),
+for every head of q and of k in one kernel where the compiled twin took four.
+
+A program takes one head of one token: the head's RMS, then each rotated feature and its partner
+(the feature half the rotary width away) normed from the input again, so no program reads
+another's output. As the twin does, the normed head is rounded to the model's dtype before it
+is rotated, and the rotation rounded once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(q, q_row, k, k_row, wq, wk, out_q, out_k, cos, sin, table_row, eps, HQ: tl.constexpr,
+            HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    if h < HQ:
+        x, out, weight = q + t * q_row + h * D, out_q + (t * HQ + h) * D, wq
+    else:
+        x, out, weight = k + t * k_row + (h - HQ) * D, out_k + (t * HK + h - HQ) * D, wk
+    dtype = out_q.dtype.element_ty
+    d = tl.arange(0, BD)
+    inside, rotated = d < D, d < R
+    v = tl.load(x + d, mask=inside, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(v * v, 0) / D + eps)
+    normed = (v * scale * tl.load(weight + d, mask=inside, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    half = R // 2
+    partner = tl.where(d < half, d + half, d - half)
+    p = tl.load(x + partner, mask=rotated, other=0.0).to(tl.float32)
+    p = (p * scale * tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    c = tl.load(cos + t * table_row + d, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin + t * table_row + d, mask=rotated, other=0.0).to(dtype).to(tl.float32)
+    y = tl.where(rotated, normed * c + tl.where(d < half, -p, p) * s, normed)
+    tl.store(out + d, y.to(dtype), mask=inside)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """q [T, hq, d] and k [T, hk, d] of a 16-bit model on CUDA, each head's features dense and
+    heads one after another (rows may lie apart: slices of one product's columns); cos and sin
+    [T, an even rotary width of at most d], dense."""
+    d, width = q.shape[-1], cos.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and q.dim() == k.dim() == 3
+            and k.shape[-1] == d and q.shape[0] == k.shape[0] == cos.shape[0] and sin.shape == cos.shape
+            and width % 2 == 0 and width <= d and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
+            and cos.is_contiguous() and sin.is_contiguous())
+
+
+def normed_rotated_pair(q, k, wq, wk, cos, sin, eps):
+    """(normed_rotated(q, wq, cos, sin, eps), normed_rotated(k, wk, cos, sin, eps)) in one
+    kernel, where it `takes` them; else None (the layer runs the twin's two ops)."""
+    if not takes(q, k, cos, sin):
+        return None
+    T, HQ, D = q.shape
+    HK = k.shape[1]
+    out_q = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    out_k = torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
+    if T:
+        _rotate[(T, HQ + HK)](q, q.stride(0), k, k.stride(0), wq.contiguous(), wk.contiguous(), out_q, out_k,
+                              cos, sin, cos.shape[1], eps, HQ=HQ, HK=HK, D=D, R=cos.shape[1],
+                              BD=triton.next_power_of_2(D))
+    return out_q, out_k
