@@ -715,12 +715,15 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hk, dk, hv, dv, Kc", [(16, 128, 16, 128, 4), (2, 64, 4, 96, 4), (1, 16, 2, 40, 2)])
 @pytest.mark.parametrize("laid", [False, True])
-def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid):
+@pytest.mark.parametrize("one_bank", [False, True])
+def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid, one_bank):
     """The conv and the delta rule of one token per lane, both states read from and written to
     the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64 on the same values:
     outputs, both banks after (either parity), and the checks (NaN exactly for the lane whose
     written conv window holds a NaN, and for those whose recurrent state does: one read so, one
-    with a NaN gate input)."""
+    with a NaN gate input). `one_bank`: each lane reads and writes the bank of its parity (the
+    in-place measurement's way), where programs sharing a key head read the windows one of them
+    writes."""
     from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
     from hebrus.ops.gdn import gdn_lanes
     from hebrus.state.context import InPlace
@@ -742,11 +745,11 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid)
     a[0, hv - 1] = float("nan")                                  # lane 0's gate: its state not finite
     got_c, got_r = conv_bank.clone(), rec_bank.clone()
     want_c, want_r = conv_bank.double(), rec_bank.double()
-    heads = (hk, dk, hv, dv)
+    heads, target = (hk, dk, hv, dv), source if one_bank else 1 - source
     want = gdn_lanes(projected.double(), b.double(), a.double(), conv_w.double(), neg_a.double(), dt_bias.double(),
-                     heads, InPlace(want_c, source, 1 - source, chosen), InPlace(want_r, source, 1 - source, chosen))
+                     heads, InPlace(want_c, source, target, chosen), InPlace(want_r, source, target, chosen))
     got = gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads,
-                         InPlace(got_c, source, 1 - source, chosen), InPlace(got_r, source, 1 - source, chosen))
+                         InPlace(got_c, source, target, chosen), InPlace(got_r, source, target, chosen))
     for x, y in [(got[0], want[0]), (got_c, want_c), (got_r, want_r)]:
         seen = torch.isfinite(y)
         assert torch.equal(seen, torch.isfinite(x)) and _rel(x[seen], y[seen]) <= 1e-4

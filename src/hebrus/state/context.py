@@ -17,7 +17,9 @@ import torch
 class InPlace(NamedTuple):
     """A banked owner as a kernel reads and writes it where it lies: lane i reads
     bank[source[i], slots[i]] and writes bank[target[i], slots[i]] (a transaction's source is
-    the public bank, its target the private one)."""
+    the public bank, its target the private one). Each lane's two differ, or `source is target`
+    (one tensor: every lane reads and writes one bank, as the in-place measurement does): a
+    kernel may read one lane's values in one program while another writes them."""
     bank: torch.Tensor          # [2, slots, ...]
     source: torch.Tensor        # [N] parities
     target: torch.Tensor        # [N]

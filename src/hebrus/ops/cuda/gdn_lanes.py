@@ -6,7 +6,10 @@ contract). One kernel: a program per (session, value head, block of value column
 - takes the conv's windows (each channel's last Kc-1 inputs) and new inputs of the channels it
   reads: its key head's q and k, its block of v. It forms SiLU of the convolution in float32 and
   writes the shifted windows: its v channels' always, its q and k channels' only where it is the
-  first program of that key head (the others compute them again, a few hundred multiplies);
+  first program of that key head (the others compute them again, a few hundred multiplies). The
+  others read those windows while the first may be writing: from the public bank while it
+  writes the private one, or, where a lane's two are one (`InPlace` with its source its target:
+  the in-place measurement, `bench.inplace`), from a copy of the windows taken first;
 - L2-normalises q and k, forms the gates from a and b, and steps its tile of the state (held in
   float32).
 
@@ -23,22 +26,22 @@ BV = 32                 # value columns per program
 
 
 @triton.jit
-def _conv(x, weight, bank, read, written, new_at, rc, mc, write, K: tl.constexpr, KP: tl.constexpr):
+def _conv(x, weight, windows, read, bank, written, new_at, rc, mc, write, K: tl.constexpr, KP: tl.constexpr):
     """Channels rc of one session: SiLU of the causal conv over their windows at offset `read` of
-    the bank and their new inputs at `new_at` of x, in float32; where `write`, the windows shifted
-    by one written at offset `written` -> (values, the check of what was written: 0 where
-    finite, NaN where not)."""
+    `windows` and their new inputs at `new_at` of x, in float32; where `write`, the windows
+    shifted by one written at offset `written` of `bank` -> (values, the check of what was
+    written: 0 where finite, NaN where not)."""
     rk = tl.arange(0, KP)
     mk = rk < K - 1
     taps_at = rc[:, None] * (K - 1) + rk[None, :]                                       # [channels, KP]
     both = mc[:, None] & mk[None, :]
-    window = tl.load(bank + read + taps_at, mask=both, other=0.0).to(tl.float32)
+    window = tl.load(windows + read + taps_at, mask=both, other=0.0).to(tl.float32)
     new = tl.load(x + new_at + rc, mask=mc, other=0.0).to(tl.float32)
     taps = tl.load(weight + rc[:, None] * K + rk[None, :], mask=both, other=0.0).to(tl.float32)
     last = tl.load(weight + rc * K + K - 1, mask=mc, other=0.0).to(tl.float32)
     y = tl.sum(window * taps, 1) + new * last
     # the window shifted by one: tap j takes tap j+1's input, the last the new one
-    later = tl.load(bank + read + taps_at + 1, mask=mc[:, None] & (rk[None, :] < K - 2), other=0.0).to(tl.float32)
+    later = tl.load(windows + read + taps_at + 1, mask=mc[:, None] & (rk[None, :] < K - 2), other=0.0).to(tl.float32)
     shifted = tl.where(rk[None, :] == K - 2, new[:, None], later).to(bank.dtype.element_ty)
     kept = both & write
     tl.store(bank + written + taps_at, shifted, mask=kept)
@@ -47,8 +50,9 @@ def _conv(x, weight, bank, read, written, new_at, rc, mc, write, K: tl.constexpr
 
 
 @triton.jit
-def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, conv_bank, conv_source, conv_target, conv_slots,
-           conv_parity_stride, conv_slot_stride, bank, source, target, slots, parity_stride, slot_stride, o,
+def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window_source, window_slots,
+           window_parity_stride, window_slot_stride, conv_bank, conv_target, conv_slots, conv_parity_stride,
+           conv_slot_stride, bank, source, target, slots, parity_stride, slot_stride, o,
            conv_check, check, scale, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
            V: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
            NV: tl.constexpr):
@@ -57,14 +61,15 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, conv_bank, conv
     hk = h // (H // HK)                                                  # the key head it shares
     rk, rv = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
-    # the conv: this session's windows in the bank of its parity, the new ones in the other
-    cslot = tl.load(conv_slots + n) * conv_slot_stride
-    read = tl.load(conv_source + n) * conv_parity_stride + cslot
-    written = tl.load(conv_target + n) * conv_parity_stride + cslot
+    # the conv: this session's windows read where they lie (the bank of its parity), the new ones
+    # written into the other bank
+    read = tl.load(window_source + n) * window_parity_stride + tl.load(window_slots + n) * window_slot_stride
+    written = tl.load(conv_target + n) * conv_parity_stride + tl.load(conv_slots + n) * conv_slot_stride
     first = (iv == 0) & (h % (H // HK) == 0)                            # the program that writes q's and k's windows
-    bq, cq = _conv(x, conv_w, conv_bank, read, written, n * x_stride, hk * K + rk, mk, first, KC, KP)
-    bk, ck = _conv(x, conv_w, conv_bank, read, written, n * x_stride, HK * K + hk * K + rk, mk, first, KC, KP)
-    bv, cv = _conv(x, conv_w, conv_bank, read, written, n * x_stride, 2 * HK * K + h * V + rv, mv, iv >= 0, KC, KP)
+    row = n * x_stride
+    bq, cq = _conv(x, conv_w, windows, read, conv_bank, written, row, hk * K + rk, mk, first, KC, KP)
+    bk, ck = _conv(x, conv_w, windows, read, conv_bank, written, row, HK * K + hk * K + rk, mk, first, KC, KP)
+    bv, cv = _conv(x, conv_w, windows, read, conv_bank, written, row, 2 * HK * K + h * V + rv, mv, iv >= 0, KC, KP)
     tl.store(conv_check + nh * NV + iv, cq + ck + cv)
     # the delta rule
     parity, after, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
@@ -89,6 +94,8 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, conv_bank, conv
 
 
 def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent):
+    """`hebrus.ops.gdn.gdn_lanes` in one kernel. Each lane's source and target parities differ,
+    or are one tensor (`state.context.InPlace`)."""
     HK, K, H, V = heads
     N, C = projected.shape
     Kc = conv_w.shape[1]
@@ -96,12 +103,21 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
     projected, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (projected, b, a))
     if b.stride(0) != a.stride(0):
         b, a = b.contiguous(), a.contiguous()
+    # q's and k's windows are read by every program of their key head and written by the first:
+    # where a lane reads and writes one bank (the in-place measurement), they are read from a
+    # copy taken first
+    windows, window_source, window_slots = conv.bank, conv.source, conv.slots
+    if conv.source is conv.target:
+        windows = conv.bank[conv.source, conv.slots]                                   # [N, C, Kc-1]
+        window_source = window_slots = torch.arange(N, device=projected.device)
+        windows = windows.as_strided((1,) + windows.shape, (0,) + windows.stride())    # lane i at [0, i]
     NV = triton.cdiv(V, BV)
     o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
     conv_check, check = (torch.empty((N, H * NV), dtype=torch.float32, device=projected.device) for _ in range(2))
     _lanes[(N * H, NV)](projected, projected.stride(0), b, a, b.stride(0), conv_w.contiguous(), neg_a.float().contiguous(),
-                        dt_bias.float().contiguous(), conv.bank, conv.source, conv.target, conv.slots,
-                        conv.bank.stride(0), conv.bank.stride(1), recurrent.bank, recurrent.source, recurrent.target,
+                        dt_bias.float().contiguous(), windows, window_source, window_slots, windows.stride(0),
+                        windows.stride(1), conv.bank, conv.target, conv.slots, conv.bank.stride(0), conv.bank.stride(1),
+                        recurrent.bank, recurrent.source, recurrent.target,
                         recurrent.slots, recurrent.bank.stride(0), recurrent.bank.stride(1), o, conv_check, check,
                         K ** -0.5, HK=HK, H=H, K=K, V=V, KC=Kc, KP=triton.next_power_of_2(Kc - 1),
                         BK=triton.next_power_of_2(K), BV=BV, NV=NV)

@@ -127,16 +127,19 @@ def after(op, args: tuple, w) -> torch.Tensor | None:
     if code is None or type(w) is not torch.Tensor or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != 1:
         return None
     a, b, eps, head = args[1], None, 0.0, None
-    if code == SILU_MUL and args[2] is not None:         # SwiGLU's clipping: not here
+    if code == SILU_MUL and len(args) > 2 and args[2] is not None:         # SwiGLU's clipping: not here
         return None
     if code in (GATED_SILU, GATED_SIGMOID):
         b, eps, head = args[2], args[3], x.shape[-1]
-        if b.shape != (head,) or not b.is_contiguous() or head & (head - 1) or not 16 <= head <= 512:
+        if (b.shape != (head,) or not b.is_contiguous() or b.device != x.device or head & (head - 1)
+                or not 16 <= head <= 512):
             return None
     elif x.dtype != w.dtype:
         return None
-    if (a.shape != x.shape or a.dtype != w.dtype or not (x[0].is_contiguous() and a[0].is_contiguous())
-            or (torch.is_grad_enabled() and x.requires_grad) or not _takes_weight(w, x[0].numel(), x.device)):
+    if (a.shape != x.shape or a.dtype != w.dtype or a.device != x.device
+            or not (x[0].is_contiguous() and a[0].is_contiguous())
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, a, b)))
+            or not _takes_weight(w, x[0].numel(), x.device)):
         return None
     block_n, block_k, warps = launch_shape(*w.shape)
     return launch(x, w, (block_n, head or block_k, warps), code, a, b, eps)

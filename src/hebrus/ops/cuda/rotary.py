@@ -17,7 +17,7 @@ import triton.language as tl
 @triton.jit
 def _rotate(q, q_row, k, k_row, wq, wk, out_q, out_k, cos, sin, table_row, eps, HQ: tl.constexpr,
             HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)          # a long chunk's offsets pass 2**31
     if h < HQ:
         x, out, weight = q + t * q_row + h * D, out_q + (t * HQ + h) * D, wq
     else:
@@ -38,21 +38,26 @@ def _rotate(q, q_row, k, k_row, wq, wk, out_q, out_k, cos, sin, table_row, eps, 
     tl.store(out + d, y.to(dtype), mask=inside)
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """q [T, hq, d] and k [T, hk, d] of a 16-bit model on CUDA, each head's features dense and
-    heads one after another (rows may lie apart: slices of one product's columns); cos and sin
-    [T, an even rotary width of at most d], dense."""
+def takes(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> bool:
+    """q [T, hq, d] and k [T, hk, d] of a 16-bit model on one CUDA device, each head's features
+    dense and heads one after another (rows may lie apart: slices of one product's columns); the
+    norms' weights [d]; cos and sin [T, an even rotary width of at most d], dense; outside
+    autograd (the kernel has no backward)."""
     d, width = q.shape[-1], cos.shape[-1]
+    tensors = (q, k, wq, wk, cos, sin)
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and q.dim() == k.dim() == 3
+            and all(x.device == q.device for x in tensors) and wq.shape == wk.shape == (d,)
             and k.shape[-1] == d and q.shape[0] == k.shape[0] == cos.shape[0] and sin.shape == cos.shape
             and width % 2 == 0 and width <= d and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
-            and cos.is_contiguous() and sin.is_contiguous())
+            and cos.is_contiguous() and sin.is_contiguous()
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
 
 
 def normed_rotated_pair(q, k, wq, wk, cos, sin, eps):
     """(normed_rotated(q, wq, cos, sin, eps), normed_rotated(k, wk, cos, sin, eps)) in one
     kernel, where it `takes` them; else None (the layer runs the twin's two ops)."""
-    if not takes(q, k, cos, sin):
+    if not takes(q, k, wq, wk, cos, sin):
         return None
     T, HQ, D = q.shape
     HK = k.shape[1]
