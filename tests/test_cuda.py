@@ -505,50 +505,6 @@ def test_the_one_row_product_matches_f_linear(dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_product_after_an_op_matches_the_op_then_the_product(dtype):
-    """`ops.cuda.gemv.after`: the product computing its row from the op before it (SwiGLU's
-    middle, attention's output gate, the delta rules' gated norms) against the twin
-    (`ops.quant.linear_after`: the op, then F.linear) in float32; rows laid inside a wider
-    product's output as the layers pass them; deterministic; every case it does not take (two
-    rows, SwiGLU's clipping, float32, a quantized weight, a head too wide) left to the table (None)."""
-    from hebrus.ops.cuda.gemv import after
-    from hebrus.ops.moe import silu_mul
-    from hebrus.ops.norm import gated_rms_norm, sigmoid_gated_rms_norm
-    from hebrus.ops.qsa import sigmoid_gated
-    from hebrus.ops.quant import linear_after, quantize
-    g = torch.Generator(device="cuda").manual_seed(5)
-
-    def rand(*shape, like=dtype):
-        return torch.randn(*shape, generator=g, device="cuda").to(like)
-
-    def check(op, args, w):
-        got, again = after(op, args, w), after(op, args, w)
-        assert got is not None and got.dtype == dtype and torch.equal(got, again)
-        up = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        assert _rel(got.float(), linear_after(op, up, w.float())) <= 2e-2, op.__name__
-        return got
-
-    for N, inner in ((2048, 6144), (37, 200), (513, 96)):
-        w, gate_up = rand(N, inner), rand(1, 2 * inner + 8)
-        check(silu_mul, (gate_up[:, :inner], gate_up[:, inner:2 * inner], None), w)
-        assert after(silu_mul, (gate_up[:, :inner], gate_up[:, inner:2 * inner], 7.0), w) is None
-        two = rand(2, 2 * inner)
-        assert after(silu_mul, (two[:, :inner], two[:, inner:], None), w) is None
-        assert after(silu_mul, (gate_up[:, :inner], gate_up[:, inner:2 * inner], None), quantize(w.float(), "int8")) is None
-    for H, d, N in ((8, 256, 2048), (16, 128, 2048), (3, 32, 37)):
-        w, projected = rand(N, H * d), rand(1, 3 * H * d + 5)
-        o, gate = projected[:, :H * d].view(1, H, d), projected[:, 2 * H * d:3 * H * d].view(1, H, d)
-        check(sigmoid_gated, (o, gate), w)
-        for op in (gated_rms_norm, sigmoid_gated_rms_norm):
-            for rule_out in (rand(1, H, d, like=torch.float32), o):        # the lanes' float32, fla's 16-bit
-                check(op, (rule_out, gate, rand(d), 1e-6), w)
-        assert after(sigmoid_gated, (o.float(), gate.float()), w.float()) is None
-    wide = rand(1, 2, 1024)
-    assert after(gated_rms_norm, (wide, wide, rand(1024), 1e-6), rand(64, 2048)) is None
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq, hk, d, width", [(8, 2, 256, 64), (6, 2, 24, 24), (4, 4, 64, 32), (3, 1, 40, 10)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):

@@ -96,7 +96,7 @@ class Attention:
         self.index_project = (Products(*(w[name] for name in INDEXED), together=kernels.together, linear=kernels.linear)
                               if indexed else None)                                              # -> qi, ki, iw
         self.attend, self.sparse_attend, self.fused = kernels.ops[DENSE], kernels.ops[SPARSE], kernels.fused
-        self.linear, self.linear_after = kernels.linear, kernels.linear_after
+        self.linear = kernels.linear
         self.attend_lanes, self.rotate = kernels.ops.get(LANES), kernels.ops.get(ROTATE)
         self.index_input = kernels.ops[INDEX_INPUT]
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
@@ -127,7 +127,8 @@ class Attention:
             self._put(span, rows, 2, ki)
         if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
             o = self._lanes(span, q, rows)
-            return self.linear_after(sigmoid_gated, (o, gate.view(T, self.hq, self.dh)), w["o_proj.weight"])
+            gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
+            return self.linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
             mine, logs, cut = span.session(i) if span.sessions > 1 else span, [r[span.which[i]] for r in rows], span.rows_of
@@ -143,7 +144,8 @@ class Attention:
             check_range(torch.cat([F.pad(p, (0, width - p.shape[1])) for p in past]), 1, Check.INDEX_RANGE,
                         lower=None)
         o = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.linear_after(sigmoid_gated, (o, gate.view(T, self.hq, self.dh)), w["o_proj.weight"])
+        gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
+        return self.linear(gated.flatten(1), w["o_proj.weight"])
 
     def _rotated(self, q, k, cos, sin):
         """q and k each normed per head and rotated: in one op where the table has one that takes

@@ -106,8 +106,8 @@ class GatedDeltaNet:
             columns = list(zip(*parts))
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
-        return kernels.linear_after(self.norm, (o, z.view(T, self.hv, self.dv), self.norm_w, self.eps),
-                                    self.w_out), conv_state, S
+        o = kernels.fused(self.norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
+        return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, each: bool = False):
         """The conv and the delta rule over one sequence (leading dims: several) -> (o, conv_state, S)."""

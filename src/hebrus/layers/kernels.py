@@ -49,8 +49,6 @@ class Kernels:
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
     linear: Callable = product          # (x, W dense or quantized) -> x Wᵀ: every projection's product
-    # (op, args, W) -> x Wᵀ for x = op(*args) in one kernel, or None where it has no such kernel
-    after: Callable | None = None
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
     sinkhorn: Callable = sinkhorn       # (logits, iters, eps) -> the hyper-connection's stream mix
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
@@ -62,14 +60,6 @@ class Kernels:
     gather: Callable = alone
 
 
-    def linear_after(self, op: Callable, args: tuple, w) -> torch.Tensor:
-        """x Wᵀ for x = op(*args), its heads flattened into a row (`ops.quant.linear_after`, the
-        twin): one kernel where the table's `after` computes the row as it loads it, else the
-        op as the table runs it, then the table's product."""
-        y = None if self.after is None else self.after(op, args, w)
-        return self.linear(self.fused(op)(*args).flatten(1), w) if y is None else y
-
-
 def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | None = None,
             dtype: torch.dtype | None = None, ranks=None) -> Kernels:
     """The table for `mode` ("exact" or "fast"), with `chooser` (default: `top_k_chooser`), and
@@ -77,8 +67,7 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
     elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), multiplies by quantized
     weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`), a batch-1
-    step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`, which also computes a row from
-    the elementwise op before it as it loads it: `Kernels.linear_after`), and runs the
+    step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`), and runs the
     hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
     runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins.
     `ranks`: a tensor-parallel model's rank (`engine.ranks.Ranks`), whose collectives the
@@ -91,7 +80,7 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
                                                             "reduce": ranks.reduce, "gather": ranks.gather}
     if mode != "fast":
         return Kernels(False, choose, ops=ops, **parallel)
-    fuse, quantized, mix, linear, after = unfused, rebuilt_linear, sinkhorn, product, None
+    fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
     if device is None or device.type == "cpu":
         from hebrus.ops import cpu
         mix = cpu.sinkhorn
@@ -104,8 +93,7 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             from hebrus.ops.cuda import quant as cuda_quant
             from hebrus.ops.cuda import sinkhorn as cuda_sinkhorn
             quantized, mix, linear = cuda_quant.linear, cuda_sinkhorn.sinkhorn, cuda_gemv.linear
-            after = cuda_gemv.after
         except ImportError:
             pass
-    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, after=after, together=True,
-                   sinkhorn=mix, ops=ops, **parallel)
+    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
+                   ops=ops, **parallel)

@@ -7,9 +7,10 @@ from typing import ClassVar
 
 import torch
 
+from hebrus.layers.kernels import unfused
 from hebrus.layers.kind import Cost, Kind, divided, own, spans
 from hebrus.ops.moe import silu_mul
-from hebrus.ops.quant import Products, linear_after
+from hebrus.ops.quant import Products, linear
 
 PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
@@ -23,12 +24,11 @@ class MLPSection:
         return ()
 
 
-def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, linear_after=linear_after,
+def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused, product=linear,
            limit: float | None = None) -> torch.Tensor:
-    """`gate_up`: the gate and up projections (one product where they lie side by side);
-    `linear_after` the op table's (`Kernels.linear_after`: the middle and the down projection in
-    one kernel where it can)."""
-    return linear_after(silu_mul, (*gate_up(h), limit), down)
+    """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
+    the op table's (`Kernels.linear`)."""
+    return product(fused(silu_mul)(*gate_up(h), limit), down)
 
 
 def swiglu_part(leaf: str, weight: torch.Tensor, inner: int, rank: int, world: int) -> torch.Tensor:
@@ -47,10 +47,10 @@ class MLPFeed:
     def __init__(self, params: dict[str, torch.Tensor], prefix: str, kernels):
         gate, up, down = (params[prefix + name] for name in PROJECTIONS)
         self.gate_up = Products(gate, up, together=kernels.together, linear=kernels.linear)
-        self.down, self.linear_after = down, kernels.linear_after
+        self.down, self.fused, self.linear = down, kernels.fused, kernels.linear
 
     def bind(self, txn):
-        return lambda h, step: swiglu(h, self.gate_up, self.down, self.linear_after)
+        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused, self.linear)
 
 
 class MLP(Kind):

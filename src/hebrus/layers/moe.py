@@ -102,7 +102,7 @@ class MixtureOfExperts:
         routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down, limit)
         if self.shared is None:
             return routed
-        shared = swiglu(h, *self.shared, self.kernels.linear_after, limit)
+        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear, limit)
         if self.shared_gate is None:
             return routed + shared
         return self.kernels.fused(sigmoid_gated_add)(routed, self.kernels.linear(h, self.shared_gate), shared)

@@ -85,13 +85,6 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def linear_after(op, args: tuple, w: torch.Tensor | Quantized) -> torch.Tensor:
-    """x Wᵀ for x = op(*args) with its heads flattened into a row ([T, H, d] -> [T, H·d]): the
-    op, then the product. The readable twin of a product that computes its row as it loads it
-    (`Kernels.linear_after`)."""
-    return linear(op(*args).flatten(1), w)
-
-
 class Products:
     """x Wᵢᵀ for several weights of one input x. `together` (fast mode) where the weights lie one
     after another in one tensor (rows of one storage, in order, as `layers.layout.side_by_side`
