@@ -14,6 +14,7 @@ step's products summed: F.linear, the best launch per shape, and the rule's own 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 from pathlib import Path
 
@@ -57,12 +58,14 @@ def per_call(call, weights: list, calls: int = 50, replays: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (calls * replays)
 
 
-def cold_copies(w: torch.Tensor) -> list:
-    """`w` and as many copies as make the bytes read between two reads of one at least twice the
-    device's L2 cache."""
-    cache = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 64 * 2**20)
-    n = max(1, -(-2 * cache // (w.numel() * w.element_size())) + 1)
-    return [w] + [w.clone() for _ in range(n - 1)]
+def cold_copies(w) -> list:
+    """`w` (a weight, or a quantized one) and as many copies as make the bytes read between two
+    reads of one at least twice the device's L2 cache."""
+    tensor = w if isinstance(w, torch.Tensor) else w.qweight
+    size = w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+    cache = getattr(torch.cuda.get_device_properties(tensor.device), "L2_cache_size", 64 * 2**20)
+    n = max(1, -(-2 * cache // size) + 1)
+    return [w] + [w.clone() if isinstance(w, torch.Tensor) else copy.deepcopy(w) for _ in range(n - 1)]
 
 
 def main() -> None:
