@@ -17,6 +17,7 @@
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
+# profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
 # over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
@@ -113,6 +114,16 @@ for part in "$@"; do
         timeout 300 python3 -m hebrus bench --model deepseek-v4-3b --contexts 131072 --rounds 1 --decode-steps 8 \
             --cache /tmp/shapes --json "$out/bench-deepseek-v4-3b-128k.json" \
             --table "$out/bench-deepseek-v4-3b-128k.md" 2>&1 | grep -v '^bench' ;;
+    profile)
+        # a graph decode step of the 1.68B shape and of shakespeare: kernels in order, their times,
+        # the host's Python; one archive (a command brings back 8 files at most)
+        mkdir -p /tmp/profiles
+        timeout 150 python3 benchmarks/decode_profile.py --model qwen3.5-1.7b --context 1024 --routes graph --steps 30 \
+            --out /tmp/profiles > /tmp/profiles/decode-profile-qwen.log 2>&1
+        timeout 90 python3 benchmarks/decode_profile.py --model shakespeare --context 1024 --routes graph --steps 30 \
+            --out /tmp/profiles > /tmp/profiles/decode-profile-shakespeare.log 2>&1
+        head -qn1 /tmp/profiles/kernels-*.txt
+        tar czf "$out/profiles.tgz" -C /tmp/profiles . ;;
     copies)
         timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
         head -12 "$out/copy-sites-qwen3.5-1.7b.txt" ;;
