@@ -116,7 +116,7 @@ for part in "$@"; do
             --table "$out/bench-deepseek-v4-3b-128k.md" 2>&1 | grep -v '^bench' ;;
     profile)
         # a graph decode step of the 1.68B shape and of shakespeare: kernels in order, their times,
-        # the host's Python; one archive (a command brings back 8 files at most)
+        # the host's Python; all in one archive
         mkdir -p /tmp/profiles
         timeout 150 python3 benchmarks/decode_profile.py --model qwen3.5-1.7b --context 1024 --routes graph --steps 30 \
             --out /tmp/profiles > /tmp/profiles/decode-profile-qwen.log 2>&1
