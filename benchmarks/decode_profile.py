@@ -14,7 +14,6 @@ import torch
 from gpu_model import model_and_prompt, options
 
 
-
 def kernel_sequence(prof, steps: int) -> str:
     """The GPU's work over `steps` profiled steps: kernels a step, GPU-busy time against the
     span from the first kernel's start to the last one's end (what lies between is the host's

@@ -7,8 +7,9 @@ products from 1,032 to 833 µs (results/cuda-h200/gemv-35fd8b0.txt).
 
 For each of the shape's products (and its tied head), every launch shape is checked against
 F.linear in float32 (relative error) and timed as 50 calls captured in one CUDA graph, taking
-copies of the weight in turn so that none is read from the cache (`cold_copies`), replayed: µs per call and the share of the copy bandwidth its weight bytes are; then a decode
-step's products summed: F.linear, the best launch per shape, and the rule's own launch.
+copies of the weight in turn so that none is read from the cache (`cold_copies`), replayed: µs
+per call and the share of the copy bandwidth its weight bytes are; then a decode step's
+products summed: F.linear, the best launch per shape, and the rule's own launch.
 
     python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20]"""
 from __future__ import annotations

@@ -191,7 +191,6 @@ def _serve(args) -> int:
         raise InvalidInput("--prefill-share must be a positive number of decode steps")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
-
     if args.prefix_every < 1:
         raise InvalidInput("--prefix-every must be at least 1")
     import importlib

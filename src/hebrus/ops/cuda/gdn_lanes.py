@@ -106,17 +106,17 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
     # q's and k's windows are read by every program of their key head and written by the first:
     # where a lane reads and writes one bank (the in-place measurement), they are read from a
     # copy taken first
-    windows, window_source, window_slots = conv.bank, conv.source, conv.slots
+    windows, (source, slots), strides = conv.bank, (conv.source, conv.slots), conv.bank.stride()[:2]
     if conv.source is conv.target:
-        windows = conv.bank[conv.source, conv.slots]                                   # [N, C, Kc-1]
-        window_source = window_slots = torch.arange(N, device=projected.device)
-        windows = windows.as_strided((1,) + windows.shape, (0,) + windows.stride())    # lane i at [0, i]
+        windows = conv.bank[conv.source, conv.slots]                       # [N, C, Kc-1]: lane i's at i
+        lanes = torch.arange(N, device=projected.device)
+        (source, slots), strides = (lanes, lanes), (windows.stride(0), 0)
     NV = triton.cdiv(V, BV)
     o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
     conv_check, check = (torch.empty((N, H * NV), dtype=torch.float32, device=projected.device) for _ in range(2))
     _lanes[(N * H, NV)](projected, projected.stride(0), b, a, b.stride(0), conv_w.contiguous(), neg_a.float().contiguous(),
-                        dt_bias.float().contiguous(), windows, window_source, window_slots, windows.stride(0),
-                        windows.stride(1), conv.bank, conv.target, conv.slots, conv.bank.stride(0), conv.bank.stride(1),
+                        dt_bias.float().contiguous(), windows, source, slots, *strides, conv.bank, conv.target,
+                        conv.slots, conv.bank.stride(0), conv.bank.stride(1),
                         recurrent.bank, recurrent.source, recurrent.target,
                         recurrent.slots, recurrent.bank.stride(0), recurrent.bank.stride(1), o, conv_check, check,
                         K ** -0.5, HK=HK, H=H, K=K, V=V, KC=Kc, KP=triton.next_power_of_2(Kc - 1),
