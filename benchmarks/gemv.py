@@ -11,7 +11,10 @@ copies of the weight in turn so that none is read from the cache (`cold_copies`)
 per call and the share of the copy bandwidth its weight bytes are; then a decode step's
 products summed: F.linear, the best launch per shape, and the rule's own launch.
 
-    python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20]"""
+`--update` writes each shape's fastest launch into the kernel module's `MEASURED` table (the
+source file of this checkout), which `launch_shape` reads first.
+
+    python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20] [--update]"""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +32,10 @@ from hebrus.ops.cuda.gemv import launch, launch_shape
 # attention's q+gate, k, v side by side, the MLP's gate+up and down, the tied head
 SHAPES = ((8224, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24), (2048, 6144, 24),
           (151936, 2048, 1))
-CONFIGS = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))     # BLOCK_N, BLOCK_K, warps
+# BLOCK_N, BLOCK_K, warps, a program's tile at most 8K elements (its float32 partial sums in registers)
+CONFIGS = [(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8))
+           if n * k <= 8192]
+MODULE = Path(__file__).resolve().parents[1] / "src" / "hebrus" / "ops" / "cuda" / "gemv.py"
 
 
 def per_call(call, weights: list, calls: int = 50, replays: int = 20) -> float:
@@ -75,6 +81,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp")
     parser.add_argument("--shapes", help="N:K:count triples, comma-separated (default: the 1.68B shape's)")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--update", action="store_true",
+                        help=f"write each shape's fastest launch into MEASURED in {MODULE}")
     args = parser.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     if any(len(shape) != 3 for shape in shapes):
@@ -83,6 +91,8 @@ def main() -> None:
     lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; x: one bf16 row; µs a call (50 a graph), share of it"]
     g = torch.Generator(device="cuda").manual_seed(0)
     total = {"F.linear": 0.0, "best": 0.0, "rule": 0.0}
+    rule_before = {shape[:2]: launch_shape(*shape[:2]) for shape in shapes}
+    fastest: dict[tuple[int, int], tuple[int, int, int]] = {}
     for N, K, count in shapes:
         w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
         x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
@@ -105,8 +115,10 @@ def main() -> None:
         for t, block_n, block_k, warps in results[:3]:
             lines.append(f"triton {block_n}x{block_k}/{warps} warps: {t * 1e6:.1f} µs, {weight / t / bandwidth:.0%}")
         total["best"] += count * results[0][0] if results else float("nan")
-        rule = next((t for t, *shape in results if tuple(shape) == launch_shape(N, K)), float("nan"))
-        lines.append(f"the rule's launch {launch_shape(N, K)}: {rule * 1e6:.1f} µs")
+        if results:
+            fastest[N, K] = results[0][1:]
+        rule = next((t for t, *shape in results if tuple(shape) == rule_before[N, K]), float("nan"))
+        lines.append(f"the rule's launch {rule_before[N, K]}: {rule * 1e6:.1f} µs")
         total["rule"] += count * rule
         print("\n".join(lines[-5:]), flush=True)
     lines.append(f"\na decode step's products: F.linear {total['F.linear'] * 1e6:.0f} µs, the best Triton "
@@ -114,6 +126,22 @@ def main() -> None:
     print(lines[-1])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gemv.txt").write_text("\n".join(lines) + "\n")
+    if args.update:
+        update(fastest, torch.cuda.get_device_name())
+        print(f"wrote {len(fastest)} launches into {MODULE}")
+
+
+def update(fastest: dict, device: str) -> None:
+    """Rewrite the `MEASURED = {...}` table of the kernel module: its rows for these shapes
+    replaced, the others kept."""
+    from hebrus.ops.cuda.gemv import MEASURED
+    table = {**MEASURED, **fastest}
+    text = MODULE.read_text()
+    begin = text.index("MEASURED: dict[")
+    end = text.index("\n}\n", begin) + 3
+    rows = "".join(f"    {key!r}: {value!r},\n" for key, value in sorted(table.items()))
+    MODULE.write_text(text[:begin] + f"MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {{   # {device}\n"
+                      + rows + "}\n" + text[end:])
 
 
 if __name__ == "__main__":

@@ -31,8 +31,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, B
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+# (N, K) -> (BLOCK_N, BLOCK_K, warps): the fastest launch for that weight as `benchmarks/gemv.py
+# --update` measured it (cold weights, as a decode step reads them) and wrote it here; `launch_shape`
+# falls back to its rule for any other shape.
+MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
+}
+
+
 def launch_shape(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) for a weight [N, K]: the fastest measured at the nearest shape."""
+    """(BLOCK_N, BLOCK_K, warps) for a weight [N, K]: the measured launch for that shape, else the
+    fastest measured at the nearest shape."""
+    if (N, K) in MEASURED:
+        return MEASURED[N, K]
     if N >= 100_000:                    # a vocabulary's head (151936 x 2048: 4 x 256, 2 warps)
         return 4, 256, 2
     if K >= 4096 or N <= 2048:          # 2048 x 6144 and 2048 x 2048: 4 x 128, 8 warps
