@@ -505,6 +505,54 @@ def test_the_one_row_product_matches_f_linear(dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gated_product_matches_its_twin(dtype):
+    """SwiGLU's gate and up products and its middle in one kernel (`gemv.silu_gated`) against its
+    twin, the product then `silu_mul`: within two units in the last place of it at the same
+    launch (the same sums, its own exp), near the float32 result at every launch it may pick;
+    weights laid inside a wider storage; what it does not take (two rows, an odd number of rows)
+    is None. Then a batch-1 MLP takes the op where gate and up lie side by side, and is near the
+    MLP through the twin."""
+    import torch.nn.functional as F
+    from hebrus.layers.mlp import swiglu
+    from hebrus.ops.cuda.gemv import _gemv_kernel, _silu_gated_kernel, launch_shape, silu_gated
+    from hebrus.ops.moe import silu_mul
+    from hebrus.ops.quant import Products
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for N, K in ((37, 300), (6144, 2048), (513, 1000)):
+        w = torch.randn(2 * N, K + 8, generator=g, device="cuda").to(dtype)[:, :K]
+        x = torch.randn(1, K, generator=g, device="cuda").to(dtype)
+        want = silu_mul(*F.linear(x.float(), w.float()).chunk(2, -1))
+        for block_n, block_k, warps in {launch_shape(2 * N, K), (4, 128, 8), (2, 512, 2), (16, 128, 8)}:
+            got, both = torch.empty(1, N, device="cuda", dtype=dtype), torch.empty(1, 2 * N, device="cuda", dtype=dtype)
+            _silu_gated_kernel[(-(-N // block_n),)](x, w, got, N, K, w.stride(0), BLOCK_N=block_n,
+                                                    BLOCK_K=block_k, num_warps=warps)
+            _gemv_kernel[(-(-2 * N // block_n),)](x, w, both, 2 * N, K, w.stride(0), BLOCK_N=block_n,
+                                                  BLOCK_K=block_k, num_warps=warps)
+            twin = silu_mul(*both.float().chunk(2, -1))        # the two products, rounded as written
+            assert ((got.float() - twin).abs() <= 2 * ulp * twin.abs().clamp(min=1.0)).all(), (N, K, block_n, block_k)
+            assert _rel(got.float(), want) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), (N, K, block_n, block_k)
+        assert torch.equal(silu_gated(x, w), silu_gated(x, w))
+    assert silu_gated(torch.randn(2, K, device="cuda").to(dtype), w) is None
+    assert silu_gated(x, w[1:]) is None
+    D, inner = 256, 512
+    laid = torch.randn(2 * inner, D, generator=g, device="cuda").to(dtype)
+    down = torch.randn(D, inner, generator=g, device="cuda").to(dtype)
+    gate_up = Products(laid[:inner], laid[inner:], together=True)
+    h = torch.randn(1, D, generator=g, device="cuda").to(dtype)
+    assert gate_up.together is not None
+    calls = []
+
+    def counted(x, w):
+        calls.append(tuple(w.shape))
+        return silu_gated(x, w)
+    got = swiglu(h, gate_up, down, gated=counted)
+    assert calls == [(2 * inner, D)]
+    assert _rel(got.float(), swiglu(h, gate_up, down).float()) <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq, hk, d, width", [(8, 2, 256, 64), (6, 2, 24, 24), (4, 4, 64, 32), (3, 1, 40, 10)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):

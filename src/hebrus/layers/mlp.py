@@ -13,6 +13,8 @@ from hebrus.ops.moe import silu_mul
 from hebrus.ops.quant import Products, linear
 
 PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# (x, [gate; up] side by side) -> silu(x Gᵀ) ⊙ x Uᵀ in one op, or None where it does not take them
+SILU_GATED = "mlp.silu_gated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +27,16 @@ class MLPSection:
 
 
 def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused, product=linear,
-           limit: float | None = None) -> torch.Tensor:
+           limit: float | None = None, gated=None) -> torch.Tensor:
     """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
-    the op table's (`Kernels.linear`)."""
-    return product(fused(silu_mul)(*gate_up(h), limit), down)
+    the op table's (`Kernels.linear`); `gated` the kind's `SILU_GATED` op, if the table has one,
+    tried first where the two lie side by side."""
+    middle = None
+    if gated is not None and limit is None and gate_up.together is not None and len(set(gate_up.sizes)) == 1:
+        middle = gated(h, gate_up.together)
+    if middle is None:
+        middle = fused(silu_mul)(*gate_up(h), limit)
+    return product(middle, down)
 
 
 def swiglu_part(leaf: str, weight: torch.Tensor, inner: int, rank: int, world: int) -> torch.Tensor:
@@ -48,9 +56,10 @@ class MLPFeed:
         gate, up, down = (params[prefix + name] for name in PROJECTIONS)
         self.gate_up = Products(gate, up, together=kernels.together, linear=kernels.linear)
         self.down, self.fused, self.linear = down, kernels.fused, kernels.linear
+        self.gated = kernels.ops.get(SILU_GATED)
 
     def bind(self, txn):
-        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused, self.linear)
+        return lambda h, step: swiglu(h, self.gate_up, self.down, self.fused, self.linear, gated=self.gated)
 
 
 class MLP(Kind):
@@ -82,3 +91,15 @@ class MLP(Kind):
 
     def cost(self, s, position):
         return Cost()
+
+    def ops(self, mode, device, dtype):
+        """In fast mode on CUDA, a 16-bit batch-1 step's gate and up products and SwiGLU's middle
+        in one kernel (`hebrus.ops.cuda.gemv.silu_gated`)."""
+        if mode == "fast" and device is not None and device.type == "cuda" and dtype in (torch.bfloat16,
+                                                                                        torch.float16):
+            try:
+                from hebrus.ops.cuda.gemv import silu_gated          # Triton
+            except ImportError:
+                return {}
+            return {SILU_GATED: silu_gated}
+        return {}

@@ -5,6 +5,11 @@ keeping a [BLOCK_N, BLOCK_K] float32 partial sum and reducing it once at the end
 the same inputs give the same bits. The twin is F.linear (`ops.quant.linear`), which runs every
 other case (more rows, float32, a quantized weight).
 
+`silu_gated` is SwiGLU's first half in one kernel: for gate and up projections laid side by side
+([G; U], 2I x K), each program reduces BLOCK_N rows of each and writes silu(x Gᵀ) ⊙ x Uᵀ (each
+product rounded to the row's dtype first, as the product alone writes it); the twin is the
+product, then `ops.moe.silu_mul`.
+
 On the H200 at 35fd8b0 (`benchmarks/gemv.py`, `results/cuda-h200/gemv-35fd8b0.txt`), the products
 of a decode step of the 1.68B Qwen3.5 shape took 1,032 µs through F.linear and 833 µs through the
 best launch per shape; `launch_shape` holds those winners (the shapes there: K = 2048 but one).
@@ -34,8 +39,33 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, B
 # (N, K) -> (BLOCK_N, BLOCK_K, warps): the fastest launch for that weight as `benchmarks/gemv.py
 # --update` measured it (cold weights, as a decode step reads them) and wrote it here; `launch_shape`
 # falls back to its rule for any other shape.
-MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
+MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB HBM3
+    (2048, 2048): (2, 1024, 4),
+    (2048, 6144): (2, 1024, 4),
+    (5120, 2048): (2, 1024, 4),
+    (8224, 2048): (2, 1024, 4),
+    (12288, 2048): (2, 1024, 4),
+    (151936, 2048): (2, 1024, 4),
 }
+
+
+@triton.jit
+def _silu_gated_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_row = n.to(tl.int64) * row_stride
+    up_row = (n + N).to(tl.int64) * row_stride              # up's rows follow the gate's N
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        mask = (n[:, None] < N) & (k[None, :] < K)
+        gate += tl.load(w_ptr + gate_row[:, None] + k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        up += tl.load(w_ptr + up_row[:, None] + k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    out = y_ptr.dtype.element_ty
+    g = tl.sum(gate, axis=1).to(out).to(tl.float32)
+    u = tl.sum(up, axis=1).to(out).to(tl.float32)
+    tl.store(y_ptr + n, (g / (1.0 + tl.exp(-g)) * u).to(out), mask=n < N)
 
 
 def launch_shape(N: int, K: int) -> tuple[int, int, int]:
@@ -69,6 +99,19 @@ def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None 
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                              num_warps=warps)
+    return y
+
+
+def silu_gated(x: torch.Tensor, w) -> torch.Tensor | None:
+    """silu(x Gᵀ) ⊙ x Uᵀ [1, I] for w = [G; U] [2I, K] (SwiGLU's gate and up side by side) in one
+    kernel, where `takes(x, w)`; else None (the caller runs the product and `ops.moe.silu_mul`)."""
+    if not takes(x, w) or w.shape[0] % 2:
+        return None
+    N, K = w.shape[0] // 2, w.shape[1]
+    block_n, block_k, warps = launch_shape(2 * N, K)
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    _silu_gated_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                   num_warps=warps)
     return y
 
 
