@@ -559,7 +559,8 @@ def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
     """q's and k's norms and rotations in one kernel (`ops.cuda.rotary`) against
     `ops.rope.normed_rotated_pair` in float64 on the same values, q and k slices of one product's
     columns as the layer passes them, partial and whole rotary widths, a head that is not a power
-    of two; deterministic; float32 and odd widths left to the twin (None)."""
+    of two; deterministic; float32 and odd widths left to the twin (None). With the step's k and v
+    rows written into two caches too, against the twin's writes."""
     from hebrus.ops.cuda.rotary import normed_rotated_pair as kernel
     from hebrus.ops.rope import normed_rotated_pair, rope_tables
     g = torch.Generator(device="cuda").manual_seed(hq * d + T)
@@ -576,6 +577,21 @@ def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
         assert x.dtype == dtype and x.shape == y.shape and _rel(x, y) <= 1e-2
     assert kernel(q.float(), k.float(), wq, wk, cos.float(), sin.float(), 1e-6) is None
     assert kernel(q, k, wq, wk, cos[:, :width - 1], sin[:, :width - 1], 1e-6) is None
+    # with `into`: k's rows and v's written where the step's tables say, by the kernel as by the
+    # twin (k's rows the very bits it returns, v's copied), every other row untouched
+    v = projected[:, (hq + hk) * d:(hq + 2 * hk) * d].view(T, hk, d)
+    caches = torch.randn(2, 6, 4, hk, d, generator=g, device="cuda").to(dtype)
+    blocks, offsets = (torch.tensor(x[:T], device="cuda") for x in ([3, 0, 5, 1, 3], [1, 3, 0, 2, 2]))
+    k_cache, v_cache = caches.clone()
+    into = kernel(q, k, wq, wk, cos, sin, 1e-6, (v, k_cache, v_cache, blocks, offsets))
+    assert all(torch.equal(x, y) for x, y in zip(into, got))
+    k_twin, v_twin = caches.clone()
+    k_twin[blocks, offsets], v_twin[blocks, offsets] = got[1], v
+    assert torch.equal(k_cache, k_twin) and torch.equal(v_cache, v_twin)
+    twin = caches.double()
+    normed_rotated_pair(*(t.double() for t in (q, k, wq, wk, cos, sin)), 1e-6, (v.double(), *twin, blocks, offsets))
+    assert _rel(k_cache.double(), twin[0]) <= 1e-2 and torch.equal(v_cache.double(), twin[1])
+    assert kernel(q, k, wq, wk, cos, sin, 1e-6, (v, k_cache.float(), v_cache.float(), blocks, offsets)) is None
 
 
 @cuda

@@ -31,8 +31,9 @@ DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: a
 LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions) -> o: N sessions' single
                                         # queries, each over its rows through its block table
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
-ROTATE = "attention.rotate"             # (q, k, q_norm, k_norm, cos, sin, eps) -> (q, k) normed and rotated,
-                                        # or None where it does not take them
+ROTATE = "attention.rotate"             # (q, k, q_norm, k_norm, cos, sin, eps, into=None) -> (q, k) normed and
+                                        # rotated, or None where it does not take them; with `into` = (v,
+                                        # k_cache, v_cache, blocks, offsets) k's and v's rows written there too
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 PROJECTED = ("q_proj.weight", "gate_proj.weight", "k_proj.weight", "v_proj.weight")     # of h, side by side
 INDEXED = ("index_q.weight", "index_k.weight", "index_w.weight")                         # of the indexer's input
@@ -114,9 +115,8 @@ class Attention:
         T, w = h.shape[0], self.w
         cos, sin = (span.take(t) for t in self.rope)
         q, gate, k, v = self.project(h)
-        q, k = self._rotated(q.view(T, self.hq, self.dh), k.view(T, self.hkv, self.dh), cos, sin)
-        self._put(span, rows, 0, k)
-        self._put(span, rows, 1, v.view(T, self.hkv, self.dh))
+        q = self._rotated_put(span, rows, q.view(T, self.hq, self.dh), k.view(T, self.hkv, self.dh),
+                              v.view(T, self.hkv, self.dh), cos, sin)
         if self.indexed:
             hi = self.index_input(h)
             qi, ki, iw = self.index_project(hi)
@@ -157,6 +157,24 @@ class Attention:
             rotate = self.fused(normed_rotated)
             both = rotate(q, w["q_norm.weight"], cos, sin, self.eps), rotate(k, w["k_norm.weight"], cos, sin, self.eps)
         return both
+
+    def _rotated_put(self, span: StepBatch, rows, q, k, v, cos, sin) -> torch.Tensor:
+        """q and k normed and rotated, and k's and v's rows written -> q. A planned step's lanes
+        writing a 16-bit cache do it in one op where the table's `ROTATE` takes them (the logs
+        then hear what it wrote, as from their own writes); otherwise rotated, then put."""
+        if self.rotate is not None and span.tables is not None and self.cache is None:
+            logs = [rows[part][span.which[0]] for part in (0, 1)]      # `StepBatch.put`'s one write
+            w = self.w
+            into = (v, logs[0].storage, logs[1].storage, span.blocks, span.offsets)
+            both = self.rotate(q, k, w["q_norm.weight"], w["k_norm.weight"], cos, sin, self.eps, into)
+            if both is not None:
+                for log, value in zip(logs, (both[1], v)):
+                    log.wrote_rows(value)
+                return both[0]
+        q, k = self._rotated(q, k, cos, sin)
+        self._put(span, rows, 0, k)
+        self._put(span, rows, 1, v)
+        return q
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the

@@ -42,7 +42,15 @@ def normed_rotated(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
 
 
 def normed_rotated_pair(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        sin: torch.Tensor, eps: float, into=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A query's and a key's `normed_rotated`, each with its own norm's weight: the readable twin
-    of a kernel that does both at once (`hebrus.ops.cuda.rotary`)."""
-    return normed_rotated(q, wq, cos, sin, eps), normed_rotated(k, wk, cos, sin, eps)
+    of a kernel that does both at once (`hebrus.ops.cuda.rotary`). With `into` = (v, k_cache,
+    v_cache, blocks, offsets), token t's rotated k and its v are written at row offsets[t] of
+    block blocks[t] of the caches [blocks, rows, *row] too (a planned step's rows, as its tables
+    name them)."""
+    q, k = normed_rotated(q, wq, cos, sin, eps), normed_rotated(k, wk, cos, sin, eps)
+    if into is not None:
+        v, k_cache, v_cache, blocks, offsets = into
+        k_cache[blocks, offsets] = k.to(k_cache.dtype)
+        v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    return q, k

@@ -421,6 +421,11 @@ class Log:
         through their tables; this log's own table aside). What it hears is attributed by token."""
         value = value.to(self.storage.dtype)
         _bytes(self.storage).index_put_((blocks, offsets), _bytes(value))
+        self.wrote_rows(value)
+
+    def wrote_rows(self, value: torch.Tensor) -> None:
+        """`write_rows`'s value [T, *row] was written by an op of its own (one that writes the
+        rows as it makes them): hear it as that write would."""
         if self.written is not None:
             self.written(value, by_token=True)
 
