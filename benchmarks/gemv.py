@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hebrus.ops.cuda import gemv
 from hebrus.ops.cuda.gemv import launch, launch_shape
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
@@ -33,8 +34,9 @@ from hebrus.ops.cuda.gemv import launch, launch_shape
 SHAPES = ((8224, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24), (2048, 6144, 24),
           (151936, 2048, 1))
 # BLOCK_N, BLOCK_K, warps, a program's tile at most 8K elements (its float32 partial sums in registers)
-CONFIGS = [(n, k, w) for n, k, w in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8))
+CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048), (2, 4, 8))
            if n * k <= 8192]
+GATE_UP = (12288, 2048)           # the gate and up products side by side: `silu_gated` timed on it too
 MODULE = Path(__file__).resolve().parents[1] / "src" / "hebrus" / "ops" / "cuda" / "gemv.py"
 
 
@@ -104,7 +106,11 @@ def main() -> None:
         total["F.linear"] += count * t
         results = []
         for block_n, block_k, warps in CONFIGS:
-            got = launch(x, w, (block_n, block_k, warps))
+            try:
+                got = launch(x, w, (block_n, block_k, warps))
+            except Exception as exc:                # a launch this Triton cannot build: said, skipped
+                lines.append(f"{block_n}x{block_k}/{warps}: FAILED, {type(exc).__name__}: {str(exc)[:100]}")
+                continue
             error = float((got.float() - want).norm() / want.norm())
             if error > 1e-2:
                 lines.append(f"{block_n}x{block_k}/{warps}: WRONG, relative error {error:.2e}")
@@ -121,6 +127,9 @@ def main() -> None:
         lines.append(f"the rule's launch {rule_before[N, K]}: {rule * 1e6:.1f} µs")
         total["rule"] += count * rule
         print("\n".join(lines[-5:]), flush=True)
+        if (N, K) == GATE_UP:
+            lines.append(gated(x, w, weights, weight, bandwidth, args.replays))
+            print(lines[-1], flush=True)
     lines.append(f"\na decode step's products: F.linear {total['F.linear'] * 1e6:.0f} µs, the best Triton "
                  f"launch per shape {total['best'] * 1e6:.0f} µs, the rule's {total['rule'] * 1e6:.0f} µs")
     print(lines[-1])
@@ -129,6 +138,28 @@ def main() -> None:
     if args.update:
         update(fastest, torch.cuda.get_device_name())
         print(f"wrote {len(fastest)} launches into {MODULE}")
+
+
+def gated(x, w, weights, weight, bandwidth, replays) -> str:
+    """SwiGLU's gate and up products with its middle (`gemv.silu_gated`) on this [gate; up]
+    weight: at the launch it takes (the table's for the weight) and at the fastest of CONFIGS."""
+    N, K = w.shape[0] // 2, w.shape[1]
+    timed = []
+    for block_n, block_k, warps in CONFIGS:
+        def call(w, shape=(block_n, block_k, warps)):
+            y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+            gemv._silu_gated_kernel[(-(-N // shape[0]),)](x, w, y, N, K, w.stride(0), BLOCK_N=shape[0],
+                                                          BLOCK_K=shape[1], num_warps=shape[2])
+        try:
+            timed.append((per_call(call, weights, replays=replays), block_n, block_k, warps))
+        except Exception:                           # a launch this Triton cannot build
+            continue
+    timed.sort()
+    taken = launch_shape(2 * N, K)
+    at = next((t for t, *shape in timed if tuple(shape) == taken), float("nan"))
+    best = timed[0] if timed else (float("nan"), 0, 0, 0)
+    return (f"silu_gated (the product and SwiGLU's middle): {at * 1e6:.1f} µs at its launch {taken}, "
+            f"{weight / at / bandwidth:.0%}; fastest {best[1]}x{best[2]}/{best[3]} warps {best[0] * 1e6:.1f} µs")
 
 
 def update(fastest: dict, device: str) -> None:

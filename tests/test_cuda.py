@@ -787,7 +787,8 @@ def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R, runs
     """One query per lane over its rows read through its block table where they lie (blocks
     scattered, one shared by two lanes, lanes at row 0, mid-block and the table's last row), read
     a block or several at a time and dealt to as many runs as the device asks for, one, or three,
-    against `ops.qsa.dense_attention_lanes` in float64 on the same values."""
+    against `ops.qsa.dense_attention_lanes` in float64 on the same values; then with the output
+    gate."""
     from hebrus.ops.cuda import attention_lanes
     from hebrus.ops.cuda.attention_lanes import attention_lanes_cuda
     from hebrus.ops.qsa import dense_attention_lanes
@@ -799,9 +800,18 @@ def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R, runs
     tables[5, 0] = tables[2, 0]
     q = torch.randn(N, hq, dh, generator=g, device="cuda").to(dtype)
     positions = torch.tensor([0, 1, R - 1, R, W * R - 1, 2 * R + 3, 17], device="cuda")
-    got = attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs)
+    got = attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs=runs)
     want = dense_attention_lanes(q.double(), k_blocks.double(), v_blocks.double(), tables, positions)
     assert got.dtype == dtype and _rel(got.double(), want) <= 1e-2
+    # with the output gate (a slice of a wider row, as the layer passes it): the gate on the
+    # result rounded to its dtype, as the twin's two ops give it
+    gate = torch.randn(N, hq * dh + 5, generator=g, device="cuda").to(dtype)[:, :hq * dh].view(N, hq, dh)
+    gated = attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate, runs=runs)
+    twin = got.float() * torch.sigmoid(gate.float())
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    assert ((gated.float() - twin).abs() <= 2 * ulp * twin.abs().clamp(min=1.0)).all()
+    want = dense_attention_lanes(q.double(), k_blocks.double(), v_blocks.double(), tables, positions, gate.double())
+    assert _rel(gated.double(), want) <= 1e-2
 
 
 @cuda

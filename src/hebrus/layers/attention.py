@@ -28,8 +28,9 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
 DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
-LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions) -> o: N sessions' single
-                                        # queries, each over its rows through its block table
+LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions, gate=None) -> o: N
+                                        # sessions' single queries, each over its rows through its block
+                                        # table; with `gate`, o ⊙ σ(gate)
 SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> o: over the picked rows
 ROTATE = "attention.rotate"             # (q, k, q_norm, k_norm, cos, sin, eps, into=None) -> (q, k) normed and
                                         # rotated, or None where it does not take them; with `into` = (v,
@@ -126,8 +127,7 @@ class Attention:
             qi, ki = (self.fused(apply_rope)(x, icos, isin) for x in (qi, ki))
             self._put(span, rows, 2, ki)
         if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
-            o = self._lanes(span, q, rows)
-            gated = self.fused(sigmoid_gated)(o, gate.view(T, self.hq, self.dh))
+            gated = self._lanes(span, q, rows, gate.view(T, self.hq, self.dh))
             return self.linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
@@ -176,9 +176,9 @@ class Attention:
         self._put(span, rows, 1, v)
         return q
 
-    def _lanes(self, span: StepBatch, q: torch.Tensor, rows) -> torch.Tensor:
+    def _lanes(self, span: StepBatch, q: torch.Tensor, rows, gate: torch.Tensor) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the
-        step's tables, each masked past its lane's position. A quantized cache's rows are
+        step's tables, each masked past its lane's position, the output gated by `gate`. A quantized cache's rows are
         gathered and made dense first: that copy's blocks, lane after lane, are the blocks its
         tables name."""
         logs = [r[0] for r in rows]             # any lane's log: the storage is the same
@@ -188,7 +188,7 @@ class Attention:
             k, v = (dense(self._view(logs, part, lambda log: log.lanes(span.tables), q.dtype)) for part in (0, 1))
             (k, tables), (v, _) = span.as_blocks(k), span.as_blocks(v)
             blocks = [k, v]
-        return self.attend_lanes(q, *blocks, tables, span.positions)
+        return self.attend_lanes(q, *blocks, tables, span.positions, gate)
 
     def _put(self, span, rows, part: int, value: torch.Tensor) -> None:
         """Write the chunk's rows of row log `part` (0 k, 1 v, 2 index): as they are, or, with a

@@ -103,13 +103,13 @@ def dense_attention_rows(q, k_rows, v_rows, positions) -> torch.Tensor:
     return o.view(hkv, T, group, dh).permute(1, 0, 2, 3).reshape(T, hq, dh)
 
 
-def dense_attention_lanes(q, k_blocks, v_blocks, tables, positions) -> torch.Tensor:
+def dense_attention_lanes(q, k_blocks, v_blocks, tables, positions, gate=None) -> torch.Tensor:
     """`dense_attention` of N sessions' single queries at once, each over its own rows, read
     through its row of block tables: q [N, Hq, dh]; k_blocks, v_blocks [B, R, Hkv, dh] (blocks of
     R rows); tables [N, W] (row s of session i is row s % R of block tables[i, s // R], visible
     when s <= positions[i]; positions [N]). The rows are gathered, then two batched matrix
     products per K/V head group, as `dense_attention_rows` (the readable twin of the kernels
-    that read the blocks where they lie)."""
+    that read the blocks where they lie). With `gate` [N, Hq, dh]: o ⊙ σ(gate) (`sigmoid_gated`)."""
     k_rows, v_rows = k_blocks[tables].flatten(1, 2), v_blocks[tables].flatten(1, 2)     # [N, W * R, Hkv, dh]
     N, hq, dh = q.shape
     S, hkv = k_rows.shape[1], k_rows.shape[2]
@@ -124,7 +124,8 @@ def dense_attention_lanes(q, k_blocks, v_blocks, tables, positions) -> torch.Ten
     weights = torch.softmax(logits.to(torch.float64 if q.dtype == torch.float64 else torch.float32), -1)
     weights = weights.to(q.dtype)
     o = torch.stack([torch.bmm(weights[:, h], v_rows[:, :, h]) for h in range(hkv)], 1)   # [N, Hkv, g, dh]
-    return o.reshape(N, hq, dh)
+    o = o.reshape(N, hq, dh)
+    return o if gate is None else sigmoid_gated(o, gate)
 
 
 FEW_QUERIES = 16

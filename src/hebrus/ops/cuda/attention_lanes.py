@@ -69,9 +69,11 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
 
 
 @triton.jit
-def _weigh(acc, top, total, o, D: tl.constexpr, DP: tl.constexpr, RUNS: tl.constexpr, SP: tl.constexpr):
+def _weigh(acc, top, total, o, gate, gate_row, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           RUNS: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr):
     """One (session, query head): its runs' partial results in the proportion of their sums
-    against the largest maximum (a run that saw no row has maximum -inf and weighs nothing)."""
+    against the largest maximum (a run that saw no row has maximum -inf and weighs nothing);
+    `GATED`: then, rounded to o's dtype, times σ(gate) (attention's output gate)."""
     i = tl.program_id(0)
     rs, rd = tl.arange(0, SP), tl.arange(0, DP)
     ms, md = rs < RUNS, rd < D
@@ -81,6 +83,9 @@ def _weigh(acc, top, total, o, D: tl.constexpr, DP: tl.constexpr, RUNS: tl.const
     sums = tl.sum(tl.load(total + i * RUNS + rs, mask=ms, other=0.0) * scale, 0)
     parts = tl.load(acc + (i * RUNS + rs)[:, None] * D + rd[None, :], mask=ms[:, None] & md[None, :], other=0.0)
     out = tl.sum(parts * scale[:, None], 0) / sums
+    if GATED:
+        g = tl.load(gate + (i // HQ) * gate_row + (i % HQ) * D + rd, mask=md, other=0.0).to(tl.float32)
+        out = out.to(o.dtype.element_ty).to(tl.float32) / (1.0 + tl.exp(-g))
     tl.store(o + i * D + rd, out.to(o.dtype.element_ty), mask=md)
 
 
@@ -95,10 +100,12 @@ def runs_for(sessions: int, kv_heads: int, tiles: int, processors: int) -> int:
     return max(1, min(tiles, -(-SPREAD * processors // (sessions * kv_heads))))
 
 
-def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs: int | None = None) -> torch.Tensor:
+def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
+                         runs: int | None = None) -> torch.Tensor:
     """q [N, Hq, dh]; k_blocks, v_blocks [B, R, Hkv, dh] (each row's heads and values dense);
-    tables [N, W]; positions [N] -> o [N, Hq, dh] in q's dtype. `runs`: how many runs a table is
-    split into (default `runs_for` this device)."""
+    tables [N, W]; positions [N] -> o [N, Hq, dh] in q's dtype; with `gate` [N, Hq, dh], o ⊙ σ(gate)
+    (in the kernel that weighs the runs). `runs`: how many runs a table is split into (default
+    `runs_for` this device)."""
     N, HQ, D = q.shape
     R, HKV = k_blocks.shape[1], k_blocks.shape[2]
     G, W = HQ // HKV, tables.shape[1]
@@ -123,7 +130,10 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, runs: int | N
                           HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
                           R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS)
     o = torch.empty_like(q)
-    _weigh[(N * HQ,)](acc, top, total, o, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs))
+    if gate is not None and (gate.stride(2) != 1 or gate.stride(1) != D):
+        gate = gate.contiguous()
+    _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0),
+                      HQ=HQ, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs), GATED=gate is not None)
     return o
 
 
