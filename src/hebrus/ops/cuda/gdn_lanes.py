@@ -61,11 +61,6 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window
     hk = h // (H // HK)                                                  # the key head it shares
     rk, rv = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
-    # the state's tile first: its load is under way while the conv runs
-    parity, after, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
-    tile = h * K * V + rk[:, None] * V + rv[None, :]
-    mask = mk[:, None] & mv[None, :]
-    S = tl.load(bank + parity * parity_stride + slot * slot_stride + tile, mask=mask, other=0.0).to(tl.float32)
     # the conv: this session's windows read where they lie (the bank of its parity), the new ones
     # written into the other bank
     read = tl.load(window_source + n) * window_parity_stride + tl.load(window_slots + n) * window_slot_stride
@@ -77,12 +72,16 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window
     bv, cv = _conv(x, conv_w, windows, read, conv_bank, written, row, 2 * HK * K + h * V + rv, mv, iv >= 0, KC, KP)
     tl.store(conv_check + nh * NV + iv, cq + ck + cv)
     # the delta rule
+    parity, after, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
     bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
     bk = bk * tl.rsqrt(tl.sum(bk * bk, 0) + 1e-6)
     shift = tl.load(a + n * ab_stride + h).to(tl.float32) + tl.load(dt_bias + h)
     softplus = tl.where(shift > 20.0, shift, tl.log(1.0 + tl.exp(tl.where(shift > 20.0, 20.0, shift))))   # a NaN stays NaN
     decay = tl.exp(tl.load(neg_a + h) * softplus)
     rate = 1.0 / (1.0 + tl.exp(-tl.load(b + n * ab_stride + h).to(tl.float32)))
+    tile = h * K * V + rk[:, None] * V + rv[None, :]
+    mask = mk[:, None] & mv[None, :]
+    S = tl.load(bank + parity * parity_stride + slot * slot_stride + tile, mask=mask, other=0.0).to(tl.float32)
     S = S * decay
     recalled = tl.sum(S * bk[:, None], 0)
     u = rate * (bv - recalled)
