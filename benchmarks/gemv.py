@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.ops.cuda import gemv
-from hebrus.ops.cuda.gemv import launch, launch_shape
+from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
 # the GDN in-projection (qkv, z, b, a side by side), the GDN and attention out-projections,
@@ -155,7 +155,7 @@ def gated(x, w, weights, weight, bandwidth, replays) -> str:
         except Exception:                           # a launch this Triton cannot build
             continue
     timed.sort()
-    taken = launch_shape(2 * N, K)
+    taken = gated_launch_shape(2 * N, K)
     at = next((t for t, *shape in timed if tuple(shape) == taken), float("nan"))
     best = timed[0] if timed else (float("nan"), 0, 0, 0)
     return (f"silu_gated (the product and SwiGLU's middle): {at * 1e6:.1f} µs at its launch {taken}, "

@@ -514,7 +514,7 @@ def test_the_gated_product_matches_its_twin(dtype):
     MLP through the twin."""
     import torch.nn.functional as F
     from hebrus.layers.mlp import swiglu
-    from hebrus.ops.cuda.gemv import _gemv_kernel, _silu_gated_kernel, launch_shape, silu_gated
+    from hebrus.ops.cuda.gemv import _gemv_kernel, _silu_gated_kernel, gated_launch_shape, silu_gated
     from hebrus.ops.moe import silu_mul
     from hebrus.ops.quant import Products
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -523,7 +523,7 @@ def test_the_gated_product_matches_its_twin(dtype):
         w = torch.randn(2 * N, K + 8, generator=g, device="cuda").to(dtype)[:, :K]
         x = torch.randn(1, K, generator=g, device="cuda").to(dtype)
         want = silu_mul(*F.linear(x.float(), w.float()).chunk(2, -1))
-        for block_n, block_k, warps in {launch_shape(2 * N, K), (4, 128, 8), (2, 512, 2), (16, 128, 8)}:
+        for block_n, block_k, warps in {gated_launch_shape(2 * N, K), (1, 2048, 8), (4, 128, 8), (2, 512, 2)}:
             got, both = torch.empty(1, N, device="cuda", dtype=dtype), torch.empty(1, 2 * N, device="cuda", dtype=dtype)
             _silu_gated_kernel[(-(-N // block_n),)](x, w, got, N, K, w.stride(0), BLOCK_N=block_n,
                                                     BLOCK_K=block_k, num_warps=warps)
