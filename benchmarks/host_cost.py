@@ -154,7 +154,7 @@ def main() -> None:
             rows.append({"route": "Session.feed", "batch": 1, "host_ms_per_step": one * 1e3,
                          "host_us_per_session": one * 1e6, "logits_gather_ms_per_step": 0.0})
         rows.append(row)
-        del together, sessions
+        together = sessions = None               # given back before the next batch size
     print(f"host work of a replayed step: {args.model}, {torch.get_num_threads()} threads, {args.prompt}-token "
           f"sessions, medians of {args.rounds} rounds of {args.steps} steps")
     print("| route | batch | host ms / step | host µs / session | of which the logits gather, ms |\n"

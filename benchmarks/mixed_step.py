@@ -72,7 +72,7 @@ for r in range(args.rounds + 1):                 # the first round warms up, unt
     for name in (["mixed", "separate"] if r % 2 else ["separate", "mixed"]):
         made = sessions()
         spent = timed(lambda: (mixed if name == "mixed" else separate)(*made))
-        del made
+        made = None                              # the sessions go before the next round
         if r:
             times[name].append(spent)
 result = {"model": args.model, "device": str(device), "prompts": args.prompts, "prompt": args.prompt,

@@ -1,7 +1,6 @@
 """Diagnose speculative decoding on the GPU: a prefix transaction's logits and state against the
 same tokens fed one by one, and an int8 draft's greedy agreement with its bf16 model."""
 import sys
-import torch
 import hebrus
 from hebrus.bench.spec import workload
 
