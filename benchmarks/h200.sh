@@ -15,7 +15,9 @@
 # workloads shared, long and mixed, each with the prefix cache on and off),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
-# gemv (benchmarks/gemv.py: a Triton product of one row against cuBLAS on the 1.68B shape's weights),
+# gemv (benchmarks/gemv.py --update: a Triton product of one row against cuBLAS on the 1.68B shape's weights,
+# the fastest launches written into this copy's ops/cuda/gemv.py), beside (the 1.68B shape at 1K and 8K, then
+# the same from HEBRUS_BASE, another checkout's src, on the same machine),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
@@ -104,7 +106,20 @@ for part in "$@"; do
     conv)
         timeout 120 python3 benchmarks/conv_prefill.py --out "$out" 2>&1 | grep -v Warn ;;
     gemv)
-        timeout 300 python3 benchmarks/gemv.py --out "$out" 2>&1 | grep -v Warn ;;
+        # the launches measured with cold weights and written into ops/cuda/gemv.py's MEASURED (of
+        # this machine's copy: it comes back as gemv-module.py, to commit); the parts after it use them
+        timeout 300 python3 benchmarks/gemv.py --out "$out" --update 2>&1 | grep -v Warn
+        cp src/hebrus/ops/cuda/gemv.py "$out/gemv-module.py" ;;
+    beside)
+        # the 1.68B shape at 1K and 8K, this checkout and then another's source (HEBRUS_BASE: its src
+        # folder, carried; HEBRUS_BASE_COMMIT: its commit) on this machine, 5 rounds each
+        for who in now base; do
+            p=src; c=${HEBRUS_COMMIT:-}
+            [ $who = base ] && p=${HEBRUS_BASE:?HEBRUS_BASE: the src folder of the other checkout} && c=${HEBRUS_BASE_COMMIT:-base}
+            HEBRUS_COMMIT=$c PYTHONPATH=/tmp/site:$p timeout 150 python3 -m hebrus bench --model qwen3.5-1.7b \
+                --contexts 1024,8192 --rounds 5 --cache /tmp/shapes --json "$out/bench-beside-$who.json" \
+                --table "$out/bench-beside-$who.md" 2>&1 | grep -v '^bench'
+        done ;;
     deepseek)
         # the DeepSeek-V4 shape (2.98B) at 1K and 32K against transformers (which needs deepseek_v4:
         # carry a transformers wheel that has it), then 128K alone
