@@ -504,6 +504,37 @@ def test_the_one_row_product_matches_f_linear(dtype):
 
 
 @cuda
+def test_a_planned_step_takes_the_fused_ops(tmp_path, monkeypatch):
+    """A 16-bit Qwen3.5's planned decode step takes the fused ops, not their fallbacks (which give
+    the same results, so the graph tests alone would not tell): SwiGLU's middle in the product,
+    k and v written by the rotary kernel, the output gate applied as the lanes' runs are weighed."""
+    from foreign import build
+    from hebrus.ops.cuda import attention_lanes, gemv, rotary
+    taken = dict.fromkeys(("silu_gated", "rotary into", "lanes gate"), 0)
+
+    def counting(name, op, took):
+        def counted(*args, **kwargs):
+            out = op(*args, **kwargs)
+            taken[name] += bool(took(args, kwargs, out))
+            return out
+        counted.__dict__.update(op.__dict__)          # what the layer reads off the op (reads_to_position)
+        return counted
+    # the kinds import their ops when the model is built: counted from then on
+    monkeypatch.setattr(gemv, "silu_gated", counting("silu_gated", gemv.silu_gated, lambda a, k, out: out is not None))
+    monkeypatch.setattr(rotary, "normed_rotated_pair", counting(
+        "rotary into", rotary.normed_rotated_pair, lambda a, k, out: out is not None and len(a) > 7 and a[7] is not None))
+    monkeypatch.setattr(attention_lanes, "attention_lanes_cuda", counting(
+        "lanes gate", attention_lanes.attention_lanes_cuda, lambda a, k, out: len(a) > 5 and a[5] is not None))
+    folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
+    model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
+    session = model.session(decode="planned")
+    session.feed([1, 2, 3])
+    before = dict(taken)
+    session.feed([4])
+    assert all(taken[name] > before[name] for name in taken), (before, taken)
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_gated_product_matches_its_twin(dtype):
     """SwiGLU's gate and up products and its middle in one kernel (`gemv.silu_gated`) against its
@@ -544,10 +575,11 @@ def test_the_gated_product_matches_its_twin(dtype):
     calls = []
 
     def counted(x, w):
-        calls.append(tuple(w.shape))
-        return silu_gated(x, w)
+        got = silu_gated(x, w)
+        calls.append((tuple(w.shape), got is not None))
+        return got
     got = swiglu(h, gate_up, down, gated=counted)
-    assert calls == [(2 * inner, D)]
+    assert calls == [((2 * inner, D), True)]
     assert _rel(got.float(), swiglu(h, gate_up, down).float()) <= (2e-2 if dtype == torch.bfloat16 else 4e-3)
 
 

@@ -30,7 +30,7 @@ def swiglu(h: torch.Tensor, gate_up: Products, down: torch.Tensor, fused=unfused
            limit: float | None = None, gated=None) -> torch.Tensor:
     """`gate_up`: the gate and up projections (one product where they lie side by side); `product`
     the op table's (`Kernels.linear`); `gated` the kind's `SILU_GATED` op, if the table has one,
-    tried first where the two lie side by side."""
+    tried first where the two lie side by side and no `limit` clips them."""
     middle = None
     if gated is not None and limit is None and gate_up.together is not None and len(set(gate_up.sizes)) == 1:
         middle = gated(h, gate_up.together)

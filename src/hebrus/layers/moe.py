@@ -12,7 +12,7 @@ import torch
 from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind, divided, normal, own, spans
-from hebrus.layers.mlp import PROJECTIONS, swiglu, swiglu_part, swiglu_shapes
+from hebrus.layers.mlp import PROJECTIONS, SILU_GATED, swiglu, swiglu_part, swiglu_shapes
 from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
                             grouped_mm_supports, route, route_given, route_sigmoid, sigmoid_gated_add)
 from hebrus.ops.quant import Products
@@ -102,7 +102,8 @@ class MixtureOfExperts:
         routed = self.kernels.ops[EXPERTS](h, weights, experts, self.gate_up, self.down, limit)
         if self.shared is None:
             return routed
-        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear, limit)
+        shared = swiglu(h, *self.shared, self.kernels.fused, self.kernels.linear, limit,
+                        self.kernels.ops.get(SILU_GATED))
         if self.shared_gate is None:
             return routed + shared
         return self.kernels.fused(sigmoid_gated_add)(routed, self.kernels.linear(h, self.shared_gate), shared)

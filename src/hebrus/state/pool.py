@@ -424,8 +424,8 @@ class Log:
         self.wrote_rows(value)
 
     def wrote_rows(self, value: torch.Tensor) -> None:
-        """`write_rows`'s value [T, *row] was written by an op of its own (one that writes the
-        rows as it makes them): hear it as that write would."""
+        """`write_rows`'s value [T, *row], already in the storage's dtype, was written by an op of
+        its own (one that writes the rows as it makes them): hear it as that write would."""
         if self.written is not None:
             self.written(value, by_token=True)
 

@@ -10,9 +10,11 @@ other case (more rows, float32, a quantized weight).
 product rounded to the row's dtype first, as the product alone writes it); the twin is the
 product, then `ops.moe.silu_mul`.
 
-On the H200 at 35fd8b0 (`benchmarks/gemv.py`, `results/cuda-h200/gemv-35fd8b0.txt`), the products
-of a decode step of the 1.68B Qwen3.5 shape took 1,032 µs through F.linear and 833 µs through the
-best launch per shape; `launch_shape` holds those winners (the shapes there: K = 2048 but one).
+A launch is the fastest `benchmarks/gemv.py --update` measured for the weight's shape with cold
+weights (`MEASURED`: on an H100 at a6ba9ba and 91da260 a 1.68B Qwen3.5 step's products took
+1,261-1,280 µs so, against 1,464 through F.linear; `results/cuda-h100/gemv-*.txt`), else the
+rule `launch_shape` keeps from the H200's measurement at 35fd8b0, timed with warm weights
+(`results/cuda-h200/gemv-35fd8b0.txt`). The table is measured on one device and used on any.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, B
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, warps): the fastest launch for that weight as `benchmarks/gemv.py
-# --update` measured it (cold weights, as a decode step reads them) and wrote it here; `launch_shape`
-# falls back to its rule for any other shape.
+# --update` measured it (cold weights, as a decode step reads them) and wrote it here, on the device
+# named (the last to write; rows of shapes that run did not time are kept); `launch_shape` falls back
+# to its rule for any other shape.
 MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB HBM3
     (2048, 2048): (2, 1024, 4),
     (2048, 6144): (2, 2048, 2),
@@ -73,6 +76,7 @@ def launch_shape(N: int, K: int) -> tuple[int, int, int]:
     fastest measured at the nearest shape."""
     if (N, K) in MEASURED:
         return MEASURED[N, K]
+    # the rule: the H200's warm winners at 35fd8b0
     if N >= 100_000:                    # a vocabulary's head (151936 x 2048: 4 x 256, 2 warps)
         return 4, 256, 2
     if K >= 4096 or N <= 2048:          # 2048 x 6144 and 2048 x 2048: 4 x 128, 8 warps

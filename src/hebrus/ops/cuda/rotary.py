@@ -67,7 +67,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, 
 def takes_into(k: torch.Tensor, into) -> bool:
     """`into` = (v, k_cache, v_cache, blocks, offsets): v [T, hk, d] laid as k may be; two caches
     [blocks, rows, hk, d] of k's dtype on its device, laid alike, each row's heads dense; blocks
-    and offsets [T] int64 on that device."""
+    and offsets [T] int64 on that device, dense (the kernel writes where they say, unchecked)."""
     v, k_cache, v_cache, blocks, offsets = into
     T, HK, D = k.shape
     return (v.shape == k.shape and v.dtype == k.dtype and v.device == k.device and v.stride(2) == 1
@@ -75,7 +75,8 @@ def takes_into(k: torch.Tensor, into) -> bool:
                                          and c.shape[2:] == (HK, D) and c.stride(3) == 1 and c.stride(2) == D
                                          for c in (k_cache, v_cache))
             and k_cache.stride() == v_cache.stride() and k_cache.shape == v_cache.shape
-            and all(x.dtype == torch.int64 and x.device == k.device and x.shape == (T,) for x in (blocks, offsets))
+            and all(x.dtype == torch.int64 and x.device == k.device and x.shape == (T,) and x.stride(0) == 1
+                    for x in (blocks, offsets))
             and not (torch.is_grad_enabled() and v.requires_grad))
 
 
