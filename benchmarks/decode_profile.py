@@ -1,17 +1,39 @@
 """Where a decode step's time goes on a GPU: per-step wall time of each decode route, the graph
 runner's counters, and a profile of a few steps (top kernels and host ops), then the host's
-Python for the graph route's steps (cProfile, by own time and by cumulative time).
+Python for the graph route's steps (cProfile, by own time and by cumulative time). For the graph
+route, the steps also timed as `hebrus bench` times them, a step at a time: alone, after an
+argmax read on the host, and with another session's step between (bench alternates two
+variants), which tells a step's own time from the loop's.
     python benchmarks/decode_profile.py [--model small] [--context 1024] [--routes graph,planned,eager] [--out DIR]"""
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from pathlib import Path
 
 import torch
 from gpu_model import model_and_prompt, options
+
+
+def one_at_a_time(s, steps: int, read: bool = False, other=None) -> float:
+    """The median ms a step of `s.feed`, each step timed alone between two syncs (as `hebrus
+    bench` times them; the median passes over a step that captures a new graph); `read`: its
+    token read from the last logits first (argmax, on the host), untimed; `other`: a session that
+    steps between (untimed)."""
+    logits, spent = s.feed([1]), []
+    for t in range(steps):
+        token = int(torch.argmax(logits)) if read else t
+        if other is not None:
+            other.feed([t])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = s.feed([token])
+        torch.cuda.synchronize()
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent) * 1e3
 
 
 def kernel_sequence(prof, steps: int) -> str:
@@ -71,4 +93,13 @@ for decode in args.routes.split(","):
             pstats.Stats(python, stream=text).sort_stats(order).print_stats(30)
         Path(args.out, f"host-python-{args.model}.txt").write_text(
             f"cProfile of {args.steps} graph-route steps of {args.model}\n" + text.getvalue())
+        # last: these steps may cross a table width (a new graph), which the profile above must not see
+        other = model.session(decode=decode)
+        other.prefill(prompt, chunk_size=2048)
+        for t in range(8):
+            other.feed([t])
+        alone, read, between = (one_at_a_time(s, args.steps, *how) for how in ((), (True,), (True, other)))
+        lines.append(f"graph, a step timed at a time: {alone:.3f} ms alone, {read:.3f} after an argmax read, "
+                     f"{between:.3f} with another session's step between")
+        print(lines[-1], flush=True)
 Path(args.out, f"decode-{args.model}.txt").write_text("\n".join(lines) + "\n")
