@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hebrus.ops.cuda import gemv
-from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape
+from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape, silu_gated
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
 # the GDN in-projection (qkv, z, b, a side by side), the GDN and attention out-projections,
@@ -145,13 +144,9 @@ def gated(x, w, weights, weight, bandwidth, replays) -> str:
     weight: at the launch it takes (the table's for the weight) and at the fastest of CONFIGS."""
     N, K = w.shape[0] // 2, w.shape[1]
     timed = []
-    for block_n, block_k, warps in CONFIGS:
-        def call(w, shape=(block_n, block_k, warps)):
-            y = torch.empty(1, N, device=x.device, dtype=x.dtype)
-            gemv._silu_gated_kernel[(-(-N // shape[0]),)](x, w, y, N, K, w.stride(0), BLOCK_N=shape[0],
-                                                          BLOCK_K=shape[1], num_warps=shape[2])
+    for shape in CONFIGS:
         try:
-            timed.append((per_call(call, weights, replays=replays), block_n, block_k, warps))
+            timed.append((per_call(lambda w: silu_gated(x, w, shape), weights, replays=replays), *shape))
         except Exception:                           # a launch this Triton cannot build
             continue
     timed.sort()

@@ -162,8 +162,9 @@ class Attention:
         """q and k normed and rotated, and k's and v's rows written -> q. A planned step's lanes
         writing a 16-bit cache do it in one op where the table's `ROTATE` takes them (the logs
         then hear what it wrote, as from their own writes); otherwise rotated, then put."""
-        if self.rotate is not None and span.tables is not None and self.cache is None:
-            logs = [rows[part][span.which[0]] for part in (0, 1)]      # `StepBatch.put`'s one write
+        logs = ([span.lanes_log(rows[part]) for part in (0, 1)] if self.rotate is not None and self.cache is None
+                else [None])
+        if logs[0] is not None:
             w = self.w
             into = (v, logs[0].storage, logs[1].storage, span.blocks, span.offsets)
             both = self.rotate(q, k, w["q_norm.weight"], w["k_norm.weight"], cos, sin, self.eps, into)
@@ -178,9 +179,9 @@ class Attention:
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows, gate: torch.Tensor) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the
-        step's tables, each masked past its lane's position, the output gated by `gate`. A quantized cache's rows are
-        gathered and made dense first: that copy's blocks, lane after lane, are the blocks its
-        tables name."""
+        step's tables, each masked past its lane's position, the output gated by `gate`. A
+        quantized cache's rows are gathered and made dense first: that copy's blocks, lane after
+        lane, are the blocks its tables name."""
         logs = [r[0] for r in rows]             # any lane's log: the storage is the same
         if self.cache is None:
             blocks, tables = [logs[part].storage for part in (0, 1)], span.tables

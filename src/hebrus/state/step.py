@@ -204,11 +204,18 @@ class StepBatch:
         positions are refilled in place between passes)."""
         self.taken.clear()
 
+    def lanes_log(self, logs):
+        """A planned step's lanes: the one `state.pool.Log` (of `logs`, one per session of the
+        transaction) that `put` writes every lane's rows into, at `blocks` and `offsets` (an op
+        that writes them itself writes there, then tells it: `Log.wrote_rows`); else None."""
+        return logs[self.which[0]] if self.tables is not None else None
+
     def put(self, logs, value: torch.Tensor) -> None:
         """Write the step's rows of a row log: `logs` holds one `state.pool.Log` per session of
         the transaction, `value` [T, *row] the rows of this step's."""
-        if self.tables is not None:                 # a planned step's lanes (one or several): one write
-            logs[self.which[0]].write_rows(self.blocks, self.offsets, value)
+        lanes = self.lanes_log(logs)
+        if lanes is not None:                       # a planned step's lanes (one or several): one write
+            lanes.write_rows(self.blocks, self.offsets, value)
             return
         logs = [logs[m] for m in self.which]
         if len(logs) == 1:

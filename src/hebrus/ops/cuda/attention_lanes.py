@@ -109,6 +109,12 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
     N, HQ, D = q.shape
     R, HKV = k_blocks.shape[1], k_blocks.shape[2]
     G, W = HQ // HKV, tables.shape[1]
+    if gate is not None:
+        if gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device:
+            raise ValueError(f"the output gate must be laid as q: {tuple(gate.shape)} {gate.dtype} against "
+                             f"{tuple(q.shape)} {q.dtype}")
+        if gate.stride(2) != 1 or gate.stride(1) != D:
+            gate = gate.contiguous()
     for blocks in (k_blocks, v_blocks):
         if blocks.stride(3) != 1 or blocks.stride(2) != D:
             raise ValueError("the lanes' attention kernel reads rows whose heads and values are dense")
@@ -130,11 +136,6 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
                           HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
                           R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS)
     o = torch.empty_like(q)
-    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.device != q.device):
-        raise ValueError(f"the output gate must be laid as q: {tuple(gate.shape)} {gate.dtype} against "
-                         f"{tuple(q.shape)} {q.dtype}")
-    if gate is not None and (gate.stride(2) != 1 or gate.stride(1) != D):
-        gate = gate.contiguous()
     _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0),
                       HQ=HQ, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs), GATED=gate is not None)
     return o

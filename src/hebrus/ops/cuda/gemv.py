@@ -115,13 +115,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None 
     return y
 
 
-def silu_gated(x: torch.Tensor, w) -> torch.Tensor | None:
+def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) -> torch.Tensor | None:
     """silu(x Gᵀ) ⊙ x Uᵀ [1, I] for w = [G; U] [2I, K] (SwiGLU's gate and up side by side) in one
-    kernel, where `takes(x, w)`; else None (the caller runs the product and `ops.moe.silu_mul`)."""
+    kernel, where `takes(x, w)`, with the given (BLOCK_N, BLOCK_K, warps), default
+    `gated_launch_shape`; else None (the caller runs the product and `ops.moe.silu_mul`)."""
     if not takes(x, w) or w.shape[0] % 2:
         return None
     N, K = w.shape[0] // 2, w.shape[1]
-    block_n, block_k, warps = gated_launch_shape(2 * N, K)
+    block_n, block_k, warps = shape or gated_launch_shape(2 * N, K)
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     _silu_gated_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                    num_warps=warps)

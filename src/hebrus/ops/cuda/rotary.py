@@ -95,7 +95,7 @@ def normed_rotated_pair(q, k, wq, wk, cos, sin, eps, into=None):
     if T:
         _rotate[(T, HQ + HK)](q, q.stride(0), k, k.stride(0), wq.contiguous(), wk.contiguous(), out_q, out_k,
                               cos, sin, cos.shape[1], eps, v, v.stride(0), k_cache, v_cache, blocks, offsets,
-                              k_cache.stride(0), k_cache.stride(1) if into is not None else 0,
+                              k_cache.stride(0), k_cache.stride(1),
                               HQ=HQ, HK=HK, D=D, R=cos.shape[1], BD=triton.next_power_of_2(D),
                               APPEND=into is not None)
     return out_q, out_k
