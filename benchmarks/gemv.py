@@ -14,10 +14,7 @@ products summed: F.linear, the best launch per shape, and the rule's own launch.
 `--update` writes each shape's fastest launch into the kernel module's `MEASURED` table (the
 source file of this checkout), which `launch_shape` reads first.
 
-`--added-only` times only `added_norm` (a sublayer's last product, the residual's add and the
-next norm in one kernel) against the product then the compiled `add_rms_norm`, on OUTPUTS.
-
-    python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20] [--update] [--added-only]"""
+    python benchmarks/gemv.py [--out DIR] [--shapes N:K:count,...] [--replays 20] [--update]"""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hebrus.ops.cuda.gemv import added_norm, gated_launch_shape, launch, launch_shape, silu_gated
+from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape, silu_gated
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
 # the GDN in-projection (qkv, z, b, a side by side), the GDN and attention out-projections,
@@ -39,7 +36,6 @@ SHAPES = ((8224, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24)
 CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048), (2, 4, 8))
            if n * k <= 8192]
 GATE_UP = (12288, 2048)           # the gate and up products side by side: `silu_gated` timed on it too
-OUTPUTS = ((2048, 2048), (2048, 6144))  # the sublayers' last products: `added_norm` timed on them too
 MODULE = Path(__file__).resolve().parents[1] / "src" / "hebrus" / "ops" / "cuda" / "gemv.py"
 
 
@@ -88,20 +84,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--update", action="store_true",
                         help=f"write each shape's fastest launch into MEASURED in {MODULE}")
-    parser.add_argument("--added-only", action="store_true",
-                        help="time only added_norm against the product then add_rms_norm, on the output shapes")
     args = parser.parse_args()
-    if args.added_only:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        lines = []
-        for N, K in OUTPUTS:
-            w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
-            x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
-            lines.append(f"{N} x {K}, launch {launch_shape(N, K)}: {added(x, w, cold_copies(w), args.replays)}")
-            print(lines[-1], flush=True)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gemv-added.txt").write_text("\n".join(lines) + "\n")
-        return
     shapes = SHAPES if not args.shapes else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     if any(len(shape) != 3 for shape in shapes):
         parser.error("--shapes takes N:K:count triples, e.g. 8224:2048:18")
@@ -146,9 +129,6 @@ def main() -> None:
         if (N, K) == GATE_UP:
             lines.append(gated(x, w, weights, weight, bandwidth, args.replays))
             print(lines[-1], flush=True)
-        if (N, K) in OUTPUTS:
-            lines.append(added(x, w, weights, args.replays))
-            print(lines[-1], flush=True)
     lines.append(f"\na decode step's products: F.linear {total['F.linear'] * 1e6:.0f} µs, the best Triton "
                  f"launch per shape {total['best'] * 1e6:.0f} µs, the rule's {total['rule'] * 1e6:.0f} µs")
     print(lines[-1])
@@ -175,29 +155,6 @@ def gated(x, w, weights, weight, bandwidth, replays) -> str:
     best = timed[0] if timed else (float("nan"), 0, 0, 0)
     return (f"silu_gated (the product and SwiGLU's middle): {at * 1e6:.1f} µs at its launch {taken}, "
             f"{weight / at / bandwidth:.0%}; fastest {best[1]}x{best[2]}/{best[3]} warps {best[0] * 1e6:.1f} µs")
-
-
-def added(x, w, weights, replays) -> str:
-    """The product, the residual's add and the next norm: the product then `ops.norm.add_rms_norm`
-    compiled (two kernels, as a step runs them) against `gemv.added_norm` (one), at the product's
-    launch; S must be the same bits, the norm near, and 500 calls give the same bits every time (the
-    last program reads the others' sums)."""
-    from hebrus.ops.cuda.fuse import fused
-    from hebrus.ops.norm import add_rms_norm
-    N = w.shape[0]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    X = torch.randn(1, 1, N, device="cuda", generator=g).to(x.dtype)
-    norm = (torch.rand(N, device="cuda", generator=g) + 0.5).to(x.dtype)
-    twin = fused(add_rms_norm)
-    S, h = twin(X, launch(x, w), norm, 1e-6)
-    S2, h2 = added_norm(x, w, X, norm, 1e-6)
-    same, near = torch.equal(S, S2), float((h.float() - h2.float()).abs().max() / h.float().abs().max())
-    t_one = per_call(lambda w: added_norm(x, w, X, norm, 1e-6), weights, replays=replays)
-    steady = all(torch.equal(added_norm(x, weights[i % len(weights)], X, norm, 1e-6)[1], h2) for i in range(500))
-    t_two = per_call(lambda w: twin(X, launch(x, w), norm, 1e-6), weights, replays=replays)
-    return (f"added_norm (the product, the add and the norm in one kernel): {t_one * 1e6:.1f} µs against "
-            f"{t_two * 1e6:.1f} µs for the product then add_rms_norm; S the same bits: {same}; the norm's "
-            f"largest difference {near:.1e} of its largest; the same bits in 500 calls: {steady}")
 
 
 def update(fastest: dict, device: str) -> None:

@@ -585,39 +585,6 @@ def test_the_gated_product_matches_its_twin(dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_product_with_the_next_norm_matches_its_twin(dtype):
-    """A sublayer's last product, the residual's add and the next norm in one kernel
-    (`gemv.added_norm`) against its twin, the product at the same launch then
-    `ops.norm.add_rms_norm`: the sum the same bits, the norm within a unit in its last place
-    (its own order of the mean); the same bits over 200 calls (the last program reads the
-    others' sums); near the float64 result at every launch it may pick; None for what it does
-    not take."""
-    from hebrus.ops.cuda.gemv import added_norm, launch, launch_shape
-    from hebrus.ops.norm import add_rms_norm, rms_norm
-    g = torch.Generator(device="cuda").manual_seed(7)
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-    for N, K in ((37, 300), (2048, 2048), (2048, 6144), (1000, 96)):
-        w = torch.randn(N, K + 8, generator=g, device="cuda").to(dtype)[:, :K]
-        x = torch.randn(1, K, generator=g, device="cuda").to(dtype)
-        X = (4 * torch.randn(1, 1, N, generator=g, device="cuda")).to(dtype)
-        norm = (0.5 + torch.rand(N, generator=g, device="cuda")).to(dtype)
-        S64 = X.double() + x.double() @ w.double().T
-        for shape in {launch_shape(N, K), (1, 2048, 8), (4, 128, 8), (2, 512, 2)}:
-            S, h = added_norm(x, w, X, norm, 1e-6, shape)
-            want_S, want_h = add_rms_norm(X, launch(x, w, shape), norm, 1e-6)
-            assert torch.equal(S, want_S), (N, K, shape)
-            assert ((h.float() - want_h.float()).abs() <= ulp * want_h.float().abs().clamp(min=1.0)).all(), (N, K, shape)
-            assert _rel(S, S64) <= 1e-2 and _rel(h, rms_norm(S64[:, 0], norm.double(), 1e-6)) <= 2e-2, (N, K, shape)
-        first = added_norm(x, w, X, norm, 1e-6)[1]
-        assert all(torch.equal(added_norm(x, w, X, norm, 1e-6)[1], first) for _ in range(200)), (N, K)
-    assert added_norm(torch.randn(2, K, device="cuda").to(dtype), w, X, norm, 1e-6) is None
-    assert added_norm(x, w, X.expand(1, 2, N), norm, 1e-6) is None
-    assert added_norm(x, w, X, norm[:-1], 1e-6) is None
-    assert added_norm(x, w, X.float(), norm, 1e-6) is None
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq, hk, d, width", [(8, 2, 256, 64), (6, 2, 24, 24), (4, 4, 64, 32), (3, 1, 40, 10)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):

@@ -71,36 +71,6 @@ def _silu_gated_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.conste
     tl.store(y_ptr + n, (g / (1.0 + tl.exp(-g)) * u).to(out), mask=n < N)
 
 
-@triton.jit
-def _added_norm_kernel(x_ptr, w_ptr, r_ptr, s_ptr, h_ptr, norm_ptr, count_ptr, N, K, row_stride, eps,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The product's rows as `_gemv_kernel` sums them, each added to the residual's (r + y, y
-    rounded first as the product writes it); the program that finishes last reads the whole sum
-    back and writes its RMSNorm."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = n.to(tl.int64) * row_stride
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    out = s_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=1).to(out).to(tl.float32)
-    r = tl.load(r_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(s_ptr + n, (r + y).to(out), mask=n < N)
-    # every thread's stores made before the count is taken, released by it at the device's scope
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:             # the others' sums are written: read past L1
-        d = tl.arange(0, BLOCK_D)
-        s = tl.load(s_ptr + d, mask=d < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-        normed = s * tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
-        h = normed * tl.load(norm_ptr + d, mask=d < N, other=0.0).to(tl.float32)
-        tl.store(h_ptr + d, h.to(out), mask=d < N)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")    # the next launch counts from 0
-
-
 def launch_shape(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for a weight [N, K]: the measured launch for that shape, else the
     fastest measured at the nearest shape."""
@@ -157,34 +127,6 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     _silu_gated_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                    num_warps=warps)
     return y
-
-
-# one count per device for `added_norm`: its launches on a device run one after another (one
-# stream), and each leaves it at 0
-_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def added_norm(x: torch.Tensor, w, X: torch.Tensor, weight: torch.Tensor, eps: float,
-               shape: tuple[int, int, int] | None = None):
-    """`ops.norm.add_rms_norm(X, x Wᵀ, weight, eps)` for one row x [1, K] (where `takes(x, w)`) and
-    one stream X [1, 1, N] in one kernel: (S = X + x Wᵀ [1, 1, N], its RMSNorm [1, N]), S the same
-    bits as the product at that launch (default `launch_shape`) then the add; else None. The last
-    program to finish normalises: N at most 16,384, and a count on the device taken outside a
-    graph's capture (the first call on a device must not be captured: then it is None)."""
-    N, K = (w.shape if type(w) is torch.Tensor else (0, 0))
-    if (not takes(x, w) or N > 16_384 or X.shape != (1, 1, N) or X.dtype != x.dtype or not X.is_contiguous()
-            or weight.shape != (N,) or not weight.is_contiguous() or weight.device != x.device):
-        return None
-    if x.device not in _counts:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _counts[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    block_n, block_k, warps = shape or launch_shape(N, K)
-    S, h = torch.empty_like(X), torch.empty(1, N, device=x.device, dtype=x.dtype)
-    _added_norm_kernel[(triton.cdiv(N, block_n),)](x, w, X, S, h, weight, _counts[x.device], N, K, w.stride(0), eps,
-                                                   BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   BLOCK_D=triton.next_power_of_2(N), num_warps=warps)
-    return S, h
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
