@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA route's measurements, run on the device machine from the repository root:
 #   bash benchmarks/h200.sh PART...       (writes under $OUT, default /tmp/hebrus-out)
-# PARTs: tests (GPU tests; HEBRUS_TESTS, if set, is pytest's -k, HEBRUS_PART names the log, HEBRUS_TEST_LIMIT cuts it, s), small (bench of the small preset), qwen (bench of the 1.68B
+# PARTs: tests (GPU tests, over HEBRUS_WORKERS pytest-xdist workers where its wheels are in .whl/; HEBRUS_TESTS, if set, is pytest's -k, HEBRUS_PART names the log, HEBRUS_TEST_LIMIT cuts it, s), small (bench of the small preset), qwen (bench of the 1.68B
 # Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 1, 8, 64
 # and 256 at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), kernels (the
 # decode step's kernels alone, and a profiled step of 64 sessions), eager (the 1.68B
@@ -34,11 +34,22 @@ for part in "$@"; do
     start=$(date +%s)
     case $part in
     tests)
-        # failures first, in short form; torch's captured debug logging left out
-        # the slowest tests' times after them, to keep each part of the file inside one command
+        # failures first, in short form; torch's captured debug logging left out; the slowest
+        # tests' times after them. With pytest-xdist (its wheels in .whl/), HEBRUS_WORKERS
+        # processes (default 4) share the file, the out-of-memory test run alone first: it takes
+        # the device's memory
         log="$out/test-cuda${HEBRUS_PART:+-$HEBRUS_PART}.txt"
-        timeout ${HEBRUS_TEST_LIMIT:-560} python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=30 tests/test_cuda.py \
-            ${HEBRUS_TESTS:+-k "$HEBRUS_TESTS"} > "$log" 2>&1
+        workers=${HEBRUS_WORKERS:-4}
+        python3 -c "import xdist" 2>/dev/null || workers=1
+        select=${HEBRUS_TESTS:-}
+        if [ "$workers" -gt 1 ]; then
+            timeout 150 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
+                -k "out_of_memory${select:+ and ($select)}" > "${log%.txt}-alone.txt" 2>&1
+            tail -1 "${log%.txt}-alone.txt"
+            select="not out_of_memory${select:+ and ($select)}"
+        fi
+        timeout ${HEBRUS_TEST_LIMIT:-560} python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore --durations=30 \
+            $([ "$workers" -gt 1 ] && echo "-n $workers") tests/test_cuda.py ${select:+-k "$select"} > "$log" 2>&1
         tail -3 "$log" ;;
     small)
         timeout 300 python3 -m hebrus bench --model small --contexts 1024,32768 --rounds 3 \
