@@ -779,13 +779,14 @@ def test_a_session_on_cuda_saves_restores_journals_and_speaks_text(tmp_path):
 @pytest.mark.parametrize("laid", [False, True])
 @pytest.mark.parametrize("one_bank", [False, True])
 def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid, one_bank):
-    """The conv and the delta rule of one token per lane, both states read from and written to
-    the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64 on the same values:
-    outputs, both banks after (either parity), and the checks (NaN exactly for the lane whose
-    written conv window holds a NaN, and for those whose recurrent state does: one read so, one
-    with a NaN gate input). `one_bank`: each lane reads and writes the bank of its parity (the
-    in-place measurement's way), where programs sharing a key head read the windows one of them
-    writes."""
+    """The conv, the delta rule and the gated output norm of one token per lane, both states read
+    from and written to the pool's banks where they lie, against `ops.gdn.gdn_lanes` in float64
+    on the same values: outputs (within 16-bit rounding where the rule's output is rounded to
+    z's dtype before its norm), both banks after (either parity), and the checks (NaN exactly
+    for the lane whose written conv window holds a NaN, and for those whose recurrent state
+    does: one read so, one with a NaN gate input). `one_bank`: each lane reads and writes the
+    bank of its parity (the in-place measurement's way), where programs sharing a key head read
+    the windows one of them writes."""
     from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
     from hebrus.ops.gdn import gdn_lanes
     from hebrus.state.context import InPlace
@@ -805,16 +806,22 @@ def test_the_gdn_lanes_kernels_match_their_twin(dtype, hk, dk, hv, dv, Kc, laid,
     projected[3, 3] = float("nan")                              # lane 3's new q input: in its window after, not in its state
     rec_bank[1, 5, hv - 1, 7, 11] = float("nan")                 # lane 4's state
     a[0, hv - 1] = float("nan")                                  # lane 0's gate: its state not finite
+    z = torch.randn(N, hv * dv + 5 * laid, generator=g, device="cuda").to(dtype)[:, :hv * dv].view(N, hv, dv)
+    norm_w = (0.5 + torch.rand(dv, generator=g, device="cuda")).to(dtype)
     got_c, got_r = conv_bank.clone(), rec_bank.clone()
     want_c, want_r = conv_bank.double(), rec_bank.double()
     heads, target = (hk, dk, hv, dv), source if one_bank else 1 - source
     want = gdn_lanes(projected.double(), b.double(), a.double(), conv_w.double(), neg_a.double(), dt_bias.double(),
-                     heads, InPlace(want_c, source, target, chosen), InPlace(want_r, source, target, chosen))
+                     heads, InPlace(want_c, source, target, chosen), InPlace(want_r, source, target, chosen),
+                     (z.double(), norm_w.double(), 1e-6))
     got = gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads,
-                         InPlace(got_c, source, target, chosen), InPlace(got_r, source, target, chosen))
-    for x, y in [(got[0], want[0]), (got_c, want_c), (got_r, want_r)]:
+                         InPlace(got_c, source, target, chosen), InPlace(got_r, source, target, chosen),
+                         (z, norm_w, 1e-6))
+    assert got[0].dtype == dtype
+    for x, y, near in [(got[0], want[0], 1e-4 if dtype == torch.float32 else 2e-2), (got_c, want_c, 1e-4),
+                       (got_r, want_r, 1e-4)]:
         seen = torch.isfinite(y)
-        assert torch.equal(seen, torch.isfinite(x)) and _rel(x[seen], y[seen]) <= 1e-4
+        assert torch.equal(seen, torch.isfinite(x)) and _rel(x[seen], y[seen]) <= near
     for x, y, lanes in [(got[1], want[1], {3}), (got[2], want[2], {0, 4})]:
         bad = torch.isnan(y).any(-1)
         assert torch.equal(torch.isnan(x).any(-1), bad) and bad.tolist() == [i in lanes for i in range(N)]
