@@ -585,6 +585,41 @@ def test_the_gated_product_matches_its_twin(dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_one_row_add_and_norm_matches_its_twin(dtype):
+    """A residual's add and the next RMSNorm of one row in one kernel (`ops.cuda.norm`) against
+    `ops.norm.add_rms_norm`: the sum the same bits, the norm within a unit in its last place (its
+    own order of the mean), near the float64 result; deterministic; what it does not take (two
+    rows, two streams, float32, a weight of another length) is None, and the fast table's op
+    runs those through the compiled twin."""
+    from hebrus.layers.kernels import kernels
+    from hebrus.ops.cuda.norm import one_row
+    from hebrus.ops.norm import add_rms_norm, rms_norm
+    g = torch.Generator(device="cuda").manual_seed(11)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for D in (2048, 1000, 7, 16_384):
+        X = (4 * torch.randn(1, 1, D, generator=g, device="cuda")).to(dtype)
+        y = torch.randn(1, D, generator=g, device="cuda").to(dtype)
+        w = (0.5 + torch.rand(D, generator=g, device="cuda")).to(dtype)
+        S, h = one_row(X, y, w, 1e-6)
+        want_S, want_h = add_rms_norm(X, y, w, 1e-6)
+        assert torch.equal(S, want_S), D
+        assert ((h.float() - want_h.float()).abs() <= ulp * want_h.float().abs().clamp(min=1.0)).all(), D
+        assert _rel(h, rms_norm(S.double()[:, 0], w.double(), 1e-6)) <= 1e-2, D
+        assert all(torch.equal(one_row(X, y, w, 1e-6)[1], h) for _ in range(3))
+    two = torch.randn(2, 1, D, generator=g, device="cuda").to(dtype)
+    assert one_row(two, y.expand(2, D).contiguous(), w, 1e-6) is None
+    assert one_row(X.expand(1, 2, D).contiguous(), y, w, 1e-6) is None
+    assert one_row(X.float(), y.float(), w, 1e-6) is None
+    assert one_row(X, y, w[:-1], 1e-6) is None
+    op = kernels("fast", device=torch.device("cuda"), dtype=dtype).add_rms_norm
+    assert all(torch.equal(a, b) for a, b in zip(op(X, y, w, 1e-6), one_row(X, y, w, 1e-6)))
+    S2, h2 = op(two, y.expand(2, D).contiguous(), w, 1e-6)
+    want_S2, want_h2 = add_rms_norm(two, y.expand(2, D), w, 1e-6)
+    assert torch.equal(S2, want_S2) and _rel(h2, want_h2) <= 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq, hk, d, width", [(8, 2, 256, 64), (6, 2, 24, 24), (4, 4, 64, 32), (3, 1, 40, 10)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
