@@ -85,9 +85,9 @@ def main() -> None:
                        torch.ones(N, dtype=torch.long, device=dev), torch.arange(N, device=dev))
         rec = InPlace(torch.zeros(2, N, hv, dk, dv, device=dev), conv.source, conv.target, conv.slots)
         floor = N * (2 * hv * dk * dv * 4 + 2 * C * (Kc - 1) * 2) / bandwidth * 1e6
-        heads, gate = (hk, dk, hv, dv), (torch.randn(N, hv, dv, device=dev, dtype=bf), torch.ones(dv, device=dev, dtype=bf), 1e-6)
-        kernel = graph_time(lambda: gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, rec, gate))
-        twin = graph_time(lambda: gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, rec, gate))
+        heads = (hk, dk, hv, dv)
+        kernel = graph_time(lambda: gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, rec))
+        twin = graph_time(lambda: gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, rec))
         say(f"gdn N={N}: floor {floor:.1f} us; kernels {kernel:.1f} us ({floor / kernel:.0%}); twin {twin:.1f} us")
 
         x, w = torch.randn(N, 2048, device=dev, dtype=bf), torch.randn(2048, device=dev, dtype=bf)

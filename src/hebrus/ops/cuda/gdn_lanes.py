@@ -1,7 +1,7 @@
-"""One token of each of N sessions through a Gated DeltaNet's conv, delta rule and gated output
-norm, both states read from the state pool's banks where they lie and the new ones written into
-the other bank: no gather before, no scatter after (`hebrus.ops.gdn.gdn_lanes` is the readable
-twin, and the contract). One kernel: a program per (session, value head)
+"""One token of each of N sessions through a Gated DeltaNet's conv and delta rule, both states
+read from the state pool's banks where they lie and the new ones written into the other bank: no
+gather before, no scatter after (`hebrus.ops.gdn.gdn_lanes` is the readable twin, and the
+contract). One kernel: a program per (session, value head, block of value columns)
 
 - takes the conv's windows (each channel's last Kc-1 inputs) and new inputs of the channels it
   reads: its key head's q and k, its block of v. It forms SiLU of the convolution in float32 and
@@ -10,11 +10,12 @@ twin, and the contract). One kernel: a program per (session, value head)
   others read those windows while the first may be writing: from the public bank while it
   writes the private one, or, where a lane's two are one (`InPlace` with its source its target:
   the in-place measurement, `bench.inplace`), from a copy of the windows taken first;
-- L2-normalises q and k, forms the gates from a and b, and steps its head's state (held in
-  float32);
-- normalises the head's output (rounded to z's dtype first, as `ops.norm.gated_rms_norm` rounds
-  it) and gates it with SiLU(z): the norm needs the whole head, which is why a program holds all
-  of it (at a6ba9ba four programs a head took 5.7 µs on an H100 and the norm's own kernel 1.3).
+- L2-normalises q and k, forms the gates from a and b, and steps its tile of the state (held in
+  float32).
+
+The gated output norm stays a kernel of its own: a program holding a whole head so that it
+could norm it too took 9.5 µs a layer on an H100 against 5.7 + 1.8 for the two (9ae0784,
+`benchmarks/results/cuda-h100/NOTES-aac5d6d.md`).
 
 It writes two checks beside the states, one for the windows it wrote and one for its tile: zero
 where the written values are finite, NaN where not.
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-WARPS = 8               # a head's state, 128 x 128 float32, over 256 threads
+BV = 32                 # value columns per program
 
 
 @triton.jit
@@ -55,24 +56,25 @@ def _conv(x, weight, windows, read, bank, written, new_at, rc, mc, write, K: tl.
 @triton.jit
 def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window_source, window_slots,
            window_parity_stride, window_slot_stride, conv_bank, conv_target, conv_slots, conv_parity_stride,
-           conv_slot_stride, bank, source, target, slots, parity_stride, slot_stride, z, z_stride, norm_w, eps, o,
+           conv_slot_stride, bank, source, target, slots, parity_stride, slot_stride, o,
            conv_check, check, scale, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-           V: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    nh = tl.program_id(0)                               # sessions x heads on the axis without a 65,535 cap
+           V: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+           NV: tl.constexpr):
+    nh, iv = tl.program_id(0), tl.program_id(1)         # sessions x heads on the axis without a 65,535 cap
     n, h = nh // H, nh % H
     hk = h // (H // HK)                                                  # the key head it shares
-    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
+    rk, rv = tl.arange(0, BK), iv * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
     # the conv: this session's windows read where they lie (the bank of its parity), the new ones
     # written into the other bank
     read = tl.load(window_source + n) * window_parity_stride + tl.load(window_slots + n) * window_slot_stride
     written = tl.load(conv_target + n) * conv_parity_stride + tl.load(conv_slots + n) * conv_slot_stride
-    first = h % (H // HK) == 0                                          # the program that writes q's and k's windows
+    first = (iv == 0) & (h % (H // HK) == 0)                            # the program that writes q's and k's windows
     row = n * x_stride
     bq, cq = _conv(x, conv_w, windows, read, conv_bank, written, row, hk * K + rk, mk, first, KC, KP)
     bk, ck = _conv(x, conv_w, windows, read, conv_bank, written, row, HK * K + hk * K + rk, mk, first, KC, KP)
-    bv, cv = _conv(x, conv_w, windows, read, conv_bank, written, row, 2 * HK * K + h * V + rv, mv, h >= 0, KC, KP)
-    tl.store(conv_check + nh, cq + ck + cv)
+    bv, cv = _conv(x, conv_w, windows, read, conv_bank, written, row, 2 * HK * K + h * V + rv, mv, iv >= 0, KC, KP)
+    tl.store(conv_check + nh * NV + iv, cq + ck + cv)
     # the delta rule
     parity, after, slot = tl.load(source + n), tl.load(target + n), tl.load(slots + n)
     bq = bq * tl.rsqrt(tl.sum(bq * bq, 0) + 1e-6) * scale
@@ -90,23 +92,16 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window
     S = S + bk[:, None] * u[None, :]
     out = tl.sum(S * bq[:, None], 0)
     tl.store(bank + after * parity_stride + slot * slot_stride + tile, S.to(bank.dtype.element_ty), mask=mask)
+    tl.store(o + nh * V + rv, out, mask=mv)
     zeros = tl.where(mask, S * 0.0, 0.0)
-    tl.store(check + nh, tl.sum(tl.sum(zeros, 1), 0))
-    # the gated norm: the head's output rounded to z's dtype, normalised, weighed, gated by SiLU(z)
-    out = tl.where(mv, out, 0.0).to(z.dtype.element_ty).to(tl.float32)
-    normed = out * tl.rsqrt(tl.sum(out * out, 0) / V + eps) * tl.load(norm_w + rv, mask=mv, other=0.0).to(tl.float32)
-    gate = tl.load(z + n * z_stride + h * V + rv, mask=mv, other=0.0).to(tl.float32)
-    tl.store(o + nh * V + rv, (normed * (gate / (1.0 + tl.exp(-gate)))).to(o.dtype.element_ty), mask=mv)
+    tl.store(check + nh * NV + iv, tl.sum(tl.sum(zeros, 1), 0))
 
 
-def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent, norm):
+def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent):
     """`hebrus.ops.gdn.gdn_lanes` in one kernel. Each lane's source and target parities differ,
     or are one tensor (`state.context.InPlace`)."""
     HK, K, H, V = heads
     N, C = projected.shape
-    z, norm_w, eps = norm
-    if z.stride(2) != 1 or z.stride(1) != V:            # each lane's heads side by side, as a product's slice lays them
-        z = z.contiguous()
     Kc = conv_w.shape[1]
     # rows may lie apart (slices of one product's columns): each row's own values are dense
     projected, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (projected, b, a))
@@ -120,14 +115,14 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
         windows = conv.bank[conv.source, conv.slots]                       # [N, C, Kc-1]: lane i's at i
         lanes = torch.arange(N, device=projected.device)
         (source, slots), strides = (lanes, lanes), (windows.stride(0), 0)
-    o = torch.empty((N, H, V), dtype=z.dtype, device=projected.device)
-    conv_check, check = (torch.empty((N, H), dtype=torch.float32, device=projected.device) for _ in range(2))
-    _lanes[(N * H,)](projected, projected.stride(0), b, a, b.stride(0), conv_w.contiguous(), neg_a.float().contiguous(),
+    NV = triton.cdiv(V, BV)
+    o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
+    conv_check, check = (torch.empty((N, H * NV), dtype=torch.float32, device=projected.device) for _ in range(2))
+    _lanes[(N * H, NV)](projected, projected.stride(0), b, a, b.stride(0), conv_w.contiguous(), neg_a.float().contiguous(),
                         dt_bias.float().contiguous(), windows, source, slots, *strides, conv.bank, conv.target,
                         conv.slots, conv.bank.stride(0), conv.bank.stride(1),
                         recurrent.bank, recurrent.source, recurrent.target,
-                        recurrent.slots, recurrent.bank.stride(0), recurrent.bank.stride(1), z, z.stride(0),
-                        norm_w.contiguous(), eps, o, conv_check, check, K ** -0.5, HK=HK, H=H, K=K, V=V, KC=Kc,
-                        KP=triton.next_power_of_2(Kc - 1), BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-                        num_warps=WARPS)
+                        recurrent.slots, recurrent.bank.stride(0), recurrent.bank.stride(1), o, conv_check, check,
+                        K ** -0.5, HK=HK, H=H, K=K, V=V, KC=Kc, KP=triton.next_power_of_2(Kc - 1),
+                        BK=triton.next_power_of_2(K), BV=BV, NV=NV)
     return o, conv_check, check
