@@ -301,6 +301,24 @@ def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast):
         assert s.constraint is value and value._mask is not None
 
 
+def test_work_made_ahead_that_fails_leaves_the_next_to_run(tiny_fast):
+    """`ahead` hands its work to one thread for the process: a value whose `after` raises is
+    joined like any other, and work handed after it still runs."""
+    from hebrus.state.constraint import ahead
+
+    class Broken:
+        def after(self, tokens):
+            raise RuntimeError("broken")
+    made = ahead([(Broken(), 1)])
+    made.join(timeout=60)
+    assert made._done.is_set()
+    value = start(tiny_fast, PERSON)
+    made = ahead([(value, ord("{"))])
+    made.join(timeout=60)
+    assert made._done.is_set() and value.after([ord("{")])._mask is not None
+    assert ahead([]) is None
+
+
 def test_many_choices_sharing_one_value_compute_its_mask_once(tiny_fast, monkeypatch):
     from hebrus.state.constraint import masks
     from hebrus.text import grammar

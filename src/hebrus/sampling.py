@@ -54,10 +54,14 @@ def constrained(logits: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor
     one = logits.dim() == 1
     rows = logits[None] if one else logits
     words = max(m.numel() for m in masks)
-    if all(m.numel() == words for m in masks):
-        packed = torch.stack(masks)                 # one copy on the host
+    # one copy on the host, into page-locked memory where the logits are on a GPU: the copy to
+    # the device then needs no staging copy of its own (the host allocator keeps the block until
+    # that copy is done)
+    whole = all(m.numel() == words for m in masks)
+    packed = (torch.empty if whole else torch.zeros)((len(masks), words), dtype=torch.int32, pin_memory=rows.is_cuda)
+    if whole:
+        torch.stack(masks, out=packed)
     else:
-        packed = torch.zeros((len(masks), words), dtype=torch.int32)
         for b, m in enumerate(masks):
             packed[b, :m.numel()] = m
     packed = packed.to(rows.device, non_blocking=True)
