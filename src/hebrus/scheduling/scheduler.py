@@ -60,12 +60,13 @@ import torch
 
 from hebrus import faults
 from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
-from hebrus.sampling import Sampling, constrained, counted, penalise, sample_many
+from hebrus.sampling import Sampling
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
+from hebrus.scheduling import choice
 from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.prefix import PrefixCache
-from hebrus.state.constraint import ahead, masks
+from hebrus.state.constraint import ahead
 
 
 @dataclass
@@ -514,10 +515,9 @@ class Scheduler:
         return out
 
     def _choose(self, requests: list[Request]) -> dict[int, int]:
-        """Request id -> the token it samples, sent at once; a request with nothing left to
-        sample from fails, alone. A request with a constraint samples from the tokens it
-        allows (every such request's mask applied in one call), and one it allows nothing more
-        finishes ("stop")."""
+        """Request id -> the token it samples (`choice.tokens`), sent at once; a request with
+        nothing left to sample from fails, alone. A request with a constraint samples from the
+        tokens it allows, and one it allows nothing more finishes ("stop")."""
         for request in requests:
             if request.constraint is not None and not request.constrained:
                 request.session.constrain(request.constraint)
@@ -526,28 +526,8 @@ class Scheduler:
         for request in [r for r in requests if r.id in limits and limits[r.id].finished]:
             self._finish(request, "stop")
         requests = [r for r in requests if r.id not in limits or not limits[r.id].finished]
-        logits = [counted(penalise(r.logits, r.seen, r.sampling.repetition_penalty), r.counts, r.sampling)
-                  for r in requests]
-        groups: dict[tuple, list[int]] = {}            # a penalty's logits are float64: a group of their own
-        for i, r in enumerate(requests):
-            if r.id in limits:
-                groups.setdefault((logits[i].dtype, logits[i].device), []).append(i)
-        for members in groups.values():
-            try:
-                rows = constrained(torch.stack([logits[i] for i in members]),
-                                   masks([limits[requests[i].id] for i in members]))
-            except Exception as exc:                # the masks failed: these requests alone fail
-                for i in members:
-                    logits[i] = exc
-                continue
-            for i, row in zip(members, rows.unbind(0)):
-                logits[i] = row
-        failed = {i for i, x in enumerate(logits) if isinstance(x, BaseException)}
-        chosen = sample_many([x if i not in failed else torch.zeros(0) for i, x in enumerate(logits)],
-                             [r.sampling for r in requests], [r.generator for r in requests])
-        for i in failed:
-            chosen[i] = logits[i]
-        scored = _logprobs([(r, t) for r, t in zip(requests, chosen) if r.logprobs is not None and type(t) is int])
+        chosen = choice.tokens(requests, limits)
+        scored = choice.logprobs([(r, t) for r, t in zip(requests, chosen) if r.logprobs is not None and type(t) is int])
         tokens = {}
         for request, token in zip(requests, chosen):
             if isinstance(token, BaseException):
@@ -768,20 +748,3 @@ class Scheduler:
 def _places(requests) -> int:
     """The places `requests` take: one each, and one for each of their copies still to be made."""
     return sum(1 + len(r.copies) for r in requests)
-
-
-def _logprobs(chosen: list[tuple[Request, int]]) -> dict[int, tuple[float, list[tuple[int, float]]]]:
-    """Request id -> (the log probability of its chosen token, its `logprobs` likeliest tokens
-    with theirs), under the model's own distribution (its logits before any penalty, mask or
-    temperature), for every request of `chosen` in one pass and one transfer."""
-    if not chosen:
-        return {}
-    rows = torch.log_softmax(torch.stack([r.logits for r, _ in chosen]).float(), dim=-1)
-    ids = torch.tensor([t for _, t in chosen], device=rows.device)
-    picked = rows.gather(1, ids[:, None])[:, 0]
-    k = max(r.logprobs for r, _ in chosen)
-    top = rows.topk(k, dim=-1) if k else None
-    picked = picked.tolist()
-    values, indices = (top.values.tolist(), top.indices.tolist()) if top is not None else ([[]] * len(chosen),) * 2
-    return {r.id: (p, list(zip(i[:r.logprobs], v[:r.logprobs])))
-            for (r, _), p, v, i in zip(chosen, picked, values, indices)}
