@@ -19,6 +19,8 @@
 # the fastest launches written into this copy's ops/cuda/gemv.py), beside (the 1.68B shape at 1K and 8K, then
 # the same from HEBRUS_BASE, another checkout's src, on the same machine),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
+# chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
+# step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
@@ -140,6 +142,22 @@ for part in "$@"; do
         timeout 300 python3 -m hebrus bench --model deepseek-v4-3b --contexts 131072 --rounds 1 --decode-steps 8 \
             --cache /tmp/shapes --json "$out/bench-deepseek-v4-3b-128k.json" \
             --table "$out/bench-deepseek-v4-3b-128k.md" 2>&1 | grep -v '^bench' ;;
+    chain)
+        # the 1.68B shape at 1K and 8K with a step's kernels launched plain, then as a chain
+        # (HEBRUS_PDL=1: ops/cuda/chain.py), one after the other, 5 rounds each; the chained
+        # step's kernels; the GPU tests of the kernels that take part, chained
+        for pdl in 0 1; do
+            HEBRUS_PDL=$pdl timeout 150 python3 -m hebrus bench --model qwen3.5-1.7b --contexts 1024,8192 --rounds 5 \
+                --cache /tmp/shapes --json "$out/bench-chain-$pdl.json" --table "$out/bench-chain-$pdl.md" 2>&1 | grep -v '^bench'
+        done
+        mkdir -p /tmp/chained
+        HEBRUS_PDL=1 timeout 120 python3 benchmarks/decode_profile.py --model qwen3.5-1.7b --context 1024 --routes graph \
+            --steps 30 --out /tmp/chained > /tmp/chained/decode-profile.log 2>&1
+        head -1 /tmp/chained/kernels-*.txt; cp /tmp/chained/kernels-qwen3.5-1.7b.txt "$out/kernels-chained.txt"
+        HEBRUS_PDL=1 timeout 300 python3 -m pytest -q -n ${HEBRUS_WORKERS:-4} -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
+            -k "chain or gated_product or one_row_product or rotary or gdn_lanes or attention_lanes or graph_decode or sinkhorn or takes_the_fused" \
+            > "$out/test-cuda-chained.txt" 2>&1
+        tail -2 "$out/test-cuda-chained.txt" ;;
     profile)
         # a graph decode step of the 1.68B shape and of shakespeare: kernels in order, their times,
         # the host's Python; all in one archive

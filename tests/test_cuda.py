@@ -535,6 +535,29 @@ def test_a_planned_step_takes_the_fused_ops(tmp_path, monkeypatch):
 
 
 @cuda
+def test_a_step_launched_as_a_chain_gives_the_same_bits(tmp_path, monkeypatch):
+    """With a step's kernels launched as a chain (HEBRUS_PDL=1: programmatic dependent launch,
+    `ops.cuda.chain`; the fused ops compiled to take part where this torch can), a 16-bit
+    Qwen3.5's prompt and graph decode give the logits and the state of plain launches, bit for
+    bit: the chain changes when a kernel starts, not what it computes."""
+    from foreign import build
+    from hebrus.ops.cuda import chain, fuse
+    folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
+
+    def run():
+        model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
+        s = model.session(decode="graph")
+        first = s.feed(_ids(40, model.spec.vocab_size, 1)).clone()
+        return [first] + [s.feed([t]).clone() for t in range(12)], s.digest(), s._steps.replays
+    plain, digest, _ = run()
+    monkeypatch.setattr(chain, "WANTED", True)
+    monkeypatch.setattr(fuse, "_fused", {})                 # compiled again, to launch as a chain
+    chained, chained_digest, replays = run()
+    assert replays > 0 and chain.chained(torch.device("cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, chained)) and digest == chained_digest
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_gated_product_matches_its_twin(dtype):
     """SwiGLU's gate and up products and its middle in one kernel (`gemv.silu_gated`) against its
@@ -557,9 +580,9 @@ def test_the_gated_product_matches_its_twin(dtype):
         for block_n, block_k, warps in {gated_launch_shape(2 * N, K), (1, 2048, 8), (4, 128, 8), (2, 512, 2)}:
             got, both = torch.empty(1, N, device="cuda", dtype=dtype), torch.empty(1, 2 * N, device="cuda", dtype=dtype)
             _silu_gated_kernel[(-(-N // block_n),)](x, w, got, N, K, w.stride(0), BLOCK_N=block_n,
-                                                    BLOCK_K=block_k, num_warps=warps)
+                                                    BLOCK_K=block_k, CHAINED=False, num_warps=warps)
             _gemv_kernel[(-(-2 * N // block_n),)](x, w, both, 2 * N, K, w.stride(0), BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=warps)
+                                                  BLOCK_K=block_k, CHAINED=False, num_warps=warps)
             twin = silu_mul(*both.float().chunk(2, -1))        # the two products, rounded as written
             assert ((got.float() - twin).abs() <= 2 * ulp * twin.abs().clamp(min=1.0)).all(), (N, K, block_n, block_k)
             assert _rel(got.float(), want) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), (N, K, block_n, block_k)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
+
 
 # From benchmarks/decode_kernels.py on an H200 (1.68B shape, 1K context; results/cuda-h200/
 # decode-kernels-6fd5d50.txt): 64 rows, 4 warps, 2 programs per multiprocessor was the fastest or
@@ -33,7 +35,8 @@ TILE = 64               # rows a program takes at a time (whole blocks: at least
 def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
           k_block, k_row, k_head, v_block, v_row, v_head,
           HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-          R: tl.constexpr, BB: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr):
+          R: tl.constexpr, BB: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr, CHAINED: tl.constexpr):
+    after_the_last(CHAINED)
     n, h, run = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(positions + n)
     rg, rd, rr = tl.arange(0, GP), tl.arange(0, DP), tl.arange(0, RP)
@@ -70,10 +73,11 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
 
 @triton.jit
 def _weigh(acc, top, total, o, gate, gate_row, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           RUNS: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr):
+           RUNS: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
     """One (session, query head): its runs' partial results in the proportion of their sums
     against the largest maximum (a run that saw no row has maximum -inf and weighs nothing);
     `GATED`: then, rounded to o's dtype, times σ(gate) (attention's output gate)."""
+    after_the_last(CHAINED)
     i = tl.program_id(0)
     rs, rd = tl.arange(0, SP), tl.arange(0, DP)
     ms, md = rs < RUNS, rd < D
@@ -130,14 +134,17 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
     # tl.dot multiplies tiles of at least 16 along each side: the group, the rows and the values
     # are padded to that (and to a power of two), the padding masked off
     DP = max(16, triton.next_power_of_2(D))
+    chain = chained(q.device)
     _runs[(N, HKV, runs)](q, k_blocks, v_blocks, tables, positions, acc, top, total, W, D ** -0.5,
                           k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
                           v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
                           HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
-                          R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS)
+                          R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS,
+                          CHAINED=chain, launch_pdl=chain)
     o = torch.empty_like(q)
     _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0),
-                      HQ=HQ, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs), GATED=gate is not None)
+                      HQ=HQ, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs), GATED=gate is not None,
+                      CHAINED=chain, launch_pdl=chain)
     return o
 
 

@@ -42,6 +42,16 @@ STATIC_ROWS = 512
 SHARED = {"triton.cudagraphs": False}
 
 
+def _chained(options: dict) -> dict | None:
+    """`options`, with the kernels made to launch as a chain where a step's kernels do
+    (`ops.cuda.chain`) and this torch's compiler can; None for none."""
+    from hebrus.ops.cuda.chain import WANTED
+    import torch._inductor.config
+    if WANTED and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        return {**options, "triton.enable_pdl": True}
+    return options or None
+
+
 def enabled() -> bool:
     return os.environ.get("HEBRUS_FUSE", "1") != "0"
 
@@ -73,8 +83,8 @@ class _Fused:
         # with every size and number symbolic (`dynamic=True`) each index was divided by a width
         # known only at run time, and `gdn_inputs` over 8192 rows of the 1.68B shape took 901 us
         # on an H200 against 325 us made for that length (benchmarks/conv_prefill.py).
-        self.compiled = torch.compile(op, fullgraph=True, dynamic=False, options=SHARED)
-        self.static = torch.compile(op, fullgraph=True, dynamic=False)
+        self.compiled = torch.compile(op, fullgraph=True, dynamic=False, options=_chained(SHARED))
+        self.static = torch.compile(op, fullgraph=True, dynamic=False, options=_chained({}))
         self.failed: str | None = None
 
     def __call__(self, *args):

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
+
 BV = 32                 # value columns per program
 
 
@@ -59,7 +61,8 @@ def _lanes(x, x_stride, b, a, ab_stride, conv_w, neg_a, dt_bias, windows, window
            conv_slot_stride, bank, source, target, slots, parity_stride, slot_stride, o,
            conv_check, check, scale, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
            V: tl.constexpr, KC: tl.constexpr, KP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-           NV: tl.constexpr):
+           NV: tl.constexpr, CHAINED: tl.constexpr):
+    after_the_last(CHAINED)
     nh, iv = tl.program_id(0), tl.program_id(1)         # sessions x heads on the axis without a 65,535 cap
     n, h = nh // H, nh % H
     hk = h // (H // HK)                                                  # the key head it shares
@@ -118,11 +121,12 @@ def gdn_lanes_cuda(projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurre
     NV = triton.cdiv(V, BV)
     o = torch.empty((N, H, V), dtype=torch.float32, device=projected.device)
     conv_check, check = (torch.empty((N, H * NV), dtype=torch.float32, device=projected.device) for _ in range(2))
+    chain = chained(projected.device)
     _lanes[(N * H, NV)](projected, projected.stride(0), b, a, b.stride(0), conv_w.contiguous(), neg_a.float().contiguous(),
                         dt_bias.float().contiguous(), windows, source, slots, *strides, conv.bank, conv.target,
                         conv.slots, conv.bank.stride(0), conv.bank.stride(1),
                         recurrent.bank, recurrent.source, recurrent.target,
                         recurrent.slots, recurrent.bank.stride(0), recurrent.bank.stride(1), o, conv_check, check,
                         K ** -0.5, HK=HK, H=H, K=K, V=V, KC=Kc, KP=triton.next_power_of_2(Kc - 1),
-                        BK=triton.next_power_of_2(K), BV=BV, NV=NV)
+                        BK=triton.next_power_of_2(K), BV=BV, NV=NV, CHAINED=chain, launch_pdl=chain)
     return o, conv_check, check

@@ -22,20 +22,28 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
 from hebrus.ops.quant import linear as linear_twin
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CHAINED: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = n.to(tl.int64) * row_stride          # a large head's offsets pass 2**31
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    # the weight's first tile: no kernel of a step writes a weight, so it is read before waiting
+    # for the kernel before this one (`ops.cuda.chain`)
+    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    after_the_last(CHAINED)
+    acc = w.to(tl.float32) * tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, warps): the fastest launch for that weight as `benchmarks/gemv.py
@@ -53,13 +61,21 @@ MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB H
 
 
 @triton.jit
-def _silu_gated_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _silu_gated_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       CHAINED: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_row = n.to(tl.int64) * row_stride
     up_row = (n + N).to(tl.int64) * row_stride              # up's rows follow the gate's N
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    # the weights' first tiles, read before waiting (`_gemv_kernel`)
+    first_gate = tl.load(w_ptr + gate_row[:, None] + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    first_up = tl.load(w_ptr + up_row[:, None] + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    after_the_last(CHAINED)
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    gate = first_gate * x[None, :]
+    up = first_up * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         mask = (n[:, None] < N) & (k[None, :] < K)
@@ -110,8 +126,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None 
     N, K = w.shape
     block_n, block_k, warps = shape or launch_shape(N, K)
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    chain = chained(x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                             num_warps=warps)
+                                             CHAINED=chain, num_warps=warps, launch_pdl=chain)
     return y
 
 
@@ -124,8 +141,9 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     N, K = w.shape[0] // 2, w.shape[1]
     block_n, block_k, warps = shape or gated_launch_shape(2 * N, K)
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    chain = chained(x.device)
     _silu_gated_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                   num_warps=warps)
+                                                   CHAINED=chain, num_warps=warps, launch_pdl=chain)
     return y
 
 

@@ -17,11 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
+
 
 @triton.jit
 def _rotate(q, q_row, k, k_row, wq, wk, out_q, out_k, cos, sin, table_row, eps, v_in, v_row, k_cache, v_cache,
             blocks, offsets, cache_block, cache_row, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-            R: tl.constexpr, BD: tl.constexpr, APPEND: tl.constexpr):
+            R: tl.constexpr, BD: tl.constexpr, APPEND: tl.constexpr, CHAINED: tl.constexpr):
+    after_the_last(CHAINED)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)          # a long chunk's offsets pass 2**31
     if h < HQ:
         x, out, weight = q + t * q_row + h * D, out_q + (t * HQ + h) * D, wq
@@ -92,10 +95,11 @@ def normed_rotated_pair(q, k, wq, wk, cos, sin, eps, into=None):
     out_q = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     out_k = torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
     v, k_cache, v_cache, blocks, offsets = into if into is not None else (k, out_k, out_k, cos, cos)
+    chain = chained(q.device)
     if T:
         _rotate[(T, HQ + HK)](q, q.stride(0), k, k.stride(0), wq.contiguous(), wk.contiguous(), out_q, out_k,
                               cos, sin, cos.shape[1], eps, v, v.stride(0), k_cache, v_cache, blocks, offsets,
                               k_cache.stride(0), k_cache.stride(1),
                               HQ=HQ, HK=HK, D=D, R=cos.shape[1], BD=triton.next_power_of_2(D),
-                              APPEND=into is not None)
+                              APPEND=into is not None, CHAINED=chain, launch_pdl=chain)
     return out_q, out_k

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
 from hebrus.ops.hyper import sinkhorn as sinkhorn_twin
 
 ELEMENTS = 512           # a program's mixes: 32 tokens' 4 × 4, 2 tokens' 16 × 16
@@ -23,7 +24,8 @@ WARPS = 1
 
 @triton.jit
 def _sinkhorn_kernel(x_ptr, y_ptr, T, eps, ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, CHAINED: tl.constexpr):
+    after_the_last(CHAINED)
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[:, None, None]
     i = tl.arange(0, NP)[None, :, None]
     j = tl.arange(0, NP)[None, None, :]
@@ -53,6 +55,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if T:
         padded = triton.next_power_of_2(n)
         block = max(1, ELEMENTS // (padded * padded))
+        chain = chained(x.device)
         _sinkhorn_kernel[(triton.cdiv(T, block),)](x, y, T, eps, ITERS=iters, N=n, NP=padded, BLOCK=block,
-                                                  num_warps=WARPS)
+                                                  num_warps=WARPS, CHAINED=chain, launch_pdl=chain)
     return y

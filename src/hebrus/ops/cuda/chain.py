@@ -1,0 +1,39 @@
+"""A decode step's Triton kernels launched as a chain (programmatic dependent launch), with
+HEBRUS_PDL=1 on devices of compute capability 9 or more: a kernel may start while the one
+before it finishes, reads what no kernel of a step writes first (the products' first tile of
+weights), then waits for the one before it (`after_the_last`) before it reads anything else or
+writes anything. Every program waits, so a kernel ends only after the one before it has: the
+order of a step's writes stays the stream's. The kernels that take part: the one-row products
+and SwiGLU's middle (`gemv`), the rotary kernel, the GDN and attention lanes, the Sinkhorn
+rounds; fused ops are compiled to take part too (inductor's `enable_pdl`, where this torch has
+it). Off by default until measured against the plain launch on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+WANTED = os.environ.get("HEBRUS_PDL") == "1"
+
+
+def chained(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as a chain (HEBRUS_PDL=1 and a device that can)."""
+    return WANTED and _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def after_the_last(CHAINED: tl.constexpr):
+    """In a chained launch: let the next kernel launch, then wait until the one before this has
+    finished and its writes are seen. Nothing otherwise."""
+    if CHAINED:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
