@@ -536,25 +536,78 @@ def test_a_planned_step_takes_the_fused_ops(tmp_path, monkeypatch):
 
 @cuda
 def test_a_step_launched_as_a_chain_gives_the_same_bits(tmp_path, monkeypatch):
-    """With a step's kernels launched as a chain (HEBRUS_PDL=1: programmatic dependent launch,
+    """With kernels launched as a chain (HEBRUS_PDL=1: programmatic dependent launch,
     `ops.cuda.chain`; the fused ops compiled to take part where this torch can), a 16-bit
-    Qwen3.5's prompt and graph decode give the logits and the state of plain launches, bit for
-    bit: the chain changes when a kernel starts, not what it computes."""
+    Qwen3.5's prompt and graph decode give the logits and the state of plain launches (the
+    switch off, whatever the process was started with), bit for bit: the chain changes when a
+    kernel starts, not what it computes; and its launches were chained."""
     from foreign import build
     from hebrus.ops.cuda import chain, fuse
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 or more")
     folder, _ = build("qwen3_5", tmp_path / "qwen3_5")
+    asked = []
+    real = chain.chained
 
-    def run():
+    def counted(device):
+        asked.append(real(device))
+        return asked[-1]
+
+    def run(wanted: bool):
+        monkeypatch.setattr(chain, "WANTED", wanted)
+        monkeypatch.setattr(fuse, "_fused", {})             # compiled again, as the switch says
+        asked.clear()
         model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
         s = model.session(decode="graph")
         first = s.feed(_ids(40, model.spec.vocab_size, 1)).clone()
-        return [first] + [s.feed([t]).clone() for t in range(12)], s.digest(), s._steps.replays
-    plain, digest, _ = run()
-    monkeypatch.setattr(chain, "WANTED", True)
-    monkeypatch.setattr(fuse, "_fused", {})                 # compiled again, to launch as a chain
-    chained, chained_digest, replays = run()
-    assert replays > 0 and chain.chained(torch.device("cuda"))
+        out = [first] + [s.feed([t]).clone() for t in range(12)]
+        return out, s.digest(), s._steps.replays, list(asked)
+    for module in ("gemv", "rotary", "gdn_lanes", "attention_lanes"):      # imported by name there
+        monkeypatch.setattr(f"hebrus.ops.cuda.{module}.chained", counted)
+    plain, digest, _, plain_asked = run(False)
+    chained, chained_digest, replays, chained_asked = run(True)
+    assert replays > 0 and plain_asked and not any(plain_asked) and chained_asked and all(chained_asked)
     assert all(torch.equal(a, b) for a, b in zip(plain, chained)) and digest == chained_digest
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chained_products_read_what_the_one_before_wrote(dtype, monkeypatch):
+    """Fifty one-row products, each reading the row the one before it wrote, launched as a chain
+    (each program lets the next kernel launch at its start) and captured in a graph, replayed:
+    the same bits as launched plain. A product that read its input before the one before it
+    had written it would read the last replay's row."""
+    from hebrus.ops.cuda import chain, gemv
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 or more")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    D = 2048
+    w = (torch.randn(D, D, generator=g, device="cuda") / D ** 0.5).to(dtype)
+    first = torch.randn(1, D, generator=g, device="cuda").to(dtype)
+
+    def chain_of(x):
+        for _ in range(50):
+            x = gemv.launch(x, w) * 1                  # a torch kernel between some, too
+            x = gemv.launch(x, w)
+        return x
+
+    def captured(wanted):
+        monkeypatch.setattr(chain, "WANTED", wanted)
+        x = first.clone()
+        chain_of(x)                                     # compiled, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain_of(x)
+        outs = []
+        for i in range(5):
+            x.copy_(first if i % 2 == 0 else -first)
+            graph.replay()
+            outs.append(out.clone())
+        return outs
+    plain, chained = captured(False), captured(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, chained))
+    assert not torch.equal(plain[0], plain[1])
 
 
 @cuda

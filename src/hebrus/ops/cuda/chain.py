@@ -1,12 +1,16 @@
-"""A decode step's Triton kernels launched as a chain (programmatic dependent launch), with
-HEBRUS_PDL=1 on devices of compute capability 9 or more: a kernel may start while the one
-before it finishes, reads what no kernel of a step writes first (the products' first tile of
-weights), then waits for the one before it (`after_the_last`) before it reads anything else or
-writes anything. Every program waits, so a kernel ends only after the one before it has: the
-order of a step's writes stays the stream's. The kernels that take part: the one-row products
-and SwiGLU's middle (`gemv`), the rotary kernel, the GDN and attention lanes, the Sinkhorn
-rounds; fused ops are compiled to take part too (inductor's `enable_pdl`, where this torch has
-it). Off by default until measured against the plain launch on a GPU.
+"""The project's Triton kernels launched as a chain (programmatic dependent launch), with
+HEBRUS_PDL=1 on devices of compute capability 9 or more, wherever they run (a decode step's
+graph above all, a prompt's chunk too): a kernel may start while the one before it finishes,
+reads what no kernel writes while the model runs first (the products' first tile of weights:
+`gemv` takes a weight, never a value a kernel made), then waits for the one before it
+(`after_the_last`) before it reads anything else or writes anything. Every program waits, so a
+kernel ends only after the one before it has: the order of writes stays the stream's. The
+kernels that take part: the one-row products and SwiGLU's middle (`gemv`), the rotary kernel,
+the GDN and attention lanes, the Sinkhorn rounds; not the quantized products
+(`ops.cuda.quant`). Fused ops are compiled to take part too where this torch's compiler can
+(inductor's `enable_pdl`): inductor makes a kernel wait where it reads what the kernel before
+it in its own graph wrote, and the first kernel of each compiled op always waits. Off by
+default until measured against the plain launch on a GPU.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ WANTED = os.environ.get("HEBRUS_PDL") == "1"
 
 def chained(device: torch.device) -> bool:
     """Whether kernels on `device` launch as a chain (HEBRUS_PDL=1 and a device that can)."""
-    return WANTED and _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return WANTED and device.type == "cuda" and _capable(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

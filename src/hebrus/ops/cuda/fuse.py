@@ -45,7 +45,10 @@ SHARED = {"triton.cudagraphs": False}
 def _chained(options: dict) -> dict | None:
     """`options`, with the kernels made to launch as a chain where a step's kernels do
     (`ops.cuda.chain`) and this torch's compiler can; None for none."""
-    from hebrus.ops.cuda.chain import WANTED
+    try:
+        from hebrus.ops.cuda.chain import WANTED
+    except ImportError:                 # no Triton (ops compiled for the CPU): nothing launches so
+        return options or None
     import torch._inductor.config
     if WANTED and hasattr(torch._inductor.config.triton, "enable_pdl"):
         return {**options, "triton.enable_pdl": True}

@@ -45,7 +45,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.constexpr, B
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-
 # (N, K) -> (BLOCK_N, BLOCK_K, warps): the fastest launch for that weight as `benchmarks/gemv.py
 # --update` measured it (cold weights, as a decode step reads them) and wrote it here, on the device
 # named (the last to write; rows of shapes that run did not time are kept); `launch_shape` falls back
