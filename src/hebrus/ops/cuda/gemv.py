@@ -121,7 +121,9 @@ def takes(x: torch.Tensor, w) -> bool:
 
 def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ w [N, K]ᵀ -> [1, N] with the given (BLOCK_N, BLOCK_K, warps), default
-    `launch_shape` (what `takes` accepts only)."""
+    `launch_shape` (what `takes` accepts only). `w` is a weight, which no kernel writes while the
+    model runs: launched as a chain (`ops.cuda.chain`), its first tile is read before the kernel
+    before this one has finished."""
     N, K = w.shape
     block_n, block_k, warps = shape or launch_shape(N, K)
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
