@@ -626,19 +626,22 @@ def test_the_normed_product_matches_its_twin(dtype):
     from hebrus.ops.norm import gated_rms_norm
     from hebrus.ops.quant import quantize
     g = torch.Generator(device="cuda").manual_seed(9)
-    for H, V, N in ((16, 128, 2048), (3, 40, 37), (4, 96, 513)):
-        o = torch.randn(1, H, V, generator=g, device="cuda")
+    for H, V, N, eps in ((16, 128, 2048, 1e-6), (3, 40, 37, 0.5), (4, 96, 513, 1e-6), (32, 128, 300, 1e-6)):
+        # each head at its own scale (a norm over every head, not each, would be far off), and an
+        # eps that weighs against a head's mean square
+        o = torch.randn(1, H, V, generator=g, device="cuda") * torch.logspace(-1, 1, H, device="cuda")[None, :, None]
         z = torch.randn(1, H * V + 7, generator=g, device="cuda").to(dtype)[:, :H * V].view(1, H, V)
         norm = (0.5 + torch.rand(V, generator=g, device="cuda")).to(dtype)
         w = (torch.randn(N, H * V, generator=g, device="cuda") / (H * V) ** 0.5).to(dtype)
-        x = gated_rms_norm(o, z, norm, 1e-6)
-        twin = launch(x.flatten(1).contiguous(), w).float()
-        wide = F.linear(gated_rms_norm(o.double(), z.double(), norm.double(), 1e-6).flatten(1), w.double())
-        for block_n in (None, 1, 2, 4, 8):
-            got = normed_product(o, z, norm, 1e-6, w, block_n)
-            assert got.dtype == dtype and got.shape == (1, N)
-            assert _rel(got, twin) <= 1e-2 and _rel(got, wide) <= 2e-2, (H, V, N, block_n)
-        assert torch.equal(normed_product(o, z, norm, 1e-6, w), normed_product(o, z, norm, 1e-6, w))
+        for o_in in (o, o.to(dtype)):                      # the lanes' float32, fla's 16 bits
+            x = gated_rms_norm(o_in, z, norm, eps)
+            twin = launch(x.flatten(1).contiguous(), w).float()
+            wide = F.linear(gated_rms_norm(o_in.double(), z.double(), norm.double(), eps).flatten(1), w.double())
+            for block_n in (None, 1, 2, 4, 8, 16):
+                got = normed_product(o_in, z, norm, eps, w, block_n)
+                assert got.dtype == dtype and got.shape == (1, N)
+                assert _rel(got, twin) <= 1e-2 and _rel(got, wide) <= 2e-2, (H, V, N, block_n, o_in.dtype)
+        assert torch.equal(normed_product(o, z, norm, eps, w), normed_product(o, z, norm, eps, w))
     assert normed_product(o.expand(2, H, V).contiguous(), z.expand(2, H, V), norm, 1e-6, w) is None
     assert normed_product(o, z, norm, 1e-6, quantize(w.float(), "int8")) is None
     assert normed_product(o, z.transpose(1, 2).contiguous().transpose(1, 2), norm, 1e-6, w) is None

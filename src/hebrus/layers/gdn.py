@@ -53,7 +53,8 @@ class DeltaNetSection:
 class GatedDeltaNet:
     """The mixer's math over one step. A delta-rule kind that differs only in its projections,
     its decay's shape and its output norm (`layers.kda`) overrides `projections`, `rules`,
-    `norm` and `lanes`."""
+    `norm`, `lanes` and `out` (the one-token norm and out-projection op, taken only with this
+    class's `norm`)."""
     rules = (DELTA_RULE, DELTA_RULE_EACH, DELTA_RULE_RAGGED)      # its ops: one chunk, every state, ragged
     norm = staticmethod(gated_rms_norm)
     lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any
@@ -109,7 +110,7 @@ class GatedDeltaNet:
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
         z = z.view(T, self.hv, self.dv)
-        if T == 1 and self.out in kernels.ops:      # in one kernel where the op takes them
+        if T == 1 and self.out in kernels.ops and self.norm is gated_rms_norm:     # one kernel, where it takes them
             y = kernels.ops[self.out](o, z, self.norm_w, self.eps, self.w_out)
             if y is not None:
                 return y, conv_state, S
@@ -224,19 +225,22 @@ class GDN(Kind):
     def ops(self, mode, device, dtype):
         """Exact: the recurrence, token by token. Fast: the chunked form; for a 16-bit model on
         CUDA, fla's kernels when fla is installed (`hebrus.ops.cuda.gdn`; their TF32 dots would
-        not meet float32's fast bound), and one token's output norm and out-projection in one
-        Triton kernel (`hebrus.ops.cuda.gemv.normed_product`). Their readable twins are `ops.gdn`
+        not meet float32's fast bound), and, with or without fla, one token's output norm and
+        out-projection in one Triton kernel (`hebrus.ops.cuda.gemv.normed_product`). Their readable twins are `ops.gdn`
         (and the norm, then the product)."""
         if mode != "fast":
             return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states,
                     DELTA_RULE_RAGGED: gdn_ragged(gdn_recurrent)}
         rule, ragged, lanes = delta_rule_fast, gdn_ragged(delta_rule_fast), gdn_lanes
+        out = {}
         if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            try:
+                from hebrus.ops.cuda.gemv import normed_product          # Triton
+                out = {GDN_OUT: normed_product}
+            except ImportError:
+                pass
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
                 from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
-                from hebrus.ops.cuda.gemv import normed_product
                 rule, ragged, lanes = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged, gdn_lanes_cuda
-                return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes,
-                        GDN_OUT: normed_product}
-        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes}
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes, **out}

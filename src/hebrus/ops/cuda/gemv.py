@@ -5,6 +5,10 @@ keeping a [BLOCK_N, BLOCK_K] float32 partial sum and reducing it once at the end
 the same inputs give the same bits. The twin is F.linear (`ops.quant.linear`), which runs every
 other case (more rows, float32, a quantized weight).
 
+`normed_product` is a Gated DeltaNet's output norm and out-projection of one token in one
+kernel: each program norms the whole output again (read from the cache) and multiplies its rows
+of the weight by it; the twin is `ops.norm.gated_rms_norm`, then the product.
+
 `silu_gated` is SwiGLU's first half in one kernel: for gate and up projections laid side by side
 ([G; U], 2I x K), each program reduces BLOCK_N rows of each and writes silu(x Gᵀ) ⊙ x Uᵀ (each
 product rounded to the row's dtype first, as the product alone writes it); the twin is the
@@ -173,24 +177,31 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     return y
 
 
+NORMED_TILE = 16_384      # weight values a program of `normed_product` holds at most (in registers)
+
+
 def normed_product(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, eps: float, w,
                    block_n: int | None = None) -> torch.Tensor | None:
     """`ops.norm.gated_rms_norm(o, z, norm, eps)` then its product by w [N, H·V] for one token in
-    one kernel: o [1, H, V] (the delta rule's output, in its state's dtype), z [1, H, V] of w's
-    16-bit dtype, each head's values dense and heads side by side; norm [V]. BLOCK_N rows a
-    program (default the product's measured launch's). None where it does not take them (the
-    caller runs the norm, then the product)."""
+    one kernel: o [1, H, V] (the delta rule's output, in its state's dtype or the model's), z
+    [1, H, V] of w's 16-bit dtype, each head's values dense and heads side by side; norm [V].
+    BLOCK_N rows a program (default the product's measured launch's), fewer where a program's
+    tile of the weight would pass NORMED_TILE values. None where it does not take them (the
+    caller runs the norm, then the product), or where one row of the weight passes NORMED_TILE."""
     if (o.dim() != 3 or o.shape[0] != 1 or z.shape != o.shape or not takes(z.reshape(1, -1), w)
             or not o.is_contiguous() or z.stride(2) != 1 or z.stride(1) != z.shape[2] or norm.shape != (z.shape[2],)
             or not norm.is_contiguous() or o.device != z.device or norm.device != z.device
             or (torch.is_grad_enabled() and (o.requires_grad or z.requires_grad))):
         return None
     _, H, V = o.shape
-    N = w.shape[0]
+    N, tile = w.shape[0], triton.next_power_of_2(H) * triton.next_power_of_2(V)
+    if tile > NORMED_TILE:
+        return None
     if block_n is None:
         block_n, _, warps = launch_shape(N, H * V)
     else:
         warps = 4
+    block_n = max(1, min(block_n, NORMED_TILE // tile))
     y = torch.empty(1, N, device=z.device, dtype=z.dtype)
     chain = chained(z.device)
     _normed_product_kernel[(triton.cdiv(N, block_n),)](o, z, norm, eps, w, y, N, w.stride(0), H=H, V=V,
