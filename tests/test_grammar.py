@@ -311,11 +311,11 @@ def test_work_made_ahead_that_fails_leaves_the_next_to_run(tiny_fast):
             raise RuntimeError("broken")
     made = ahead([(Broken(), 1)])
     made.join(timeout=60)
-    assert made._done.is_set()
+    assert made.done.is_set()
     value = start(tiny_fast, PERSON)
     made = ahead([(value, ord("{"))])
     made.join(timeout=60)
-    assert made._done.is_set() and value.after([ord("{")])._mask is not None
+    assert made.done.is_set() and value.after([ord("{")])._mask is not None
     assert ahead([]) is None
 
 

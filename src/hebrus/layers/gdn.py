@@ -53,12 +53,11 @@ class DeltaNetSection:
 class GatedDeltaNet:
     """The mixer's math over one step. A delta-rule kind that differs only in its projections,
     its decay's shape and its output norm (`layers.kda`) overrides `projections`, `rules`,
-    `norm`, `lanes` and `out` (the one-token norm and out-projection op, taken only with this
-    class's `norm`)."""
+    `norm` and `lanes`; the one-token norm and out-projection op (`GDN_OUT`) applies this
+    class's `norm`, so a kind with another norm never takes it."""
     rules = (DELTA_RULE, DELTA_RULE_EACH, DELTA_RULE_RAGGED)      # its ops: one chunk, every state, ragged
     norm = staticmethod(gated_rms_norm)
     lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any
-    out: str | None = GDN_OUT           # its op for one token's output norm (`norm`) and out-projection, if any
 
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         g = s.section(DeltaNetSection)
@@ -110,8 +109,8 @@ class GatedDeltaNet:
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
         z = z.view(T, self.hv, self.dv)
-        if T == 1 and self.out in kernels.ops and self.norm is gated_rms_norm:     # one kernel, where it takes them
-            y = kernels.ops[self.out](o, z, self.norm_w, self.eps, self.w_out)
+        if T == 1 and self.norm is gated_rms_norm and GDN_OUT in kernels.ops:     # one kernel, where it takes them
+            y = kernels.ops[GDN_OUT](o, z, self.norm_w, self.eps, self.w_out)
             if y is not None:
                 return y, conv_state, S
         o = kernels.fused(self.norm)(o, z, self.norm_w, self.eps)
@@ -226,8 +225,8 @@ class GDN(Kind):
         """Exact: the recurrence, token by token. Fast: the chunked form; for a 16-bit model on
         CUDA, fla's kernels when fla is installed (`hebrus.ops.cuda.gdn`; their TF32 dots would
         not meet float32's fast bound), and, with or without fla, one token's output norm and
-        out-projection in one Triton kernel (`hebrus.ops.cuda.gemv.normed_product`). Their readable twins are `ops.gdn`
-        (and the norm, then the product)."""
+        out-projection in one Triton kernel (`hebrus.ops.cuda.gemv.normed_product`). Their
+        readable twins are `ops.gdn` (and the norm, then the product)."""
         if mode != "fast":
             return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states,
                     DELTA_RULE_RAGGED: gdn_ragged(gdn_recurrent)}

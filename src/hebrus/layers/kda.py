@@ -51,7 +51,6 @@ class KimiDeltaAttention(GatedDeltaNet):
     rules = (RULE, RULE_EACH, RULE_RAGGED)
     norm = staticmethod(sigmoid_gated_rms_norm)
     lanes = None
-    out = None
 
     def __init__(self, s, params: dict[str, torch.Tensor], prefix: str, kernels):
         d = s.section(KdaSection)

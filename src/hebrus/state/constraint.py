@@ -46,10 +46,10 @@ class Made:
     """What `ahead` started: `join()` waits until its work is done (or failed)."""
 
     def __init__(self):
-        self._done = threading.Event()
+        self.done = threading.Event()
 
     def join(self, timeout: float | None = None) -> None:
-        self._done.wait(timeout)
+        self.done.wait(timeout)
 
 
 class _Worker:
@@ -64,17 +64,17 @@ class _Worker:
 
     def _run(self) -> None:
         while True:
-            work, made = self._queue.get()
+            work, done = self._queue.get()
             try:
                 work()
             except Exception:                   # noqa: BLE001 - done again, where it is needed
                 pass
             finally:
-                made._done.set()
+                done.set()
 
     def put(self, work) -> Made:
         made = Made()
-        self._queue.put((work, made))
+        self._queue.put((work, made.done))
         return made
 
 
