@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape, normed_product, silu_gated
+from hebrus.ops.cuda.gemv import gated_launch_shape, launch, launch_shape, silu_gated
 
 # (outputs, inputs, products a decode step) of the qwen3.5-1.7b shape (18 GDN layers, 6 attention):
 # the GDN in-projection (qkv, z, b, a side by side), the GDN and attention out-projections,
@@ -36,7 +36,6 @@ SHAPES = ((8224, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24)
 CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048), (2, 4, 8))
            if n * k <= 8192]
 GATE_UP = (12288, 2048)           # the gate and up products side by side: `silu_gated` timed on it too
-OUT = (2048, 2048)                # the GDN's out-projection (16 heads of 128): `normed_product` timed on it too
 MODULE = Path(__file__).resolve().parents[1] / "src" / "hebrus" / "ops" / "cuda" / "gemv.py"
 
 
@@ -130,9 +129,6 @@ def main() -> None:
         if (N, K) == GATE_UP:
             lines.append(gated(x, w, weights, weight, bandwidth, args.replays))
             print(lines[-1], flush=True)
-        if (N, K) == OUT:
-            lines.append(normed(w, weights, args.replays))
-            print(lines[-1], flush=True)
     lines.append(f"\na decode step's products: F.linear {total['F.linear'] * 1e6:.0f} µs, the best Triton "
                  f"launch per shape {total['best'] * 1e6:.0f} µs, the rule's {total['rule'] * 1e6:.0f} µs")
     print(lines[-1])
@@ -159,27 +155,6 @@ def gated(x, w, weights, weight, bandwidth, replays) -> str:
     best = timed[0] if timed else (float("nan"), 0, 0, 0)
     return (f"silu_gated (the product and SwiGLU's middle): {at * 1e6:.1f} µs at its launch {taken}, "
             f"{weight / at / bandwidth:.0%}; fastest {best[1]}x{best[2]}/{best[3]} warps {best[0] * 1e6:.1f} µs")
-
-
-def normed(w, weights, replays) -> str:
-    """The GDN's output norm and out-projection of one token: the compiled `gated_rms_norm` then
-    the product at its launch (two kernels, as a step runs them) against `gemv.normed_product`
-    (one) at each BLOCK_N."""
-    from hebrus.ops.cuda.fuse import fused
-    from hebrus.ops.norm import gated_rms_norm
-    g = torch.Generator(device="cuda").manual_seed(2)
-    H, V = 16, w.shape[1] // 16
-    o = torch.randn(1, H, V, device="cuda", generator=g)
-    z = torch.randn(1, H, V, device="cuda", generator=g).to(w.dtype)
-    norm = (0.5 + torch.rand(V, device="cuda", generator=g)).to(w.dtype)
-    norm_op = fused(gated_rms_norm)
-    two = per_call(lambda w: launch(norm_op(o, z, norm, 1e-6).flatten(1), w), weights, replays=replays)
-    ones = {b: per_call(lambda w: normed_product(o, z, norm, 1e-6, w, b), weights, replays=replays)
-            for b in (1, 2, 4, 8)}
-    taken = per_call(lambda w: normed_product(o, z, norm, 1e-6, w), weights, replays=replays)
-    return (f"normed_product (the GDN's output norm and out-projection): {taken * 1e6:.1f} µs at its launch, "
-            + ", ".join(f"{b} rows {t * 1e6:.1f}" for b, t in ones.items())
-            + f"; the norm then the product {two * 1e6:.1f} µs")
 
 
 def update(fastest: dict, device: str) -> None:

@@ -507,11 +507,10 @@ def test_the_one_row_product_matches_f_linear(dtype):
 def test_a_planned_step_takes_the_fused_ops(tmp_path, monkeypatch):
     """A 16-bit Qwen3.5's planned decode step takes the fused ops, not their fallbacks (which give
     the same results, so the graph tests alone would not tell): SwiGLU's middle in the product,
-    k and v written by the rotary kernel, the output gate applied as the lanes' runs are weighed,
-    the GDN's output norm in its out-projection."""
+    k and v written by the rotary kernel, the output gate applied as the lanes' runs are weighed."""
     from foreign import build
     from hebrus.ops.cuda import attention_lanes, gemv, rotary
-    taken = dict.fromkeys(("silu_gated", "rotary into", "lanes gate", "normed out"), 0)
+    taken = dict.fromkeys(("silu_gated", "rotary into", "lanes gate"), 0)
 
     def counting(name, op, took):
         def counted(*args, **kwargs):
@@ -522,8 +521,6 @@ def test_a_planned_step_takes_the_fused_ops(tmp_path, monkeypatch):
         return counted
     # the kinds import their ops when the model is built: counted from then on
     monkeypatch.setattr(gemv, "silu_gated", counting("silu_gated", gemv.silu_gated, lambda a, k, out: out is not None))
-    monkeypatch.setattr(gemv, "normed_product", counting("normed out", gemv.normed_product,
-                                                         lambda a, k, out: out is not None))
     monkeypatch.setattr(rotary, "normed_rotated_pair", counting(
         "rotary into", rotary.normed_rotated_pair, lambda a, k, out: out is not None and len(a) > 7 and a[7] is not None))
     monkeypatch.setattr(attention_lanes, "attention_lanes_cuda", counting(
@@ -611,40 +608,6 @@ def test_chained_products_read_what_the_one_before_wrote(dtype, monkeypatch):
     plain, chained = captured(False), captured(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, chained))
     assert not torch.equal(plain[0], plain[1])
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_normed_product_matches_its_twin(dtype):
-    """A Gated DeltaNet's output norm and out-projection of one token in one kernel
-    (`gemv.normed_product`) against its twin, `gated_rms_norm` then the product: within 16-bit
-    rounding of the twin at every BLOCK_N it may take, near the float64 result; z a slice of a
-    wider product's row, as the layer passes it; deterministic; None for two tokens, a
-    quantized weight, heads not side by side."""
-    import torch.nn.functional as F
-    from hebrus.ops.cuda.gemv import launch, normed_product
-    from hebrus.ops.norm import gated_rms_norm
-    from hebrus.ops.quant import quantize
-    g = torch.Generator(device="cuda").manual_seed(9)
-    for H, V, N, eps in ((16, 128, 2048, 1e-6), (3, 40, 37, 0.5), (4, 96, 513, 1e-6), (32, 128, 300, 1e-6)):
-        # each head at its own scale (a norm over every head, not each, would be far off), and an
-        # eps that weighs against a head's mean square
-        o = torch.randn(1, H, V, generator=g, device="cuda") * torch.logspace(-1, 1, H, device="cuda")[None, :, None]
-        z = torch.randn(1, H * V + 7, generator=g, device="cuda").to(dtype)[:, :H * V].view(1, H, V)
-        norm = (0.5 + torch.rand(V, generator=g, device="cuda")).to(dtype)
-        w = (torch.randn(N, H * V, generator=g, device="cuda") / (H * V) ** 0.5).to(dtype)
-        for o_in in (o, o.to(dtype)):                      # the lanes' float32, fla's 16 bits
-            x = gated_rms_norm(o_in, z, norm, eps)
-            twin = launch(x.flatten(1).contiguous(), w).float()
-            wide = F.linear(gated_rms_norm(o_in.double(), z.double(), norm.double(), eps).flatten(1), w.double())
-            for block_n in (None, 1, 2, 4, 8, 16):
-                got = normed_product(o_in, z, norm, eps, w, block_n)
-                assert got.dtype == dtype and got.shape == (1, N)
-                assert _rel(got, twin) <= 1e-2 and _rel(got, wide) <= 2e-2, (H, V, N, block_n, o_in.dtype)
-        assert torch.equal(normed_product(o, z, norm, eps, w), normed_product(o, z, norm, eps, w))
-    assert normed_product(o.expand(2, H, V).contiguous(), z.expand(2, H, V), norm, 1e-6, w) is None
-    assert normed_product(o, z, norm, 1e-6, quantize(w.float(), "int8")) is None
-    assert normed_product(o, z.transpose(1, 2).contiguous().transpose(1, 2), norm, 1e-6, w) is None
 
 
 @cuda

@@ -24,7 +24,6 @@ DELTA_RULE = "gdn.delta_rule"             # (q, k, v, g, beta, state) -> (o, sta
 DELTA_RULE_EACH = "gdn.delta_rule_each"   # ... -> (o, the state after every token): a prefix transaction's chunk
 GDN_LANES = "gdn.lanes"   # (projected, b, a, conv_w, neg_a, dt_bias, heads, conv, recurrent) -> (o, conv check, recurrent check): a token a lane, states in place
 DELTA_RULE_RAGGED = "gdn.delta_rule_ragged"   # (..., states [N, ...], cu_seqlens, bounds) -> (o, states): N sessions' chunks
-GDN_OUT = "gdn.normed_out"     # (o [1, Hv, dv], z [1, Hv, dv], norm_w, eps, w_out) -> y [1, D], or None: one token's norm and out-projection
 
 
 # the chunked (WY) form over a chunk; the recurrence for a single token
@@ -53,8 +52,7 @@ class DeltaNetSection:
 class GatedDeltaNet:
     """The mixer's math over one step. A delta-rule kind that differs only in its projections,
     its decay's shape and its output norm (`layers.kda`) overrides `projections`, `rules`,
-    `norm` and `lanes`; the one-token norm and out-projection op (`GDN_OUT`) applies this
-    class's `norm`, so a kind with another norm never takes it."""
+    `norm` and `lanes`."""
     rules = (DELTA_RULE, DELTA_RULE_EACH, DELTA_RULE_RAGGED)      # its ops: one chunk, every state, ragged
     norm = staticmethod(gated_rms_norm)
     lanes: str | None = GDN_LANES       # its op for a token a lane with states in place, if any
@@ -108,12 +106,7 @@ class GatedDeltaNet:
             columns = list(zip(*parts))
             conv_state = torch.stack(columns[5])
             o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
-        z = z.view(T, self.hv, self.dv)
-        if T == 1 and self.norm is gated_rms_norm and GDN_OUT in kernels.ops:     # one kernel, where it takes them
-            y = kernels.ops[GDN_OUT](o, z, self.norm_w, self.eps, self.w_out)
-            if y is not None:
-                return y, conv_state, S
-        o = kernels.fused(self.norm)(o, z, self.norm_w, self.eps)
+        o = kernels.fused(self.norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 
     def _recur(self, projected, b, a, conv_state, S, each: bool = False):
@@ -224,22 +217,14 @@ class GDN(Kind):
     def ops(self, mode, device, dtype):
         """Exact: the recurrence, token by token. Fast: the chunked form; for a 16-bit model on
         CUDA, fla's kernels when fla is installed (`hebrus.ops.cuda.gdn`; their TF32 dots would
-        not meet float32's fast bound), and, with or without fla, one token's output norm and
-        out-projection in one Triton kernel (`hebrus.ops.cuda.gemv.normed_product`). Their
-        readable twins are `ops.gdn` (and the norm, then the product)."""
+        not meet float32's fast bound). Their readable twins are `ops.gdn`."""
         if mode != "fast":
             return {DELTA_RULE: gdn_recurrent, DELTA_RULE_EACH: gdn_recurrent_states,
                     DELTA_RULE_RAGGED: gdn_ragged(gdn_recurrent)}
         rule, ragged, lanes = delta_rule_fast, gdn_ragged(delta_rule_fast), gdn_lanes
-        out = {}
         if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-            try:
-                from hebrus.ops.cuda.gemv import normed_product          # Triton
-                out = {GDN_OUT: normed_product}
-            except ImportError:
-                pass
             from hebrus.ops.cuda import gdn as cuda_gdn
             if cuda_gdn.available():
                 from hebrus.ops.cuda.gdn_lanes import gdn_lanes_cuda
                 rule, ragged, lanes = cuda_gdn.gdn_fla, cuda_gdn.gdn_fla_ragged, gdn_lanes_cuda
-        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes, **out}
+        return {DELTA_RULE: rule, DELTA_RULE_EACH: gdn_states, DELTA_RULE_RAGGED: ragged, GDN_LANES: lanes}

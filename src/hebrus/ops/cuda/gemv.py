@@ -5,10 +5,6 @@ keeping a [BLOCK_N, BLOCK_K] float32 partial sum and reducing it once at the end
 the same inputs give the same bits. The twin is F.linear (`ops.quant.linear`), which runs every
 other case (more rows, float32, a quantized weight).
 
-`normed_product` is a Gated DeltaNet's output norm and out-projection of one token in one
-kernel: each program norms the whole output again (read from the cache) and multiplies its rows
-of the weight by it; the twin is `ops.norm.gated_rms_norm`, then the product.
-
 `silu_gated` is SwiGLU's first half in one kernel: for gate and up projections laid side by side
 ([G; U], 2I x K), each program reduces BLOCK_N rows of each and writes silu(x Gᵀ) ⊙ x Uᵀ (each
 product rounded to the row's dtype first, as the product alone writes it); the twin is the
@@ -90,31 +86,6 @@ def _silu_gated_kernel(x_ptr, w_ptr, y_ptr, N, K, row_stride, BLOCK_N: tl.conste
     tl.store(y_ptr + n, (g / (1.0 + tl.exp(-g)) * u).to(out), mask=n < N)
 
 
-@triton.jit
-def _normed_product_kernel(o_ptr, z_ptr, norm_ptr, eps, w_ptr, y_ptr, N, row_stride, H: tl.constexpr,
-                           V: tl.constexpr, HP: tl.constexpr, VP: tl.constexpr, BLOCK_N: tl.constexpr,
-                           CHAINED: tl.constexpr):
-    """A Gated DeltaNet's output norm and out-projection for one token: each program norms the
-    whole output again (every head: a few thousand multiplies, read from the cache) and
-    multiplies its BLOCK_N rows of the weight by it, as `_gemv_kernel` with one tile of H x V."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = n.to(tl.int64) * row_stride
-    h, v = tl.arange(0, HP)[:, None], tl.arange(0, VP)[None, :]
-    inside = (h < H) & (v < V)
-    # the weight's rows, read before waiting for the kernel before this one (`_gemv_kernel`)
-    w = tl.load(w_ptr + row[:, None, None] + (h * V + v)[None, :, :], mask=(n < N)[:, None, None] & inside[None],
-                other=0.0)
-    after_the_last(CHAINED)
-    out = y_ptr.dtype.element_ty
-    o = tl.load(o_ptr + h * V + v, mask=inside, other=0.0).to(out).to(tl.float32)     # rounded, as the norm's twin
-    normed = o * tl.rsqrt(tl.sum(o * o, 1) / V + eps)[:, None] * tl.load(norm_ptr + v, mask=v < V,
-                                                                          other=0.0).to(tl.float32)
-    gate = tl.load(z_ptr + h * V + v, mask=inside, other=0.0).to(tl.float32)
-    x = (normed * (gate / (1.0 + tl.exp(-gate)))).to(out).to(tl.float32)        # the norm's output as written
-    y = tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
-    tl.store(y_ptr + n, y.to(out), mask=n < N)
-
-
 def launch_shape(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for a weight [N, K]: the measured launch for that shape, else the
     fastest measured at the nearest shape."""
@@ -174,40 +145,6 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     chain = chained(x.device)
     _silu_gated_kernel[(triton.cdiv(N, block_n),)](x, w, y, N, K, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                    CHAINED=chain, num_warps=warps, launch_pdl=chain)
-    return y
-
-
-NORMED_TILE = 16_384      # weight values a program of `normed_product` holds at most (in registers)
-
-
-def normed_product(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, eps: float, w,
-                   block_n: int | None = None) -> torch.Tensor | None:
-    """`ops.norm.gated_rms_norm(o, z, norm, eps)` then its product by w [N, H·V] for one token in
-    one kernel: o [1, H, V] (the delta rule's output, in its state's dtype or the model's), z
-    [1, H, V] of w's 16-bit dtype, each head's values dense and heads side by side; norm [V].
-    BLOCK_N rows a program (default the product's measured launch's), fewer where a program's
-    tile of the weight would pass NORMED_TILE values. None where it does not take them (the
-    caller runs the norm, then the product), or where one row of the weight passes NORMED_TILE."""
-    if (o.dim() != 3 or o.shape[0] != 1 or z.shape != o.shape or not takes(z.reshape(1, -1), w)
-            or not o.is_contiguous() or z.stride(2) != 1 or z.stride(1) != z.shape[2] or norm.shape != (z.shape[2],)
-            or not norm.is_contiguous() or o.device != z.device or norm.device != z.device
-            or (torch.is_grad_enabled() and (o.requires_grad or z.requires_grad))):
-        return None
-    _, H, V = o.shape
-    N, tile = w.shape[0], triton.next_power_of_2(H) * triton.next_power_of_2(V)
-    if tile > NORMED_TILE:
-        return None
-    if block_n is None:
-        block_n, _, warps = launch_shape(N, H * V)
-    else:
-        warps = 4
-    block_n = max(1, min(block_n, NORMED_TILE // tile))
-    y = torch.empty(1, N, device=z.device, dtype=z.dtype)
-    chain = chained(z.device)
-    _normed_product_kernel[(triton.cdiv(N, block_n),)](o, z, norm, eps, w, y, N, w.stride(0), H=H, V=V,
-                                                       HP=triton.next_power_of_2(H), VP=triton.next_power_of_2(V),
-                                                       BLOCK_N=block_n, CHAINED=chain, num_warps=warps,
-                                                       launch_pdl=chain)
     return y
 
 
