@@ -19,6 +19,7 @@
 # the fastest launches written into this copy's ops/cuda/gemv.py), beside (the 1.68B shape at 1K and 8K, then
 # the same from HEBRUS_BASE, another checkout's src, on the same machine),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
+# constrained (bench --constrained at 1 and 64 sessions, and benchmarks/constrained_parts.py),
 # chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
@@ -142,6 +143,14 @@ for part in "$@"; do
         timeout 300 python3 -m hebrus bench --model deepseek-v4-3b --contexts 131072 --rounds 1 --decode-steps 8 \
             --cache /tmp/shapes --json "$out/bench-deepseek-v4-3b-128k.json" \
             --table "$out/bench-deepseek-v4-3b-128k.md" 2>&1 | grep -v '^bench' ;;
+    constrained)
+        # issue 31: bench --constrained on the 1.68B shape at 1 and 64 sessions, then its step taken
+        # apart (benchmarks/constrained_parts.py: the parts' host times, the worker alone, one
+        # step's kernels free and constrained)
+        timeout 200 python3 -m hebrus bench --constrained --model qwen3.5-1.7b --contexts 1024 --batch 1,64 --rounds 3 \
+            --decode-steps 32 --cache /tmp/shapes --json "$out/bench-constrained.json" \
+            --table "$out/bench-constrained.md" 2>&1 | grep -v '^bench'
+        timeout 240 python3 benchmarks/constrained_parts.py --model qwen3.5-1.7b --batch 1,64 --out "$out" 2>&1 | grep -v Warn ;;
     chain)
         # the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain
         # (HEBRUS_PDL=1: ops/cuda/chain.py), taking turns, 3 rounds each time; the chained
