@@ -338,7 +338,7 @@ def test_the_engine_preempts_requests_over_ranks_to_host_memory_and_back(closing
         if not scheduler.preempted:
             scheduler._take_waiting()
         scheduler._turn()
-    assert scheduler.preemptions > 0 and scheduler.host_held == 0
+    assert scheduler.preemptions > 0 and scheduler.preempted.held == 0
     del scheduler
     gc.collect()
     model.session().feed([1])                   # a call: the workers let go what this process did

@@ -191,7 +191,7 @@ def test_preempted_requests_answer_bit_for_bit_as_they_do_alone(tiny, host_bytes
                           preempt_host_bytes=host_bytes)
     requests = [_ask(tokens(30, seed=s), new=40, key=f"k{s}", seed=s) for s in range(4)]
     _together(scheduler, requests)
-    assert scheduler.preemptions > 0 and scheduler.host_held == 0
+    assert scheduler.preemptions > 0 and scheduler.preempted.held == 0
     for request in requests:
         assert len(request.got) == 40 and request.got == _alone(tiny, request)   # the same preset's weights
     gc.collect()

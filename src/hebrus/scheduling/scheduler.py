@@ -31,12 +31,11 @@ is fed); one larger than the places runs when nothing else does.
 
 When a chunk finds the state pool without a free block (`PoolExhausted`), the loop makes room and
 the chunk runs again next turn: the prefix cache gives back its least recently used entries
-first; else the newest running request is preempted. Its published state (consistent by
-construction) moves to host memory (`Session.host_copy`, up to `preempt_host_bytes` for all
-preempted requests; past that it is recomputed from its tokens), and a token it had chosen but
-not yet committed is kept. Preempted requests come back, oldest first and before any new
-request, once the pool has blocks for their rows and a step more; what they produce is
-unchanged by it (exact mode: bit for bit). Only a request that holds the pool alone fails.
+first; else the newest running request is preempted (`scheduling.preemption`: its state to host
+memory, up to `preempt_host_bytes` for all of them, else recomputed from its tokens when it comes
+back). Preempted requests come back, oldest first and before any new request, once the pool has
+blocks for their rows and a step more; what they produce is unchanged by it (exact mode: bit for
+bit). Only a request that holds the pool alone fails.
 
 The prefix cache (`PrefixCache`) keeps states as prompts are fed: every `prefix_every` tokens,
 at each prompt's end, where a prompt left a cached one, and at the end of every finished turn. A
@@ -65,6 +64,7 @@ from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route
 from hebrus.scheduling import choice
 from hebrus.scheduling.pace import Pace
+from hebrus.scheduling.preemption import Preempted
 from hebrus.scheduling.prefix import PrefixCache
 from hebrus.state.constraint import ahead
 
@@ -165,9 +165,7 @@ class Scheduler:
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.preempted: collections.deque[Request] = collections.deque()   # oldest first
-        self.preempt_host_bytes, self.host_held = preempt_host_bytes, 0
-        self.preemptions = 0            # requests preempted so far (bench, tests)
+        self.preempted = Preempted(preempt_host_bytes)
         self._wake = threading.Condition()
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="hebrus-engine", daemon=True)
@@ -224,6 +222,11 @@ class Scheduler:
                 and (len(self.spares) >= self.spare_sessions or self._spares_refused))
 
     @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (/metrics, the bench)."""
+        return self.preempted.count
+
+    @property
     def depth(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting) + len(self.preempted)
 
@@ -255,7 +258,7 @@ class Scheduler:
                 for request in self.running + list(self.preempted):
                     request.session = None          # its slot and blocks back, as `_end` does
                     request.emit("error", exc)
-                self.running, self.host_held = [], 0
+                self.running = []
                 self.preempted.clear()
 
     def _take_waiting(self) -> None:
@@ -634,7 +637,6 @@ class Scheduler:
             self.running.remove(request)
         else:                                       # ended while preempted
             self.preempted.remove(request)
-            self._let_go(request)
 
     # ---- preemption -------------------------------------------------------------------------
     def _runs_again(self, request: Request, failure: BaseException) -> bool:
@@ -659,70 +661,34 @@ class Scheduler:
         holding = [r for r in self.running if r.session is not None]
         if not holding or holding == [failed]:
             return False
-        self._preempt(max(holding, key=lambda r: r.id))
+        newest = max(holding, key=lambda r: r.id)
+        self.running.remove(newest)
+        self.preempted.take(newest)
         return True
 
-    def _preempt(self, request: Request) -> None:
-        """Move `request`'s published state to host memory (or, past `preempt_host_bytes`, let
-        it go: it is recomputed from its tokens) and give its slot and blocks back."""
-        size = request.session.image.held_bytes()
-        if self.host_held + size <= self.preempt_host_bytes:
-            request.host = request.session.host_copy()
-            self.host_held += request.host.nbytes
-        request.session = None
-        self.running.remove(request)
-        self.preempted.append(request)
-        self.preemptions += 1
-
     def _resume(self) -> None:
-        """Bring preempted requests back, oldest first, while the pool has blocks for each one's
-        rows and a step more (and one for each running request) and a place is free; one that
-        can never fit fails."""
-        pool = self.model.pool
-        while self.preempted and len(self.running) < self.max_sessions:
-            request = self.preempted[0]
-            rows = request.fed + len(request.produced)
-            # its rows, a step more, and a block for each running request's next rows (else it
-            # would be preempted again at once)
-            def fits() -> bool:
-                return pool.free_blocks >= pool.blocks_for(rows + 1) + len(self.running) and pool.free_slots > 0
-            if not fits():
-                if self.running or self.cache.shed():
-                    return                          # blocks come back as others end
-                gc.collect()                        # sessions let go in reference cycles
-                if not fits():                      # alone, and it still does not fit
-                    self.preempted.popleft()
-                    self._let_go(request)
-                    self._report(request, PoolExhausted("resume", f"{rows} rows do not fit the state pool"))
-                    continue
-            try:
-                request.session = (self.model.from_host(request.host, decode="eager") if request.host is not None
-                                   else self._recomputed(request.prompt[:request.fed] + request.produced))
-                if request.host is None and request.constrained:    # as it stood after its tokens
-                    request.session.constrain(request.constraint.after(request.produced))
-            except AllocationError:
-                return
-            except Exception as exc:                # it alone fails
-                self.preempted.popleft()
-                self._let_go(request)
-                self._report(request, exc)
-                continue
-            self.preempted.popleft()
-            self._let_go(request)
-            self.running.append(request)
+        """Bring preempted requests back while there are places and blocks for them
+        (`Preempted.back`); one that fails to come back fails alone."""
+        for request, failure in self.preempted.back(self.model.pool, len(self.running), self.max_sessions,
+                                                    self.cache.shed, self._restored):
+            if failure is None:
+                self.running.append(request)
+            else:
+                self._report(request, failure)
 
-    def _recomputed(self, tokens: list[int]):
-        """A session fed `tokens` again, holding blocks for them and a step more (no more: the
-        pool is short)."""
+    def _restored(self, request: Request):
+        """A preempted request's session again: from its state in host memory, else fed its
+        tokens again (holding blocks for them and a step more, no more: the pool is short), its
+        constraint as it stood after them."""
+        if request.host is not None:
+            return self.model.from_host(request.host, decode="eager")
+        tokens = request.prompt[:request.fed] + request.produced
         session = self.model.session(decode="eager", reserve=min(len(tokens) + 1, self.model.spec.max_context))
         if tokens:
             session.prefill(tokens, self.chunk_size)
+        if request.constrained:
+            session.constrain(request.constraint.after(request.produced))
         return session
-
-    def _let_go(self, request: Request) -> None:
-        if request.host is not None:
-            self.host_held -= request.host.nbytes
-            request.host = None
 
     def _report(self, request: Request, exc: BaseException) -> None:
         """Send the exception that failed `request` (counted in the metrics if an abort)."""
