@@ -17,6 +17,7 @@ beside a free one's. Means over the timed steps of every round, in µs a step:
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 import statistics
 import time
 from collections import defaultdict
@@ -27,11 +28,10 @@ import torch
 import hebrus
 from hebrus import bench
 from hebrus.batching import Batch
-from hebrus.bench.constrained import SCHEMA, Vocabulary
+from hebrus.bench.constrained import workload
 from hebrus.bench.limits import sync
 from hebrus.sampling import constrained
 from hebrus.state.constraint import ahead, masks
-from hebrus.text.grammar import Grammar
 
 PARTS = ("masks", "apply", "argmax", "ahead", "feed", "join")
 
@@ -57,13 +57,10 @@ def main() -> None:
     if not batches or min(batches) < 1:
         parser.error("--batch takes positive session counts, e.g. 1,64")
     model = _load(args.model, args.device, args.cache)
-    words = model.tokenizer if model.spec.vocab_size <= 256 or model.tokenizer.name != "bytes" \
-        else Vocabulary(model.spec.vocab_size)
-    start = Grammar.json(SCHEMA).start(words, model.spec.vocab_size)
-    prompt = list(b"ROMEO:\n") if model.spec.vocab_size == 256 else \
-        torch.randint(0, model.spec.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    start, prompt = workload(model)
     lines = [f"constrained step's parts: {args.model} on {model.device}, {args.steps} steps, {args.rounds} rounds"
              f"{', synced after the apply' if args.sync else ''}; µs a step, mean over the timed steps"]
+    print(lines[0], flush=True)
     for width in batches:
         _run(model, prompt, width, args.steps, start, args.sync)          # warm-up: graphs, compiled ops
         _run(model, prompt, width, args.steps, None, args.sync)
@@ -83,6 +80,7 @@ def main() -> None:
             for name, limit in (("free", None), ("constrained", start)):
                 lines.append(f"\n### one {name} step's kernels, {width} sessions\n" +
                              _kernels(model, prompt, width, limit))
+                print(lines[-1], flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "constrained-parts.txt").write_text("\n".join(lines) + "\n")
@@ -171,7 +169,7 @@ def _kernels(model, prompt, width, limit) -> str:
     sessions, batch, logits = _begun(model, prompt, width, limit)
     for timed in (False, True):
         sync(model.device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if timed else _Nothing() as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if timed else nullcontext() as prof:
             if limit is not None:
                 logits = constrained(logits, masks([s.constraint for s in sessions]))
             tokens = logits.argmax(-1).tolist()
@@ -182,14 +180,6 @@ def _kernels(model, prompt, width, limit) -> str:
             logits = torch.stack(results)
             sync(model.device)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

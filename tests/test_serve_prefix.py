@@ -198,6 +198,85 @@ def test_preempted_requests_answer_bit_for_bit_as_they_do_alone(tiny, host_bytes
     assert model.pool.free_blocks == 12 and model.pool.free_slots == 8
 
 
+def _preempting(host_bytes: int = 1 << 30):
+    """Four requests too many for the pool, run until one is preempted with its state in host
+    memory -> (the model, the scheduler, the requests, each one's events)."""
+    model = _pool_of(slots=8, blocks=12)
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0,
+                          preempt_host_bytes=host_bytes)
+    events = {s: [] for s in range(4)}
+    requests = [Request(key=f"k{s}", prompt=tokens(30, seed=s), max_tokens=40, sampling=Sampling(temperature=0.8),
+                        seed=s, stop_ids=frozenset(), emit=lambda kind, value, s=s: events[s].append((kind, value)))
+                for s in range(4)]
+    scheduler.waiting.extend(requests)
+    for _ in range(10_000):
+        if scheduler.preempted and scheduler.preempted.held > 0:
+            return model, scheduler, requests, events
+        if not scheduler.preempted:
+            scheduler._take_waiting()
+        scheduler._turn()
+    raise AssertionError("nothing was preempted")
+
+
+def test_a_request_cancelled_while_preempted_gives_its_host_copy_and_blocks_back():
+    model, scheduler, requests, events = _preempting()
+    gone = list(scheduler.preempted)
+    for request in gone:
+        request.cancelled.set()
+    _together(scheduler, [])
+    assert scheduler.preempted.held == 0 and not scheduler.preempted
+    for request in gone:
+        assert request.host is None and events[requests.index(request)][-1] == ("done", "cancelled")
+    gc.collect()
+    assert model.pool.free_blocks == 12 and model.pool.free_slots == 8
+
+
+def test_a_loop_that_fails_answers_preempted_requests_and_gives_their_memory_back():
+    model, scheduler, requests, events = _preempting()
+    held = list(scheduler.preempted)
+
+    def fails():
+        scheduler._stop = True                  # the loop ends after answering them
+        raise RuntimeError("a bug in a turn")
+    scheduler._turn = fails
+    scheduler._loop()
+    assert scheduler.preempted.held == 0 and not scheduler.preempted and not scheduler.running
+    for request in requests:
+        assert events[requests.index(request)][-1][0] in ("error", "done")
+    for request in held:
+        assert request.host is None
+    gc.collect()
+    assert model.pool.free_blocks == 12 and model.pool.free_slots == 8
+
+
+def test_a_host_copy_that_fails_leaves_no_request_unanswered(monkeypatch):
+    """Making room preempts the newest request; where its host copy fails, the turn fails and
+    the loop answers every request, the one it was preempting among them."""
+    model = _pool_of(slots=8, blocks=12)
+    scheduler = Scheduler(model, chunk_size=16, prefill_tokens=64, spare_sessions=0, cache_bytes=0)
+    events = {s: [] for s in range(4)}
+    requests = [Request(key=f"k{s}", prompt=tokens(30, seed=s), max_tokens=40, sampling=Sampling(temperature=0.8),
+                        seed=s, stop_ids=frozenset(), emit=lambda kind, value, s=s: events[s].append((kind, value)))
+                for s in range(4)]
+
+    def fails(session):
+        raise RuntimeError("no host memory")
+    monkeypatch.setattr(type(model.session()), "host_copy", fails)
+    turn = scheduler._turn
+
+    def turn_once_failed():
+        try:
+            turn()
+        except Exception:
+            scheduler._stop = True
+            raise
+    scheduler._turn = turn_once_failed
+    scheduler.waiting.extend(requests)
+    scheduler._take_waiting()
+    scheduler._loop()
+    assert all(events[s] and events[s][-1][0] in ("done", "error") for s in range(4)), events
+
+
 def test_in_fast_mode_preempted_requests_stepped_together_stay_within_the_bound(tiny_fast):
     """The decoding requests step together from the static plan (what a CUDA graph captures);
     a request refused its block in the shared step is preempted or has room made, and comes

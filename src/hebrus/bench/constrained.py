@@ -51,12 +51,20 @@ class Vocabulary:
         self.stop_ids = (size - 1,)
 
 
-def points(model, batches: tuple[int, ...], steps: int, rounds: int, progress=None) -> list[dict]:
+def workload(model) -> tuple:
+    """(SCHEMA's constraint at its start over `model`'s vocabulary, the prompt every session is
+    fed): the model's tokenizer, or a made-up `Vocabulary` of its size where it has only bytes
+    and more ids; a line of the trained text for a byte model, else 64 random ids."""
     words = model.tokenizer if model.spec.vocab_size <= 256 or model.tokenizer.name != "bytes" \
         else Vocabulary(model.spec.vocab_size)
     start = Grammar.json(SCHEMA).start(words, model.spec.vocab_size)
     prompt = list(b"ROMEO:\n") if model.spec.vocab_size == 256 else \
         torch.randint(0, model.spec.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    return start, prompt
+
+
+def points(model, batches: tuple[int, ...], steps: int, rounds: int, progress=None) -> list[dict]:
+    start, prompt = workload(model)
     rows, done, total = [], 0, len(batches) * (rounds + 1) * 2
     for width in batches:
         times = {"free": [], "constrained": []}

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import collections
 import gc
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from hebrus.errors import AllocationError, PoolExhausted
+
+if TYPE_CHECKING:
+    from hebrus.scheduling.scheduler import Request
 
 
 class Preempted:
     def __init__(self, host_bytes: int):
-        self.requests: collections.deque = collections.deque()       # oldest first
+        self.requests: collections.deque[Request] = collections.deque()     # oldest first
         self.host_bytes = host_bytes    # at most this many bytes of their states in host memory
         self.held = 0                   # bytes of their states in host memory now
         self.count = 0                  # requests preempted so far (the bench, /metrics, tests)
@@ -35,11 +38,13 @@ class Preempted:
     def take(self, request) -> None:
         """Preempt `request`: its published state to host memory (or, past `host_bytes`, let go:
         it is recomputed from its tokens), its session let go, so that its slot and blocks
-        return to the pool once nothing else holds it."""
-        size = request.session.image.held_bytes()
-        if self.held + size <= self.host_bytes:
-            request.host = request.session.host_copy()
-            self.held += request.host.nbytes
+        return to the pool once nothing else holds it. The caller takes it out of its running
+        requests after this returns: where the host copy fails, nothing has changed."""
+        if self.held + request.session.image.held_bytes() <= self.host_bytes:
+            host = request.session.host_copy()
+            if self.held + host.nbytes <= self.host_bytes:     # what it holds, counted as `held` counts it
+                request.host = host
+                self.held += host.nbytes
         request.session = None
         self.requests.append(request)
         self.count += 1
@@ -55,16 +60,18 @@ class Preempted:
         self.requests.clear()
 
     def back(self, pool, running: int, places: int, shed: Callable[[], bool],
-             restore: Callable) -> Iterator[tuple[object, BaseException | None]]:
-        """The requests that come back now, oldest first, each out of this set: (request, None)
-        with its session made again by `restore(request)`, or (request, the exception that
-        fails it: a `restore` that failed, or `PoolExhausted` where it can never fit). One
-        comes back while there is a place (`running` of `places` taken, counting those brought
-        back) and the pool has blocks for its rows, a step more and one for each running
-        request's next rows (else it would be preempted again at once); none while the pool is
-        short for it, others hold blocks that come back as they end, or `shed()` (the prefix
-        cache's least recently used entry given back) freed some; none either where `restore`
-        finds no memory for it now (`AllocationError`)."""
+             restore: Callable) -> Iterator[tuple[Request, BaseException | None]]:
+        """The requests that come back now, oldest first, each taken out of this set as it is
+        yielded: (request, None) with its session made again by `restore(request)`, or
+        (request, the exception that fails it).
+
+        One comes back while a place is free (`running` of `places` taken, counting those it
+        brings back) and the pool has blocks for its rows, a step more and one for each running
+        request's next rows (else it would be preempted again at once). Where the pool is short:
+        it waits while others run (their blocks come back as they end) or while `shed()` gives
+        back a prefix cache entry; alone, with nothing to shed, it fails (`PoolExhausted`).
+        Where `restore` finds no memory now (`AllocationError`) it waits; any other failure of
+        `restore` fails it alone."""
         while self.requests and running < places:
             request = self.requests[0]
             rows = request.fed + len(request.produced)

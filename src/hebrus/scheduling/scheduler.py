@@ -662,8 +662,8 @@ class Scheduler:
         if not holding or holding == [failed]:
             return False
         newest = max(holding, key=lambda r: r.id)
+        self.preempted.take(newest)                 # first: a failed host copy leaves it running
         self.running.remove(newest)
-        self.preempted.take(newest)
         return True
 
     def _resume(self) -> None:
