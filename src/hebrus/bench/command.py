@@ -83,6 +83,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-passes", choices=("auto", "one", "two"), default="auto",
                        help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two "
                             "(default auto: two where the steps replay CUDA graphs, else one)")
+    bench.add_argument("--serve-prefill-share", type=float, default=2.0, metavar="STEPS",
+                       help="the server's --prefill-share: while requests decode, a turn's prompt chunks take "
+                            "at most the time of this many decode steps (default 2)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -247,36 +250,40 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--clients takes concurrencies from 1 to {MAX_BATCH}")
     if not 0.0 <= args.serve_temperature <= 100.0:
         raise InvalidInput(f"--serve-temperature must be a number from 0 to 100, got {args.serve_temperature}")
+    if not args.serve_prefill_share > 0:
+        raise InvalidInput(f"--serve-prefill-share must be a positive number of decode steps, "
+                           f"got {args.serve_prefill_share}")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
-    limit, name, passes = model.spec.max_context, Path(args.model).name, args.serve_passes
+    limit, name = model.spec.max_context, Path(args.model).name
+    engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
-        report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens, passes=passes)
+        report = workloads.shared(model, name, max(clients), args.system, args.own, args.serve_tokens, engine=engine)
     elif args.workload == "long":
         if args.system + 1 > limit or 16 + args.serve_tokens > limit:
             raise InvalidInput(f"--system (the long prompt) or --serve-tokens pass the model's max_context {limit}")
         from hebrus.bench import workloads
-        report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens, passes=passes)
+        report = workloads.long_prompt(model, name, max(clients), args.system, args.serve_tokens, engine=engine)
     elif args.workload == "chat":
         if 4 * (args.own + args.serve_tokens) + args.serve_prompt > limit:
             raise InvalidInput(f"4 turns of --own and --serve-tokens after --serve-prompt pass the model's "
                                f"max_context {limit}")
         from hebrus.bench import workloads
         report = workloads.chats(model, name, max(clients), args.serve_prompt, args.own, args.serve_tokens,
-                                 passes=passes)
+                                 engine=engine)
     elif args.workload == "mixed":
         from hebrus.bench import workloads
         report = workloads.mixed(model, name, max(clients), args.requests, args.serve_prompt, args.serve_tokens,
-                                 passes=passes)
+                                 engine=engine)
     else:
         if args.serve_prompt + args.serve_tokens > limit:
             raise InvalidInput(f"--serve-prompt and --serve-tokens pass the model's max_context {limit}")
         report = serve.run(model, name, clients, args.requests, args.serve_prompt, args.serve_tokens,
-                           args.serve_temperature, passes)
+                           args.serve_temperature, engine)
     report.update(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), commit=bench._commit())
     if args.workload == "uniform":
         return _written(args, report, serve.table(report))

@@ -185,10 +185,12 @@ def serving(model, name: str, **options):
 
 
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,
-        temperature: float = 0.0, passes: str = "auto") -> dict:
+        temperature: float = 0.0, engine: dict | None = None) -> dict:
+    """`engine`: the engine's options (`passes`, `prefill_share`; the server's defaults where
+    left out)."""
     points = []
-    with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, passes=passes) as (url, scheduler, ask):
-        passes = scheduler.passes
+    with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
+        passes, share = scheduler.passes, scheduler.prefill_share
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
         ask(warm, 1, 4)
         for clients in concurrencies:
@@ -220,6 +222,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
+            "prefill_share": share,
             "points": points}
 
 

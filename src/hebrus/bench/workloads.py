@@ -36,16 +36,17 @@ KEY = "bench"
 CACHES = (("off", 0), ("on", 1 << 30))         # each workload's two runs: the prefix cache's budget
 
 
-def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, passes: str = "auto"):
+def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, engine: dict | None = None):
     """For each (setting, cache budget) of `caches`, a server as `serving` makes it, with the API
-    key set, the engine's `passes` (what "auto" chose goes in `report`), and one short request
-    answered first (what a first request compiles or allocates) -> (the setting, its URL, its
-    scheduler, its `ask`), each server stopped before the next."""
+    key set, the engine's options `engine` (`passes`, `prefill_share`: what the engine took goes
+    in `report`), and one short request answered first (what a first request compiles or
+    allocates) -> (the setting, its URL, its scheduler, its `ask`), each server stopped before
+    the next."""
     for cache, budget in caches:
         with serving(model, name, api_key=KEY, max_sessions=max_sessions, cache_bytes=budget,
-                     passes=passes) as running:
+                     **(engine or {})) as running:
             url, scheduler, ask = running
-            report["passes"] = scheduler.passes
+            report["passes"], report["prefill_share"] = scheduler.passes, scheduler.prefill_share
             ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
             yield cache, url, scheduler, ask
 
@@ -64,12 +65,12 @@ def _report(model, name: str, workload: str, **fields) -> dict:
     return {"workload": workload, "model": name, "device": str(model.device), "mode": model.mode, **fields}
 
 
-def shared(model, name: str, clients: int, system: int, own: int, tokens: int, passes: str = "auto") -> dict:
+def shared(model, name: str, clients: int, system: int, own: int, tokens: int, engine: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(3)
     common = torch.randint(0, model.spec.vocab_size, (system,), generator=gen).tolist()
     asks = [common + ids for ids in prompts(model.spec.vocab_size, clients + 2, own, seed=4)]
     report = _report(model, name, "shared", clients=clients, system=system, own=own, tokens=tokens)
-    for cache, _, scheduler, ask in _servers(model, name, clients, report, passes=passes):
+    for cache, _, scheduler, ask in _servers(model, name, clients, report, engine=engine):
         report[cache] = {part: _measured(scheduler, lambda: ask(some, count, tokens, KEY))
                          for part, some, count in (("cold", asks[:1], 1), ("clients", asks[1:clients + 1], clients),
                                                    ("after", asks[clients + 1:], 1))}
@@ -79,12 +80,12 @@ def shared(model, name: str, clients: int, system: int, own: int, tokens: int, p
     return report
 
 
-def long_prompt(model, name: str, clients: int, prompt: int, tokens: int, passes: str = "auto") -> dict:
+def long_prompt(model, name: str, clients: int, prompt: int, tokens: int, engine: dict | None = None) -> dict:
     vocab = model.spec.vocab_size
     decoders = prompts(vocab, clients, 16, seed=6)
     long = prompts(vocab, 1, prompt, seed=7)[0]
     report = _report(model, name, "long", clients=clients, prompt=prompt, tokens=tokens)
-    for _, url, _, ask in _servers(model, name, clients + 1, report, caches=(("off", 0),), passes=passes):
+    for _, url, _, ask in _servers(model, name, clients + 1, report, caches=(("off", 0),), engine=engine):
         # a tenth of the decoders' tokens first, then the long prompt
         report |= ask.run(_long_here, url, name, decoders, tokens, long, max(2, tokens // 10))
     report["during_p99_over_before_p50"] = (report["itl_ms_p99_during"] / report["itl_ms_p50_before"]
@@ -120,7 +121,7 @@ WORDS = ("the", "king", "of", "night", "shall", "come", "and", "we", "speak", "t
 
 
 def chats(model, name: str, clients: int, opening: int, follow: int, tokens: int, turns: int = 4,
-          passes: str = "auto") -> dict:
+          engine: dict | None = None) -> dict:
     """Each conversation opens with about `opening` characters of text and adds about `follow`
     a turn (byte-level models: as many tokens)."""
     gen = torch.Generator().manual_seed(8)
@@ -133,7 +134,7 @@ def chats(model, name: str, clients: int, opening: int, follow: int, tokens: int
     openings = [text(opening) for _ in range(clients)]
     follows = [[" " + text(follow) for _ in range(turns - 1)] for _ in range(clients)]
     report = _report(model, name, "chat", clients=clients, turns=turns, opening=opening, follow=follow, tokens=tokens)
-    for cache, url, scheduler, ask in _servers(model, name, clients, report, passes=passes):
+    for cache, url, scheduler, ask in _servers(model, name, clients, report, engine=engine):
         report[cache] = _measured(scheduler, lambda: ask.run(_chats_here, url, name, openings, follows, tokens))
     report["later_ttft_on_over_off"] = report["on"]["later_ttft_ms_p50"] / report["off"]["later_ttft_ms_p50"]
     return report
@@ -179,7 +180,7 @@ async def _chats(url: str, name: str, openings: list[str], follows: list[list[st
             "later_cached_share": cached_later / prompt_later if prompt_later else 0.0}
 
 
-def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: int, passes: str = "auto") -> dict:
+def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: int, engine: dict | None = None) -> dict:
     gen = torch.Generator().manual_seed(5)
     limit = model.spec.max_context
 
@@ -193,7 +194,7 @@ def mixed(model, name: str, clients: int, requests: int, prompt: int, tokens: in
     counts = [t for _, t in pairs]
     report = _report(model, name, "mixed", clients=clients, requests=requests, prompt_median=prompt,
                      tokens_median=tokens, prompt_tokens=sum(p for p, _ in pairs), output_tokens=sum(counts))
-    for cache, _, scheduler, ask in _servers(model, name, clients, report, passes=passes):
+    for cache, _, scheduler, ask in _servers(model, name, clients, report, engine=engine):
         report[cache] = _measured(scheduler, lambda: ask(asks, clients, counts, KEY))
     return report
 
@@ -232,7 +233,8 @@ def table(report: dict) -> str:
         return "\n".join([
             f"# serving, a long prompt among decoders: {report['model']} on {report['device']} ({report['mode']})", "",
             f"{report['clients']} clients decoding {report['tokens']} tokens each; a {report['prompt']}-token prompt "
-            "arrives once they decode", "",
+            f"arrives once they decode; {report['passes']} pass{'es' if report['passes'] == 'two' else ''} a turn, "
+            f"a turn's prompt share {report['prefill_share']} decode steps", "",
             "| decoders' ITL p50 before, ms | ITL p99 while it is fed, ms | ÷ | gaps before / during | "
             "its TTFT ms | decoders' tok/s |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |",
