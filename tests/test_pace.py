@@ -35,6 +35,19 @@ def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_tak
     assert pace.token_s == pytest.approx(TOKEN, rel=1e-6)
 
 
+def test_a_step_alone_is_followed_apart_from_the_fit():
+    """`alone_s` is what passes that only stepped took: a step beside prompt chunks (the fit's
+    `step_s`) may cost more."""
+    pace = Pace()
+    assert pace.alone_s is None
+    pace.add(True, 0, STEP)
+    for fed in (100, 30, 250, 64, 16, 180) * 4:
+        pace.add(True, fed, 1.5 * STEP + TOKEN * fed)
+    assert pace.alone_s == pytest.approx(STEP) and pace.step_s == pytest.approx(1.5 * STEP, rel=1e-3)
+    pace.add(False, 100, TOKEN * 100)                        # a pass that only fed: not a step alone
+    assert pace.alone_s == pytest.approx(STEP)
+
+
 def test_it_follows_a_pace_that_changes():
     pace = Pace()
     for fed in (100, 30, 250, 64) * 3:

@@ -12,6 +12,7 @@ from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
+from hebrus.scheduling.scheduler import PREFILL_SHARE
 from hebrus.state.pool import PoolSize
 from hebrus.show import escaped
 from hebrus.weights import checkpoint
@@ -133,11 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="prompt tokens fed per turn of the engine loop, between the running requests' "
                             "steps: more starts new requests sooner, fewer keeps the running ones' "
                             "tokens coming (default 512)")
-    serve.add_argument("--prefill-share", type=float, default=2.0, metavar="STEPS",
-                       help="while requests decode, a turn's prompt chunks take at most the time of this many "
-                            "decode steps (measured; default 2), or the prefilling requests' part of "
-                            "--prefill-tokens by head count if more: a long prompt slows their tokens by "
-                            "about 1 + STEPS times")
+    serve.add_argument("--prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
+                       help="while requests decode, a turn (their step and its prompt chunks) takes at most "
+                            "the time of 1 + this many decode steps alone (measured; default %(default)s), or "
+                            "the prefilling requests' part of --prefill-tokens by head count if more: a long "
+                            "prompt slows their tokens by about 1 + STEPS times")
     serve.add_argument("--passes", choices=("auto", "one", "two"), default="auto",
                        help="a turn of the engine loop feeds its prompt chunks and steps its decoding requests in "
                             "one pass, or in two (chunks, then steps replayed from CUDA graphs); default auto: "

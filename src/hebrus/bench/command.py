@@ -11,6 +11,7 @@ from hebrus.bench import SHAPES
 from hebrus.engine.graphs import DECODE
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
+from hebrus.scheduling.scheduler import PREFILL_SHARE
 from hebrus.text import MODEL
 
 
@@ -83,9 +84,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-passes", choices=("auto", "one", "two"), default="auto",
                        help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two "
                             "(default auto: two where the steps replay CUDA graphs, else one)")
-    bench.add_argument("--serve-prefill-share", type=float, default=2.0, metavar="STEPS",
-                       help="the server's --prefill-share: while requests decode, a turn's prompt chunks take "
-                            "at most the time of this many decode steps (default 2)")
+    bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
+                       help="the server's --prefill-share: while requests decode, a turn takes at most the time "
+                            "of 1 + this many decode steps alone (default %(default)s)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,

@@ -113,6 +113,10 @@ async def _long(url: str, name: str, decoders: list[list[int]], tokens: int, lon
     return {"itl_ms_p50_before": _percentile(before_gaps, 0.5) * 1e3 if before_gaps else None,
             "itl_ms_p99_during": _percentile(during, 0.99) * 1e3 if during else None,
             "gaps_before": len(before_gaps), "gaps_during": len(during),
+            # where the worst gaps while it is fed fall: (ms after it was sent, the gap in ms)
+            "largest_gaps_during": [(round((at - sent) * 1e3, 1), round(gap * 1e3, 1)) for at, gap in
+                                    sorted(((at, gap) for at, gap in gaps if sent <= at <= answered),
+                                           key=lambda x: -x[1])[:12]],
             "long_ttft_ms": alone["ttft_ms_p50"], "decoders_tokens_per_s": point["output_tokens_per_s"]}
 
 

@@ -7,7 +7,9 @@ once: a pass's seconds are `step_s` (if it stepped) plus `token_s` for each prom
 by least squares weighted toward the latest passes (the contexts grow, the batch changes).
 Until the passes seen can tell the two apart (none that did one thing alone, and those that did
 both all fed as much), each is a running mean of the passes that did it alone, and a pass that
-did both gives its prompt tokens what the step did not take (at least half of it).
+did both gives its prompt tokens what the step did not take (at least half of it). Apart from
+the fit, `alone_s` follows the passes that only stepped: the decoders' pace with no prompt beside
+them, which a turn's prompt share is measured against.
 """
 from __future__ import annotations
 
@@ -17,12 +19,18 @@ class Pace:
         self.keep = keep                # the weight of what was seen before each new pass
         self.step_s: float | None = None
         self.token_s: float | None = None
+        # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean.
+        # With one pass a turn a step beside a prompt chunk costs more than alone (`step_s` is its
+        # part of such a pass)
+        self.alone_s: float | None = None
         # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
         self._sums = (0.0,) * 5
 
     def add(self, stepped: bool, fed: int, seconds: float) -> None:
         """Take in one pass: whether it stepped the decoding requests, the prompt tokens it fed."""
         s, f = float(stepped), float(fed)
+        if stepped and not fed:
+            self.alone_s = self._mean(self.alone_s, seconds)
         self._sums = tuple(self.keep * a + b
                            for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
         ss, sf, ff, st, ft = self._sums

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import collections
 import gc
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 from hebrus.errors import AllocationError, PoolExhausted
-
-if TYPE_CHECKING:
-    from hebrus.scheduling.scheduler import Request
 
 
 class Preempted:
     def __init__(self, host_bytes: int):
-        self.requests: collections.deque[Request] = collections.deque()     # oldest first
+        self.requests: collections.deque = collections.deque()      # the engine loop's `Request`s, oldest first
         self.host_bytes = host_bytes    # at most this many bytes of their states in host memory
         self.held = 0                   # bytes of their states in host memory now
         self.count = 0                  # requests preempted so far (the bench, /metrics, tests)
@@ -60,7 +57,7 @@ class Preempted:
         self.requests.clear()
 
     def back(self, pool, running: int, places: int, shed: Callable[[], bool],
-             restore: Callable) -> Iterator[tuple[Request, BaseException | None]]:
+             restore: Callable) -> Iterator[tuple[object, BaseException | None]]:
         """The requests that come back now, oldest first, each taken out of this set as it is
         yielded: (request, None) with its session made again by `restore(request)`, or
         (request, the exception that fails it).

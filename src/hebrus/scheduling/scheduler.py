@@ -109,6 +109,9 @@ class Request:
     logprobs: int | None = None         # send each token's log probability and this many likeliest ones'
 
 
+# a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
+# a long prompt then slows the decoders' tokens about 1 + this many times
+PREFILL_SHARE = 1.5
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
 
 
@@ -320,7 +323,10 @@ class Scheduler:
         step_s, token_s = self.pace.step_s, self.pace.token_s
         if self.prefill_share is None or token_s is None or step_s is None or not decoding:
             return self.prefill_tokens
-        afford = int(self.prefill_share * step_s / token_s)
+        # a turn of the step and its chunks within (1 + share) steps alone: with one pass a turn a
+        # step beside chunks costs more than alone (`pace.step_s` against `pace.alone_s`)
+        alone = self.pace.alone_s if self.pace.alone_s is not None else step_s
+        afford = int(((1 + self.prefill_share) * alone - step_s) / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
 

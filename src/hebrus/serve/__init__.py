@@ -4,17 +4,19 @@ feed is `hebrus.scheduling`.
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client)."""
 from __future__ import annotations
 
+from hebrus.scheduling.scheduler import PREFILL_SHARE
+
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
           cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
-          prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = 2.0, passes: str = "auto",
+          prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = PREFILL_SHARE, passes: str = "auto",
           fault=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
     `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
-    while requests decode, a turn's prompt chunks take at most that many decode steps' time
-    (None: `prefill_tokens` alone bounds them). `passes`: a turn's prompt chunks and decode steps
+    while requests decode, a turn (its step and its prompt chunks) takes at most 1 + that many
+    decode steps' time alone (None: `prefill_tokens` alone bounds the chunks). `passes`: a turn's prompt chunks and decode steps
     in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None."""
     from hebrus.scheduling.scheduler import Scheduler
