@@ -48,6 +48,16 @@ def test_a_step_alone_is_followed_apart_from_the_fit():
     assert pace.alone_s == pytest.approx(STEP)
 
 
+def test_a_step_alone_stands_for_steps_of_about_its_width():
+    pace = Pace()
+    assert pace.alone(16) is None
+    pace.add(16, 0, STEP)
+    assert pace.alone(16) == pytest.approx(STEP) and pace.alone(13) == pytest.approx(STEP)
+    assert pace.alone(12) is None and pace.alone(21) is None          # a quarter narrower or wider: not known
+    pace.add(32, 0, 2 * STEP)                                # another width starts the mean again
+    assert pace.alone(32) == pytest.approx(2 * STEP) and pace.alone(16) is None
+
+
 def test_it_follows_a_pace_that_changes():
     pace = Pace()
     for fed in (100, 30, 250, 64) * 3:

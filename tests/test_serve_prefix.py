@@ -346,9 +346,11 @@ def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(
     scheduler.pace.token_s, scheduler.pace.step_s = 1e-3, 50e-3         # a step costs 50 prompt tokens' time
     assert scheduler._prompt_budget() == 100
     # a step beside chunks costs 60 prompt tokens' time, alone 50: a turn within 3 steps alone
-    scheduler.pace.step_s, scheduler.pace.alone_s = 60e-3, 50e-3
+    scheduler.pace.step_s, scheduler.pace.alone_s, scheduler.pace.alone_width = 60e-3, 50e-3, 31
     assert scheduler._prompt_budget() == 90
-    scheduler.pace.alone_s = None
+    scheduler.pace.alone_width = 8                              # a step alone seen only of 8: not this one
+    assert scheduler._prompt_budget() == 120
+    scheduler.pace.alone_s, scheduler.pace.alone_width = None, 0
     scheduler.pace.step_s = 1e-3
     assert scheduler._prompt_budget() == MIN_CHUNK              # (its part by head count: 512 // 32)
     del scheduler.running[:28]                                  # 3 decoding, 1 prefilling: its part, 128

@@ -19,18 +19,21 @@ class Pace:
         self.keep = keep                # the weight of what was seen before each new pass
         self.step_s: float | None = None
         self.token_s: float | None = None
-        # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean.
-        # With one pass a turn a step beside a prompt chunk costs more than alone (`step_s` is its
-        # part of such a pass)
+        # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean,
+        # and how many requests the last of them stepped. With one pass a turn a step beside a
+        # prompt chunk costs more than alone (`step_s` is its part of such a pass)
         self.alone_s: float | None = None
+        self.alone_width = 0
         # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
         self._sums = (0.0,) * 5
 
-    def add(self, stepped: bool, fed: int, seconds: float) -> None:
-        """Take in one pass: whether it stepped the decoding requests, the prompt tokens it fed."""
-        s, f = float(stepped), float(fed)
+    def add(self, stepped: int, fed: int, seconds: float) -> None:
+        """Take in one pass: how many decoding requests it stepped (or whether it did), the
+        prompt tokens it fed."""
+        s, f = float(bool(stepped)), float(fed)
         if stepped and not fed:
-            self.alone_s = self._mean(self.alone_s, seconds)
+            self.alone_s = self._mean(self.alone_s if _near(self.alone_width, stepped) else None, seconds)
+            self.alone_width = int(stepped)
         self._sums = tuple(self.keep * a + b
                            for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
         ss, sf, ff, st, ft = self._sums
@@ -47,5 +50,17 @@ class Pace:
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
             self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
 
+    def alone(self, width: int) -> float | None:
+        """A step of `width` requests alone, as passes that only stepped measured it: None where
+        none did, or the last stepped a batch more than a quarter wider or narrower (a step's
+        cost follows its width; with prompts always arriving, one pass a turn may not step alone
+        for a while)."""
+        return self.alone_s if _near(self.alone_width, width) else None
+
     def _mean(self, mean: float | None, value: float) -> float:
         return value if mean is None else self.keep * mean + (1 - self.keep) * value
+
+
+def _near(measured: int, width: int) -> bool:
+    """Whether a step of `width` requests costs about what one of `measured` did."""
+    return measured > 0 and 0.8 * measured <= width <= 1.25 * measured

@@ -324,8 +324,9 @@ class Scheduler:
         if self.prefill_share is None or token_s is None or step_s is None or not decoding:
             return self.prefill_tokens
         # a turn of the step and its chunks within (1 + share) steps alone: with one pass a turn a
-        # step beside chunks costs more than alone (`pace.step_s` against `pace.alone_s`)
-        alone = self.pace.alone_s if self.pace.alone_s is not None else step_s
+        # step beside chunks costs more than alone (`pace.step_s` against `pace.alone`); where no
+        # step of about this width was seen alone, the step beside chunks stands for it
+        alone = self.pace.alone(decoding) or step_s
         afford = int(((1 + self.prefill_share) * alone - step_s) / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
@@ -397,7 +398,7 @@ class Scheduler:
                 except Exception:
                     self.cache.lost += 1            # /metrics counts it
         spent = time.perf_counter() - clock         # a feed returns once validated: synced
-        self.pace.add(bool(stepping), fed, spent)
+        self.pace.add(len(stepping), fed, spent)
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -450,7 +451,7 @@ class Scheduler:
             made.join()
         now = time.perf_counter()
         self.spent["alone"] += now - clock - (self.spent["together"] - together)
-        self.pace.add(True, 0, now - clock)
+        self.pace.add(len(stepping), 0, now - clock)
         for request, token in stepping:
             self._stepped(request, token, results[request.id])
         self._spend("finish", now)
