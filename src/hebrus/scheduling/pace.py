@@ -9,7 +9,8 @@ Until the passes seen can tell the two apart (none that did one thing alone, and
 both all fed as much), each is a running mean of the passes that did it alone, and a pass that
 did both gives its prompt tokens what the step did not take (at least half of it). Apart from
 the fit, `alone_s` follows the passes that only stepped: the decoders' pace with no prompt beside
-them, which a turn's prompt share is measured against.
+them, which a turn's prompt share is measured against (`alone(width)`: only for a step of about
+the width it was measured at).
 """
 from __future__ import annotations
 
