@@ -56,6 +56,9 @@ def test_a_step_alone_stands_for_steps_of_about_its_width():
     assert pace.alone(12) is None and pace.alone(21) is None          # a quarter narrower or wider: not known
     pace.add(32, 0, 2 * STEP)                                # another width starts the mean again
     assert pace.alone(32) == pytest.approx(2 * STEP) and pace.alone(16) is None
+    for width in (36, 39):                                   # near 32: the mean goes on from 32's width
+        pace.add(width, 0, 2 * STEP)
+    assert pace.alone_width == 32 and pace.alone(41) is None
 
 
 def test_it_follows_a_pace_that_changes():

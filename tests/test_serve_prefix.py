@@ -350,6 +350,11 @@ def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(
     assert scheduler._prompt_budget() == 90
     scheduler.pace.alone_width = 8                              # a step alone seen only of 8: not this one
     assert scheduler._prompt_budget() == 120
+    scheduler.pace.alone_width, scheduler.passes = 31, "two"    # steps alone each turn: the fitted step is one
+    assert scheduler._prompt_budget() == 120
+    scheduler.passes, scheduler.decode = "one", "graph"         # steps alone replay graphs: another route
+    assert scheduler._prompt_budget() == 120
+    scheduler.decode = "eager"
     scheduler.pace.alone_s, scheduler.pace.alone_width = None, 0
     scheduler.pace.step_s = 1e-3
     assert scheduler._prompt_budget() == MIN_CHUNK              # (its part by head count: 512 // 32)

@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                             "tokens coming (default 512)")
     serve.add_argument("--prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="while requests decode, a turn (their step and its prompt chunks) takes at most "
-                            "the time of 1 + this many decode steps alone (measured; default %(default)s), or "
+                            "the time of 1 + this many decode steps (a step alone where one of about their "
+                            "width was measured; default %(default)s), or "
                             "the prefilling requests' part of --prefill-tokens by head count if more: a long "
                             "prompt slows their tokens by about 1 + STEPS times")
     serve.add_argument("--passes", choices=("auto", "one", "two"), default="auto",

@@ -238,7 +238,7 @@ def table(report: dict) -> str:
             f"# serving, a long prompt among decoders: {report['model']} on {report['device']} ({report['mode']})", "",
             f"{report['clients']} clients decoding {report['tokens']} tokens each; a {report['prompt']}-token prompt "
             f"arrives once they decode; {report['passes']} pass{'es' if report['passes'] == 'two' else ''} a turn, "
-            f"a turn's prompt share {report['prefill_share']} decode steps", "",
+            f"prompt share {report['prefill_share']} (a turn within 1 + that many decode steps)", "",
             "| decoders' ITL p50 before, ms | ITL p99 while it is fed, ms | ÷ | gaps before / during | "
             "its TTFT ms | decoders' tok/s |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -21,7 +21,8 @@ class Pace:
         self.step_s: float | None = None
         self.token_s: float | None = None
         # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean,
-        # and how many requests the last of them stepped. With one pass a turn a step beside a
+        # and how many requests the pass it started from stepped (a width that creeps does not
+        # carry it along). With one pass a turn a step beside a
         # prompt chunk costs more than alone (`step_s` is its part of such a pass)
         self.alone_s: float | None = None
         self.alone_width = 0
@@ -33,8 +34,10 @@ class Pace:
         prompt tokens it fed."""
         s, f = float(bool(stepped)), float(fed)
         if stepped and not fed:
-            self.alone_s = self._mean(self.alone_s if _near(self.alone_width, stepped) else None, seconds)
-            self.alone_width = int(stepped)
+            if _near(self.alone_width, stepped):
+                self.alone_s = self._mean(self.alone_s, seconds)
+            else:                                           # another width: the mean starts again
+                self.alone_s, self.alone_width = seconds, int(stepped)
         self._sums = tuple(self.keep * a + b
                            for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
         ss, sf, ff, st, ft = self._sums
@@ -53,7 +56,7 @@ class Pace:
 
     def alone(self, width: int) -> float | None:
         """A step of `width` requests alone, as passes that only stepped measured it: None where
-        none did, or the last stepped a batch more than a quarter wider or narrower (a step's
+        none did, or its mean started from a batch a fifth narrower or a quarter wider (a step's
         cost follows its width; with prompts always arriving, one pass a turn may not step alone
         for a while)."""
         return self.alone_s if _near(self.alone_width, width) else None

@@ -4,9 +4,9 @@ knows nothing of HTTP (`hebrus.serve` turns requests into `Request`s and events 
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, oldest request first, up to `prefill_tokens` tokens a turn
 (at least one chunk, so a long prompt cannot stall: this budget never cuts a chunk); with
-`prefill_share` and requests decoding, fewer, cut to fit: as many as that many decode steps'
-time feeds, both measured, so that a long prompt does not stall the decoders' pace (a bound in
-measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
+`prefill_share` and requests decoding, fewer, cut to fit: as many as keep the turn within 1 +
+that many decode steps' time, both measured, so that a long prompt does not stall the decoders'
+pace (a bound in measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
 and at least the prefilling requests' part of `prefill_tokens` by head count (one decoder does
 not hold fifteen waiting prompts to a trickle). Every request that is decoding steps once a turn.
 In fast mode a turn is one pass (`passes="one"`): the decoding requests' next tokens and the
@@ -133,9 +133,9 @@ class Scheduler:
         self.spare_sessions, self.spares = spare_sessions, []
         self._spares_refused = False    # making one failed: none is made until a request is admitted
         self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
-        # with requests decoding, a turn's prompt chunks take at most `prefill_share` decode
-        # steps' time (None: `prefill_tokens` alone bounds them); seconds per prompt token and
-        # per decode step fitted to the passes as they run (`Pace`)
+        # with requests decoding, a turn takes at most 1 + `prefill_share` decode steps' time
+        # (None: `prefill_tokens` alone bounds its chunks); seconds per prompt token and per
+        # decode step fitted to the passes as they run (`Pace`)
         if prefill_share is not None and not prefill_share > 0:
             raise ValueError(f"prefill_share must be positive, got {prefill_share}")
         self.prefill_share, self.pace = prefill_share, Pace()
@@ -316,17 +316,19 @@ class Scheduler:
 
     def _prompt_budget(self) -> int:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
-        requests decoding, no more than that many decode steps' time takes (both measured:
-        `self.pace`), but at least MIN_CHUNK and at least the prefilling requests' part of
+        requests decoding, no more than keep the turn within 1 + that many decode steps' time
+        (both measured: `self.pace`), but at least MIN_CHUNK and at least the prefilling requests' part of
         `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
         if self.prefill_share is None or token_s is None or step_s is None or not decoding:
             return self.prefill_tokens
-        # a turn of the step and its chunks within (1 + share) steps alone: with one pass a turn a
-        # step beside chunks costs more than alone (`pace.step_s` against `pace.alone`); where no
-        # step of about this width was seen alone, the step beside chunks stands for it
-        alone = self.pace.alone(decoding) or step_s
+        # a turn of the step and its chunks within (1 + share) steps: with one pass a turn of eager
+        # steps a step beside chunks costs more than one alone, the step the decoders see without
+        # a prompt (`pace.alone`, where one of about this width was seen; a step alone that
+        # replays graphs is another route, not a measure of it); with two the steps are alone
+        comparable = self.passes == "one" and self.decode == "eager"
+        alone = (self.pace.alone(decoding) if comparable else None) or step_s
         afford = int(((1 + self.prefill_share) * alone - step_s) / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
