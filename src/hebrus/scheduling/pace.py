@@ -22,8 +22,8 @@ class Pace:
         self.token_s: float | None = None
         # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean,
         # and how many requests the pass it started from stepped (a width that creeps does not
-        # carry it along). With one pass a turn a step beside a
-        # prompt chunk costs more than alone (`step_s` is its part of such a pass)
+        # carry it along). With one pass a turn a step beside a prompt chunk costs more than
+        # alone (`step_s` is its part of such a pass)
         self.alone_s: float | None = None
         self.alone_width = 0
         # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)

@@ -37,11 +37,11 @@ class Preempted:
         it is recomputed from its tokens), its session let go, so that its slot and blocks
         return to the pool once nothing else holds it. The caller takes it out of its running
         requests after this returns: where the host copy fails, nothing has changed."""
+        # the pool's bytes it holds bound its copy's (a slot's banks, whole blocks): `held` stays
+        # within the budget
         if self.held + request.session.image.held_bytes() <= self.host_bytes:
-            host = request.session.host_copy()
-            if self.held + host.nbytes <= self.host_bytes:     # what it holds, counted as `held` counts it
-                request.host = host
-                self.held += host.nbytes
+            request.host = request.session.host_copy()
+            self.held += request.host.nbytes
         request.session = None
         self.requests.append(request)
         self.count += 1
