@@ -346,6 +346,32 @@ def test_the_sinkhorn_kernel_matches_its_twin_and_each_token_alone(n, eps):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B, V, W", [(1, 151936, 4748), (64, 151936, 4748), (3, 1000, 20), (2, 70, 3), (0, 64, 2)])
+def test_the_mask_kernel_equals_its_twin(dtype, B, V, W):
+    """`ops.cuda.masks.masked` against `sampling.masked`, bit for bit: every bit of a word (the
+    sign bit too), masks shorter than the vocabulary (tokens past them not allowed) and longer,
+    logits of -inf, +inf and NaN kept where allowed; rows that are a view of a wider tensor;
+    and `constrained`, which takes the kernel on CUDA, against the twin on the CPU."""
+    from hebrus.ops.cuda.masks import masked
+    from hebrus.sampling import constrained, masked as twin
+    g = torch.Generator().manual_seed(B + V)
+    rows = torch.randn(B, V + 5, generator=g).to(dtype)
+    rows[:, 3], rows[:, 4], rows[:, 5] = float("-inf"), float("inf"), float("nan")
+    words = torch.randint(-(1 << 31), 1 << 31, (B, W), generator=g, dtype=torch.int64).to(torch.int32)
+    if B:
+        words[0, 0] = -(1 << 31)                # the sign bit alone: token 31 only
+    rows_d, words_d = rows.cuda()[:, :V], words.cuda()
+    got = masked(rows_d, words_d)
+    assert got.shape == (B, V) and got.dtype == dtype
+    if B:
+        assert torch.equal(got.isnan(), twin(rows_d, words_d).isnan())
+        assert torch.equal(got.nan_to_num(7.0), twin(rows_d, words_d).nan_to_num(7.0))
+        on_cpu = constrained(rows[:, :V], list(words))
+        assert torch.equal(constrained(rows_d, list(words)).cpu().nan_to_num(7.0), on_cpu.nan_to_num(7.0))
+
+
+@cuda
 @pytest.mark.parametrize("T, S", [(1, 300), (16, 300), (64, 64), (200, 1000)])
 def test_dense_attention_fast_on_cuda_matches_the_twin(T, S):
     """Fast mode's dense attention in bfloat16 with grouped K/V heads of 256 features (the

@@ -194,3 +194,29 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
         assert request not in scheduler.running and len(request.produced) == 1
         alone = tiny_fast.session(decode="eager").feed(request.prompt + request.produced)
         _close(request.logits, alone, f"request {request.id}")
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 24])
+def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, cache_bytes):
+    """`warm_up` serves made-up requests through the loop's own turns at every lane width up to
+    max_sessions (what a GPU compiles and captures before serving): afterwards the pool holds
+    what it held, the prefix cache and the loop's counters are empty, and requests get exactly
+    the tokens a scheduler that never warmed up gives them."""
+    import gc
+    pool = tiny.pool
+    gc.collect()
+    free = (pool.free_slots, pool.free_blocks)
+    warmed = Scheduler(tiny, max_sessions=4, chunk_size=8, prefill_tokens=8, cache_bytes=cache_bytes)
+    told = []
+    warmed.warm_up(told.append)
+    assert any("4 requests decoding together" in part for part in told), told
+    assert not any("failed" in part for part in told), told
+    assert warmed.widest == 0 and not warmed.timed and not warmed.spent and not warmed.prefills
+    assert not warmed.cache.entries and warmed.cache.used == 0 and warmed.cache.lookups == 0
+    assert not warmed.running and not warmed.waiting and not warmed.preempted
+    gc.collect()
+    assert (pool.free_slots, pool.free_blocks) == free
+    got_warmed, got_cold = {}, {}
+    _turns(warmed, got_warmed, key="k")
+    _turns(Scheduler(tiny, max_sessions=4, chunk_size=8, prefill_tokens=8, cache_bytes=cache_bytes), got_cold, key="k")
+    assert got_warmed == got_cold

@@ -11,7 +11,7 @@ from hebrus import arguments, faults
 from hebrus.engine import batch
 from hebrus.errors import InvalidInput
 from hebrus.engine.graphs import decode_route
-from hebrus.session import Session, exclusive
+from hebrus.session import Session, check_allowed, exclusive
 
 
 def feed_many(sessions, tokens, outs=None) -> list:
@@ -186,9 +186,16 @@ def _check_rooms(sessions, lengths: list[int]) -> None:
 
 
 def _check_constraints(sessions, chunks) -> None:
-    """Each session's constraint, if it has one, allows its chunk; the first that does not is named."""
-    for i, (s, chunk) in enumerate(zip(sessions, chunks)):
-        try:
-            s._check_constraint(chunk)
-        except InvalidInput as exc:
-            raise InvalidInput(f"session {i}: {exc}") from None
+    """Each session's constraint, if it has one, allows its chunk; the first that does not is
+    named. (The ids come to the host in one call: a row of a tensor at a time cost some 5 µs a
+    session, a third of a millisecond a step of 64 constrained sessions.)"""
+    held = [s.constraint for s in sessions]
+    if all(c is None for c in held):
+        return
+    rows = chunks.tolist() if isinstance(chunks, torch.Tensor) else [c.tolist() for c in chunks]
+    for i, (constraint, tokens) in enumerate(zip(held, rows)):
+        if constraint is not None:
+            try:
+                check_allowed(constraint, tokens)
+            except InvalidInput as exc:
+                raise InvalidInput(f"session {i}: {exc}") from None

@@ -50,7 +50,8 @@ def counted(logits: torch.Tensor, counts: torch.Tensor | None, how: Sampling) ->
 def constrained(logits: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor:
     """`logits` [B, V] (or [V] with one mask) with every token its row's mask does not allow at
     -inf: `masks[b]` the bits of a constraint (`state.constraint.Constraint.mask`), all of them
-    moved to the logits' device in one copy and unpacked there in one call."""
+    moved to the logits' device in one copy and applied there in one call (`masked`; on CUDA
+    one kernel, `ops.cuda.masks`)."""
     one = logits.dim() == 1
     rows = logits[None] if one else logits
     words = max(m.numel() for m in masks)
@@ -64,13 +65,32 @@ def constrained(logits: torch.Tensor, masks: list[torch.Tensor]) -> torch.Tensor
     else:
         for b, m in enumerate(masks):
             packed[b, :m.numel()] = m
-    packed = packed.to(rows.device, non_blocking=True)
-    allowed = (packed[:, :, None] & _bits(rows.device)).reshape(len(masks), -1) != 0
+    out = _applied(rows.device.type)(rows, packed.to(rows.device, non_blocking=True))
+    return out[0] if one else out
+
+
+def masked(rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """`rows` [B, V] with every token whose bit in `words` [B, W] (int32, on the rows' device:
+    token i is bit i % 32 of word i // 32; tokens past 32·W not allowed) is clear at -inf, as a
+    new tensor. The readable twin of `ops.cuda.masks.masked`."""
+    allowed = (words[:, :, None] & _bits(rows.device)).reshape(len(words), -1) != 0
     V = rows.shape[-1]
     if allowed.shape[1] < V:                    # tokens past the mask's words: not allowed
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
-    out = torch.where(allowed[:, :V], rows, float("-inf"))     # (three kernels on a device: and, !=, where)
-    return out[0] if one else out
+    return torch.where(allowed[:, :V], rows, float("-inf"))     # (three kernels on a device: and, !=, where)
+
+
+@functools.lru_cache(maxsize=None)
+def _applied(device_type: str):
+    """What applies masks on a device of this type: one Triton kernel on CUDA where Triton is
+    there, else `masked`."""
+    if device_type == "cuda":
+        try:
+            from hebrus.ops.cuda import masks as cuda_masks          # Triton
+            return cuda_masks.masked
+        except ImportError:
+            pass
+    return masked
 
 
 @functools.lru_cache(maxsize=None)

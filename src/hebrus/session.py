@@ -479,13 +479,8 @@ class Session:
 
     def _check_constraint(self, ids: torch.Tensor) -> None:
         """Refuse a chunk holding a token the session's constraint does not allow where it comes."""
-        constraint = self.constraint
-        if constraint is not None:
-            tokens = ids.tolist()
-            n = constraint.allows(tokens)
-            if n < len(tokens):
-                raise InvalidInput(f"the session's constraint does not allow token {tokens[n]} at position {n} of "
-                                   f"the chunk")
+        if self.constraint is not None:
+            check_allowed(self.constraint, ids.tolist())
 
     def _check_out(self, out) -> None:
         arguments.output_buffer(out, (self.spec.vocab_size,), self.model.dtype, self.model.device,
@@ -557,3 +552,11 @@ def _allocate(make, what: str):
         return make()
     except PoolFull as exc:
         raise AllocationError("session", f"{what}: {exc} (a larger pool_bytes holds more)") from None
+
+
+def check_allowed(constraint, tokens: list[int]) -> None:
+    """InvalidInput naming the first of `tokens` (a chunk's ids) that `constraint` does not
+    allow where it comes, if any."""
+    n = constraint.allows(tokens)
+    if n < len(tokens):
+        raise InvalidInput(f"the session's constraint does not allow token {tokens[n]} at position {n} of the chunk")

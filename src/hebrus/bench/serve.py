@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -160,7 +161,10 @@ def serving(model, name: str, **options):
     import uvicorn
 
     from hebrus import serve
-    app, scheduler = serve.build(model, name, **options)
+    began = time.perf_counter()
+    app, scheduler = serve.build(model, name, progress=lambda part: print(f"bench: warming the server up: {part}",
+                                                                          file=sys.stderr, flush=True), **options)
+    scheduler.warm_up_s = time.perf_counter() - began      # the server's start (its warm-up on CUDA)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -190,7 +194,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     left out)."""
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
-        passes, share = scheduler.passes, scheduler.prefill_share
+        passes, share, started = scheduler.passes, scheduler.prefill_share, scheduler.warm_up_s
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
         ask(warm, 1, 4)
         for clients in concurrencies:
@@ -222,7 +226,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
-            "prefill_share": share,
+            "prefill_share": share, "server_start_s": round(started, 2),
             "points": points}
 
 
@@ -248,7 +252,9 @@ def table(report: dict) -> str:
              f"prompt {report['prompt']} tokens, {report['tokens']} new tokens per request "
              f"({'sampled at temperature ' + str(report['temperature']) if report.get('temperature') else 'greedy'}, "
              "streamed); "
-             "offline: the same sessions prefilled, then decoding together; end to end includes the prefills", "",
+             "offline: the same sessions prefilled, then decoding together; end to end includes the prefills; "
+             f"the server started in {report.get('server_start_s', float('nan')):.1f} s (on CUDA its warm-up: "
+             "every shape it serves compiled and captured)", "",
              "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "
              "| server ÷ decode | TTFT p50 ms | TTFT p99 ms | prefill ms | engine prefill ms | TTFT − engine prefill "
              "| ITL p50 ms | ITL p99 ms |",

@@ -167,6 +167,11 @@ class PrefixCache:
         self._drop(next(iter(self.entries.values())))
         return True
 
+    def forget(self, space) -> None:
+        """Drop every entry of `space`."""
+        for entry in [e for e in self.entries.values() if e.space == space]:
+            self._drop(entry)
+
     def _node(self, space, tokens: tuple) -> _Node:
         """The node of `tokens`' whole blocks, made where missing."""
         node, k = self.roots.setdefault(space, _Node(0)), self.every

@@ -61,7 +61,7 @@ from hebrus import faults
 from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling
 from hebrus.batching import Batch, feed_keeping_many, feed_many
-from hebrus.engine.graphs import decode_route
+from hebrus.engine.graphs import decode_route, lanes_for
 from hebrus.scheduling import choice
 from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.preemption import Preempted
@@ -112,6 +112,7 @@ class Request:
 # a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
 # a long prompt then slows the decoders' tokens about 1 + this many times
 PREFILL_SHARE = 1.5
+WARM_UP = "\0warm-up"    # the made-up requests' key (`Scheduler.warm_up`)
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
 
 
@@ -177,19 +178,62 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def warm_up(self) -> None:
-        """Run once, on throwaway sessions, what serving runs: prompt chunks, a step alone and
-        the steps together of one and of two sessions (from graphs where the server uses them),
-        so that the fused ops compile here, before the first request, and in the caller's thread."""
-        vocab = self.model.spec.vocab_size
-        sessions = [self.model.session(decode="eager") for _ in range(2)]
-        for i, session in enumerate(sessions):
-            session.feed([(7 * j + i) % vocab for j in range(9)])
-            session.feed([1 % vocab])
-        if self.model.kernels.whole_chunk:
-            for width in (1, 2):
-                for _ in range(3):          # the third step replays what the second captured
-                    self._together(sessions[:width], [1 % vocab] * width)
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Before `start`, serve made-up requests in the caller's thread, through the loop's own
+        turns, so that every shape serving runs is met here first: a fused op compiles for each
+        power of two of rows it meets (`ops.cuda.fuse`) and a step's graph is captured for each
+        width; met first while serving, each stalled every request (42 compiles, 59 s, at 64
+        clients on an H100). A pass of several sessions runs some ops on each session's rows and
+        others on all of them, so the waves are: a prompt of every power of two of tokens up to
+        `chunk_size`, alone and two in one turn; prompts of the longest such chunk together, up
+        to a turn's `prefill_tokens` rounded up to a power of two; then, for every lane width up
+        to `max_sessions`, that many requests decoding together (three steps or more:
+        uncaptured, captured, replayed). Their cached prefixes are dropped and the loop's
+        counters and pace start again. `progress` is told each wave as it starts."""
+        say = progress or (lambda part: None)
+        vocab, room = self.model.spec.vocab_size, self.model.spec.max_context
+        failed: list[BaseException] = []
+
+        def served(lengths: list[int], tokens: int) -> None:
+            """Requests of prompts of `lengths` and `tokens` tokens each, served to their end."""
+            for i, n in enumerate(lengths):
+                self.waiting.append(Request(WARM_UP, [(7 * j + 3 * i + n) % vocab for j in range(n)], tokens,
+                                            Sampling(), 0, frozenset(), lambda kind, value: kind == "error"
+                                            and failed.append(value), salt=WARM_UP))
+            while self.waiting or self.running or self.preempted:
+                self._take_waiting()
+                self._turn()
+
+        top = 1 << (max(1, min(self.chunk_size, room - 8)).bit_length() - 1)    # a chunk's longest power of two
+        lengths = [1 << k for k in range(top.bit_length())]
+        say(f"prompts of {', '.join(map(str, lengths))} tokens, alone and two in one turn")
+        for n in lengths + [9]:            # (and rows of no power of two)
+            served([n], 1)                  # one session's chunk
+            served([n, n], 1)               # two sessions' chunks in one pass (other ops see 2n rows)
+        rows = 4 * top
+        while rows < 2 * self.prefill_tokens:      # up to a turn's tokens, rounded up to a power of two
+            say(f"{rows // top} prompts of {top} tokens in one turn")
+            served([top] * (rows // top), 1)
+            rows *= 2
+        for width in sorted({lanes_for(n) for n in range(1, self.max_sessions + 1)}):
+            n = min(width, self.max_sessions)
+            say(f"{n} request{'s' if n > 1 else ''} decoding together")
+            served([9 + i % 7 for i in range(n)], 5)
+        say("a prompt arriving while a request decodes")
+        self.waiting.append(Request(WARM_UP, list(range(min(9, vocab))), 8, Sampling(), 0, frozenset(),
+                                    lambda kind, value: kind == "error" and failed.append(value), salt=WARM_UP))
+        for _ in range(3):                  # its prompt, its first steps
+            self._take_waiting()
+            self._turn()
+        served([9], 1)
+        self.cache.forget(self._space(Request(WARM_UP, [], 0, Sampling(), 0, frozenset(), print, salt=WARM_UP)))
+        self.cache.lookups = self.cache.hits = self.cache.saved = self.cache.lost = 0
+        self.pace, self.widest = Pace(), 0
+        self.timed.clear()
+        self.prefills.clear()
+        self.spent.clear()
+        if failed:
+            say(f"{len(failed)} made-up requests failed; the first: {type(failed[0]).__name__}: {failed[0]}")
 
     def submit(self, request: Request) -> None:
         with self._wake:

@@ -10,7 +10,7 @@ from hebrus.scheduling.scheduler import PREFILL_SHARE
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
           cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
           prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = PREFILL_SHARE, passes: str = "auto",
-          fault=None):
+          fault=None, progress=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
@@ -18,7 +18,8 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     while requests decode, a turn (its step and its prompt chunks) takes at most 1 + that many
     decode steps' time alone (None: `prefill_tokens` alone bounds the chunks). `passes`: a turn's prompt chunks and decode steps
     in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `fault` is for
-    tests only: a function of a request returning a stage to fail its next step at, or None."""
+    tests only: a function of a request returning a stage to fail its next step at, or None.
+    `progress`: told each part of the warm-up on CUDA as it starts (`Scheduler.warm_up`)."""
     from hebrus.scheduling.scheduler import Scheduler
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
@@ -27,15 +28,17 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
                           prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
                           prefill_share=prefill_share, passes=passes, fault=fault, metrics=metrics)
     if model.device.type == "cuda":
+        from hebrus.layers.kernels import unfused
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
         # (benchmarks/results/cuda-h200/test-cuda-serve-d00796d-hang.txt), and compiled
-        # in-process they took over a minute there, longer than a client waits. So they compile
-        # here, before serving, with the pool; whatever a rare shape compiles later, in the
-        # engine thread, compiles in-process.
-        import torch._inductor.config
-        scheduler.warm_up()
-        torch._inductor.config.compile_threads = 1
+        # in-process each took over a second there, which every request waited for. So they
+        # compile here, before serving, with the pool, for every shape the loop runs; whatever a
+        # rare shape compiles later, in the engine thread, compiles in-process.
+        scheduler.warm_up(progress)
+        if model.kernels.fused is not unfused:
+            from hebrus.ops.cuda import fuse
+            fuse.compile_in_process()
     app = create_app(model, name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
     scheduler.start()
@@ -73,10 +76,13 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
                 print(f"hebrus serve: ready, {name} at http://{address}:{port}/v1", file=sys.stderr, flush=True)
 
     if model.device.type == "cuda":
-        print("hebrus serve: compiling the fused ops before serving (a minute or so on a first start)",
-              file=sys.stderr, flush=True)
+        print("hebrus serve: compiling the fused ops and capturing the steps before serving (minutes on a "
+              "first start; the compiler's cache makes later starts quicker)", file=sys.stderr, flush=True)
+
+    def progress(part: str) -> None:
+        print(f"hebrus serve: warming up: {part}", file=sys.stderr, flush=True)
     app, scheduler = build(model, name, api_key=api_key, max_sessions=max_sessions, prefill_tokens=prefill_tokens,
-                           **options)
+                           progress=progress, **options)
     server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=60))
     try:
         server.run(sockets=[listening])         # returns once open requests have finished

@@ -16,6 +16,7 @@ unfused in this process from then on (the compiled form is shared by every model
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Callable
 
@@ -67,16 +68,40 @@ def fused(op: Callable) -> Callable:
     return got
 
 
+_thread = threading.local()
+
+
+def _configure() -> None:
+    """The compiler's settings fused ops need, in the calling thread (where torch keeps them per
+    thread, one set elsewhere would not reach it: an engine thread compiling under the default
+    limit of eight versions ran every later shape of an op unfused)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILES))
+    if hasattr(config, "accumulated_recompile_limit"):        # the compiler's cap over all of them
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILES)
+    # symbolic strides and storage offsets each their own symbol, not tied to an equal size
+    # (any other torch.compile in the thread sees it too)
+    fx_config.use_duck_shape = False
+    if _in_process:
+        from torch._inductor import config as inductor_config
+        inductor_config.compile_threads = 1
+    _thread.configured = True
+
+
+_in_process = False
+
+
+def compile_in_process() -> None:
+    """From now on fused ops compile in this process, not in the compiler's pool of worker
+    processes: in this thread at once, in any other from its first fused op on."""
+    global _in_process
+    _in_process = True
+    _configure()
+
+
 class _Fused:
     def __init__(self, op: Callable):
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, name, max(getattr(config, name), RECOMPILES))
-        if hasattr(config, "accumulated_recompile_limit"):        # the compiler's cap over all of them
-            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILES)
-        # symbolic strides and storage offsets each their own symbol, not tied to an equal size
-        # (process-wide: any other torch.compile in the process sees it too)
-        fx_config.use_duck_shape = False
         self.op = op
         # rows symbolic from the first call: a kernel per op for every chunk length (lengths 0
         # and 1, and ranges a guard splits off, aside: each length always meets the same one),
@@ -92,6 +117,8 @@ class _Fused:
 
     def __call__(self, *args):
         if self.failed is None:
+            if not getattr(_thread, "configured", False):
+                _configure()
             try:
                 if static_shape(args):
                     return self.static(*args)
