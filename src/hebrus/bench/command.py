@@ -87,6 +87,8 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")
+    bench.add_argument("--serve-prefill-tokens", type=int, default=512, metavar="N",
+                       help="the server's --prefill-tokens: prompt tokens a turn feeds at most (default %(default)s)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -254,11 +256,14 @@ def _serve(args, load_model) -> int:
     if not args.serve_prefill_share > 0:
         raise InvalidInput(f"--serve-prefill-share must be a positive number of decode steps, "
                            f"got {args.serve_prefill_share}")
+    if args.serve_prefill_tokens < 1:
+        raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
     limit, name = model.spec.max_context, Path(args.model).name
-    engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share}
+    engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share,
+              "prefill_tokens": args.serve_prefill_tokens}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")

@@ -190,8 +190,8 @@ def serving(model, name: str, **options):
 
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,
         temperature: float = 0.0, engine: dict | None = None) -> dict:
-    """`engine`: the engine's options (`passes`, `prefill_share`; the server's defaults where
-    left out)."""
+    """`engine`: the engine's options (`passes`, `prefill_share`, `prefill_tokens`; the server's
+    defaults where left out)."""
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
         passes, share, started = scheduler.passes, scheduler.prefill_share, scheduler.warm_up_s
@@ -226,7 +226,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
-            "prefill_share": share, "server_start_s": round(started, 2),
+            "prefill_share": share, "prefill_tokens": scheduler.prefill_tokens, "server_start_s": round(started, 2),
             "points": points}
 
 
@@ -253,6 +253,7 @@ def table(report: dict) -> str:
              f"({'sampled at temperature ' + str(report['temperature']) if report.get('temperature') else 'greedy'}, "
              "streamed); "
              "offline: the same sessions prefilled, then decoding together; end to end includes the prefills; "
+             f"a turn feeds at most {report.get('prefill_tokens', '?')} prompt tokens; "
              f"the server started in {report.get('server_start_s', float('nan')):.1f} s (on CUDA its warm-up: "
              "every shape it serves compiled and captured)", "",
              "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "

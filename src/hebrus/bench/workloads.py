@@ -38,7 +38,7 @@ CACHES = (("off", 0), ("on", 1 << 30))         # each workload's two runs: the p
 
 def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, engine: dict | None = None):
     """For each (setting, cache budget) of `caches`, a server as `serving` makes it, with the API
-    key set, the engine's options `engine` (`passes`, `prefill_share`: what the engine took goes
+    key set, the engine's options `engine` (`passes`, `prefill_share`, `prefill_tokens`: what the engine took goes
     in `report`), and one short request answered first (what a first request compiles or
     allocates) -> (the setting, its URL, its scheduler, its `ask`), each server stopped before
     the next."""
@@ -47,6 +47,7 @@ def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, e
                      **(engine or {})) as running:
             url, scheduler, ask = running
             report["passes"], report["prefill_share"] = scheduler.passes, scheduler.prefill_share
+            report["prefill_tokens"], report["server_start_s"] = scheduler.prefill_tokens, round(scheduler.warm_up_s, 2)
             ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
             yield cache, url, scheduler, ask
 
