@@ -130,10 +130,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="require Authorization: Bearer KEY (repeatable: several keys, each with its own "
                             "kept conversations; default: no key)")
     serve.add_argument("--max-sessions", type=int, default=16, help="requests running at once (default 16)")
-    serve.add_argument("--prefill-tokens", type=int, default=512,
-                       help="prompt tokens fed per turn of the engine loop, between the running requests' "
-                            "steps: more starts new requests sooner, fewer keeps the running ones' "
-                            "tokens coming (default 512)")
+    serve.add_argument("--prefill-tokens", type=int, default=None,
+                       help="prompt tokens fed per turn of the engine loop at most, between the running "
+                            "requests' steps: more starts new requests sooner, fewer keeps the running ones' "
+                            "tokens coming (default: the model's prefill chunk, 8192 in fast mode on a GPU, "
+                            "where a pass of a few hundred tokens costs about what one of thousands does, "
+                            "else 512)")
     serve.add_argument("--prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="while requests decode, a turn (their step and its prompt chunks) takes at most "
                             "the time of 1 + this many decode steps (a step alone where one of about their "
@@ -187,7 +189,7 @@ def _serve(args) -> int:
         raise InvalidInput(f"--port must lie in [1, 65535], got {args.port}")
     if args.max_sessions < 1:
         raise InvalidInput("--max-sessions must be at least 1")
-    if args.prefill_tokens < 1:
+    if args.prefill_tokens is not None and args.prefill_tokens < 1:
         raise InvalidInput("--prefill-tokens must be at least 1")
     if not args.prefill_share > 0:
         raise InvalidInput("--prefill-share must be a positive number of decode steps")

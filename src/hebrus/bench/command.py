@@ -87,8 +87,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")
-    bench.add_argument("--serve-prefill-tokens", type=int, default=512, metavar="N",
-                       help="the server's --prefill-tokens: prompt tokens a turn feeds at most (default %(default)s)")
+    bench.add_argument("--serve-prefill-tokens", type=int, default=None, metavar="N",
+                       help="the server's --prefill-tokens: prompt tokens a turn feeds at most (default: the "
+                            "server's, the model's prefill chunk)")
     bench.add_argument("--spec-tokens", type=int, default=256, help="tokens generated per --spec round (default 256)")
     bench.add_argument("--draft-tokens", type=int, default=8, help="tokens drafted per chunk for --spec (default 8)")
     bench.add_argument("--draft", default=None,
@@ -256,7 +257,7 @@ def _serve(args, load_model) -> int:
     if not args.serve_prefill_share > 0:
         raise InvalidInput(f"--serve-prefill-share must be a positive number of decode steps, "
                            f"got {args.serve_prefill_share}")
-    if args.serve_prefill_tokens < 1:
+    if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")

@@ -122,7 +122,7 @@ class Overloaded(Exception):
 
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
-                 prefill_tokens: int = 512, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
+                 prefill_tokens: int | None = None, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
                  preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",
                  fault: Callable[[Request], str | None] | None = None, metrics=None):
@@ -133,7 +133,10 @@ class Scheduler:
         # for one to be made (on a GPU, allocating its banks takes milliseconds)
         self.spare_sessions, self.spares = spare_sessions, []
         self._spares_refused = False    # making one failed: none is made until a request is admitted
-        self.chunk_size, self.prefill_tokens = chunk_size, prefill_tokens
+        # None: the model's prefill chunk (8192 tokens in fast mode on a GPU, where a pass of a
+        # few hundred tokens costs the host about what one of thousands does; 512 elsewhere)
+        self.chunk_size = chunk_size
+        self.prefill_tokens = model.prefill_chunk if prefill_tokens is None else prefill_tokens
         # with requests decoding, a turn takes at most 1 + `prefill_share` decode steps' time
         # (None: `prefill_tokens` alone bounds its chunks); seconds per prompt token and per
         # decode step fitted to the passes as they run (`Pace`)

@@ -8,11 +8,11 @@ from hebrus.scheduling.scheduler import PREFILL_SHARE
 
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
-          cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int = 512,
+          cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int | None = None,
           prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = PREFILL_SHARE, passes: str = "auto",
           fault=None, progress=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
-    prompt tokens fed per turn of the engine loop before its decode step. `cache_bytes`: the
+    prompt tokens fed per turn of the engine loop at most (None: the model's `prefill_chunk`). `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
     `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
     while requests decode, a turn (its step and its prompt chunks) takes at most 1 + that many
@@ -45,7 +45,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     return app, scheduler
 
 
-def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int = 512,
+def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int | None = None,
         **options) -> None:
     """Serve on the socket `listening` (bound; it listens from here on) until SIGTERM or Ctrl-C; in-flight
     requests are finished first (up to 60 s), then this returns (the command exits 0). `options`:
