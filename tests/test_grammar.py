@@ -286,12 +286,8 @@ def test_speculation_under_a_constraint_is_the_plain_output(tiny):
             jsonschema.validate(json.loads(text(out)), PERSON)
 
 
-@pytest.mark.parametrize("at_once", [0, 3])
-def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast, monkeypatch, at_once):
-    """On the thread or at once, the values `ahead` makes are the very ones the step publishes."""
-    from hebrus.state import constraint
+def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast):
     from hebrus.state.constraint import ahead
-    monkeypatch.setattr(constraint, "AT_ONCE", at_once)
     sessions = [tiny_fast.session() for _ in range(3)]
     for s in sessions:
         s.feed([1])
@@ -305,14 +301,10 @@ def test_values_made_ahead_of_a_step_are_the_ones_it_publishes(tiny_fast, monkey
         assert s.constraint is value and value._mask is not None
 
 
-@pytest.mark.parametrize("at_once", [0, 2])
-def test_work_made_ahead_that_fails_leaves_the_next_to_run(tiny_fast, monkeypatch, at_once):
-    """`ahead` hands its work to one thread for the process (or, for a few pairs, does it at
-    once): a value whose `after` raises is joined like any other, and work handed after it
-    still runs."""
-    from hebrus.state import constraint
+def test_work_made_ahead_that_fails_leaves_the_next_to_run(tiny_fast):
+    """`ahead` hands its work to one thread for the process: a value whose `after` raises is
+    joined like any other, and work handed after it still runs."""
     from hebrus.state.constraint import ahead
-    monkeypatch.setattr(constraint, "AT_ONCE", at_once)
 
     class Broken:
         def after(self, tokens):

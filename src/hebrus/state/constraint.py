@@ -82,29 +82,15 @@ _worker: _Worker | None = None
 _worker_lock = threading.Lock()
 
 
-# distinct (value, token) pairs up to which `ahead` does its work at once rather than on the
-# thread: handing it over slowed the step's own host work more than the work takes (on an H100,
-# one constrained session's step took 87 µs longer with a worker whose work alone was 33 µs)
-AT_ONCE = 2
-
-
 def ahead(pairs: list[tuple[Constraint, int]]) -> Made | None:
-    """Start making each value after its token and its mask: what the step that feeds those
-    tokens will publish and the next choice will need. Many (over AT_ONCE distinct pairs) are
-    made on a thread apart (one for the process: `_Worker`) while the step runs (the masks'
-    library works without the interpreter's lock); a few at once, here. Join what it returns
-    before the next choice; a failure there only leaves the work to be done then."""
+    """Start making, on a thread apart (one for the process: `_Worker`), each value after its
+    token and its mask: what the step that feeds those tokens will publish and the next choice
+    will need, computed while the step runs (the masks' library works without the
+    interpreter's lock). Join what it returns before the next choice; a failure there only
+    leaves the work to be done then."""
     global _worker
     if not pairs:
         return None
-    if len({(id(value), token) for value, token in pairs}) <= AT_ONCE:
-        made = Made()
-        try:
-            masks([value.after([token]) for value, token in pairs])
-        except Exception:                       # noqa: BLE001 - done again, where it is needed
-            pass
-        made.done.set()
-        return made
     with _worker_lock:
         if _worker is None or _worker.pid != os.getpid():
             _worker = _Worker()
