@@ -474,3 +474,24 @@ def test_fused_ops_specialise_exactly_the_lanes_shapes():
     assert all(static_shape((torch.zeros(n, 3), 1e-6)) for n in lanes)
     assert not any(static_shape((torch.zeros(n, 3),)) for n in (0, 3, 63, 100, 2 * STATIC_ROWS, 2048))
     assert not static_shape((torch.tensor(1.0),)) and not static_shape((1.0, torch.zeros(64)))
+
+
+@pytest.mark.parametrize("lengths", [(1,), (3, 1, 7), (1, 1, 1, 1), (5, 17, 2)])
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_ragged_causal_conv_is_each_sequence_alone(lengths, k):
+    """`causal_conv_ragged` over sequences laid end to end (`StepBatch.windows`) gives each
+    sequence's outputs and new state bit for bit as `causal_conv` of it alone: no window reaches
+    past its own sequence's state."""
+    from hebrus.ops.conv import causal_conv, causal_conv_ragged
+    from hebrus.state.step import windows
+    g = torch.Generator().manual_seed(sum(lengths) + k)
+    C = 6
+    x = torch.randn(sum(lengths), C, generator=g)
+    states = torch.randn(len(lengths), k - 1, C, generator=g)
+    weight = torch.randn(C, k, generator=g)
+    y, new = causal_conv_ragged(x, states, weight, windows(lengths, k, x.device))
+    start = 0
+    for i, n in enumerate(lengths):
+        want_y, want_state = causal_conv(x[start:start + n], states[i], weight)
+        assert torch.equal(y[start:start + n], want_y) and torch.equal(new[i], want_state), (i, n)
+        start += n

@@ -10,7 +10,8 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, divided, own, spans, uniform
 from hebrus.layers.sublayer import Sublayer
-from hebrus.ops.gdn import (by_length, gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
+from hebrus.ops.conv import causal_conv_ragged
+from hebrus.ops.gdn import (by_length, gdn_activations, gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import Products
@@ -99,13 +100,11 @@ class GatedDeltaNet:
         elif at.one_each:                         # N sequences of one token each
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S)
             o = o[:, 0]
-        else:                                     # the conv per session, the delta rule over all in one call
-            parts = [kernels.fused(gdn_inputs)(*(at.rows_of(i, x) for x in (projected, b, a)), conv_state[i], self.conv_w,
-                                               self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv))
-                     for i in range(at.sessions)]
-            columns = list(zip(*parts))
-            conv_state = torch.stack(columns[5])
-            o, S = kernels.ops[self.rules[2]](*(torch.cat(x) for x in columns[:5]), S, at.cu_seqlens, at.bounds)
+        else:                                     # every session's conv in one call, the delta rule over all in one call
+            mixed, conv_state = causal_conv_ragged(projected, conv_state, self.conv_w, at.windows(self.conv_w.shape[1]))
+            inputs = kernels.fused(gdn_activations)(mixed, b, a, self.neg_a, self.dt_bias,
+                                                    (self.hk, self.dk, self.hv, self.dv))
+            o, S = kernels.ops[self.rules[2]](*inputs, S, at.cu_seqlens, at.bounds)
         o = kernels.fused(self.norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return kernels.linear(o.flatten(1), self.w_out), conv_state, S
 

@@ -24,16 +24,22 @@ def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple
     -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv], conv_state). Leading dims before T are
     independent sequences (conv_state [B, Kc-1, C] then). With `each`, the conv state after every
     token [T, Kc-1, C] (one sequence)."""
-    hk, dk, hv, dv = heads
-    lead = projected.shape[:-1]
     mixed, conv_state = causal_conv(projected, conv_state, conv_w, each)
+    return (*gdn_activations(mixed, b, a, neg_a, dt_bias, heads), conv_state)
+
+
+def gdn_activations(mixed, b, a, neg_a, dt_bias, heads: tuple[int, int, int, int]):
+    """`gdn_inputs` after the conv, row by row: mixed [T, 2·hk·dk + hv·dv] (the conv's output),
+    b, a [T, hv] -> (q, k [T, hv, dk], v [T, hv, dv], g, beta [T, hv])."""
+    hk, dk, hv, dv = heads
+    lead = mixed.shape[:-1]
     q, k, v = F.silu(mixed).split([hk * dk, hk * dk, hv * dv], dim=-1)
     group = hv // hk
     q = (l2_norm(q.reshape(*lead, hk, dk)) * dk ** -0.5).repeat_interleave(group, dim=-2)
     k = l2_norm(k.reshape(*lead, hk, dk)).repeat_interleave(group, dim=-2)
     beta = torch.sigmoid(b.to(neg_a.dtype))
     g = neg_a * F.softplus(a.to(neg_a.dtype) + dt_bias)
-    return q, k, v.reshape(*lead, hv, dv), g, beta, conv_state
+    return q, k, v.reshape(*lead, hv, dv), g, beta
 
 
 def gdn_recurrent(q, k, v, g, beta, state):

@@ -149,6 +149,17 @@ class StepBatch:
         """[N + 1] `bounds` on the device."""
         return torch.tensor(self.bounds, dtype=torch.int32, device=self.ids.device)
 
+    def windows(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sessions' rows laid out for one causal conv of `k` taps over all of them
+        (`ops.conv.causal_conv_ragged`; `windows`), on the device: made once a pass, whichever
+        layers ask."""
+        for seen, made in self.taken:
+            if isinstance(seen, tuple) and seen == ("windows", k):
+                return made
+        made = windows(self.lengths, k, self.ids.device)
+        self.taken.append((("windows", k), made))
+        return made
+
     @property
     def start(self):
         """One session's first position: an int, or (planned) a [1] device tensor; several
@@ -250,3 +261,21 @@ class StepBatch:
         if self.one_each:
             return X
         return X[[b - 1 for b in self.bounds[1:]]]
+
+
+def windows(lengths: tuple[int, ...], k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ops.conv.causal_conv_ragged`'s layout of sequences of `lengths` rows with a conv of `k` taps:
+    sequence i's state rows come first in its block, then its own rows, blocks end to end."""
+    k1, n = k - 1, len(lengths)
+    counts = torch.tensor(lengths)
+    starts = torch.cumsum(counts, 0) - counts                               # each sequence's first row of x
+    blocks = starts + k1 * torch.arange(n)                                  # each block's first laid-out row
+    seq = torch.repeat_interleave(torch.arange(n), counts)                  # each row of x's sequence
+    rows = torch.arange(int(counts.sum()))
+    placed = rows + k1 * (seq + 1)                                          # each row of x, laid out
+    state_at = (blocks[:, None] + torch.arange(k1)).flatten()               # each state row, laid out
+    gather = torch.empty(n * k1 + len(rows), dtype=torch.int64)
+    gather[placed] = n * k1 + rows
+    gather[state_at] = torch.arange(n * k1)
+    last = ((blocks + counts)[:, None] + torch.arange(k1)).flatten()
+    return tuple(torch.cat([gather, placed - k1, last]).to(device).split([len(gather), len(rows), len(last)]))
