@@ -84,7 +84,8 @@ class GatedDeltaNet:
                  at: StepBatch | None = None, each: bool = False):
         """h [T, D]; conv_state [Kc-1, conv_dim]; S [Hv, dk, dv]  ->  (y [T, D], conv_state, S).
         In a step of several sessions (`at`), conv_state and S are [N, ...], session i's i: the
-        projections run over every token at once, the conv per session, and the delta rule over
+        projections run over every token at once, the conv over every session's rows laid end
+        to end (each after its own state's: `ops.conv.causal_conv_ragged`), and the delta rule over
         every session's tokens in one call (a varlen kernel on CUDA; N single tokens when each
         feeds one). N single tokens may also find both states where they lie (`InPlace`): then
         the conv and the delta rule are one op that writes them, and their checks come back in
