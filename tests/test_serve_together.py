@@ -197,20 +197,34 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
 
 
 @pytest.mark.parametrize("cache_bytes", [0, 1 << 24])
-def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, cache_bytes):
+def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, tiny_fast, cache_bytes, monkeypatch):
     """`warm_up` serves made-up requests through the loop's own turns at every lane width up to
     max_sessions (what a GPU compiles and captures before serving): afterwards the pool holds
     what it held, the prefix cache and the loop's counters are empty, and requests get exactly
-    the tokens a scheduler that never warmed up gives them."""
+    the tokens a scheduler that never warmed up gives them. Exact mode has nothing to warm up."""
+    told = []
+    Scheduler(tiny, max_sessions=4).warm_up(told.append)
+    assert len(told) == 1 and "nothing to warm up" in told[0]
+    tiny = tiny_fast
     import gc
+    from hebrus.scheduling import scheduler as loop
     pool = tiny.pool
     gc.collect()
     free = (pool.free_slots, pool.free_blocks)
+    passes = []
+    for name in ("feed_many", "feed_keeping_many"):
+        def recorded(sessions, chunks, *rest, _feed=getattr(loop, name)):
+            passes.append(tuple(len(c) if hasattr(c, "__len__") else 1 for c in chunks))
+            return _feed(sessions, chunks, *rest)
+        monkeypatch.setattr(loop, name, recorded)
     warmed = Scheduler(tiny, max_sessions=4, chunk_size=8, prefill_tokens=8, cache_bytes=cache_bytes)
     told = []
     warmed.warm_up(told.append)
     assert any("4 requests decoding together" in part for part in told), told
-    assert not any("failed" in part for part in told), told
+    assert not any("failed" in part or "widest" in part for part in told), told
+    for n in (1, 2, 4):             # two prompts in one pass (2n within a turn): none found the other's cached
+        assert (n, n) in passes, (n, passes)
+    assert warmed.preemptions == 0
     assert warmed.widest == 0 and not warmed.timed and not warmed.spent and not warmed.prefills
     assert not warmed.cache.entries and warmed.cache.used == 0 and warmed.cache.lookups == 0
     assert not warmed.running and not warmed.waiting and not warmed.preempted

@@ -9,7 +9,8 @@ run with the prefix cache on and off in one process (the ratios are side by side
 - `long`: `--clients` requests decoding `--serve-tokens` tokens each, and, once they all
   decode, one prompt of `--system` tokens arriving: the decoders' inter-token latency before it
   arrives (p50) and while it is fed (p99, up to its first token), and its TTFT. The prompt
-  share of a turn is bounded in tokens (`prefill_tokens`, 512), so the decoders keep their pace.
+  share of a turn is bounded in time (`prefill_share` steps alone) and tokens
+  (`prefill_tokens`), so the decoders keep their pace.
 - `chat`: `--clients` conversations of 4 turns, each turn's prompt the text so far (the last
   turn's prompt and reply) and a new user message, as a chat client sends it: output tokens/s,
   TTFT p50/p99 of the first turns and of the later ones, and the share of later turns' prompt

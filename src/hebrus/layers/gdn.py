@@ -10,8 +10,7 @@ import torch
 
 from hebrus.layers.kind import Cost, Kind, divided, own, spans, uniform
 from hebrus.layers.sublayer import Sublayer
-from hebrus.ops.conv import causal_conv_ragged
-from hebrus.ops.gdn import (by_length, gdn_activations, gdn_chunked, gdn_inputs, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
+from hebrus.ops.gdn import (by_length, gdn_chunked, gdn_inputs, gdn_inputs_ragged, gdn_lanes, gdn_ragged, gdn_recurrent, gdn_recurrent_states,
                             gdn_states)
 from hebrus.ops.norm import accum_dtype, gated_rms_norm
 from hebrus.ops.quant import Products
@@ -102,9 +101,9 @@ class GatedDeltaNet:
             o, conv_state, S = self._recur(projected[:, None], b[:, None], a[:, None], conv_state, S)
             o = o[:, 0]
         else:                                     # every session's conv in one call, the delta rule over all in one call
-            mixed, conv_state = causal_conv_ragged(projected, conv_state, self.conv_w, at.windows(self.conv_w.shape[1]))
-            inputs = kernels.fused(gdn_activations)(mixed, b, a, self.neg_a, self.dt_bias,
-                                                    (self.hk, self.dk, self.hv, self.dv))
+            *inputs, conv_state = kernels.fused(gdn_inputs_ragged)(
+                projected, b, a, conv_state, self.conv_w, self.neg_a, self.dt_bias, (self.hk, self.dk, self.hv, self.dv),
+                *at.windows(self.conv_w.shape[1]))
             o, S = kernels.ops[self.rules[2]](*inputs, S, at.cu_seqlens, at.bounds)
         o = kernels.fused(self.norm)(o, z.view(T, self.hv, self.dv), self.norm_w, self.eps)
         return kernels.linear(o.flatten(1), self.w_out), conv_state, S

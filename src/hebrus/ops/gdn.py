@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hebrus.ops.conv import causal_conv
+from hebrus.ops.conv import causal_conv, causal_conv_ragged
 from hebrus.ops.norm import l2_norm
 
 
@@ -26,6 +26,20 @@ def gdn_inputs(projected, b, a, conv_state, conv_w, neg_a, dt_bias, heads: tuple
     token [T, Kc-1, C] (one sequence)."""
     mixed, conv_state = causal_conv(projected, conv_state, conv_w, each)
     return (*gdn_activations(mixed, b, a, neg_a, dt_bias, heads), conv_state)
+
+
+def gdn_inputs_ragged(projected, b, a, conv_states, conv_w, neg_a, dt_bias, heads: tuple[int, int, int, int],
+                      gather, out, last):
+    """`gdn_inputs` of N sessions' chunks in one call: projected, b, a [T, ...] their rows one
+    after another, conv_states [N, Kc-1, C]; (gather, out, last) the conv's layout
+    (`StepBatch.windows`, `ops.conv.causal_conv_ragged`) -> (q, k, v, g, beta [T, ...],
+    conv_states [N, Kc-1, C]). Compiled, it takes one kernel for any rows (`any_rows`): its
+    shapes vary with the sessions as well as the tokens."""
+    mixed, conv_states = causal_conv_ragged(projected, conv_states, conv_w, (gather, out, last))
+    return (*gdn_activations(mixed, b, a, neg_a, dt_bias, heads), conv_states)
+
+
+gdn_inputs_ragged.any_rows = True
 
 
 def gdn_activations(mixed, b, a, neg_a, dt_bias, heads: tuple[int, int, int, int]):

@@ -128,6 +128,8 @@ class Scheduler:
                  fault: Callable[[Request], str | None] | None = None, metrics=None):
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions}")
         self.model, self.max_sessions, self.max_waiting = model, max_sessions, max_waiting
         # new sessions made while the loop is idle, so that admitting a request does not wait
         # for one to be made (on a GPU, allocating its banks takes milliseconds)
@@ -188,53 +190,74 @@ class Scheduler:
         width; met first while serving, each stalled every request (42 compiles, 59 s, at 64
         clients on an H100). A pass of several sessions runs some ops on each session's rows and
         others on all of them, so the waves are: a prompt of every power of two of tokens up to
-        `chunk_size`, alone and two in one turn; prompts of the longest such chunk together, up
-        to a turn's `prefill_tokens` rounded up to a power of two; then, for every lane width up
-        to `max_sessions`, that many requests decoding together (three steps or more:
-        uncaptured, captured, replayed). Their cached prefixes are dropped and the loop's
-        counters and pace start again. `progress` is told each wave as it starts."""
+        `chunk_size` (and of 9), alone and two at a time; prompts of the longest such chunk
+        together, up to a turn's `prefill_tokens` rounded up to a power of two (and
+        `max_sessions` of them); then, for every lane width up to `max_sessions`, that many
+        requests decoding together (three steps or more: uncaptured, captured, replayed); a
+        prompt beside a decoding request. Each made-up prompt is its own (none is found cached);
+        their cached prefixes are dropped after, the loop's counters, pace and preemptions start
+        again, and none counts in the metrics. `progress` is told each wave as it starts. Exact
+        mode has nothing to warm up."""
         say = progress or (lambda part: None)
+        if not self.model.kernels.whole_chunk:
+            say("nothing to warm up: exact mode compiles no kernels and captures no graphs")
+            return
         vocab, room = self.model.spec.vocab_size, self.model.spec.max_context
         failed: list[BaseException] = []
+        made = itertools.count()
+        metrics, self.metrics = self.metrics, None      # made-up requests count in no metric
 
-        def served(lengths: list[int], tokens: int) -> None:
-            """Requests of prompts of `lengths` and `tokens` tokens each, served to their end."""
-            for i, n in enumerate(lengths):
-                self.waiting.append(Request(WARM_UP, [(7 * j + 3 * i + n) % vocab for j in range(n)], tokens,
+        def asked(lengths: list[int], tokens: int) -> None:
+            """Requests of prompts of `lengths` and `tokens` tokens each, waiting: prompts no
+            other made-up request shares (none finds another's prefix cached)."""
+            for n in lengths:
+                salt = next(made)
+                self.waiting.append(Request(WARM_UP, [(7 * j + 13 * salt + n) % vocab for j in range(n)], tokens,
                                             Sampling(), 0, frozenset(), lambda kind, value: kind == "error"
                                             and failed.append(value), salt=WARM_UP))
+
+        def served(lengths: list[int], tokens: int) -> None:
+            """`asked`, then every request served to its end."""
+            asked(lengths, tokens)
             while self.waiting or self.running or self.preempted:
                 self._take_waiting()
                 self._turn()
 
-        top = 1 << (max(1, min(self.chunk_size, room - 8)).bit_length() - 1)    # a chunk's longest power of two
-        lengths = [1 << k for k in range(top.bit_length())]
-        say(f"prompts of {', '.join(map(str, lengths))} tokens, alone and two in one turn")
-        for n in lengths + [9]:            # (and rows of no power of two)
-            served([n], 1)                  # one session's chunk
-            served([n, n], 1)               # two sessions' chunks in one pass (other ops see 2n rows)
-        rows = 4 * top
-        while rows < 2 * self.prefill_tokens:      # up to a turn's tokens, rounded up to a power of two
-            say(f"{rows // top} prompts of {top} tokens in one turn")
-            served([top] * (rows // top), 1)
-            rows *= 2
-        for width in sorted({lanes_for(n) for n in range(1, self.max_sessions + 1)}):
-            n = min(width, self.max_sessions)
-            say(f"{n} request{'s' if n > 1 else ''} decoding together")
-            served([9 + i % 7 for i in range(n)], 5)
-        say("a prompt arriving while a request decodes")
-        self.waiting.append(Request(WARM_UP, list(range(min(9, vocab))), 8, Sampling(), 0, frozenset(),
-                                    lambda kind, value: kind == "error" and failed.append(value), salt=WARM_UP))
-        for _ in range(3):                  # its prompt, its first steps
-            self._take_waiting()
-            self._turn()
-        served([9], 1)
-        self.cache.forget(self._space(Request(WARM_UP, [], 0, Sampling(), 0, frozenset(), print, salt=WARM_UP)))
-        self.cache.lookups = self.cache.hits = self.cache.saved = self.cache.lost = 0
-        self.pace, self.widest = Pace(), 0
-        self.timed.clear()
-        self.prefills.clear()
-        self.spent.clear()
+        try:
+            top = 1 << (max(1, min(self.chunk_size, room - 8)).bit_length() - 1)    # a chunk's longest power of two
+            lengths = [1 << k for k in range(top.bit_length())]
+            say(f"prompts of {', '.join(map(str, lengths + [9]))} tokens, alone and two at a time")
+            for n in lengths + [9]:            # (and rows of no power of two)
+                served([n], 1)                  # one session's chunk
+                served([n, n], 1)               # two sessions' chunks in one pass (other ops see 2n rows)
+            rows = 4 * top
+            while rows < 2 * self.prefill_tokens and rows // top <= self.max_sessions:
+                say(f"{rows // top} prompts of {top} tokens at a time")     # a turn's tokens, up to a power of two
+                served([top] * (rows // top), 1)
+                rows *= 2
+            for width in sorted({lanes_for(n) for n in range(1, self.max_sessions + 1)}):
+                n = min(width, self.max_sessions)
+                say(f"{n} request{'s' if n > 1 else ''} decoding together")
+                self.widest = 0
+                # enough tokens that the first to decode still do when the last prompt is fed,
+                # however few prompt tokens a turn feeds beside them
+                served([2] * n, 4 + -(-2 * n // MIN_CHUNK))
+                if self.widest < n:
+                    say(f"(the widest step carried {self.widest})")
+            say("a prompt arriving while a request decodes")
+            asked([9], 8)
+            for _ in range(3):                  # its prompt, its first steps
+                self._take_waiting()
+                self._turn()
+            served([9], 1)
+        finally:
+            self.metrics = metrics
+            self.cache.forget(self._space(Request(WARM_UP, [], 0, Sampling(), 0, frozenset(), print, salt=WARM_UP)))
+            self.cache.lookups = self.cache.hits = self.cache.saved = self.cache.lost = 0
+            self.pace, self.widest, self.preempted.count = Pace(), 0, 0
+            self.timed.clear()
+            self.prefills.clear()
+            self.spent.clear()
         if failed:
             say(f"{len(failed)} made-up requests failed; the first: {type(failed[0]).__name__}: {failed[0]}")
 

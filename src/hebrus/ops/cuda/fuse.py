@@ -9,7 +9,9 @@ shape signature, which is why a planned step runs uncaptured before it is captur
 rows are a power of two up to STATIC_ROWS (the lanes of a planned step) gets a kernel made for
 exactly its shape; any other length shares a kernel in which the rows are symbolic and the
 model's widths and numbers are constants (a slice's row stride and storage offset stay
-symbolic too: a few entries apart by layout, and by rows fewer than a conv's taps). Set
+symbolic too: a few entries apart by layout, and by rows fewer than a conv's taps). An op marked
+`any_rows` (its shapes vary with more than the rows: a pass of several sessions') always takes
+the shared kernel. Set
 HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op runs
 unfused in this process from then on (the compiled form is shared by every model).
 """
@@ -86,17 +88,19 @@ def _configure() -> None:
     if _in_process:
         from torch._inductor import config as inductor_config
         inductor_config.compile_threads = 1
-    _thread.configured = True
+    _thread.configured = _settings
 
 
 _in_process = False
+_settings = 1          # raised when a setting changes: each thread configures itself again
 
 
 def compile_in_process() -> None:
     """From now on fused ops compile in this process, not in the compiler's pool of worker
-    processes: in this thread at once, in any other from its first fused op on."""
-    global _in_process
+    processes: in this thread at once, in any other from its next fused op on."""
+    global _in_process, _settings
     _in_process = True
+    _settings += 1
     _configure()
 
 
@@ -117,10 +121,10 @@ class _Fused:
 
     def __call__(self, *args):
         if self.failed is None:
-            if not getattr(_thread, "configured", False):
+            if getattr(_thread, "configured", 0) != _settings:
                 _configure()
             try:
-                if static_shape(args):
+                if static_shape(args) and not getattr(self.op, "any_rows", False):
                     return self.static(*args)
                 return self.compiled(*rows_symbolic(args))
             except Exception as exc:

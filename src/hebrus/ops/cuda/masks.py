@@ -13,7 +13,7 @@ BLOCK = 2048
 
 @triton.jit
 def _masked_kernel(x_ptr, words_ptr, out_ptr, V, W, x_row, w_row, BLOCK: tl.constexpr):
-    row, part = tl.program_id(1), tl.program_id(0)
+    row, part = tl.program_id(1).to(tl.int64), tl.program_id(0)   # (row offsets past 2³¹ at 14K rows of 151,936)
     v = part * BLOCK + tl.arange(0, BLOCK)
     inside = v < V
     word = tl.load(words_ptr + row * w_row + v // 32, mask=inside & (v // 32 < W), other=0)
