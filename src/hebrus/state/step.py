@@ -26,6 +26,7 @@ by the branch's place in the spec). Nothing is looked up by name.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -151,14 +152,9 @@ class StepBatch:
 
     def windows(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sessions' rows laid out for one causal conv of `k` taps over all of them
-        (`ops.conv.causal_conv_ragged`; `windows`), on the device: made once a pass, whichever
-        layers ask."""
-        for seen, made in self.taken:
-            if isinstance(seen, tuple) and seen == ("windows", k):
-                return made
-        made = windows(self.lengths, k, self.ids.device)
-        self.taken.append((("windows", k), made))
-        return made
+        (`ops.conv.causal_conv_ragged`; `windows`), on the device: made once for each set of
+        lengths (every layer of a pass, and every round of a pass of pieces, ask again)."""
+        return windows(self.lengths, k, self.ids.device)
 
     @property
     def start(self):
@@ -263,9 +259,11 @@ class StepBatch:
         return X[[b - 1 for b in self.bounds[1:]]]
 
 
+@functools.lru_cache(maxsize=64)       # (a 64-session 8K pass's: about 200 KB)
 def windows(lengths: tuple[int, ...], k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ops.conv.causal_conv_ragged`'s layout of sequences of `lengths` rows with a conv of `k` taps:
-    sequence i's state rows come first in its block, then its own rows, blocks end to end."""
+    sequence i's state rows come first in its block, then its own rows, blocks end to end. Kept
+    for the next pass of the same lengths (the tensors are only read)."""
     k1, n = k - 1, len(lengths)
     counts = torch.tensor(lengths)
     starts = torch.cumsum(counts, 0) - counts                               # each sequence's first row of x
