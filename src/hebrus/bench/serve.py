@@ -154,7 +154,7 @@ def serving(model, name: str, **options):
     process, and a process of its own for the clients (in this one they would share the
     interpreter lock with the server and its engine) -> (its URL, its scheduler, a function
     `ask(asks, clients, tokens, key=None)` that runs `load` there; `ask.run(function, *args)`
-    runs another function there)."""
+    runs another function there; `ask.started_s`: seconds the server took to start)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -164,7 +164,7 @@ def serving(model, name: str, **options):
     began = time.perf_counter()
     app, scheduler = serve.build(model, name, progress=lambda part: print(f"bench: warming the server up: {part}",
                                                                           file=sys.stderr, flush=True), **options)
-    scheduler.warm_up_s = time.perf_counter() - began      # the server's start (its warm-up on CUDA)
+    started_s = time.perf_counter() - began                 # the server's start (its warm-up on CUDA)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -179,6 +179,7 @@ def serving(model, name: str, **options):
     def ask(asks, clients: int, tokens, key: str | None = None, temperature: float = 0.0) -> dict:
         return clients_process.submit(_load_here, url, name, asks, clients, tokens, key, temperature).result()
     ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
+    ask.started_s = started_s
     try:
         yield url, scheduler, ask
     finally:
@@ -194,7 +195,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     defaults where left out)."""
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
-        passes, share, started = scheduler.passes, scheduler.prefill_share, scheduler.warm_up_s
+        passes, share, started = scheduler.passes, scheduler.prefill_share, ask.started_s
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
         ask(warm, 1, 4)
         for clients in concurrencies:

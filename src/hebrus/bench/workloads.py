@@ -48,7 +48,7 @@ def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, e
                      **(engine or {})) as running:
             url, scheduler, ask = running
             report["passes"], report["prefill_share"] = scheduler.passes, scheduler.prefill_share
-            report["prefill_tokens"], report["server_start_s"] = scheduler.prefill_tokens, round(scheduler.warm_up_s, 2)
+            report["prefill_tokens"], report["server_start_s"] = scheduler.prefill_tokens, round(ask.started_s, 2)
             ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
             yield cache, url, scheduler, ask
 

@@ -204,7 +204,7 @@ class Scheduler:
             return
         vocab, room = self.model.spec.vocab_size, self.model.spec.max_context
         failed: list[BaseException] = []
-        made = itertools.count()
+        made, spaces = itertools.count(), set()
         metrics, self.metrics = self.metrics, None      # made-up requests count in no metric
 
         def asked(lengths: list[int], tokens: int) -> None:
@@ -212,9 +212,11 @@ class Scheduler:
             other made-up request shares (none finds another's prefix cached)."""
             for n in lengths:
                 salt = next(made)
-                self.waiting.append(Request(WARM_UP, [(7 * j + 13 * salt + n) % vocab for j in range(n)], tokens,
-                                            Sampling(), 0, frozenset(), lambda kind, value: kind == "error"
-                                            and failed.append(value), salt=WARM_UP))
+                request = Request(WARM_UP, [(7 * j + 13 * salt + n) % vocab for j in range(n)], tokens, Sampling(),
+                                  0, frozenset(), lambda kind, value: kind == "error" and failed.append(value),
+                                  salt=WARM_UP)
+                spaces.add(self._space(request))
+                self.waiting.append(request)
 
         def served(lengths: list[int], tokens: int) -> None:
             """`asked`, then every request served to its end."""
@@ -252,7 +254,8 @@ class Scheduler:
             served([9], 1)
         finally:
             self.metrics = metrics
-            self.cache.forget(self._space(Request(WARM_UP, [], 0, Sampling(), 0, frozenset(), print, salt=WARM_UP)))
+            for space in spaces:
+                self.cache.forget(space)
             self.cache.lookups = self.cache.hits = self.cache.saved = self.cache.lost = 0
             self.pace, self.widest, self.preempted.count = Pace(), 0, 0
             self.timed.clear()

@@ -28,7 +28,6 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
                           prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
                           prefill_share=prefill_share, passes=passes, fault=fault, metrics=metrics)
     if model.device.type == "cuda":
-        from hebrus.layers.kernels import unfused
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
         # (benchmarks/results/cuda-h200/test-cuda-serve-d00796d-hang.txt), and compiled
@@ -36,9 +35,8 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
         # compile here, before serving, with the pool, for every shape the loop runs; whatever a
         # rare shape compiles later, in the engine thread, compiles in-process.
         scheduler.warm_up(progress)
-        if model.kernels.fused is not unfused:
-            from hebrus.ops.cuda import fuse
-            fuse.compile_in_process()
+        from hebrus.ops.cuda import fuse
+        fuse.compile_in_process()
     app = create_app(model, name, scheduler, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics)
     scheduler.start()
