@@ -434,22 +434,28 @@ def test_fla_runs_sessions_chunks_of_any_lengths_in_one_call():
 @cuda
 def test_ragged_steps_on_cuda_match_the_sessions_fed_alone(tmp_path):
     """Prompts beside decode tokens in one step of a bfloat16 Qwen3.5 on CUDA (fla's varlen
-    delta rule) against each session fed alone, within bfloat16's tolerance."""
+    delta rule) against each session fed alone: both are bfloat16 roundings of the same values,
+    so each is held to a float32 model of the same weights, the sessions stepped together no
+    further from it than a few times the sessions fed alone (a 16-bit random model amplifies a
+    difference in where it rounds past any fixed bound between the two)."""
     from foreign import build
     folder, _ = build("qwen3_5", tmp_path)
     model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast")
-    together, alone = [model.session(decode="eager") for _ in range(4)], [model.session(decode="eager") for _ in range(4)]
+    exact = hebrus.load(folder, device="cuda", dtype="float32", mode="fast")
+    together, alone, reference = ([m.session(decode="eager") for _ in range(4)] for m in (model, model, exact))
     gen = torch.Generator().manual_seed(3)
-    for a, b, n in zip(together, alone, (3, 17, 1, 30)):
+    for a, b, r, n in zip(together, alone, reference, (3, 17, 1, 30)):
         ids = torch.randint(0, model.spec.vocab_size, (n,), generator=gen).tolist()
         a.feed(ids)
         b.feed(ids)
+        r.feed(ids)
     for lengths in [(9, 1, 40, 1), (1, 1, 1, 1), (2, 33, 1, 5)]:
         chunks = [torch.randint(0, model.spec.vocab_size, (n,), generator=gen).tolist() for n in lengths]
         got = hebrus.feed_many(together, chunks)
-        for g, s, c in zip(got, alone, chunks):
-            want = s.feed(c)
-            assert isinstance(g, torch.Tensor) and _rel(g, want) <= 5e-2
+        for g, s, r, c in zip(got, alone, reference, chunks):
+            want, truth = s.feed(c), r.feed(c)
+            assert isinstance(g, torch.Tensor)
+            assert _rel(g, truth) <= 3 * _rel(want, truth) + 2e-2, (_rel(g, truth), _rel(want, truth))
 
 
 @cuda
