@@ -22,13 +22,17 @@ def options(model: str, steps: int, context: int = 1024, **more) -> argparse.Nam
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--out", default="/tmp")
     parser.add_argument("--cache", default="/tmp/shapes")
+    parser.add_argument("--quantize", default=None, help="the large projections quantized as the model loads "
+                        "(a format of `hebrus bench --quant`: int8, int4, int4-zp, fp8)")
     return parser.parse_args()
 
 
 def model_and_prompt(args: argparse.Namespace):
-    """The model on CUDA (bfloat16, fast mode) and a random prompt of --context tokens."""
+    """The model on CUDA (bfloat16, fast mode; quantized if --quantize) and a random prompt of --context
+    tokens."""
     name = args.model
     if name in bench.SHAPES:
         name = str(bench.random_checkpoint(name, Path(args.cache) / name))
-    model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
+    model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast",
+                        quantize=getattr(args, "quantize", None))
     return model, torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()

@@ -738,14 +738,16 @@ def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
 def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
-    """The Triton products for a decode step's rows against rebuilding W and F.linear, at widths
-    that are and are not multiples of a group or block."""
+    """The Triton products against rebuilding W and F.linear, at widths that are and are not
+    multiples of a group or block: the vector kernels (a row or two; a float32 x's few rows) and
+    the matrix kernel (more rows of a 16-bit x)."""
     from hebrus.ops.cuda.quant import FEW_ROWS, launch, takes
     from hebrus.ops.quant import quantize, rebuilt_linear
     from hebrus.weights.quant import Quantization
     q = Quantization.parse(format)
     g = torch.Generator(device="cuda").manual_seed(7)
-    for N, K, M in ((4096, 4096, 1), (1000, 300, 3), (256, 1024, FEW_ROWS)):
+    cases = ((4096, 4096, 1), (1000, 300, 2), (1000, 300, 3), (256, 1024, FEW_ROWS))
+    for N, K, M in cases + (((130, 384, 64), (6144, 2048, 33)) if dtype != torch.float32 else ()):
         w = quantize(torch.randn(N, K, generator=g, device="cuda"), q.format, zero_point=q.zero_point)
         x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
         assert takes(x, w)

@@ -185,17 +185,36 @@ def test_projections_side_by_side_equal_their_twin_apart(fast_models, name, monk
             assert torch.equal(a, b), spec.name
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_a_group_with_a_quantized_member_runs_a_product_each_and_holds_no_float_copy(quantize):
-    """The delta rule's b and a stay float in a quantized model while qkv and z are quantized:
-    that group is left apart, its layer multiplies by each weight, and b and a hold storage of
-    their own (not the float group they were laid in before quantizing)."""
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int4-zp", "fp8"])
+def test_a_group_with_quantized_and_float_members_runs_a_product_a_run_and_holds_no_float_copy(quantize):
+    """The delta rule's q/k/v and z are quantized in a quantized model, its b and a stay float:
+    the group is two runs, each laid together alone in its storage (the quantized parts each in
+    one tensor; no float copy of the group it was laid in before quantizing), one product a run;
+    each run's product equals one product a weight (the twin) within float32's rounding, and the
+    model decodes."""
+    from hebrus.ops.quant import Products, Quantized
     model = hebrus.load("tiny", mode="fast", quantize=quantize)
     gdn = next(stage for stage in model.stages if hasattr(stage, "gdn")).gdn
     assert gdn.project.together is None and len(gdn.project.weights) == 4
-    for name, w in model.named_parameters():
-        if "gdn.in_proj_" in name:
-            assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), name
+    (quantized, q_sizes), (floats, f_sizes) = gdn.project.runs
+    assert isinstance(quantized, Quantized) and type(floats) is torch.Tensor
+    assert q_sizes == [w.shape[0] for w in gdn.project.weights[:2]] and f_sizes == [w.shape[0] for w in gdn.project.weights[2:]]
+    parts = [quantized.qweight, quantized.scale] + ([quantized.zero] if quantized.zero is not None else [])
+    for t in parts + [floats]:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    params = dict(model.named_parameters())
+    for layer in {name.split(".gdn.")[0] for name in params if ".gdn.in_proj_" in name}:
+        for run in ((".qweight", ".qscale", ".qzero"), (".weight",)):
+            for part in run:
+                leaves = [f"{layer}.gdn.in_proj_{leaf}{part}" for leaf in (("qkv", "z") if part != ".weight" else "ba")]
+                ts = [params[n] for n in leaves if n in params]
+                if ts:
+                    assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, leaves
+                    assert ts[0].untyped_storage().nbytes() == sum(t.numel() * t.element_size() for t in ts), leaves
+    x = torch.randn(3, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    laid, apart = Products(*gdn.project.weights, together=True), Products(*gdn.project.weights)
+    for a, b in zip(laid(x), apart(x), strict=True):          # float32: one product's sums may run in
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)     # another order than one a weight
     s = model.session()
     assert torch.isfinite(s.feed(list(range(3, 20)))).all()
 

@@ -17,7 +17,7 @@ import torch
 from hebrus.layers import hyper
 from hebrus.layers.kind import CPU32, KINDS, Kind, check_unique, normal
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.quant import laid_together
+from hebrus.ops.quant import rows_together
 
 
 @dataclass(frozen=True)
@@ -63,36 +63,67 @@ def _model_wide(s: ModelSpec, kind: Kind) -> list[Weight]:
 
 
 def side_by_side(s: ModelSpec, params: dict) -> None:
-    """Lay each group of weights that a kind multiplies by one input (`Kind.side_by_side`) in one
-    tensor, in place in `params`: rows one group member after another, each member's entry a
-    view of its rows, so fast mode makes one product for the group (`ops.quant.Products`) and
-    no weight is held twice (each is copied once, and its own tensor let go). One laid so
-    already is not copied again (a model in another mode shares them). A group with a member
-    that is not a float matrix like the others (a quantized weight's parts) is left apart: a
-    member that is a view of a larger tensor (the group laid before the others were quantized)
-    gets its own copy, so that tensor is let go."""
+    """Lay the weights that a kind multiplies by one input (`Kind.side_by_side`) together, in
+    place in `params`, so fast mode makes one product of them (`ops.quant.Products`) and no
+    weight is held twice: each run of a group's members stored alike (float matrices of one
+    dtype; quantized weights, whose codes, scales and zero points each lie so, fp8's in whole
+    blocks of rows but the last) in one tensor a part, rows one member after another, each
+    member's entry a view of its rows (each copied once, its own tensor let go). A quantized
+    model's group may hold two runs (a GDN's quantized q/k/v and z, then its float b and a). A
+    run laid so already, alone in its storage, is not copied again (a model in another mode
+    shares it); a member left alone that is a view of a larger tensor (a group laid before some
+    were quantized) gets its own copy, so that tensor is let go."""
+    block = s.quantization.group if s.quantization is not None else 0
     for layer, kinds in s.layer_kinds():
         for kind in kinds:
             for group in kind.side_by_side:
-                names = [f"layers.{layer}.{kind.name}.{leaf}" for leaf in group]
-                weights = [params.get(name) for name in names]
-                if laid_together(weights) is not None:
-                    continue
-                if not _joinable(weights):
-                    for name, w in zip(names, weights):
-                        if type(w) is torch.Tensor and w.untyped_storage().nbytes() > w.numel() * w.element_size():
-                            params[name] = w.clone()
-                    continue
-                whole, at = torch.cat(weights), 0
-                for name, w in zip(names, weights):
-                    params[name], at = whole[at:at + w.shape[0]], at + w.shape[0]
-                del weights
+                members = [_parts(f"layers.{layer}.{kind.name}.{leaf}", params) for leaf in group]
+                at = 0
+                while at < len(members):
+                    end = at + 1
+                    while end < len(members) and _joinable(members[at:end + 1], params, block):
+                        end += 1
+                    _lay(members[at:end], params)
+                    at = end
 
 
-def _joinable(weights: list) -> bool:
-    first = weights[0]
-    return all(type(w) is torch.Tensor and w.dim() == 2 and w.is_floating_point() and w.dtype == first.dtype
-               and w.device == first.device and w.shape[1] == first.shape[1] for w in weights)
+def _parts(name: str, params: dict) -> tuple[str, ...]:
+    """A weight's entries in `params`: its own name, or a quantized weight's parts."""
+    if name in params:
+        return (name,)
+    stem = name.removesuffix(".weight")
+    return tuple(stem + part for part in (".qweight", ".qscale", ".qzero") if stem + part in params)
+
+
+def _joinable(members: list[tuple[str, ...]], params: dict, block: int) -> bool:
+    first = members[0]
+    if not first or any(len(m) != len(first) for m in members):
+        return False
+    for i in range(len(first)):
+        ts = [params[m[i]] for m in members]
+        if not all(type(t) is torch.Tensor and t.dim() >= 1 and t.dtype == ts[0].dtype and t.device == ts[0].device
+                   and t.shape[1:] == ts[0].shape[1:] for t in ts):
+            return False
+    if len(first) == 1:                         # float matrices
+        return all(params[m[0]].dim() == 2 and params[m[0]].is_floating_point() for m in members)
+    fp8 = params[first[0]].dtype == torch.float8_e4m3fn
+    return not fp8 or all(params[m[0]].shape[0] % block == 0 for m in members[:-1])
+
+
+def _lay(run: list[tuple[str, ...]], params: dict) -> None:
+    """One run's members laid together, part by part (or a member alone given its own copy)."""
+    for i in range(len(run[0])):
+        names = [m[i] for m in run]
+        ts = [params[n] for n in names]
+        held = sum(t.numel() * t.element_size() for t in ts)
+        if rows_together(ts) is not None and ts[0].untyped_storage().nbytes() == held:
+            continue                                          # laid so already, alone in its storage
+        if len(ts) == 1:
+            params[names[0]] = ts[0].clone()
+            continue
+        whole, at = torch.cat(ts), 0
+        for name, t in zip(names, ts):
+            params[name], at = whole[at:at + t.shape[0]], at + t.shape[0]
 
 
 def float_shapes(s: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -86,36 +86,82 @@ def linear(x: torch.Tensor, w: torch.Tensor | Quantized) -> torch.Tensor:
 
 
 class Products:
-    """x Wᵢᵀ for several weights of one input x. `together` (fast mode) where the weights lie one
-    after another in one tensor (rows of one storage, in order, as `layers.layout.side_by_side`
-    lays them): one product over all of them, each result a slice of its columns; otherwise one
-    product each, the readable twin (exact mode's, a group with a quantized weight's)."""
+    """x Wᵢᵀ for several weights of one input x. `together` (fast mode): each run of weights that
+    lie one after another in one storage (`laid_together`: float rows, or a quantized weight's
+    codes, scales and zero points, as `layers.layout.side_by_side` lays them) is one product,
+    each result a slice of its columns (a Qwen3.5 GDN's quantized q/k/v and z one, its float b and
+    a another); otherwise one product each, the readable twin (exact mode's)."""
 
     def __init__(self, *weights, together: bool = False, linear=linear):
         """`linear(x, W) -> x Wᵀ`: the op table's product (`Kernels.linear`)."""
-        self.weights, self.together = weights, laid_together(weights) if together else None
-        self.sizes = [w.shape[0] for w in weights] if self.together is not None else None
-        self.linear = linear
+        self.weights, self.linear = weights, linear
+        self.runs = _runs(weights) if together else [(w, None) for w in weights]
+        # the whole group as one weight, where it is one run (SwiGLU's gate and up: `mlp.swiglu`)
+        self.together = self.runs[0][0] if together and len(self.runs) == 1 and len(weights) > 1 else None
+        self.sizes = self.runs[0][1] if self.together is not None else None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.together is None:
-            return tuple(self.linear(x, w) for w in self.weights)
-        return self.linear(x, self.together).split(self.sizes, dim=-1)
+        out = []
+        for w, sizes in self.runs:
+            y = self.linear(x, w)
+            out.extend(y.split(sizes, dim=-1) if sizes is not None else (y,))
+        return tuple(out)
 
 
-def laid_together(weights) -> torch.Tensor | None:
-    """The one matrix whose rows are `weights` [out_i, in] one after another, when they lie so
-    in one storage (dense, one dtype and device); else None."""
-    first = weights[0] if weights else None
-    if len(weights) < 2 or not all(type(w) is torch.Tensor and w.dim() == 2 for w in weights):
+def _runs(weights) -> list[tuple]:
+    """`weights` cut into runs that lie together, in order: (the run as one weight, its members'
+    widths), or (a weight alone, None)."""
+    runs, at = [], 0
+    while at < len(weights):
+        end = at + 1
+        while end < len(weights) and laid_together(weights[at:end + 1]) is not None:
+            end += 1
+        run = weights[at:end]
+        runs.append((laid_together(run), [w.shape[-2] for w in run]) if len(run) > 1 else (run[0], None))
+        at = end
+    return runs
+
+
+def laid_together(weights):
+    """The one weight whose rows are `weights` one after another, when they lie so: float
+    matrices [out_i, in] (one dtype and device) as rows of one storage, in order; or quantized
+    ones of one format, group and width whose codes, scales and zero points each lie so (fp8:
+    every one but the last a whole number of blocks of rows, so the blocks of scales line up).
+    None otherwise."""
+    if len(weights) < 2:
+        return None
+    if all(isinstance(w, Quantized) for w in weights):
+        first = weights[0]
+        if any((w.format, w.inputs, w.group, w.zero is None, w.matmul) != (first.format, first.inputs, first.group,
+                                                                           first.zero is None, first.matmul)
+               or w.qweight.dim() != 2 for w in weights):
+            return None
+        if first.format == "fp8" and any(w.qweight.shape[0] % w.group for w in weights[:-1]):
+            return None
+        parts = [rows_together([w.qweight for w in weights]), rows_together([w.scale for w in weights]),
+                 None if first.zero is None else rows_together([w.zero for w in weights])]
+        if parts[0] is None or parts[1] is None or (first.zero is not None and parts[2] is None):
+            return None
+        return Quantized(first.format, parts[0], parts[1], parts[2], first.inputs, first.group, first.matmul)
+    if not all(type(w) is torch.Tensor and w.dim() == 2 and w.is_floating_point() for w in weights):
+        return None
+    return rows_together(weights)
+
+
+def rows_together(tensors) -> torch.Tensor | None:
+    """The one tensor whose rows (first dimension) are `tensors`' one after another, when they lie
+    so in one storage (contiguous, one dtype and device, the same other dimensions); else None."""
+    first = tensors[0]
+    if any(type(t) is not torch.Tensor or t.dim() == 0 for t in tensors):
         return None
     at = first.storage_offset()
-    for w in weights:
-        if (w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.storage_offset() != at
-                or w.dtype != first.dtype or w.shape[1] != first.shape[1] or not w.is_contiguous()):
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != at
+                or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()):
             return None
-        at += w.numel()
-    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+        at += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, first.stride())
 
 
 def rebuilt_linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:

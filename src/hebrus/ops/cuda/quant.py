@@ -1,11 +1,24 @@
-"""Quantized matrix-vector products in Triton, for the few rows of a decode step: y = x Wᵀ with W
-read in its stored form (int8, int4 or fp8 codes and their scales) and rebuilt in registers, so
-a step reads the quantized bytes once. The twin is `ops.quant.linear` (rebuild W, then F.linear);
-for more than FEW_ROWS rows of x, or a layout these kernels do not take, it is what runs.
+"""Quantized matrix products in Triton: y = x Wᵀ with W read in its stored form (int8, int4 or
+fp8 codes and their scales) and rebuilt in registers, so a step reads the quantized bytes once.
+The twin is `ops.quant.rebuilt_linear` (rebuild W, then F.linear); it runs whatever these
+kernels do not take (stacked experts, a float32 x of more than FEW_ROWS rows).
 
-Each program computes BLOCK_N outputs of one row of x, walking the inputs a group (int4), a
-block (fp8) or BLOCK_K inputs (int8) at a time, in a fixed order: the same inputs give the same
-bits whatever the launch.
+Two shapes of kernel:
+- **vector** (a decode step's row or two: `VECTOR_ROWS`): each program reduces BLOCK_N outputs of
+  one row of x over the inputs in tiles of BLOCK_K, keeping float32 partial sums per tile column
+  (int8) or per group or block (int4, fp8: a group's Σ q·x is scaled once) and reducing them at
+  the end. Few outputs a program and wide tiles keep many bytes in flight, as the 16-bit product
+  does (`ops.cuda.gemv`): that is what a matrix-vector product's speed is made of. int4's bytes
+  are read as they lie, a row's nibbles contiguous; x is read once a tile, split into the even
+  and odd inputs in registers. A zero point comes in once a group: Σ (q − z)·x = Σ q·x − z·Σ x.
+- **matrix** (more rows, 16-bit x): tiles of W rebuilt in x's dtype, exactly as the twin rebuilds
+  them (int8 and fp8 codes are exact in 16 bits; int4's (q − z)·s rounded once), and multiplied
+  on the tensor cores (`tl.dot`), float32 accumulation; int8's per-output scale and fp8's block
+  scales applied to the float32 sums.
+
+Every kernel walks its inputs in a fixed order: the same inputs give the same bits whatever the
+launch. The vector kernels take part in a chained launch (`ops.cuda.chain`): their first tile of
+codes is read before the kernel before them has finished (no kernel writes a weight).
 """
 from __future__ import annotations
 
@@ -13,78 +26,160 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda.chain import after_the_last, chained
 from hebrus.ops.quant import Quantized, rebuilt_linear
 
-FEW_ROWS = 16
-BLOCK_N = 16
+FEW_ROWS = 16          # a float32 x: rows the vector kernels take (more go to the twin)
+VECTOR_ROWS = 2        # a 16-bit x: rows through the vector kernels (more: the matrix kernel)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    m, pid = tl.program_id(1), tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CHAINED: tl.constexpr):
+    m = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = n.to(tl.int64) * K
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
+    after_the_last(CHAINED)
+    x_row = x_ptr + m.to(tl.int64) * K
+    acc = w.to(tl.float32) * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
+        acc += w.to(tl.float32) * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(s_ptr + n, mask=n < N, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * N + n, (tl.sum(acc, axis=1) * s).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _int4_tile(b, x_row, s_ptr, z_ptr, n, k0, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The tile of inputs from k0: its [BLOCK_N, BLOCK_K // GROUP] scaled group sums Σ s·(q − z)·x,
+    from its bytes `b` [BLOCK_N, BLOCK_K // 2]."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+    b = b.to(tl.int32)
+    codes = (b & 15).to(tl.float32) * even[None, :] + (b >> 4).to(tl.float32) * odd[None, :]
+    qx = tl.sum(tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)      # Σ q·x a group
+    xs = tl.sum(tl.reshape(x, (BLOCK_K // GROUP, GROUP)), axis=1)                        # Σ x a group
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    inside = (n[:, None] < N) & (g[None, :] < G)
+    s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=inside, other=0.0)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=inside, other=0).to(tl.float32)
+    else:
+        z = 8.0
+    return s * (qx - z * xs[None, :])
+
+
+@triton.jit
+def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, CHAINED: tl.constexpr):
+    # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs;
+    # BLOCK_K a multiple of GROUP: a tile holds whole groups
+    m = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = (K + 1) // 2
+    row = n.to(tl.int64) * half
+    j = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
+    after_the_last(CHAINED)
+    x_row = x_ptr + m.to(tl.int64) * K
+    acc = _int4_tile(b, x_row, s_ptr, z_ptr, n, 0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K, GROUP)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
+        acc += _int4_tile(b, x_row, s_ptr, z_ptr, n, k0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K, GROUP)
+    tl.store(y_ptr + m.to(tl.int64) * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _fp8_tile(w, x_row, scales, k0, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """The tile of inputs from k0: its [BLOCK_N, BLOCK_K // BLOCK] scaled block sums, from its codes `w`."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // BLOCK, BLOCK)), axis=2)
+    g = k0 // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
+    return sums * tl.load(scales + g, mask=g < GK, other=0.0)[None, :]
+
+
+@triton.jit
+def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, N, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK: tl.constexpr, CHAINED: tl.constexpr):
+    # s: [ceil(N/BLOCK), GK]; BLOCK_N divides BLOCK (a program's rows share one row of scales) and
+    # BLOCK divides BLOCK_K (a tile holds whole blocks)
+    m = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    scales = s_ptr + ((tl.program_id(0) * BLOCK_N) // BLOCK) * GK
+    row = n.to(tl.int64) * K
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    after_the_last(CHAINED)
+    x_row = x_ptr + m.to(tl.int64) * K
+    acc = _fp8_tile(w, x_row, scales, 0, K, GK, BLOCK_N, BLOCK_K, BLOCK)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc += _fp8_tile(w, x_row, scales, k0, K, GK, BLOCK_N, BLOCK_K, BLOCK)
+    tl.store(y_ptr + m.to(tl.int64) * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
+def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+            GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # FORMAT 0: int8 (s [N]); 1: int4 (s, z [N, G], BLOCK_K divides GROUP: a tile is in one group);
+    # 2: fp8 (s [ceil(N/GROUP), G], BLOCK_K == GROUP and BLOCK_N divides it: one scale a tile)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    s = tl.load(s_ptr + n, mask=n < N, other=0.0)
-    tl.store(y_ptr + m * N + n, (acc * s).to(y_ptr.dtype.element_ty), mask=n < N)
-
-
-@triton.jit
-def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] per GROUP inputs.
-    # A step takes BLOCK_K inputs (BLOCK_K / 2 bytes a row); inputs 2j and 2j + 1 share a group.
-    m, pid = tl.program_id(1), tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = (K + 1) // 2
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j0 in range(0, half, BLOCK_K // 2):
-        j = j0 + tl.arange(0, BLOCK_K // 2)                      # bytes of this step
-        even, odd = 2 * j, 2 * j + 1
-        xe = tl.load(x_ptr + m * K + even, mask=even < K, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + m * K + odd, mask=odd < K, other=0.0).to(tl.float32)
-        inside = (n[:, None] < N) & (j[None, :] < half)
-        b = tl.load(w_ptr + n[:, None] * half + j[None, :], mask=inside, other=0).to(tl.int32)
-        g = (2 * j) // GROUP
-        s = tl.load(s_ptr + n[:, None] * G + g[None, :], mask=inside, other=0.0)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + n[:, None] * G + g[None, :], mask=inside, other=0).to(tl.float32)
+        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
+        if FORMAT == 1:
+            half = (K + 1) // 2
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(w_ptr + n.to(tl.int64)[None, :] * half + j[:, None], mask=(n[None, :] < N) & (j[:, None] < half),
+                        other=0).to(tl.int32)
+            q = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))   # input 2j + t
+            g = k0 // GROUP
+            s = tl.load(s_ptr + n.to(tl.int64) * G + g, mask=n < N, other=0.0)
+            if HAS_ZERO:
+                z = tl.load(z_ptr + n.to(tl.int64) * G + g, mask=n < N, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(dtype)
+            acc += tl.dot(x, w)
         else:
-            z = 8.0
-        lo, hi = (b & 15).to(tl.float32) - z, (b >> 4).to(tl.float32) - z
-        acc += tl.sum(s * (lo * xe[None, :] + hi * xo[None, :]), axis=1)
-    tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
-
-
-@triton.jit
-def _fp8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, GK, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
-    # s: [ceil(N/BLOCK), GK]; BLOCK_N divides BLOCK, so a program's rows share one scale row
-    m, pid = tl.program_id(1), tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = (pid * BLOCK_N) // BLOCK
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g in range(0, GK):
-        k = g * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + m * K + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        s = tl.load(s_ptr + row * GK + g)
-        acc += s * tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=n < N)
+            inside = (n[None, :] < N) & (k[:, None] < K)
+            if FORMAT == 0:
+                w = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=inside, other=0)
+                acc += tl.dot(x, w.to(dtype))
+            else:
+                w = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=inside, other=0.0)
+                s = tl.load(s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP) * G + k0 // GROUP)
+                acc += tl.dot(x, w.to(dtype)) * s
+    if FORMAT == 0:
+        acc = acc * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(m[:, None] < M) & (n[None, :] < N))
 
 
 def takes(x: torch.Tensor, w: Quantized) -> bool:
-    """Whether the kernels take this product: a CUDA x of few rows in a 16- or 32-bit float (they
-    accumulate in float32; a float64 model keeps its own precision through the twin), a single
-    (not stacked) weight in its stored layout, fp8 blocks a power of two from BLOCK_N."""
+    """Whether the kernels take this product: a CUDA x in a 16- or 32-bit float (a float64 model
+    keeps its own precision through the twin; a float32 one of at most FEW_ROWS rows), a single
+    (not stacked) weight in its stored layout, int4 groups and fp8 blocks a power of two of at
+    least 16 (a tile holds whole ones)."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.is_cuda and 0 < rows <= FEW_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and w.qweight.dim() == 2 and w.qweight.is_contiguous()
-            and (w.format != "fp8" or (w.group % BLOCK_N == 0 and w.group & (w.group - 1) == 0))
-            and (w.format != "int4" or w.group % 2 == 0))
+    side = w.group
+    return (x.is_cuda and rows > 0 and x.dtype in FLOATS and (x.dtype in HALF or rows <= FEW_ROWS)
+            and w.qweight.dim() == 2 and w.qweight.is_contiguous() and x.shape[-1] == w.inputs
+            and (w.format == "int8" or (side >= 16 and side & (side - 1) == 0)))
 
 
 def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
@@ -94,26 +189,75 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
     return launch(x, w)
 
 
-def launch(x: torch.Tensor, w: Quantized, block_n: int = BLOCK_N, block_k: int | None = None,
-           warps: int = 8) -> torch.Tensor:
-    """The kernel for w's format on x [..., K] (any device Triton runs on); `block_n` outputs a
-    program (fp8: dividing the block), `block_k` inputs a step (int8, int4: a power of two), `warps`
-    a program. The defaults are the fastest of benchmarks/quant_gemv.py's sweep on the H200."""
-    block_k = block_k or (1024 if w.format == "int4" else 512)
+# (format, N, K, group) -> the fastest launch `benchmarks/quant_gemv.py --update` measured for that weight
+# (cold, as a step reads it), on the device named (the last to write): a vector kernel's (BLOCK_N,
+# BLOCK_K, warps) for one row, the matrix kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps) for 64 rows.
+# The format is "int4-zp" for int4 with zero points. Other shapes take the rules below.
+MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # (none measured yet)
+}
+MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # (none measured yet)
+}
+
+
+def key(w: Quantized) -> tuple[str, int, int, int]:
+    """w's row in the measured tables."""
+    return (w.format + ("-zp" if w.zero is not None else ""), w.qweight.shape[0], w.inputs, w.group)
+
+
+def vector_shape(w: Quantized) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of a vector kernel for w: the measured launch for its shape, else
+    few outputs a program and a wide tile of inputs, as the 16-bit product's measured launches
+    have them (`ops.cuda.gemv.MEASURED`: 2 outputs by 2,048 inputs on most of the 1.68B shape's
+    weights), int4's tile twice as many inputs (half the bytes); a tile whole groups or blocks."""
+    if key(w) in MEASURED_VECTOR:
+        return MEASURED_VECTOR[key(w)]
+    block_k = 4096 if w.format == "int4" else 2048
+    block_k = max(min(block_k, triton.next_power_of_2(w.inputs)), w.group)
+    return 2, block_k, (8 if block_k >= 2048 else 4)
+
+
+def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the matrix kernel for `rows` of x by w: the measured
+    launch for its shape (at 64 rows, taken at 33 or more), else a rule; BLOCK_K within an int4
+    group, one fp8 block."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    if rows > 32 and key(w) in MEASURED_MATRIX:
+        return MEASURED_MATRIX[key(w)]
+    block_k = min(64, w.group) if w.format == "int4" else 128 if w.format == "int8" else w.group
+    block_n = 64 if w.format != "fp8" else min(64, w.group)
+    return block_m, block_n, block_k, 4
+
+
+def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """x [..., K] Wᵀ through the kernel for its rows and w's format (any device Triton runs on), with
+    the given launch shape: a vector kernel's (BLOCK_N, BLOCK_K, warps) for up to VECTOR_ROWS rows
+    of a 16-bit x or FEW_ROWS of a float32 one (`vector_shape`), else the matrix kernel's
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps) (`matrix_shape`)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     M, N = x2.shape[0], w.qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, block_n), M)
-    if w.format == "int8":
-        _int8_kernel[grid](x2, w.qweight, w.scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    elif w.format == "int4":
-        G = w.scale.shape[-1]
-        zero = w.zero if w.zero is not None else w.scale
-        _int4_kernel[grid](x2, w.qweight, w.scale.contiguous(), zero.contiguous(), y, N, K, G,
-                           HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group,
-                           num_warps=warps)
+    scale = w.scale.contiguous()
+    zero = w.zero.contiguous() if w.zero is not None else scale
+    if M <= VECTOR_ROWS or x.dtype == torch.float32:
+        block_n, block_k, warps = shape or vector_shape(w)
+        chain = chained(x.device)
+        grid = (triton.cdiv(N, block_n), M)
+        if w.format == "int8":
+            _int8_vector[grid](x2, w.qweight, scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, CHAINED=chain,
+                               num_warps=warps, launch_pdl=chain)
+        elif w.format == "int4":
+            _int4_vector[grid](x2, w.qweight, scale, zero, y, N, K, scale.shape[-1], HAS_ZERO=w.zero is not None,
+                               BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, CHAINED=chain, num_warps=warps,
+                               launch_pdl=chain)
+        else:
+            _fp8_vector[grid](x2, w.qweight, scale, y, N, K, scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
+                              BLOCK=w.group, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     else:
-        _fp8_kernel[grid](x2, w.qweight, w.scale.contiguous(), y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
-                          BLOCK=w.group, num_warps=warps)
+        block_m, block_n, block_k, warps = shape or matrix_shape(M, w)
+        fmt = ("int8", "int4", "fp8").index(w.format)
+        groups = 0 if w.format == "int8" else scale.shape[-1]
+        _matrix[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+            x2, w.qweight, scale, zero, y, M, N, K, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.view(*lead, N)
