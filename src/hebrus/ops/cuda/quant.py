@@ -193,9 +193,49 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
 # (cold, as a step reads it), on the device named (the last to write): a vector kernel's (BLOCK_N,
 # BLOCK_K, warps) for one row, the matrix kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps) for 64 rows.
 # The format is "int4-zp" for int4 with zero points. Other shapes take the rules below.
-MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # (none measured yet)
+MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB HBM3
+    ('fp8', 2048, 2048, 128): (2, 2048, 4),
+    ('fp8', 2048, 6144, 128): (2, 2048, 4),
+    ('fp8', 5120, 2048, 128): (2, 2048, 4),
+    ('fp8', 8192, 2048, 128): (2, 2048, 4),
+    ('fp8', 12288, 2048, 128): (2, 2048, 4),
+    ('int4', 2048, 2048, 128): (8, 2048, 4),
+    ('int4', 2048, 6144, 128): (8, 2048, 4),
+    ('int4', 5120, 2048, 128): (8, 2048, 4),
+    ('int4', 8192, 2048, 128): (8, 2048, 4),
+    ('int4', 12288, 2048, 128): (8, 2048, 4),
+    ('int4-zp', 2048, 2048, 128): (8, 2048, 4),
+    ('int4-zp', 2048, 6144, 128): (8, 2048, 4),
+    ('int4-zp', 5120, 2048, 128): (8, 2048, 4),
+    ('int4-zp', 8192, 2048, 128): (8, 2048, 4),
+    ('int4-zp', 12288, 2048, 128): (8, 2048, 4),
+    ('int8', 2048, 2048, 128): (2, 1024, 4),
+    ('int8', 2048, 6144, 128): (1, 1024, 4),
+    ('int8', 5120, 2048, 128): (4, 512, 4),
+    ('int8', 8192, 2048, 128): (8, 512, 4),
+    ('int8', 12288, 2048, 128): (4, 512, 4),
 }
-MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # (none measured yet)
+MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # NVIDIA H100 80GB HBM3
+    ('fp8', 2048, 2048, 128): (64, 32, 128, 4),
+    ('fp8', 2048, 6144, 128): (64, 32, 128, 4),
+    ('fp8', 5120, 2048, 128): (64, 32, 128, 4),
+    ('fp8', 8192, 2048, 128): (64, 32, 128, 4),
+    ('fp8', 12288, 2048, 128): (64, 32, 128, 4),
+    ('int4', 2048, 2048, 128): (64, 32, 128, 8),
+    ('int4', 2048, 6144, 128): (64, 32, 128, 8),
+    ('int4', 5120, 2048, 128): (64, 32, 128, 8),
+    ('int4', 8192, 2048, 128): (64, 32, 128, 8),
+    ('int4', 12288, 2048, 128): (64, 32, 128, 4),
+    ('int4-zp', 2048, 2048, 128): (64, 32, 128, 8),
+    ('int4-zp', 2048, 6144, 128): (64, 32, 128, 8),
+    ('int4-zp', 5120, 2048, 128): (64, 32, 128, 4),
+    ('int4-zp', 8192, 2048, 128): (64, 32, 128, 4),
+    ('int4-zp', 12288, 2048, 128): (64, 32, 64, 4),
+    ('int8', 2048, 2048, 128): (64, 32, 128, 4),
+    ('int8', 2048, 6144, 128): (64, 32, 128, 4),
+    ('int8', 5120, 2048, 128): (64, 32, 128, 4),
+    ('int8', 8192, 2048, 128): (64, 32, 128, 4),
+    ('int8', 12288, 2048, 128): (64, 32, 128, 4),
 }
 
 
@@ -206,26 +246,24 @@ def key(w: Quantized) -> tuple[str, int, int, int]:
 
 def vector_shape(w: Quantized) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of a vector kernel for w: the measured launch for its shape, else
-    few outputs a program and a wide tile of inputs, as the 16-bit product's measured launches
-    have them (`ops.cuda.gemv.MEASURED`: 2 outputs by 2,048 inputs on most of the 1.68B shape's
-    weights), int4's tile twice as many inputs (half the bytes); a tile whole groups or blocks."""
+    the launch that won most often in that measurement (H100 at fce7ec1, the 1.68B shape's five
+    weights: `results/cuda-h100/fce7ec1/quant-gemv.txt`), the tile cut to the inputs and holding
+    whole groups or blocks."""
     if key(w) in MEASURED_VECTOR:
         return MEASURED_VECTOR[key(w)]
-    block_k = 4096 if w.format == "int4" else 2048
-    block_k = max(min(block_k, triton.next_power_of_2(w.inputs)), w.group)
-    return 2, block_k, (8 if block_k >= 2048 else 4)
+    block_n, block_k = {"int8": (4, 512), "int4": (8, 2048), "fp8": (2, 2048)}[w.format]
+    return block_n, max(min(block_k, triton.next_power_of_2(w.inputs)), w.group), 4
 
 
 def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the matrix kernel for `rows` of x by w: the measured
-    launch for its shape (at 64 rows, taken at 33 or more), else a rule; BLOCK_K within an int4
-    group, one fp8 block."""
+    launch for its shape (measured at 64 rows, taken from 33), else the measurement's usual winner
+    (32 outputs by 128 inputs a program, 4 warps), BLOCK_K within an int4 group, one fp8 block."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     if rows > 32 and key(w) in MEASURED_MATRIX:
         return MEASURED_MATRIX[key(w)]
-    block_k = min(64, w.group) if w.format == "int4" else 128 if w.format == "int8" else w.group
-    block_n = 64 if w.format != "fp8" else min(64, w.group)
-    return block_m, block_n, block_k, 4
+    block_k = 128 if w.format == "int8" else min(128, w.group) if w.format == "int4" else w.group
+    return block_m, min(32, w.group) if w.format == "fp8" else 32, block_k, 4
 
 
 def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) -> torch.Tensor:
