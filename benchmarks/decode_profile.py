@@ -4,7 +4,8 @@ Python for the graph route's steps (cProfile, by own time and by cumulative time
 route, the steps also timed as `hebrus bench` times them, a step at a time: alone, after an
 argmax read on the host, and with another session's step between (bench alternates two
 variants), which tells a step's own time from the loop's.
-    python benchmarks/decode_profile.py [--model small] [--context 1024] [--routes graph,planned,eager] [--out DIR]"""
+    python benchmarks/decode_profile.py [--model small] [--context 1024] [--routes graph,planned,eager]
+        [--quantize int8|int4|int4-zp|fp8] [--out DIR]"""
 from __future__ import annotations
 
 import cProfile
@@ -54,6 +55,7 @@ def kernel_sequence(prof, steps: int) -> str:
 
 
 args = options("small", 40, routes=(str, "graph,planned,eager"))
+name = args.model + (f"-{args.quantize}" if args.quantize else "")      # the files' names
 model, prompt = model_and_prompt(args)
 lines = []
 for decode in args.routes.split(","):
@@ -80,8 +82,8 @@ for decode in args.routes.split(","):
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
         host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        Path(args.out, f"profile-{args.model}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n\n" + host)
-        Path(args.out, f"kernels-{args.model}.txt").write_text(kernel_sequence(prof, 5))
+        Path(args.out, f"profile-{name}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n\n" + host)
+        Path(args.out, f"kernels-{name}.txt").write_text(kernel_sequence(prof, 5))
         python = cProfile.Profile()
         python.enable()
         for t in range(args.steps):
@@ -91,7 +93,7 @@ for decode in args.routes.split(","):
         text = io.StringIO()
         for order in ("tottime", "cumulative"):
             pstats.Stats(python, stream=text).sort_stats(order).print_stats(30)
-        Path(args.out, f"host-python-{args.model}.txt").write_text(
+        Path(args.out, f"host-python-{name}.txt").write_text(
             f"cProfile of {args.steps} graph-route steps of {args.model}\n" + text.getvalue())
         # last: these steps may cross a table width (a new graph), which the profile above must not see
         other = model.session(decode=decode)
@@ -102,4 +104,4 @@ for decode in args.routes.split(","):
         lines.append(f"graph, a step timed at a time: {alone:.3f} ms alone, {read:.3f} after an argmax read, "
                      f"{between:.3f} with another session's step between")
         print(lines[-1], flush=True)
-Path(args.out, f"decode-{args.model}.txt").write_text("\n".join(lines) + "\n")
+Path(args.out, f"decode-{name}.txt").write_text("\n".join(lines) + "\n")

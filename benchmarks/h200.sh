@@ -24,6 +24,8 @@
 # chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
+# quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, and
+# benchmarks/diag/int4_bits.py, archived in quant-profiles.tgz),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
 # over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
@@ -185,6 +187,17 @@ for part in "$@"; do
             --out /tmp/profiles > /tmp/profiles/decode-profile-shakespeare.log 2>&1
         head -qn1 /tmp/profiles/kernels-*.txt
         tar czf "$out/profiles.tgz" -C /tmp/profiles . ;;
+    quant-profile)
+        # issue 35: where a quantized batch-1 step's time goes beside bf16's (graph route, kernels in
+        # order, host Python), and the int4 product with its codes made from their bits
+        mkdir -p /tmp/profiles
+        for q in "" int8 int4; do
+            timeout 150 python3 benchmarks/decode_profile.py --model qwen3.5-1.7b --context 1024 --routes graph \
+                --steps 30 ${q:+--quantize $q} --out /tmp/profiles > "/tmp/profiles/decode-profile-qwen${q:+-$q}.log" 2>&1
+        done
+        head -qn1 /tmp/profiles/kernels-*.txt
+        timeout 120 python3 benchmarks/diag/int4_bits.py --out "$out" 2>&1 | tail -6
+        tar czf "$out/quant-profiles.tgz" -C /tmp/profiles . ;;
     copies)
         timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
         head -12 "$out/copy-sites-qwen3.5-1.7b.txt" ;;

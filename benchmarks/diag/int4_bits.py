@@ -1,0 +1,109 @@
+"""Is the int4 vector product bound by turning nibbles into floats? On an H100 at fce7ec1 it read
+its bytes at 21% of the copy bandwidth where fp8 read at 84% (results/cuda-h100/fce7ec1/
+quant-gemv.txt): each byte's two codes go through an integer-to-float conversion, a slow
+instruction. Here the module's kernel (`ops.cuda.quant`, symmetric int4) beside variants that
+make a code's float from its bits instead: (c | 0x4B000000) read as a float is 2^23 + c exactly,
+so one OR and one subtraction give c; the high nibble is masked in place (16·c, its x taken
+/16, exact), never shifted. Variants: x split into even and odd inputs in registers as the
+module does ("bits"), or read as two strided rows ("bits, strided x"). Each checked against the
+rebuilt twin, then timed cold on the 1.68B shape's weights at the module's measured launch.
+
+    python benchmarks/diag/int4_bits.py [--out DIR]       (CUDA; or TRITON_INTERPRET=1 on a CPU to check)"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hebrus.ops.cuda import quant  # noqa: E402
+from hebrus.ops.quant import quantize, rebuilt_linear  # noqa: E402
+
+SHAPES = ((8192, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24), (2048, 6144, 24))
+MAGIC = 0x4B000000          # the bits of 2^23 in float32
+
+
+@triton.jit
+def _bits_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, STRIDED: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = (K + 1) // 2
+    row = n.to(tl.int64) * half
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
+        b = b.to(tl.int32)
+        if STRIDED:
+            even = tl.load(x_ptr + 2 * j, mask=2 * j < K, other=0.0).to(tl.float32)
+            odd = tl.load(x_ptr + 2 * j + 1, mask=2 * j + 1 < K, other=0.0).to(tl.float32)
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((b & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0        # 16 c
+        codes = lo * even[None, :] + hi * (odd * 0.0625)[None, :]
+        qx = tl.sum(tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+        xs = tl.sum(tl.reshape(x, (BLOCK_K // GROUP, GROUP)), axis=1)
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=(n[:, None] < N) & (g[None, :] < G),
+                    other=0.0)
+        acc += s * (qx - 8.0 * xs[None, :])
+    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def bits(x: torch.Tensor, w, strided: bool, shape) -> torch.Tensor:
+    """One row x [1, K] by a symmetric int4 w, at (BLOCK_N, BLOCK_K, warps)."""
+    block_n, block_k, warps = shape
+    N, K = w.qweight.shape[0], w.inputs
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _bits_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
+                                             BLOCK_K=block_k, GROUP=w.group, STRIDED=strided, num_warps=warps)
+    return y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="/tmp")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    g = torch.Generator(device=device).manual_seed(0)
+    lines, total = [], {}
+    for N, K, count in (SHAPES if cuda else ((70, 300, 1), (64, 1024, 1))):
+        w = quantize(torch.randn(N, K, device=device, generator=g), "int4")
+        x = torch.randn(1, K, device=device, generator=g).to(torch.bfloat16 if cuda else torch.float32)
+        want = rebuilt_linear(x.float(), w)
+        shape = quant.vector_shape(w)
+        variants = {"module": lambda x, w: quant.launch(x, w, shape),
+                    "bits": lambda x, w: bits(x, w, False, shape),
+                    "bits, strided x": lambda x, w: bits(x, w, True, shape)}
+        line = [f"{N} x {K} ({count} a step), launch {shape}:"]
+        for name, run in variants.items():
+            error = float((run(x, w).float() - want).abs().max() / want.abs().max())
+            if not cuda:
+                line.append(f"{name} error {error:.1e}")
+                continue
+            from gemv import cold_copies, per_call
+            t = per_call(lambda w: run(x, w), cold_copies(w))
+            total[name] = total.get(name, 0.0) + count * t
+            line.append(f"{name} {t * 1e6:.1f} µs (error {error:.1e})")
+        lines.append(" ".join(line))
+        print(lines[-1], flush=True)
+    if total:
+        lines.append("a step's int4 products: " + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in total.items()))
+        print(lines[-1])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "int4-bits.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
