@@ -24,6 +24,7 @@
 # chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
+# qsa (the selection kernel's GPU test, and benchmarks/qsa_layer.py with it),
 # quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, and
 # benchmarks/diag/int4_bits.py, archived in quant-profiles.tgz),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
@@ -187,6 +188,13 @@ for part in "$@"; do
             --out /tmp/profiles > /tmp/profiles/decode-profile-shakespeare.log 2>&1
         head -qn1 /tmp/profiles/kernels-*.txt
         tar czf "$out/profiles.tgz" -C /tmp/profiles . ;;
+    qsa)
+        # issue 35: the selection kernel's GPU test against its twin, and one QSA query's parts at 1K to
+        # 128K with it (benchmarks/qsa_layer.py); `long` is the whole decode against dense attention
+        timeout 200 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
+            -k "selection_kernel" > "$out/test-cuda-selection.txt" 2>&1
+        tail -1 "$out/test-cuda-selection.txt"
+        timeout 200 python3 benchmarks/qsa_layer.py --out "$out" 2>&1 | grep -v Warn | head -60 ;;
     quant-profile)
         # issue 35: where a quantized batch-1 step's time goes beside bf16's (graph route, kernels in
         # order, host Python), and the int4 product with its codes made from their bits

@@ -1,6 +1,6 @@
 """Where one QSA decode query's time goes at long context on a GPU: each part of the layer's
 pick-and-attend timed alone (captured in a CUDA graph and replayed, as a decode step runs it),
-top-k variants side by side, and a kernel profile of the whole call at the longest context.
+top-k variants side by side (and the selection kernel, `ops.cuda.select`), and a kernel profile of the whole call at the longest context.
     python benchmarks/qsa_layer.py [--out DIR]"""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from hebrus.bench.limits import copy_bandwidth
 from hebrus.bench.long import _time_calls
 from hebrus.ops.choose import top_k_packed, top_k_sorted
-from hebrus.ops.qsa import index_scores, picked_rows, sparse_attention, visible
+from hebrus.ops.cuda.select import select as selection
+from hebrus.ops.qsa import index_scores, picked_rows, select, sparse_attention, visible
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="/tmp")
@@ -49,6 +50,8 @@ for N in map(int, args.contexts.split(",")):
     assert torch.equal(top_k_sorted(scores, K), top_k_packed(scores, K))
     assert torch.equal(torch.sort(top_k_sorted(scores, K)).values, torch.sort(two_stage(scores, K)).values)
     picked, valid = picked_rows(top_k_sorted(scores, K), pos)
+    chosen = selection(scores, pos, K)
+    assert torch.equal(chosen[0], picked) and torch.equal(chosen[1], valid)
     parts = {
         "index scores + mask": lambda: visible(index_scores(qi, iw, ki), pos),
         "top-k: stable sort": lambda: top_k_sorted(scores, K),
@@ -56,6 +59,8 @@ for N in map(int, args.contexts.split(",")):
         "top-k: packed, two stages": lambda: two_stage(scores, K),
         "top-k: torch.topk on the floats (ties unordered)": lambda: torch.topk(scores, K).indices,
         "sorted pick + mask": lambda: picked_rows(top_k_sorted(scores, K), pos),
+        "the selection as the model ran it before (stable sort, sorted pick)": lambda: select(scores, pos, K),
+        "the selection kernel (ops.cuda.select, the same rows)": lambda: selection(scores, pos, K),
         "attention over the pick": lambda: sparse_attention(q, k_rows, v_rows, picked, valid),
     }
     lines.append(f"\n## context {N}: index keys {N * di * 2:,} bytes, floor {N * di * 2 / bandwidth * 1e6:.2f} µs")
@@ -67,7 +72,7 @@ from torch.profiler import ProfilerActivity, profile
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         s = visible(index_scores(qi, iw, ki), pos)
-        p, v = picked_rows(top_k_packed(s, K), pos)
+        p, v = selection(s, pos, K)
         sparse_attention(q, k_rows, v_rows, p, v)
     torch.cuda.synchronize()
 lines.append("\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
