@@ -347,8 +347,9 @@ class DenseAttention(Kind):
         over rows read through block tables (for a 16-bit model on CUDA, a kernel reading them
         where they lie: `hebrus.ops.cuda.attention_lanes`); sparse attention over the picked
         rows; the indexer reads the layer's input as it is. On CUDA, q's and k's norms and
-        rotations also run as one kernel (`hebrus.ops.cuda.rotary`), and the default chooser's
-        selection of rows for sparse attention without sorting a whole row (`hebrus.ops.cuda.select`)."""
+        rotations also run as one kernel (`hebrus.ops.cuda.rotary`). The default chooser's selection
+        of rows for sparse attention is the twin everywhere until its kernel
+        (`hebrus.ops.cuda.select`) is measured on a GPU."""
         dense = dense_attention_fast if mode == "fast" else dense_attention
         ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused, SELECT: select}
         if mode == "fast":                    # exact mode runs each session alone
@@ -358,9 +359,6 @@ class DenseAttention(Kind):
                 from hebrus.ops.cuda.rotary import normed_rotated_pair
                 ops[LANES] = attention_lanes_cuda        # the rows read where they lie
                 ops[ROTATE] = normed_rotated_pair        # q's and k's norms and rotations in one kernel
-            if device is not None and device.type == "cuda":
-                from hebrus.ops.cuda.select import selected
-                ops[SELECT] = selected                   # the selection without a whole row's sort
         return ops
 
 

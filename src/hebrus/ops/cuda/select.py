@@ -12,15 +12,15 @@ ceil(log(S / k) / log(BLOCK / k)) rounds, 2 at 128K with k = 64 and BLOCK = 4096
 also does `ops.qsa.picked_rows`: the first min(k, position + 1) keys valid, their rows sorted
 ascending, the others row 0.
 
-For a top k of at most BLOCK / 4 (the default `small` shape's 64); a larger k goes to the twin.
+For a top k of at most BLOCK / 4 (the default `small` shape's 64; `takes`). Not yet in the op
+table: the kind's `attention.select` is the twin until this is measured on a GPU
+(`benchmarks/qsa_layer.py`).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from hebrus.ops import qsa
 
 BLOCK = 4096
 LOW = 2**32 - 1
@@ -84,13 +84,6 @@ def takes(scores: torch.Tensor, top_k: int) -> bool:
     top k of at most BLOCK / 4."""
     return (scores.is_cuda and scores.dim() == 2 and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and 0 < top_k <= BLOCK // 4 and scores.shape[1] < 2**31 and scores.stride(1) == 1)
-
-
-def selected(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.qsa.select` with the default chooser: here where `takes`, else the twin."""
-    if takes(scores, top_k):
-        return select(scores, positions, top_k)
-    return qsa.select(scores, positions, top_k)
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
