@@ -53,6 +53,25 @@ def fits(fmt: str, group: int, shape: tuple, vector: bool) -> bool:
     return fmt == "int8" or (k == group and group % n == 0)
 
 
+def sweep(x: torch.Tensor, q, shapes: list, copies: list, name: str, lines: list, replays: int) -> list:
+    """[(seconds a call, shape)] of x Wᵀ through `quant.launch` at each launch shape, fastest first:
+    each checked against the rebuilt twin first (a launch this Triton cannot build, or whose
+    result is wrong, is said in `lines` and skipped)."""
+    want, timed = rebuilt_linear(x.float(), q), []
+    for shape in shapes:
+        try:
+            got = quant.launch(x, q, shape)
+        except Exception as exc:
+            lines.append(f"{name} {shape}: FAILED, {type(exc).__name__}: {str(exc)[:100]}")
+            continue
+        error = float((got.float() - want).norm() / want.norm())
+        if error > 1e-2:
+            lines.append(f"{name} {shape}: WRONG, relative error {error:.2e}")
+            continue
+        timed.append((per_call(lambda q: quant.launch(x, q, shape), copies, replays=replays), shape))
+    return sorted(timed)
+
+
 def main() -> None:
     from hebrus.bench.limits import copy_bandwidth
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,20 +110,8 @@ def main() -> None:
         for fmt in args.formats.split(","):
             q = quantize(w, "int4" if fmt.startswith("int4") else fmt, zero_point=fmt == "int4-zp")
             copies = cold_copies(q)
-            want1, want64 = rebuilt_linear(x1.float(), q), rebuilt_linear(x64.float(), q)
-            timed = []
-            for shape in [c for c in CONFIGS if fits(fmt, q.group, c, True)]:
-                try:
-                    got = quant.launch(x1, q, shape)
-                except Exception as exc:            # a launch this Triton cannot build: said, skipped
-                    lines.append(f"{fmt} {shape}: FAILED, {type(exc).__name__}: {str(exc)[:100]}")
-                    continue
-                error = float((got.float() - want1).norm() / want1.norm())
-                if error > 1e-2:
-                    lines.append(f"{fmt} {shape}: WRONG, relative error {error:.2e}")
-                    continue
-                timed.append((per_call(lambda q: quant.launch(x1, q, shape), copies, replays=args.replays), shape))
-            timed.sort()
+            timed = sweep(x1, q, [c for c in CONFIGS if fits(fmt, q.group, c, True)], copies, f"{fmt} one row",
+                          lines, args.replays)
             rule = quant.vector_shape(q) if quant.key(q) not in quant.MEASURED_VECTOR else None
             at_rule = next((t for t, s in timed if s == rule), float("nan"))
             best_t, best = timed[0]
@@ -120,19 +127,8 @@ def main() -> None:
                 lines.append(f"{fmt} one row, before: {t * 1e6:.1f} µs, {q.nbytes / t / bandwidth:.0%}")
             t = per_call(lambda q: rebuilt_linear(x64, q), copies[:2], calls=10, replays=5)
             add(f"{fmt} 64 rows, rebuilt", count, t)
-            timed = []
-            for shape in [c for c in MATRIX if fits(fmt, q.group, c, False)]:
-                try:
-                    got = quant.launch(x64, q, shape)
-                except Exception as exc:
-                    lines.append(f"{fmt} 64 rows {shape}: FAILED, {type(exc).__name__}: {str(exc)[:100]}")
-                    continue
-                error = float((got.float() - want64).norm() / want64.norm())
-                if error > 1e-2:
-                    lines.append(f"{fmt} 64 rows {shape}: WRONG, relative error {error:.2e}")
-                    continue
-                timed.append((per_call(lambda q: quant.launch(x64, q, shape), copies, replays=args.replays), shape))
-            timed.sort()
+            timed = sweep(x64, q, [c for c in MATRIX if fits(fmt, q.group, c, False)], copies, f"{fmt} 64 rows",
+                          lines, args.replays)
             best_t, best = timed[0]
             matrix[quant.key(q)] = best
             add(f"{fmt} 64 rows, fastest", count, best_t)

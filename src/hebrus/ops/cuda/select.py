@@ -28,6 +28,14 @@ NONE = -(2**63)          # an empty candidate: below every key
 
 
 @triton.jit
+def _keep_top(key, out_ptr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    """A block's BLOCK keys -> its top K, best first, at out_ptr's KP slots (NONE past K)."""
+    top = tl.sort(key, descending=True)
+    rank = tl.arange(0, BLOCK)
+    tl.store(out_ptr + rank, tl.where(rank < K, top, -9223372036854775808), mask=rank < KP)
+
+
+@triton.jit
 def _keys(scores_ptr, positions_ptr, out_ptr, S, stride, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     """Round one: block b of query t's scores -> its top K keys, best first, into out[t, b·KP ...]
     (KP: K to a power of two; the slots past K hold NONE)."""
@@ -42,11 +50,7 @@ def _keys(scores_ptr, positions_ptr, out_ptr, S, stride, K: tl.constexpr, KP: tl
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
     key = (ordered << 32) + (4294967295 - s.to(tl.int64))
     key = tl.where(s < S, key, -9223372036854775808)
-    top = tl.sort(key, descending=True)
-    rank = tl.arange(0, BLOCK)
-    kept = tl.where(rank < K, top, -9223372036854775808)
-    n = tl.cdiv(S, BLOCK)
-    tl.store(out_ptr + (t.to(tl.int64) * n + b) * KP + rank, kept, mask=rank < KP)
+    _keep_top(key, out_ptr + (t.to(tl.int64) * tl.cdiv(S, BLOCK) + b) * KP, K, KP, BLOCK)
 
 
 @triton.jit
@@ -55,11 +59,7 @@ def _merge(in_ptr, out_ptr, C, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.cons
     t, b = tl.program_id(1), tl.program_id(0)
     c = b * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(in_ptr + t.to(tl.int64) * C + c, mask=c < C, other=-9223372036854775808)
-    top = tl.sort(key, descending=True)
-    rank = tl.arange(0, BLOCK)
-    kept = tl.where(rank < K, top, -9223372036854775808)
-    n = tl.cdiv(C, BLOCK)
-    tl.store(out_ptr + (t.to(tl.int64) * n + b) * KP + rank, kept, mask=rank < KP)
+    _keep_top(key, out_ptr + (t.to(tl.int64) * tl.cdiv(C, BLOCK) + b) * KP, K, KP, BLOCK)
 
 
 @triton.jit
