@@ -50,7 +50,7 @@ def fits(fmt: str, group: int, shape: tuple, vector: bool) -> bool:
     _, n, k, _ = shape
     if fmt.startswith("int4"):
         return group % k == 0
-    return fmt == "int8" or (k == group and group % n == 0)
+    return fmt == "int8" or (group % k == 0 and group % n == 0)
 
 
 def sweep(x: torch.Tensor, q, shapes: list, copies: list, name: str, lines: list, replays: int) -> list:

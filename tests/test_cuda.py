@@ -357,7 +357,7 @@ def test_the_selection_kernel_equals_its_twin(dtype, S, k, T):
     from hebrus.ops.cuda.select import select, takes
     from hebrus.ops.qsa import select as twin
     g = torch.Generator().manual_seed(S + k)
-    random = torch.randn(T, S + 3, generator=g).to(dtype)[:, :S].cuda()
+    random = torch.randn(T, S + 3, generator=g).to(dtype).cuda()[:, :S]                   # a view, rows apart
     tied = torch.randint(-2, 3, (T, S), generator=g).to(dtype)
     tied[:, ::7] = -0.0
     tied[:, 3::11], tied[:, 5::13] = float("inf"), float("-inf")
@@ -365,7 +365,7 @@ def test_the_selection_kernel_equals_its_twin(dtype, S, k, T):
     for scores in (random, tied.cuda()):
         for positions in (torch.full((T,), S - 1), torch.randint(0, S, (T,), generator=g), torch.full((T,), 2),
                           torch.zeros(T, dtype=torch.int64)):
-            assert takes(scores, k)
+            assert takes(scores, k) and (scores is not random or not scores.is_contiguous())
             got, want = select(scores, positions.cuda(), k), twin(scores, positions.cuda(), k)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -760,20 +760,23 @@ def test_the_rotary_kernel_matches_its_twin(dtype, hq, hk, d, width, T):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
 def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
     """The Triton products against rebuilding W and F.linear, at widths that are and are not
-    multiples of a group or block: the vector kernels (a row or two; a float32 x's few rows) and
-    the matrix kernel (more rows of a 16-bit x)."""
+    multiples of a group or block (an odd number of inputs too), groups and blocks of 32 and
+    2,048 beside the default: the vector kernels (a row or two; a float32 x's few rows) and the
+    matrix kernel (more rows of a 16-bit x)."""
     from hebrus.ops.cuda.quant import FEW_ROWS, launch, takes
     from hebrus.ops.quant import quantize, rebuilt_linear
     from hebrus.weights.quant import Quantization
     q = Quantization.parse(format)
     g = torch.Generator(device="cuda").manual_seed(7)
-    cases = ((4096, 4096, 1), (1000, 300, 2), (1000, 300, 3), (256, 1024, FEW_ROWS))
-    for N, K, M in cases + (((130, 384, 64), (6144, 2048, 33)) if dtype != torch.float32 else ()):
-        w = quantize(torch.randn(N, K, generator=g, device="cuda"), q.format, zero_point=q.zero_point)
+    cases = ((4096, 4096, 1, None), (1000, 300, 2, None), (1000, 301, 1, 32), (1000, 300, 3, None),
+             (256, 1024, FEW_ROWS, None), (300, 4100, 2, 2048))
+    half = ((130, 384, 64, None), (6144, 2048, 33, None), (100, 301, 40, 32), (300, 4100, 64, 2048))
+    for N, K, M, group in cases + (half if dtype != torch.float32 else ()):
+        w = quantize(torch.randn(N, K, generator=g, device="cuda"), q.format, group=group, zero_point=q.zero_point)
         x = torch.randn(M, K, generator=g, device="cuda").to(dtype)
         assert takes(x, w)
         got, want = launch(x, w), rebuilt_linear(x.float(), w).to(dtype)

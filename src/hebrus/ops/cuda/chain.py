@@ -6,8 +6,8 @@ reads what no kernel writes while the model runs first (the products' first tile
 (`after_the_last`) before it reads anything else or writes anything. Every program waits, so a
 kernel ends only after the one before it has: the order of writes stays the stream's. The
 kernels that take part: the one-row products and SwiGLU's middle (`gemv`), the rotary kernel,
-the GDN and attention lanes, the Sinkhorn rounds; not the quantized products
-(`ops.cuda.quant`). Fused ops are compiled to take part too where this torch's compiler can
+the GDN and attention lanes, the Sinkhorn rounds, the quantized products' vector kernels
+(`ops.cuda.quant`; not its matrix kernel). Fused ops are compiled to take part too where this torch's compiler can
 (inductor's `enable_pdl`): inductor makes a kernel wait where it reads what the kernel before
 it in its own graph wrote, and the first kernel of each compiled op always waits. Off by
 default: on an H100 (benchmarks/results/cuda-h100/2d511fb) a one-session step of the 1.68B

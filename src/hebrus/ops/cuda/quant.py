@@ -132,7 +132,7 @@ def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, N, K, GK, BLOCK_N: tl.constexpr, BLO
 def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # FORMAT 0: int8 (s [N]); 1: int4 (s, z [N, G], BLOCK_K divides GROUP: a tile is in one group);
-    # 2: fp8 (s [ceil(N/GROUP), G], BLOCK_K == GROUP and BLOCK_N divides it: one scale a tile)
+    # 2: fp8 (s [ceil(N/GROUP), G], BLOCK_K and BLOCK_N divide GROUP: one scale a tile)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     dtype = x_ptr.dtype.element_ty
@@ -252,7 +252,8 @@ def vector_shape(w: Quantized) -> tuple[int, int, int]:
     if key(w) in MEASURED_VECTOR:
         return MEASURED_VECTOR[key(w)]
     block_n, block_k = {"int8": (4, 512), "int4": (8, 2048), "fp8": (2, 2048)}[w.format]
-    return block_n, max(min(block_k, triton.next_power_of_2(w.inputs)), w.group), 4
+    block_k = min(block_k, triton.next_power_of_2(w.inputs))
+    return block_n, block_k if w.format == "int8" else max(block_k, w.group), 4
 
 
 def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
@@ -262,7 +263,7 @@ def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     if rows > 32 and key(w) in MEASURED_MATRIX:
         return MEASURED_MATRIX[key(w)]
-    block_k = 128 if w.format == "int8" else min(128, w.group) if w.format == "int4" else w.group
+    block_k = 128 if w.format == "int8" else min(128, w.group)
     return block_m, min(32, w.group) if w.format == "fp8" else 32, block_k, 4
 
 
