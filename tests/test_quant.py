@@ -89,6 +89,51 @@ def test_an_expert_of_a_stack_is_that_expert_quantized_alone(format):
     torch.testing.assert_close(linear(x, stack[2]), x @ stack[2].dequantize().T)
 
 
+def _laid(parts: list):
+    """Quantized weights laid one after another: each part in one tensor, each weight views."""
+    from dataclasses import replace
+    whole = {f: torch.cat([getattr(p, f) for p in parts]) for f in ("qweight", "scale")
+             if all(getattr(p, f) is not None for p in parts)}
+    if all(p.zero is not None for p in parts):
+        whole["zero"] = torch.cat([p.zero for p in parts])
+    out, at = [], {f: 0 for f in whole}
+    for p in parts:
+        views = {}
+        for f in whole:
+            n = getattr(p, f).shape[0]
+            views[f], at[f] = whole[f][at[f]:at[f] + n], at[f] + n
+        out.append(replace(p, **views))
+    return out
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_weights_laid_together_are_one_weight_where_their_scales_line_up(format):
+    """`laid_together` of quantized weights whose codes, scales and zero points each lie one after
+    another: one weight, rebuilt as the members rebuilt one after another, multiplied as them
+    (`Products`) — for fp8 only where every member but the last is whole blocks of rows; never
+    for weights apart, of two formats or of two widths."""
+    from hebrus.ops.quant import Products, laid_together
+    q = Quantization.parse(format)
+    block = 32
+    rows = (64, 96, 21) if format == "fp8" else (64, 37, 21)
+    members = _laid([quantize(_weight(n, 100, seed=n), q.format, group=block, zero_point=q.zero_point)
+                     for n in rows])
+    whole = laid_together(members)
+    assert whole is not None and whole.shape == (sum(rows), 100)
+    assert torch.equal(whole.dequantize(), torch.cat([m.dequantize() for m in members]))
+    x = torch.randn(3, 100, dtype=torch.float64)
+    for a, b in zip(Products(*members, together=True)(x), Products(*members)(x), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert len(Products(*members, together=True).runs) == 1
+    apart = [quantize(_weight(n, 100, seed=n), q.format, group=block, zero_point=q.zero_point) for n in rows]
+    assert laid_together(apart) is None
+    if format == "fp8":            # a member before the last of 21 rows: its blocks of scales do not line up
+        assert laid_together(_laid([quantize(_weight(n, 100, seed=n), "fp8", group=block) for n in (21, 64)])) is None
+    other = quantize(_weight(8, 100), "int8" if format != "int8" else "fp8", group=block)
+    narrower = quantize(_weight(8, 64), q.format, group=block, zero_point=q.zero_point)
+    assert laid_together([members[-1], other]) is None and laid_together([members[-1], narrower]) is None
+
+
 @pytest.fixture(scope="module")
 def shakespeare():
     return hebrus.load("shakespeare")
