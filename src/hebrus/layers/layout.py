@@ -17,7 +17,7 @@ import torch
 from hebrus.layers import hyper
 from hebrus.layers.kind import CPU32, KINDS, Kind, check_unique, normal
 from hebrus.layers.spec import ModelSpec
-from hebrus.ops.quant import rows_together
+from hebrus.ops.quant import rows_together, runs_of
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,8 @@ def side_by_side(s: ModelSpec, params: dict) -> None:
         for kind in kinds:
             for group in kind.side_by_side:
                 members = [_parts(f"layers.{layer}.{kind.name}.{leaf}", params) for leaf in group]
-                at = 0
-                while at < len(members):
-                    end = at + 1
-                    while end < len(members) and _joinable(members[at:end + 1], params, block):
-                        end += 1
-                    _lay(members[at:end], params)
-                    at = end
+                for run in runs_of(members, lambda run: _joinable(run, params, block)):
+                    _lay(run, params)
 
 
 def _parts(name: str, params: dict) -> tuple[str, ...]:

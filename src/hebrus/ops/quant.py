@@ -101,6 +101,8 @@ class Products:
         self.sizes = self.runs[0][1] if self.together is not None else None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.together is not None:                   # one run: a fast-mode step's usual case
+            return self.linear(x, self.together).split(self.sizes, dim=-1)
         out = []
         for w, sizes in self.runs:
             y = self.linear(x, w)
@@ -111,13 +113,19 @@ class Products:
 def _runs(weights) -> list[tuple]:
     """`weights` cut into runs that lie together, in order: (the run as one weight, its members'
     widths), or (a weight alone, None)."""
+    return [(laid_together(run), [w.shape[-2] for w in run]) if len(run) > 1 else (run[0], None)
+            for run in runs_of(weights, lambda run: laid_together(run) is not None)]
+
+
+def runs_of(items, joinable) -> list:
+    """`items` cut, in order, into the longest runs (slices) each of which `joinable(run)` holds
+    for (a run of one always does)."""
     runs, at = [], 0
-    while at < len(weights):
+    while at < len(items):
         end = at + 1
-        while end < len(weights) and laid_together(weights[at:end + 1]) is not None:
+        while end < len(items) and joinable(items[at:end + 1]):
             end += 1
-        run = weights[at:end]
-        runs.append((laid_together(run), [w.shape[-2] for w in run]) if len(run) > 1 else (run[0], None))
+        runs.append(items[at:end])
         at = end
     return runs
 

@@ -249,8 +249,9 @@ def vector_shape(w: Quantized) -> tuple[int, int, int]:
     the launch that won most often in that measurement (H100 at fce7ec1, the 1.68B shape's five
     weights: `results/cuda-h100/fce7ec1/quant-gemv.txt`), the tile cut to the inputs and holding
     whole groups or blocks."""
-    if key(w) in MEASURED_VECTOR:
-        return MEASURED_VECTOR[key(w)]
+    measured = MEASURED_VECTOR.get(key(w))
+    if measured is not None:
+        return measured
     block_n, block_k = {"int8": (4, 512), "int4": (8, 2048), "fp8": (2, 2048)}[w.format]
     block_k = min(block_k, triton.next_power_of_2(w.inputs))
     return block_n, block_k if w.format == "int8" else max(block_k, w.group), 4
@@ -260,9 +261,10 @@ def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the matrix kernel for `rows` of x by w: the measured
     launch for its shape (measured at 64 rows, taken from 33), else the measurement's usual winner
     (32 outputs by 128 inputs a program, 4 warps), BLOCK_K within an int4 group, one fp8 block."""
+    measured = MEASURED_MATRIX.get(key(w)) if rows > 32 else None
+    if measured is not None:
+        return measured
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    if rows > 32 and key(w) in MEASURED_MATRIX:
-        return MEASURED_MATRIX[key(w)]
     block_k = 128 if w.format == "int8" else min(128, w.group)
     return block_m, min(32, w.group) if w.format == "fp8" else 32, block_k, 4
 
