@@ -7,6 +7,8 @@ so one OR and one subtraction give c; the high nibble is masked in place (16·c,
 /16, exact), never shifted. Variants: x split into even and odd inputs in registers as the
 module does ("bits"), or read as two strided rows ("bits, strided x"). Each checked against the
 rebuilt twin, then timed cold on the 1.68B shape's weights at the module's measured launch.
+"grouped": a tile kept as [outputs, groups, bytes], each code scaled where it lies and summed once
+at the end (no reshape), at the module's launch and at four others.
 
     python benchmarks/diag/int4_bits.py [--out DIR]       (CUDA; or TRITON_INTERPRET=1 on a CPU to check)"""
 from __future__ import annotations
@@ -60,6 +62,39 @@ def _bits_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLO
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+@triton.jit
+def _grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """A tile as [outputs, groups, a group's bytes]: codes from their bits, scaled where they lie
+    (a group's scale broadcast along its bytes), summed once at the end: no reshape, no
+    conversion of an integer to a float."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = (K + 1) // 2
+    n3 = n.to(tl.int64)[:, None, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP, GROUP // 2), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        j = (g * (GROUP // 2))[:, None] + tl.arange(0, GROUP // 2)[None, :]          # [groups, bytes]
+        b = tl.load(w_ptr + n3 * half + j[None, :, :], mask=(n3 < N) & (j[None, :, :] < half), other=0)
+        b = b.to(tl.int32)
+        even = tl.load(x_ptr + 2 * j, mask=2 * j < K, other=0.0).to(tl.float32)
+        odd = tl.load(x_ptr + 2 * j + 1, mask=2 * j + 1 < K, other=0.0).to(tl.float32)
+        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0          # c - 8
+        hi = (((b >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        s = tl.load(s_ptr + n3 * G + g[None, :, None], mask=(n3 < N) & (g[None, :, None] < G), other=0.0)
+        acc += s * (lo * even[None, :, :] + hi * odd[None, :, :])
+    tl.store(y_ptr + n, tl.sum(tl.sum(acc, axis=2), axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def grouped(x: torch.Tensor, w, shape) -> torch.Tensor:
+    block_n, block_k, warps = shape
+    N, K = w.qweight.shape[0], w.inputs
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _grouped_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
+                                                BLOCK_K=max(block_k, w.group), GROUP=w.group, num_warps=warps)
+    return y
+
+
 def bits(x: torch.Tensor, w, strided: bool, shape) -> torch.Tensor:
     """One row x [1, K] by a symmetric int4 w, at (BLOCK_N, BLOCK_K, warps)."""
     block_n, block_k, warps = shape
@@ -86,6 +121,8 @@ def main() -> None:
         variants = {"module": lambda x, w: quant.launch(x, w, shape),
                     "bits": lambda x, w: bits(x, w, False, shape),
                     "bits, strided x": lambda x, w: bits(x, w, True, shape)}
+        for other in ((shape[0], shape[1], shape[2]), (4, 1024, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)):
+            variants[f"grouped {other}"] = lambda x, w, other=other: grouped(x, w, other)
         line = [f"{N} x {K} ({count} a step), launch {shape}:"]
         for name, run in variants.items():
             error = float((run(x, w).float() - want).abs().max() / want.abs().max())
