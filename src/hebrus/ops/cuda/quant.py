@@ -36,26 +36,49 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 CHAINED: tl.constexpr):
+def _rows(H, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """A vector program's rows of W and whether each is inside: its BLOCK_N outputs' rows, or
+    (GATED: W is [gate; up], H rows each) its outputs' gate rows, then their up rows H on."""
+    r = tl.arange(0, 2 * BLOCK_N if GATED else BLOCK_N)
+    i = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    return i + (r // BLOCK_N) * H, i < H
+
+
+@triton.jit
+def _store(y_ptr, m, sums, H, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """Row m of y [M, H]: the program's sums, or (GATED) silu(gate) ⊙ up of them, each product
+    rounded to y's dtype first as it alone writes it (the twin: the product, then
+    `ops.moe.silu_mul`)."""
+    out = y_ptr.dtype.element_ty
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(sums, (2, BLOCK_N)), (1, 0)))
+        gate, up = gate.to(out).to(tl.float32), up.to(out).to(tl.float32)
+        sums = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + m.to(tl.int64) * H + i, sums.to(out), mask=i < H)
+
+
+@triton.jit
+def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, H, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr, CHAINED: tl.constexpr):
     m = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n, inside = _rows(H, BLOCK_N, GATED)
     row = n.to(tl.int64) * K
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
+    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=inside[:, None] & (k[None, :] < K), other=0)
     after_the_last(CHAINED)
     x_row = x_ptr + m.to(tl.int64) * K
     acc = w.to(tl.float32) * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=inside[:, None] & (k[None, :] < K), other=0)
         acc += w.to(tl.float32) * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(s_ptr + n, mask=n < N, other=0.0)
-    tl.store(y_ptr + m.to(tl.int64) * N + n, (tl.sum(acc, axis=1) * s).to(y_ptr.dtype.element_ty), mask=n < N)
+    s = tl.load(s_ptr + n, mask=inside, other=0.0)
+    _store(y_ptr, m, tl.sum(acc, axis=1) * s, H, BLOCK_N, GATED)
 
 
 @triton.jit
-def _int4_tile(b, x_row, s_ptr, z_ptr, n, k0, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     """The tile of inputs from k0: its [BLOCK_N, BLOCK_K // GROUP] scaled group sums Σ s·(q − z)·x,
     from its bytes `b` [BLOCK_N, BLOCK_K // 2]."""
@@ -67,65 +90,68 @@ def _int4_tile(b, x_row, s_ptr, z_ptr, n, k0, N, K, G, HAS_ZERO: tl.constexpr, B
     qx = tl.sum(tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)      # Σ q·x a group
     xs = tl.sum(tl.reshape(x, (BLOCK_K // GROUP, GROUP)), axis=1)                        # Σ x a group
     g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    inside = (n[:, None] < N) & (g[None, :] < G)
-    s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=inside, other=0.0)
+    there = inside[:, None] & (g[None, :] < G)
+    s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=there, other=0.0)
     if HAS_ZERO:
-        z = tl.load(z_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=inside, other=0).to(tl.float32)
+        z = tl.load(z_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=there, other=0).to(tl.float32)
     else:
         z = 8.0
     return s * (qx - z * xs[None, :])
 
 
 @triton.jit
-def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, CHAINED: tl.constexpr):
+def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, H, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
     # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs;
     # BLOCK_K a multiple of GROUP: a tile holds whole groups
     m = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n, inside = _rows(H, BLOCK_N, GATED)
+    ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     half = (K + 1) // 2
     row = n.to(tl.int64) * half
     j = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
+    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < half), other=0)
     after_the_last(CHAINED)
     x_row = x_ptr + m.to(tl.int64) * K
-    acc = _int4_tile(b, x_row, s_ptr, z_ptr, n, 0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K, GROUP)
+    acc = _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, 0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half), other=0)
-        acc += _int4_tile(b, x_row, s_ptr, z_ptr, n, k0, N, K, G, HAS_ZERO, BLOCK_N, BLOCK_K, GROUP)
-    tl.store(y_ptr + m.to(tl.int64) * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < half), other=0)
+        acc += _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP)
+    _store(y_ptr, m, tl.sum(acc, axis=1), H, BLOCK_N, GATED)
 
 
 @triton.jit
-def _fp8_tile(w, x_row, scales, k0, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
-    """The tile of inputs from k0: its [BLOCK_N, BLOCK_K // BLOCK] scaled block sums, from its codes `w`."""
+def _fp8_tile(w, x_row, scales, k0, K, GK, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    """The tile of inputs from k0: its [ROWS, BLOCK_K // BLOCK] scaled block sums, from its codes
+    `w` and its rows' rows of scales `scales` [ROWS]."""
     k = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // BLOCK, BLOCK)), axis=2)
+    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (ROWS, BLOCK_K // BLOCK, BLOCK)), axis=2)
     g = k0 // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
-    return sums * tl.load(scales + g, mask=g < GK, other=0.0)[None, :]
+    return sums * tl.load(scales[:, None] + g[None, :], mask=g[None, :] < GK, other=0.0)
 
 
 @triton.jit
-def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, N, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK: tl.constexpr, CHAINED: tl.constexpr):
-    # s: [ceil(N/BLOCK), GK]; BLOCK_N divides BLOCK (a program's rows share one row of scales) and
-    # BLOCK divides BLOCK_K (a tile holds whole blocks)
+def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, H, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
+    # s: [ceil(N/BLOCK), GK], a row of scales a block of BLOCK rows; BLOCK divides BLOCK_K (a tile
+    # holds whole blocks)
     m = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    scales = s_ptr + ((tl.program_id(0) * BLOCK_N) // BLOCK) * GK
+    n, inside = _rows(H, BLOCK_N, GATED)
+    ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    scales = s_ptr + (n // BLOCK).to(tl.int64) * GK
     row = n.to(tl.int64) * K
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    w = tl.load(w_ptr + row[:, None] + k[None, :], mask=inside[:, None] & (k[None, :] < K), other=0.0)
     after_the_last(CHAINED)
     x_row = x_ptr + m.to(tl.int64) * K
-    acc = _fp8_tile(w, x_row, scales, 0, K, GK, BLOCK_N, BLOCK_K, BLOCK)
+    acc = _fp8_tile(w, x_row, scales, 0, K, GK, ROWS, BLOCK_K, BLOCK)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        acc += _fp8_tile(w, x_row, scales, k0, K, GK, BLOCK_N, BLOCK_K, BLOCK)
-    tl.store(y_ptr + m.to(tl.int64) * N + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+        w = tl.load(w_ptr + row[:, None] + k[None, :], mask=inside[:, None] & (k[None, :] < K), other=0.0)
+        acc += _fp8_tile(w, x_row, scales, k0, K, GK, ROWS, BLOCK_K, BLOCK)
+    _store(y_ptr, m, tl.sum(acc, axis=1), H, BLOCK_N, GATED)
 
 
 @triton.jit
@@ -278,23 +304,11 @@ def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) 
     x2 = x.reshape(-1, K).contiguous()
     M, N = x2.shape[0], w.qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    scale = w.scale.contiguous()
-    zero = w.zero.contiguous() if w.zero is not None else scale
     if M <= VECTOR_ROWS or x.dtype == torch.float32:
-        block_n, block_k, warps = shape or vector_shape(w)
-        chain = chained(x.device)
-        grid = (triton.cdiv(N, block_n), M)
-        if w.format == "int8":
-            _int8_vector[grid](x2, w.qweight, scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, CHAINED=chain,
-                               num_warps=warps, launch_pdl=chain)
-        elif w.format == "int4":
-            _int4_vector[grid](x2, w.qweight, scale, zero, y, N, K, scale.shape[-1], HAS_ZERO=w.zero is not None,
-                               BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, CHAINED=chain, num_warps=warps,
-                               launch_pdl=chain)
-        else:
-            _fp8_vector[grid](x2, w.qweight, scale, y, N, K, scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
-                              BLOCK=w.group, CHAINED=chain, num_warps=warps, launch_pdl=chain)
+        _vector(x2, w, y, shape or vector_shape(w), gated=False)
     else:
+        scale = w.scale.contiguous()
+        zero = w.zero.contiguous() if w.zero is not None else scale
         block_m, block_n, block_k, warps = shape or matrix_shape(M, w)
         fmt = ("int8", "int4", "fp8").index(w.format)
         groups = 0 if w.format == "int8" else scale.shape[-1]
@@ -302,3 +316,45 @@ def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) 
             x2, w.qweight, scale, zero, y, M, N, K, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.view(*lead, N)
+
+
+def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+    """silu(x Gᵀ) ⊙ x Uᵀ [..., I] for a quantized w = [G; U] [2I, K] (SwiGLU's gate and up laid
+    together) in one vector kernel, with the given (BLOCK_N, BLOCK_K, warps) (default: the
+    product's launch, half its outputs a program: as many rows of W), where the kernels take the
+    product and x has at most VECTOR_ROWS rows of 16 bits; else None (the caller runs the product
+    and `ops.moe.silu_mul`)."""
+    if not isinstance(w, Quantized) or not takes(x, w) or w.qweight.shape[0] % 2:
+        return None
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    if x2.shape[0] > VECTOR_ROWS or x.dtype not in HALF:
+        return None
+    H = w.qweight.shape[0] // 2
+    if shape is None:
+        block_n, block_k, warps = vector_shape(w)
+        shape = max(1, block_n // 2), block_k, warps
+    y = torch.empty((x2.shape[0], H), dtype=x.dtype, device=x.device)
+    _vector(x2, w, y, shape, gated=True)
+    return y.view(*lead, H)
+
+
+def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, int, int], gated: bool) -> None:
+    """y [M, H] from x2 [M, K] and w through w's vector kernel at `shape`: x2 Wᵀ (H rows of W),
+    or silu(x2 Gᵀ) ⊙ x2 Uᵀ for w = [G; U] (2H rows)."""
+    block_n, block_k, warps = shape
+    (M, K), H = x2.shape, y.shape[-1]
+    scale = w.scale.contiguous()
+    chain = chained(x2.device)
+    grid = (triton.cdiv(H, block_n), M)
+    if w.format == "int8":
+        _int8_vector[grid](x2, w.qweight, scale, y, H, K, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+                           CHAINED=chain, num_warps=warps, launch_pdl=chain)
+    elif w.format == "int4":
+        zero = w.zero.contiguous() if w.zero is not None else scale
+        _int4_vector[grid](x2, w.qweight, scale, zero, y, H, K, scale.shape[-1], HAS_ZERO=w.zero is not None,
+                           BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated, CHAINED=chain,
+                           num_warps=warps, launch_pdl=chain)
+    else:
+        _fp8_vector[grid](x2, w.qweight, scale, y, H, K, scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
+                          BLOCK=w.group, GATED=gated, CHAINED=chain, num_warps=warps, launch_pdl=chain)
