@@ -189,11 +189,9 @@ for part in "$@"; do
         head -qn1 /tmp/profiles/kernels-*.txt
         tar czf "$out/profiles.tgz" -C /tmp/profiles . ;;
     qsa)
-        # issue 35: the selection kernel's GPU test against its twin, and one QSA query's parts at 1K to
-        # 128K with it (benchmarks/qsa_layer.py); `long` is the whole decode against dense attention
-        timeout 200 python3 -m pytest -q -rfEs --tb=short -p no:logging -W ignore tests/test_cuda.py \
-            -k "selection_kernel" > "$out/test-cuda-selection.txt" 2>&1
-        tail -1 "$out/test-cuda-selection.txt"
+        # issue 35: one QSA query's parts at 1K to 128K (benchmarks/qsa_layer.py), the selection
+        # kernel set aside (diag/select_kernel.py) checked against its twin and timed beside the sort;
+        # `long` is the whole decode against dense attention
         timeout 200 python3 benchmarks/qsa_layer.py --out "$out" 2>&1 | grep -v Warn | head -60 ;;
     quant-profile)
         # issue 35: where a quantized batch-1 step's time goes beside bf16's (graph route, kernels in

@@ -1,10 +1,12 @@
 """Where one QSA decode query's time goes at long context on a GPU: each part of the layer's
 pick-and-attend timed alone (captured in a CUDA graph and replayed, as a decode step runs it),
-top-k variants side by side (and the selection kernel, `ops.cuda.select`), and a kernel profile of the whole call at the longest context.
+top-k variants side by side (and a selection kernel set aside, `diag/select_kernel.py`, checked
+against the twin first), and a kernel profile of the whole call at the longest context.
     python benchmarks/qsa_layer.py [--out DIR]"""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -12,8 +14,10 @@ import torch
 from hebrus.bench.limits import copy_bandwidth
 from hebrus.bench.long import _time_calls
 from hebrus.ops.choose import top_k_packed, top_k_sorted
-from hebrus.ops.cuda.select import select as selection
 from hebrus.ops.qsa import index_scores, picked_rows, select, sparse_attention, visible
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "diag"))
+from select_kernel import check, select as selection  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="/tmp")
@@ -22,6 +26,7 @@ args = parser.parse_args()
 device, dtype = torch.device("cuda"), torch.bfloat16
 hi, di, hq, hkv, dh, K = 4, 64, 8, 2, 64, 64           # the small preset's QSA layer
 bandwidth = copy_bandwidth(device, 2**30)
+print(f"the selection kernel: {check(device)} cases equal to the twin", flush=True)
 
 
 def two_stage(scores: torch.Tensor, k: int, block: int = 1024) -> torch.Tensor:
@@ -60,7 +65,7 @@ for N in map(int, args.contexts.split(",")):
         "top-k: torch.topk on the floats (ties unordered)": lambda: torch.topk(scores, K).indices,
         "sorted pick + mask": lambda: picked_rows(top_k_sorted(scores, K), pos),
         "the selection as the model ran it before (stable sort, sorted pick)": lambda: select(scores, pos, K),
-        "the selection kernel (ops.cuda.select, the same rows)": lambda: selection(scores, pos, K),
+        "a selection kernel (diag/select_kernel.py, the same rows)": lambda: selection(scores, pos, K),
         "attention over the pick": lambda: sparse_attention(q, k_rows, v_rows, picked, valid),
     }
     lines.append(f"\n## context {N}: index keys {N * di * 2:,} bytes, floor {N * di * 2 / bandwidth * 1e6:.2f} µs")

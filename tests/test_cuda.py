@@ -346,31 +346,6 @@ def test_the_sinkhorn_kernel_matches_its_twin_and_each_token_alone(n, eps):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("S, k, T", [(131072, 64, 1), (131072, 1024, 2), (8192, 64, 3), (5000, 16, 2), (100, 64, 2),
-                                     (17, 4, 2)])
-def test_the_selection_kernel_equals_its_twin(dtype, S, k, T):
-    """`ops.cuda.select.select` against `ops.qsa.select` with the default chooser, bit for bit
-    (the rows, ascending, and their validity): random scores; scores of a few values (ties
-    everywhere, decided by index) with -0.0 beside +0.0, ±inf and NaN; every row visible, a few
-    visible (fewer than k), none past the first; scores a view of a wider tensor."""
-    from hebrus.ops.cuda.select import select, takes
-    from hebrus.ops.qsa import select as twin
-    g = torch.Generator().manual_seed(S + k)
-    random = torch.randn(T, S + 3, generator=g).to(dtype).cuda()[:, :S]                   # a view, rows apart
-    tied = torch.randint(-2, 3, (T, S), generator=g).to(dtype)
-    tied[:, ::7] = -0.0
-    tied[:, 3::11], tied[:, 5::13] = float("inf"), float("-inf")
-    tied[0, 2::17] = float("nan")
-    for scores in (random, tied.cuda()):
-        for positions in (torch.full((T,), S - 1), torch.randint(0, S, (T,), generator=g), torch.full((T,), 2),
-                          torch.zeros(T, dtype=torch.int64)):
-            assert takes(scores, k) and (scores is not random or not scores.is_contiguous())
-            got, want = select(scores, positions.cuda(), k), twin(scores, positions.cuda(), k)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B, V, W", [(1, 151936, 4748), (64, 151936, 4748), (3, 1000, 20), (2, 70, 3), (0, 64, 2)])
 def test_the_mask_kernel_equals_its_twin(dtype, B, V, W):

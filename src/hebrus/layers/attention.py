@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hebrus.layers.checks import Check
-from hebrus.layers.kernels import Kernels, top_k_chooser, unfused
+from hebrus.layers.kernels import Kernels, unfused
 from hebrus.layers.kind import Cost, Kind, divided, normal, own, spans
 from hebrus.layers.sublayer import Sublayer
 from hebrus.ops.norm import layer_norm
@@ -35,8 +35,6 @@ SPARSE = "attention.sparse"             # (q, k_rows, v_rows, picked, valid) -> 
 ROTATE = "attention.rotate"             # (q, k, q_norm, k_norm, cos, sin, eps, into=None) -> (q, k) normed and
                                         # rotated, or None where it does not take them; with `into` = (v,
                                         # k_cache, v_cache, blocks, offsets) k's and v's rows written there too
-SELECT = "attention.select"             # (scores, positions, top_k) -> (rows, valid): the default chooser's
-                                        # selection (`ops.qsa.select` with `ops.choose.top_k`)
 INDEX_INPUT = "attention.index_input"   # h -> what the indexer reads (training: cut from the trunk's gradient)
 PROJECTED = ("q_proj.weight", "gate_proj.weight", "k_proj.weight", "v_proj.weight")     # of h, side by side
 INDEXED = ("index_q.weight", "index_k.weight", "index_w.weight")                         # of the indexer's input
@@ -103,8 +101,6 @@ class Attention:
         self.linear = kernels.linear
         self.attend_lanes, self.rotate = kernels.ops.get(LANES), kernels.ops.get(ROTATE)
         self.index_input = kernels.ops[INDEX_INPUT]
-        # the default chooser's choice may run as the table's selection; any other chooser chooses
-        self.selected = kernels.ops[SELECT] if kernels.choose is top_k_chooser else None
         self.hq, self.hkv, self.dh = a.heads, a.kv_heads, a.head_dim
         self.hi, self.di, self.top_k = a.index_heads, a.index_dim, a.top_k
         self.cache, self.parts = s.kv_cache, 3 if indexed else 2      # quantized rows: scales after codes
@@ -238,8 +234,6 @@ class Attention:
     def select(self, scores: torch.Tensor, start, positions: torch.Tensor):
         """The rows each query attends to: the top_k of its visible scores, the model's chooser
         making the choice (a set: rank order does not matter)."""
-        if self.selected is not None:
-            return self.selected(scores, positions, self.top_k)
         return select(scores, positions, self.top_k, partial(self.choose, self.site, start, ordered=False))
 
 
@@ -347,11 +341,9 @@ class DenseAttention(Kind):
         over rows read through block tables (for a 16-bit model on CUDA, a kernel reading them
         where they lie: `hebrus.ops.cuda.attention_lanes`); sparse attention over the picked
         rows; the indexer reads the layer's input as it is. On CUDA, q's and k's norms and
-        rotations also run as one kernel (`hebrus.ops.cuda.rotary`). The default chooser's selection
-        of rows for sparse attention is the twin everywhere until its kernel
-        (`hebrus.ops.cuda.select`) is measured on a GPU."""
+        rotations also run as one kernel (`hebrus.ops.cuda.rotary`)."""
         dense = dense_attention_fast if mode == "fast" else dense_attention
-        ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused, SELECT: select}
+        ops = {DENSE: dense, SPARSE: sparse_attention, INDEX_INPUT: unfused}
         if mode == "fast":                    # exact mode runs each session alone
             ops[LANES] = dense_attention_lanes
             if device is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
