@@ -150,12 +150,14 @@ def main() -> None:
         shape = quant.vector_shape(w)
         variants = {"module": lambda x, w: quant.launch(x, w, shape)}
         if args.format == "int8":
-            for other in (shape, (4, 512, 4), (8, 512, 4), (4, 1024, 4), (2, 2048, 4), (8, 1024, 8)):
+            variants["bits at the module's launch"] = lambda x, w: int8_bits(x, w, shape)
+            for other in ((4, 512, 4), (8, 512, 4), (4, 1024, 4), (2, 2048, 4), (8, 1024, 8)):
                 variants[f"bits {other}"] = lambda x, w, other=other: int8_bits(x, w, other)
         else:
             variants |= {"bits": lambda x, w: bits(x, w, False, shape),
                          "bits, strided x": lambda x, w: bits(x, w, True, shape)}
-            for other in (shape, (4, 1024, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)):
+            variants["grouped at the module's launch"] = lambda x, w: grouped(x, w, shape)
+            for other in ((4, 1024, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)):
                 variants[f"grouped {other}"] = lambda x, w, other=other: grouped(x, w, other)
         line = [f"{N} x {K} ({count} a step), launch {shape}:"]
         for name, run in variants.items():
