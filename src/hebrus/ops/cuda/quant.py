@@ -140,7 +140,7 @@ def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, H, K, GK, BLOCK_N: tl.constexpr, BLO
     m = tl.program_id(1)
     n, inside = _rows(H, BLOCK_N, GATED)
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
-    scales = s_ptr + (n // BLOCK).to(tl.int64) * GK
+    scales = s_ptr + (tl.where(inside, n, 0) // BLOCK).to(tl.int64) * GK      # rows past the end: row 0's
     row = n.to(tl.int64) * K
     k = tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + row[:, None] + k[None, :], mask=inside[:, None] & (k[None, :] < K), other=0.0)
