@@ -25,8 +25,8 @@
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # qsa (the selection kernel's GPU test, and benchmarks/qsa_layer.py with it),
-# quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, and
-# benchmarks/diag/int4_bits.py, archived in quant-profiles.tgz),
+# quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, archived in
+# quant-profiles.tgz, then benchmarks/diag/int4_bits.py and diag/quant_vectors.py),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
 # over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
@@ -203,6 +203,7 @@ for part in "$@"; do
         done
         head -qn1 /tmp/profiles/kernels-*.txt
         timeout 120 python3 benchmarks/diag/int4_bits.py --out "$out" 2>&1 | tail -6
+        timeout 200 python3 benchmarks/diag/quant_vectors.py --out "$out" 2>&1 | tail -14
         tar czf "$out/quant-profiles.tgz" -C /tmp/profiles . ;;
     copies)
         timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
