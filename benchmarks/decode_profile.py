@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_model import model_and_prompt, options
+from gpu_model import fed_steps, model_and_prompt, options
 
 
 def one_at_a_time(s, steps: int, read: bool = False, other=None) -> float:
@@ -59,16 +59,7 @@ name = args.model + (f"-{args.quantize}" if args.quantize else "")      # the fi
 model, prompt = model_and_prompt(args)
 lines = []
 for decode in args.routes.split(","):
-    s = model.session(decode=decode)
-    s.prefill(prompt, chunk_size=2048)
-    for t in range(8):
-        s.feed([t])
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for t in range(args.steps):
-        s.feed([t])
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    s, ms = fed_steps(model, prompt, args.steps, decode)
     steps = s._steps
     extra = "" if steps is None else (f" captures={steps.captures} replays={steps.replays} "
                                       f"uncaptured={steps.uncaptured} refused={steps.refused}")

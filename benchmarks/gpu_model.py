@@ -1,8 +1,10 @@
-"""What the GPU profiling scripts share: their common options, and the model and prompt they
-profile (a random-weight shape written under --cache the first time, in bfloat16, fast mode)."""
+"""What the GPU profiling scripts share: their common options, the model and prompt they
+profile (a random-weight shape written under --cache the first time, in bfloat16, fast mode),
+and decode steps fed back to back."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -36,3 +38,18 @@ def model_and_prompt(args: argparse.Namespace):
     model = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast",
                         quantize=getattr(args, "quantize", None))
     return model, torch.randint(0, model.spec.vocab_size, (args.context,)).tolist()
+
+
+def fed_steps(model, prompt: list[int], steps: int, decode: str = "graph"):
+    """A session of `model` (its `decode` route) after `prompt` and 8 untimed steps, and the ms
+    a step of `steps` more took, fed back to back (one synchronization at the end)."""
+    s = model.session(decode=decode)
+    s.prefill(prompt, chunk_size=2048)
+    for t in range(8):
+        s.feed([t])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in range(steps):
+        s.feed([t])
+    torch.cuda.synchronize()
+    return s, (time.perf_counter() - t0) / steps * 1e3

@@ -7,13 +7,16 @@ after a 1K prompt: float, then quantized in memory, then loaded quantized, in on
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-import hebrus
-from hebrus import bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hebrus  # noqa: E402
+from gpu_model import fed_steps  # noqa: E402
+from hebrus import bench  # noqa: E402
 
 
 def main() -> None:
@@ -26,16 +29,7 @@ def main() -> None:
     prompt = torch.randint(0, 1000, (1024,)).tolist()
 
     def steps(model, label: str) -> None:
-        s = model.session(decode="graph")
-        s.prefill(prompt, chunk_size=2048)
-        for t in range(8):
-            s.feed([t])
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for t in range(args.steps):
-            s.feed([t])
-        torch.cuda.synchronize()
-        print(f"{label}: {(time.perf_counter() - t0) / args.steps * 1e3:.3f} ms/step", flush=True)
+        print(f"{label}: {fed_steps(model, prompt, args.steps)[1]:.3f} ms/step", flush=True)
 
     base = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
     steps(base, "float")
