@@ -793,6 +793,43 @@ def test_quantized_silu_gated_matches_its_twin(format, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("format", ["int8", "int4", "int4-zp", "fp8"])
+def test_quantized_experts_match_the_gathered_twin(format, dtype):
+    """A decode step's few (token, choice) rows each through its own quantized expert where the
+    codes lie (`quant.experts`: the gate, up and middle in one kernel, then down) against
+    gathering the chosen experts rebuilt (`ops.moe.experts_gathered`), with and without
+    SwiGLU's clipping; experts of an odd inner width (fp8's up rows then start inside a block
+    of scales)."""
+    from hebrus.ops.cuda import quant
+    from hebrus.ops.moe import experts_gathered
+    from hebrus.ops.quant import quantize
+    from hebrus.weights.quant import Quantization
+    q = Quantization.parse(format)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    calls = []
+    vector = quant._vector
+    for E, D, inner in ((8, 2048, 768), (5, 256, 70)):
+        gate_up = quantize(torch.randn(E, 2 * inner, D, generator=g, device="cuda"), q.format, zero_point=q.zero_point)
+        down = quantize(torch.randn(E, D, inner, generator=g, device="cuda"), q.format, zero_point=q.zero_point)
+        for T, k in ((1, 2), (2, 4), (8, 2)):
+            h = torch.randn(T, D, generator=g, device="cuda").to(dtype)
+            experts = torch.randint(0, E, (T, k), generator=g, device="cuda")
+            weights = torch.rand(T, k, generator=g, device="cuda")
+            for limit in (None, 2.0):
+                quant._vector = lambda *a, **kw: calls.append(1) or vector(*a, **kw)
+                try:
+                    got = quant.experts(h, weights, experts, gate_up, down, limit)
+                finally:
+                    quant._vector = vector
+                want = experts_gathered(h.float(), weights, experts, gate_up, down, limit)
+                assert got.dtype == dtype and got.shape == (T, D)
+                assert _rel(got.float(), want) <= (1e-5 if dtype == torch.float32 else 2e-2), (E, D, inner, T, k, limit)
+                assert torch.equal(quant.experts(h, weights, experts, gate_up, down, limit), got)
+    assert len(calls) == 2 * 2 * 3 * 2                # every case through the kernels, none through the twin
+
+
+@cuda
 @pytest.mark.parametrize("format", ["int4", "fp8"])
 def test_a_quantized_model_verifies_and_decodes_from_graphs_on_cuda(format, tmp_path, monkeypatch):
     """The tiny preset quantized verifies; a saved tiny Qwen3.5 quantized decodes from graphs

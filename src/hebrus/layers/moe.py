@@ -199,7 +199,9 @@ class MoE(Kind):
     def ops(self, mode, device, dtype):
         """Exact: each token through its experts. Fast: grouped per expert (torch's grouped_mm
         where it runs: no host synchronisation), a decode step's few tokens gathered on a GPU
-        and each through its experts on the CPU (`ops.moe.FEW_ROWS`)."""
+        (by quantized experts, each row through its expert's codes where they lie:
+        `hebrus.ops.cuda.quant.experts`) and each through its experts on the CPU
+        (`ops.moe.FEW_ROWS`)."""
         if mode != "fast":
             return {EXPERTS: experts_per_token}
         many = experts_grouped
@@ -207,4 +209,10 @@ class MoE(Kind):
             many = experts_grouped_mm
         if device is None or device.type == "cpu":
             return {EXPERTS: experts_few_first(many, experts_per_token)}
+        if device.type == "cuda":
+            try:
+                from hebrus.ops.cuda import quant          # Triton
+            except ImportError:
+                return {EXPERTS: experts_few_first(many)}
+            return {EXPERTS: experts_few_first(many, quant.experts)}      # quantized stacks read where they lie
         return {EXPERTS: experts_few_first(many)}

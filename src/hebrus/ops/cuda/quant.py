@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from hebrus.ops.cuda.chain import after_the_last, chained
+from hebrus.ops.moe import experts_gathered, silu_mul
 from hebrus.ops.quant import Quantized, rebuilt_linear
 
 FEW_ROWS = 16          # a float32 x: rows the vector kernels take (more go to the twin)
@@ -59,9 +60,13 @@ def _store(y_ptr, m, sums, H, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, H, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GATED: tl.constexpr, CHAINED: tl.constexpr):
+def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, e_ptr, W_E, S_E, H, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr, ROUTED: tl.constexpr, CHAINED: tl.constexpr):
     m = tl.program_id(1)
+    if ROUTED:                  # row m's own expert of a stack: its codes and scales W_E and S_E apart
+        e = tl.load(e_ptr + m).to(tl.int64)
+        w_ptr += e * W_E
+        s_ptr += e * S_E
     n, inside = _rows(H, BLOCK_N, GATED)
     row = n.to(tl.int64) * K
     k = tl.arange(0, BLOCK_K)
@@ -100,11 +105,17 @@ def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constex
 
 
 @triton.jit
-def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, H, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
+def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, G, HAS_ZERO: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+                 ROUTED: tl.constexpr, CHAINED: tl.constexpr):
     # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs;
     # BLOCK_K a multiple of GROUP: a tile holds whole groups
     m = tl.program_id(1)
+    if ROUTED:                  # zero points lie as the scales do
+        e = tl.load(e_ptr + m).to(tl.int64)
+        w_ptr += e * W_E
+        s_ptr += e * S_E
+        z_ptr += e * S_E
     n, inside = _rows(H, BLOCK_N, GATED)
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     half = (K + 1) // 2
@@ -133,11 +144,15 @@ def _fp8_tile(w, x_row, scales, k0, K, GK, ROWS: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, H, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
+def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, e_ptr, W_E, S_E, H, K, GK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, CHAINED: tl.constexpr):
     # s: [ceil(N/BLOCK), GK], a row of scales a block of BLOCK rows; BLOCK divides BLOCK_K (a tile
     # holds whole blocks)
     m = tl.program_id(1)
+    if ROUTED:
+        e = tl.load(e_ptr + m).to(tl.int64)
+        w_ptr += e * W_E
+        s_ptr += e * S_E
     n, inside = _rows(H, BLOCK_N, GATED)
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     scales = s_ptr + (tl.where(inside, n, 0) // BLOCK).to(tl.int64) * GK      # rows past the end: row 0's
@@ -339,22 +354,62 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     return y.view(*lead, H)
 
 
-def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, int, int], gated: bool) -> None:
+def experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down,
+            limit: float | None = None) -> torch.Tensor:
+    """`ops.moe.experts_gathered` (its twin, which runs whatever this does not take) for stacks of
+    quantized experts: each (token, choice) row multiplied by its own expert's codes where they
+    lie, none rebuilt or copied: the gate and up products with SwiGLU's middle in one kernel
+    (without a `limit`; with one, the products, then `silu_mul`), then the down product; the
+    choices summed in rank order."""
+    if not (_stacked(h, gate_up) and _stacked(h, down) and gate_up.qweight.shape[-2] % 2 == 0):
+        return experts_gathered(h, weights, experts, gate_up, down, limit)
+    T, k = experts.shape
+    routes = experts.flatten().contiguous()
+    x = h.repeat_interleave(k, dim=0).contiguous()                                       # [T*k, D]
+    H = gate_up.qweight.shape[-2] // 2
+    block_n, block_k, warps = vector_shape(gate_up[0])
+    if limit is None:
+        middle = torch.empty((T * k, H), dtype=h.dtype, device=h.device)
+        _vector(x, gate_up, middle, (max(1, block_n // 2), block_k, warps), gated=True, routes=routes)
+    else:
+        both = torch.empty((T * k, 2 * H), dtype=h.dtype, device=h.device)
+        _vector(x, gate_up, both, (block_n, block_k, warps), gated=False, routes=routes)
+        middle = silu_mul(*both.chunk(2, dim=-1), limit)
+    y = torch.empty((T * k, down.qweight.shape[-2]), dtype=h.dtype, device=h.device)
+    _vector(middle, down, y, vector_shape(down[0]), gated=False, routes=routes)
+    y = y * weights.flatten().to(h.dtype)[:, None]
+    return y.view(T, k, -1).sum(1)
+
+
+def _stacked(h: torch.Tensor, w) -> bool:
+    """Whether `experts` multiplies h's rows by stack w here: a quantized stack [E, N, ...] lying
+    contiguous, an expert of which the kernels take (`takes`)."""
+    return (isinstance(w, Quantized) and w.qweight.dim() == 3 and w.qweight.is_contiguous()
+            and w.scale.is_contiguous() and (w.zero is None or w.zero.is_contiguous()) and takes(h, w[0]))
+
+
+def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, int, int], gated: bool,
+            routes: torch.Tensor | None = None) -> None:
     """y [M, H] from x2 [M, K] and w through w's vector kernel at `shape`: x2 Wᵀ (H rows of W),
-    or silu(x2 Gᵀ) ⊙ x2 Uᵀ for w = [G; U] (2H rows)."""
+    or silu(x2 Gᵀ) ⊙ x2 Uᵀ for w = [G; U] (2H rows); with `routes` [M] (w a contiguous stack of
+    experts), each row of x2 by its own expert's weight. A routed launch is not chained: it reads
+    its expert before any weight."""
     block_n, block_k, warps = shape
     (M, K), H = x2.shape, y.shape[-1]
     scale = w.scale.contiguous()
-    chain = chained(x2.device)
+    routed = routes is not None
+    chain = chained(x2.device) and not routed
     grid = (triton.cdiv(H, block_n), M)
+    e, w_e, s_e = (routes, w.qweight[0].numel(), scale[0].numel()) if routed else (scale, 0, 0)
     if w.format == "int8":
-        _int8_vector[grid](x2, w.qweight, scale, y, H, K, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-                           CHAINED=chain, num_warps=warps, launch_pdl=chain)
+        _int8_vector[grid](x2, w.qweight, scale, y, e, w_e, s_e, H, K, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
+                           ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     elif w.format == "int4":
         zero = w.zero.contiguous() if w.zero is not None else scale
-        _int4_vector[grid](x2, w.qweight, scale, zero, y, H, K, scale.shape[-1], HAS_ZERO=w.zero is not None,
-                           BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated, CHAINED=chain,
-                           num_warps=warps, launch_pdl=chain)
+        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, scale.shape[-1],
+                           HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated,
+                           ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     else:
-        _fp8_vector[grid](x2, w.qweight, scale, y, H, K, scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
-                          BLOCK=w.group, GATED=gated, CHAINED=chain, num_warps=warps, launch_pdl=chain)
+        _fp8_vector[grid](x2, w.qweight, scale, y, e, w_e, s_e, H, K, scale.shape[-1], BLOCK_N=block_n,
+                          BLOCK_K=block_k, BLOCK=w.group, GATED=gated, ROUTED=routed, CHAINED=chain,
+                          num_warps=warps, launch_pdl=chain)
