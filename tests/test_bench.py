@@ -206,8 +206,8 @@ def test_bench_quant_reports_quality_and_speed_per_format(tmp_path):
     val.write_bytes(b"MACBETH. So foul and fair a day I have not seen.\n" * 6)
     out, err = io.StringIO(), io.StringIO()
     argv = ["bench", "--quant", "--model", "tiny", "--formats", "int8,int4", "--contexts", "24", "--decode-steps",
-            "2", "--rounds", "1", "--val", str(val), "--val-context", "100", "--json", str(tmp_path / "r.json"),
-            "--table", str(tmp_path / "r.md")]
+            "2", "--rounds", "1", "--batch", "1,2", "--val", str(val), "--val-context", "100",
+            "--json", str(tmp_path / "r.json"), "--table", str(tmp_path / "r.md")]
     with redirect_stdout(out), redirect_stderr(err):
         assert main(argv) == 0, err.getvalue()
     report = json.loads((tmp_path / "r.json").read_text())
@@ -215,11 +215,16 @@ def test_bench_quant_reports_quality_and_speed_per_format(tmp_path):
     assert list(quality) == ["float", "int8", "int4"] and quality["float"]["increase"] == 0
     assert quality["int8"]["increase"] == pytest.approx(quality["int8"]["val_nats_per_byte"]
                                                         / quality["float"]["val_nats_per_byte"] - 1)
-    speed = {r["format"]: r for r in report["speed"]}
-    assert list(speed) == ["float", "int8", "int4"] and speed["float"]["kl"] is None
-    assert speed["int4"]["weight_bytes"] < speed["int8"]["weight_bytes"] < speed["float"]["weight_bytes"]
-    assert speed["int8"]["kl"] >= 0 and speed["int4"]["target"] == 2.0
-    assert "× float" in (tmp_path / "r.md").read_text() and "nats/byte" in out.getvalue()
+    speed = {(r["format"], r["batch"]): r for r in report["speed"]}
+    assert list(speed) == [(f, b) for f in ("float", "int8", "int4") for b in (1, 2)]
+    assert speed["float", 1]["kl"] is None and speed["int8", 1]["kl"] >= 0
+    assert speed["int4", 1]["weight_bytes"] < speed["int8", 1]["weight_bytes"] < speed["float", 1]["weight_bytes"]
+    # the targets: one session's against float's per format, any larger batch at least float's
+    assert [speed[f, b]["target"] for f in ("float", "int8", "int4") for b in (1, 2)] == [None, None, 1.4, 1.0, 2.0, 1.0]
+    assert all(r["graph_captures"] == 0 for r in speed.values())            # eager on the CPU
+    table = (tmp_path / "r.md").read_text()
+    assert "| × float | target |" in table and "graphs captured |" in table and "≥ 1.4×" in table
+    assert "nats/byte" in out.getvalue()
     with redirect_stdout(io.StringIO()), redirect_stderr(err := io.StringIO()):
         assert main(["bench", "--quant", "--formats", "int3"]) == 2
     assert "--formats takes" in err.getvalue()

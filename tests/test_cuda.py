@@ -766,15 +766,16 @@ def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
 def test_quantized_silu_gated_matches_its_twin(format, dtype):
     """SwiGLU's gate and up by a quantized [G; U] and its middle in one vector kernel against the
     rebuilt product, then `silu_mul`, for a row or two: halves that do and do not fill a block of
-    fp8 scales (up's rows then start inside one), groups of 32 beside the default, at the
-    default launch and at others; None where the kernel does not take it."""
+    fp8 scales (up's rows then start inside one), an odd number of inputs, groups of 32 and 2,048
+    beside the default, at the default launch and at others; None where the kernel does not take
+    it (more rows, float32, an odd number of rows, a dense weight)."""
     from hebrus.ops.cuda.quant import silu_gated, vector_shape
     from hebrus.ops.moe import silu_mul
     from hebrus.ops.quant import quantize, rebuilt_linear
     from hebrus.weights.quant import Quantization
     q = Quantization.parse(format)
     g = torch.Generator(device="cuda").manual_seed(11)
-    for H, K, group in ((6144, 2048, None), (70, 256, None), (1000, 300, 32), (256, 4100, None)):
+    for H, K, group in ((6144, 2048, None), (70, 256, None), (1000, 301, 32), (256, 4100, 2048)):
         w = quantize(torch.randn(2 * H, K, generator=g, device="cuda"), q.format, group=group, zero_point=q.zero_point)
         block_n, block_k, warps = vector_shape(w)
         for M in (1, 2):
@@ -789,7 +790,39 @@ def test_quantized_silu_gated_matches_its_twin(format, dtype):
                 assert torch.equal(silu_gated(x, w, shape), got)          # deterministic
     assert silu_gated(torch.randn(3, K, device="cuda").to(dtype), w) is None
     assert silu_gated(x.float(), w) is None
+    odd = quantize(torch.randn(2 * H + 1, K, generator=g, device="cuda"), q.format, group=group, zero_point=q.zero_point)
+    assert silu_gated(x, odd) is None
     assert silu_gated(x, rebuilt_linear(torch.eye(K, device="cuda").to(dtype), w).T.contiguous()) is None
+
+
+@cuda
+@pytest.mark.parametrize("format", ["int8", "int4", "fp8"])
+def test_a_quantized_step_with_swiglu_in_one_kernel_stays_near_float32(format, tmp_path, monkeypatch):
+    """A tiny Qwen3.5 quantized (inner width 128: fp8's gate and up lie together too) decodes as
+    near the same weights in float32 with SwiGLU's quantized gate, up and middle in one kernel as
+    with the products apart, then `silu_mul`: over the steps, the median distance of the one
+    kernel's logits from float32's at most twice the products' (+1e-3). Both round to 16 bits,
+    differently; a wrong kernel moves every step far (a gate's scales read for up: 5-27%)."""
+    from foreign import build
+    from hebrus.ops.cuda import quant
+    folder, _ = build("qwen3_5", tmp_path / "qwen3_5", intermediate_size=128)
+    model = hebrus.load(folder, device="cuda", dtype="bfloat16", mode="fast", quantize=format)
+    prompt, tokens = list(range(3, 40)), list(range(12))
+
+    def steps(m):
+        s = m.session(decode="eager")
+        s.feed(prompt)
+        return [s.feed([t]).float() for t in tokens]
+    want = steps(model.with_dtype(torch.float32))
+    taken, fused = [], quant.silu_gated
+    monkeypatch.setattr(quant, "silu_gated", lambda *a: taken.append(fused(*a)) or taken[-1])
+    one = steps(model)
+    assert any(out is not None for out in taken)
+    monkeypatch.setattr(quant, "silu_gated", lambda *a: None)
+    apart = steps(model)
+    far = {name: sorted(_rel(a, w) for a, w in zip(got, want))[len(want) // 2]
+           for name, got in (("one kernel", one), ("apart", apart))}
+    assert far["one kernel"] <= 2 * far["apart"] + 1e-3, far
 
 
 @cuda

@@ -81,7 +81,7 @@ def speed_table(rows: list[dict]) -> str:
         lines.append(f"| {r['format']} | {r['weight_bytes']:,} | {r['context']} | {r['batch']} | "
                      f"{r['decode_ms_per_step']:.2f} | {r['decode_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
                      f"{target} | {r['decode_floor_ms_per_step']:.3f} | {r['decode_fraction_of_floor']:.1%} | {kl} | "
-                     f"{r.get('graph_captures', '–')} |")
+                     f"{r['graph_captures']} |")
     return "\n".join(lines) + "\n"
 
 

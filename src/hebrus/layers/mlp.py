@@ -10,7 +10,7 @@ import torch
 from hebrus.layers.kernels import unfused
 from hebrus.layers.kind import Cost, Kind, divided, own, spans
 from hebrus.ops.moe import silu_mul
-from hebrus.ops.quant import Products, Quantized, linear
+from hebrus.ops.quant import Products, linear
 
 PROJECTIONS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 # (x, [gate; up] side by side) -> silu(x Gᵀ) ⊙ x Uᵀ in one op, or None where it does not take them
@@ -94,13 +94,13 @@ class MLP(Kind):
 
     def ops(self, mode, device, dtype):
         """In fast mode on CUDA, a 16-bit decode step's gate and up products and SwiGLU's middle
-        in one kernel: one row by 16-bit weights (`hebrus.ops.cuda.gemv.silu_gated`), a row or two
-        by quantized ones (`hebrus.ops.cuda.quant.silu_gated`)."""
+        in one kernel (`hebrus.ops.cuda.gemv.silu_gated`: one row by 16-bit weights, a row or two
+        by quantized ones)."""
         if mode == "fast" and device is not None and device.type == "cuda" and dtype in (torch.bfloat16,
                                                                                         torch.float16):
             try:
-                from hebrus.ops.cuda import gemv, quant          # Triton
+                from hebrus.ops.cuda.gemv import silu_gated          # Triton
             except ImportError:
                 return {}
-            return {SILU_GATED: lambda h, w: (quant.silu_gated if isinstance(w, Quantized) else gemv.silu_gated)(h, w)}
+            return {SILU_GATED: silu_gated}
         return {}

@@ -8,7 +8,8 @@ other case (more rows, float32, a quantized weight).
 `silu_gated` is SwiGLU's first half in one kernel: for gate and up projections laid side by side
 ([G; U], 2I x K), each program reduces BLOCK_N rows of each and writes silu(x Gᵀ) ⊙ x Uᵀ (each
 product rounded to the row's dtype first, as the product alone writes it); the twin is the
-product, then `ops.moe.silu_mul`.
+product, then `ops.moe.silu_mul`. Quantized gate and up go to the quantized kernels' own
+(`ops.cuda.quant.silu_gated`).
 
 A launch is the fastest `benchmarks/gemv.py --update` measured for the weight's shape with cold
 weights (`MEASURED`: on an H100 at a6ba9ba and 91da260 a 1.68B Qwen3.5 step's products took
@@ -22,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hebrus.ops.cuda import quant
 from hebrus.ops.cuda.chain import after_the_last, chained
-from hebrus.ops.quant import linear as linear_twin
+from hebrus.ops.quant import Quantized, linear as linear_twin
 
 
 @triton.jit
@@ -92,9 +94,9 @@ def launch_shape(N: int, K: int) -> tuple[int, int, int]:
     if (N, K) in MEASURED:
         return MEASURED[N, K]
     # few outputs (a quantized GDN's float b and a: 32 x 2048): a program a row, its whole width in
-    # one tile; 4 x 128 took 5.2 us there, its rows in 8 programs of 16 tiles each (H100, 88910d2,
-    # results/cuda-h100/88910d2/)
-    if N <= 256:
+    # one tile; the rule below's 4 x 128, 8 warps took 5.2 us there, its rows in 8 programs of 16
+    # tiles each (H100, 88910d2, results/cuda-h100/88910d2/); this one not yet timed alone
+    if N <= 64:
         return 1, min(2048, triton.next_power_of_2(K)), 4
     # the rule: the H200's warm winners at 35fd8b0
     if N >= 100_000:                    # a vocabulary's head (151936 x 2048: 4 x 256, 2 warps)
@@ -141,7 +143,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, shape: tuple[int, int, int] | None 
 def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) -> torch.Tensor | None:
     """silu(x Gᵀ) ⊙ x Uᵀ [1, I] for w = [G; U] [2I, K] (SwiGLU's gate and up side by side) in one
     kernel, where `takes(x, w)`, with the given (BLOCK_N, BLOCK_K, warps), default
-    `gated_launch_shape`; else None (the caller runs the product and `ops.moe.silu_mul`)."""
+    `gated_launch_shape`; for a quantized w, the quantized kernels' (`quant.silu_gated`); else
+    None (the caller runs the product and `ops.moe.silu_mul`)."""
+    if isinstance(w, Quantized):
+        return quant.silu_gated(x, w, shape)
     if not takes(x, w) or w.shape[0] % 2:
         return None
     N, K = w.shape[0] // 2, w.shape[1]

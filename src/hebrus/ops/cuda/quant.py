@@ -3,6 +3,12 @@ fp8 codes and their scales) and rebuilt in registers, so a step reads the quanti
 The twin is `ops.quant.rebuilt_linear` (rebuild W, then F.linear); it runs whatever these
 kernels do not take (stacked experts, a float32 x of more than FEW_ROWS rows).
 
+The vector kernels also run two other ways: GATED, for SwiGLU's gate and up laid together
+([G; U]), each program reducing its outputs' gate rows and up rows and writing silu(gate) ⊙ up
+(`silu_gated`; twin: the product, then `ops.moe.silu_mul`); and ROUTED, each row of x by its own
+expert of a stack, the expert read first (`experts`, a decode step's few (token, choice) rows;
+twin: `ops.moe.experts_gathered`).
+
 Two shapes of kernel:
 - **vector** (a decode step's row or two: `VECTOR_ROWS`): each program reduces BLOCK_N outputs of
   one row of x over the inputs in tiles of BLOCK_K, keeping float32 partial sums per tile column
@@ -339,12 +345,12 @@ def silu_gated(x: torch.Tensor, w, shape: tuple[int, int, int] | None = None) ->
     product's launch, half its outputs a program: as many rows of W), where the kernels take the
     product and x has at most VECTOR_ROWS rows of 16 bits; else None (the caller runs the product
     and `ops.moe.silu_mul`)."""
-    if not isinstance(w, Quantized) or not takes(x, w) or w.qweight.shape[0] % 2:
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if (not isinstance(w, Quantized) or rows > VECTOR_ROWS or x.dtype not in HALF or not takes(x, w)
+            or w.qweight.shape[0] % 2):
         return None
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
-    if x2.shape[0] > VECTOR_ROWS or x.dtype not in HALF:
-        return None
     H = w.qweight.shape[0] // 2
     if shape is None:
         block_n, block_k, warps = vector_shape(w)
