@@ -7,7 +7,7 @@ For each format and weight: one bf16 row through the vector kernel at every laun
 (each checked against the rebuilt twin first), beside the 16-bit product of the same shape
 (`ops.cuda.gemv` at its launch) and, with --old FILE, the kernel module as it was (its own
 `launch` at its defaults); then 64 rows through the matrix kernel at every launch of MATRIX,
-beside bf16 F.linear and the rebuilt twin. Each timed as 50 calls captured in one CUDA graph
+beside bf16 F.linear, the rebuilt twin and, with --old, the module as it was. Each timed as 50 calls captured in one CUDA graph
 taking copies of the weight in turn (none read from the cache: `gemv.cold_copies`), replayed:
 µs a call and the share of the copy bandwidth its bytes are; a decode step's products summed.
 
@@ -49,7 +49,7 @@ def fits(fmt: str, group: int, shape: tuple, vector: bool) -> bool:
             fmt.startswith("int4") or (group % n == 0 and n * k <= 8192))
     _, n, k, _ = shape
     if fmt.startswith("int4"):
-        return group % k == 0
+        return k >= 32                  # two products of k / 2 inputs, a tile across groups as it falls
     return fmt == "int8" or (group % k == 0 and group % n == 0)
 
 
@@ -134,6 +134,10 @@ def main() -> None:
             add(f"{fmt} 64 rows, fastest", count, best_t)
             lines.append(f"{fmt} 64 rows: rebuilt {t * 1e6:.1f} µs; matrix kernel fastest {best} {best_t * 1e6:.1f} µs "
                          f"({t64 / best_t:.2f}x bf16)")
+            if old is not None and old.takes(x64, q):
+                t = per_call(lambda q: old.launch(x64, q), copies, replays=args.replays)
+                add(f"{fmt} 64 rows, before", count, t)
+                lines.append(f"{fmt} 64 rows, before: {t * 1e6:.1f} µs")
             print("\n".join(lines[-3:]), flush=True)
             del copies
     lines.append("\n## a decode step's quantized products (the head not counted)")
