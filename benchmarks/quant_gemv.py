@@ -7,9 +7,10 @@ For each format and weight: one bf16 row through the vector kernel at every laun
 (each checked against the rebuilt twin first), beside the 16-bit product of the same shape
 (`ops.cuda.gemv` at its launch) and, with --old FILE, the kernel module as it was (its own
 `launch` at its defaults); then 64 rows through the matrix kernel at every launch of MATRIX,
-beside bf16 F.linear, the rebuilt twin and, with --old, the module as it was. Each timed as 50 calls captured in one CUDA graph
-taking copies of the weight in turn (none read from the cache: `gemv.cold_copies`), replayed:
-µs a call and the share of the copy bandwidth its bytes are; a decode step's products summed.
+beside bf16 F.linear, the rebuilt twin and, with --old, the module as it was. Each timed as
+50 calls captured in one CUDA graph taking copies of the weight in turn (none read from the
+cache: `gemv.cold_copies`), replayed: µs a call and the share of the copy bandwidth its bytes
+are; a decode step's products summed.
 
 `--update` writes each weight's fastest launches into the module's MEASURED_VECTOR and
 MEASURED_MATRIX tables (the source file of this checkout), which its launch rules read first.
