@@ -26,7 +26,8 @@
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # qsa (the selection kernel's GPU test, and benchmarks/qsa_layer.py with it),
 # quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, archived in
-# quant-profiles.tgz, then benchmarks/diag/int4_bits.py and diag/quant_vectors.py),
+# quant-profiles.tgz, then benchmarks/diag/int4_bits.py), quant-kernels (diag/quant_vectors.py and
+# diag/quant_matrix.py: kernel designs timed beside the module's),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
 # over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
@@ -203,8 +204,12 @@ for part in "$@"; do
         done
         head -qn1 /tmp/profiles/kernels-*.txt
         timeout 120 python3 benchmarks/diag/int4_bits.py --out "$out" 2>&1 | tail -6
-        timeout 200 python3 benchmarks/diag/quant_vectors.py --out "$out" 2>&1 | tail -14
         tar czf "$out/quant-profiles.tgz" -C /tmp/profiles . ;;
+    quant-kernels)
+        # issue 35: kernel designs beside the module's: vector kernels whose threads sum their own
+        # bytes (diag/quant_vectors.py), the matrix kernel turned around (diag/quant_matrix.py)
+        timeout 240 python3 benchmarks/diag/quant_vectors.py --out "$out" 2>&1 | grep -v Warn | tail -14
+        timeout 300 python3 benchmarks/diag/quant_matrix.py --out "$out" 2>&1 | grep -v Warn | tail -6 ;;
     copies)
         timeout 200 python3 benchmarks/copy_sites.py --model qwen3.5-1.7b > "$out/copy-sites-qwen3.5-1.7b.txt" 2>&1
         head -12 "$out/copy-sites-qwen3.5-1.7b.txt" ;;
