@@ -1,13 +1,8 @@
 """Quantized matrix products in Triton: y = x Wᵀ with W read in its stored form (int8, int4 or
 fp8 codes and their scales) and rebuilt in registers, so a step reads the quantized bytes once.
 The twin is `ops.quant.rebuilt_linear` (rebuild W, then F.linear); it runs whatever these
-kernels do not take (stacked experts, a float32 x of more than FEW_ROWS rows).
-
-The vector kernels also run two other ways: GATED, for SwiGLU's gate and up laid together
-([G; U]), each program reducing its outputs' gate rows and up rows and writing silu(gate) ⊙ up
-(`silu_gated`; twin: the product, then `ops.moe.silu_mul`); and ROUTED, each row of x by its own
-expert of a stack, the expert read first (`experts`, a decode step's few (token, choice) rows;
-twin: `ops.moe.experts_gathered`).
+kernels do not take (a stack of experts, save through `experts`; a float32 x of more than
+FEW_ROWS rows).
 
 Two shapes of kernel:
 - **vector** (a decode step's row or two: `VECTOR_ROWS`): each program reduces BLOCK_N outputs of
@@ -23,6 +18,12 @@ Two shapes of kernel:
   scales applied to the float32 sums. An int4 tile is two products: its even inputs by its
   bytes' low nibbles, its odd inputs by their high nibbles (x read at a stride of two), so no
   nibble moves between lanes.
+
+The vector kernels also run two other ways: GATED, for SwiGLU's gate and up laid together
+([G; U]), each program reducing its outputs' gate rows and up rows and writing silu(gate) ⊙ up
+(`silu_gated`; twin: the product, then `ops.moe.silu_mul`); and ROUTED, each row of x by its own
+expert of a stack, the expert read first (`experts`, a decode step's few (token, choice) rows;
+twin: `ops.moe.experts_gathered`).
 
 Every kernel walks its inputs in a fixed order: the same inputs give the same bits whatever the
 launch. The vector kernels take part in a chained launch (`ops.cuda.chain`): their first tile of
