@@ -26,8 +26,9 @@ expert of a stack, the expert read first (`experts`, a decode step's few (token,
 twin: `ops.moe.experts_gathered`).
 
 Every kernel walks its inputs in a fixed order: the same inputs give the same bits whatever the
-launch. The vector kernels take part in a chained launch (`ops.cuda.chain`): their first tile of
-codes is read before the kernel before them has finished (no kernel writes a weight).
+launch. The vector kernels (all but ROUTED ones, which read their expert first) take part in a
+chained launch (`ops.cuda.chain`): their first tile of codes is read before the kernel before
+them has finished (no kernel writes a weight).
 """
 from __future__ import annotations
 
