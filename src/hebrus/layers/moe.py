@@ -13,8 +13,9 @@ from hebrus.layers.checks import Check
 from hebrus.layers.kernels import Kernels
 from hebrus.layers.kind import Cost, Kind, divided, normal, own, spans
 from hebrus.layers.mlp import PROJECTIONS, SILU_GATED, swiglu, swiglu_part, swiglu_shapes
-from hebrus.ops.moe import (experts_few_first, experts_grouped, experts_grouped_mm, experts_per_token,
-                            grouped_mm_supports, route, route_given, route_sigmoid, sigmoid_gated_add)
+from hebrus.ops.moe import (experts_few_first, experts_gathered, experts_grouped, experts_grouped_mm,
+                            experts_per_token, grouped_mm_supports, route, route_given, route_sigmoid,
+                            sigmoid_gated_add)
 from hebrus.ops.quant import Products
 from hebrus.state.owners import APPENDED, OwnerSpec
 
@@ -209,10 +210,11 @@ class MoE(Kind):
             many = experts_grouped_mm
         if device is None or device.type == "cpu":
             return {EXPERTS: experts_few_first(many, experts_per_token)}
+        few = experts_gathered
         if device.type == "cuda":
             try:
                 from hebrus.ops.cuda import quant          # Triton
+                few = quant.experts                        # quantized stacks read where they lie
             except ImportError:
-                return {EXPERTS: experts_few_first(many)}
-            return {EXPERTS: experts_few_first(many, quant.experts)}      # quantized stacks read where they lie
-        return {EXPERTS: experts_few_first(many)}
+                pass
+        return {EXPERTS: experts_few_first(many, few)}

@@ -7,9 +7,10 @@ reads what no kernel writes while the model runs first (the products' first tile
 kernel ends only after the one before it has: the order of writes stays the stream's. The
 kernels that take part: the one-row products and SwiGLU's middle (`gemv`), the rotary kernel,
 the GDN and attention lanes, the Sinkhorn rounds, the quantized products' vector kernels
-(`ops.cuda.quant`; not its matrix kernel). Fused ops are compiled to take part too where this torch's compiler can
-(inductor's `enable_pdl`): inductor makes a kernel wait where it reads what the kernel before
-it in its own graph wrote, and the first kernel of each compiled op always waits. Off by
+(`ops.cuda.quant`; not its matrix kernel, nor a routed launch, which reads its expert first).
+Fused ops are compiled to take part too where this torch's compiler can (inductor's
+`enable_pdl`): inductor makes a kernel wait where it reads what the kernel before it in its own
+graph wrote, and the first kernel of each compiled op always waits. Off by
 default: on an H100 (benchmarks/results/cuda-h100/2d511fb) a one-session step of the 1.68B
 Qwen3.5 shape took 1.875 ms chained against 1.97 plain at 1K, 2.055 against 2.125 at 8K, but
 prefill was 2-10% slower and 64 sessions' step looked slower (4.60 ms against 4.15, one sample).

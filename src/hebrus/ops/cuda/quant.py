@@ -297,8 +297,8 @@ MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = { 
 
 
 def key(w: Quantized) -> tuple[str, int, int, int]:
-    """w's row in the measured tables."""
-    return (w.format + ("-zp" if w.zero is not None else ""), w.qweight.shape[0], w.inputs, w.group)
+    """w's row in the measured tables (a stack's: each expert's)."""
+    return (w.format + ("-zp" if w.zero is not None else ""), w.qweight.shape[-2], w.inputs, w.group)
 
 
 def vector_shape(w: Quantized) -> tuple[int, int, int]:
@@ -383,7 +383,7 @@ def experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_
     routes = experts.flatten().contiguous()
     x = h.repeat_interleave(k, dim=0).contiguous()                                       # [T*k, D]
     H = gate_up.qweight.shape[-2] // 2
-    block_n, block_k, warps = vector_shape(gate_up[0])
+    block_n, block_k, warps = vector_shape(gate_up)
     if limit is None:
         middle = torch.empty((T * k, H), dtype=h.dtype, device=h.device)
         _vector(x, gate_up, middle, (max(1, block_n // 2), block_k, warps), gated=True, routes=routes)
@@ -392,7 +392,7 @@ def experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_
         _vector(x, gate_up, both, (block_n, block_k, warps), gated=False, routes=routes)
         middle = silu_mul(*both.chunk(2, dim=-1), limit)
     y = torch.empty((T * k, down.qweight.shape[-2]), dtype=h.dtype, device=h.device)
-    _vector(middle, down, y, vector_shape(down[0]), gated=False, routes=routes)
+    _vector(middle, down, y, vector_shape(down), gated=False, routes=routes)
     y = y * weights.flatten().to(h.dtype)[:, None]
     return y.view(T, k, -1).sum(1)
 
