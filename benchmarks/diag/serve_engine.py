@@ -1,0 +1,130 @@
+"""Is serving's throughput at 64 clients the engine's or the server's? `hebrus bench --serve`'s
+uniform workload (64 requests of 128 prompt tokens and 64 greedy output tokens, all arriving at
+once) fed to the engine loop alone: no HTTP, no clients, no other thread; the loop's turns run
+in this thread as the engine thread runs them, with the server's defaults (cache off, as the
+bench has it). On an H100 at 7c74ec4 the server delivered 3,543 tokens/s there, its engine
+thread spending 0.26 s admitting, 0.39 s prefilling and 0.37 s in 65 replayed steps of 1.16 s
+(results/cuda-h100/7c74ec4/bench-serve-8192.md).
+
+Reported: tokens/s from the first submission to the last token, the time to each request's
+first token (p50, p99), each turn's seconds and what it did, the loop's own account (`spent`),
+then a second round under cProfile (its top functions by own time and by total).
+
+    python benchmarks/diag/serve_engine.py [--model qwen3.5-1.7b] [--clients 64] [--prompt 128] [--tokens 64]
+    (on a CPU: --model shakespeare)"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hebrus  # noqa: E402
+from hebrus import bench  # noqa: E402
+from hebrus.bench.serve import prompts  # noqa: E402
+from hebrus.sampling import Sampling  # noqa: E402
+from hebrus.scheduling.scheduler import Request, Scheduler  # noqa: E402
+
+
+def sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | None = None) -> dict:
+    """Every ask submitted at once, the loop's turns run here until each has its tokens."""
+    firsts, last = {}, [0.0]
+
+    def emit_for(i):
+        def emit(kind, value):
+            now = time.perf_counter()
+            if kind == "token":
+                firsts.setdefault(i, now)
+                last[0] = now
+            elif kind == "error":
+                raise RuntimeError(f"request {i} failed: {value!r}")
+        return emit
+
+    loop.spent.clear()
+    began = time.perf_counter()
+    requests = [Request(key="k", prompt=ids, max_tokens=tokens, sampling=Sampling(), seed=i,
+                        stop_ids=frozenset(), emit=emit_for(i)) for i, ids in enumerate(asks)]
+    loop.waiting.extend(requests)
+    while loop.waiting or loop.running:
+        loop._take_waiting()
+        fed = sum(r.fed for r in requests)
+        decoding = sum(r.fed >= len(r.prompt) for r in loop.running)
+        t = time.perf_counter()
+        loop._turn()
+        sync(loop.model)
+        if turns is not None:
+            turns.append((time.perf_counter() - t, sum(r.fed for r in requests) - fed, decoding))
+    sync(loop.model)
+    wall = time.perf_counter() - began
+    ttft = sorted(f - began for f in firsts.values())
+    return {"wall": wall, "tok_s": len(asks) * tokens / wall, "ttft_p50": statistics.median(ttft),
+            "ttft_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "spent": dict(loop.spent)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3.5-1.7b")
+    parser.add_argument("--cache", default="/tmp/shapes")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=None)
+    args = parser.parse_args()
+    name = args.model
+    if name in bench.SHAPES:
+        name = str(bench.random_checkpoint(name, Path(args.cache) / name))
+    cuda = torch.cuda.is_available()
+    model = hebrus.load(name, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
+                        mode="fast")
+    loop = Scheduler(model, max_sessions=args.clients, cache_bytes=0, prefill_tokens=args.prefill_tokens)
+    t = time.perf_counter()
+    loop.warm_up(lambda part: print(f"  warm-up: {part}", flush=True))
+    print(f"{args.model} on {model.device}: warmed up in {time.perf_counter() - t:.1f} s; route {loop.decode}, "
+          f"passes {loop.passes}, a turn's prompt tokens {loop.prefill_tokens}, spare sessions {loop.spare_sessions}")
+    for spare in range(loop.spare_sessions):
+        loop.spares.append(model.session(decode="eager"))           # as the idle engine thread makes them
+    asks = prompts(model.spec.vocab_size, args.clients, args.prompt, seed=args.clients)
+    round_of(loop, prompts(model.spec.vocab_size, args.clients, args.prompt, seed=1), args.tokens)   # untimed
+    for spare in range(loop.spare_sessions - len(loop.spares)):
+        loop.spares.append(model.session(decode="eager"))
+    turns = []
+    first = round_of(loop, asks, args.tokens, turns)
+    print(f"\n{args.clients} requests of {args.prompt} prompt tokens, {args.tokens} tokens each: "
+          f"{first['wall']:.3f} s, {first['tok_s']:,.0f} tokens/s; TTFT p50 {first['ttft_p50'] * 1e3:.1f} ms, "
+          f"p99 {first['ttft_p99'] * 1e3:.1f} ms")
+    print("  spent (s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(first["spent"].items(), key=lambda kv: -kv[1])))
+    print("  turns (ms, prompt tokens fed, requests decoding before it):")
+    for i, (seconds, fed, decoding) in enumerate(turns):
+        if i < 8 or fed or i == len(turns) - 1:
+            print(f"    {i:3}: {seconds * 1e3:8.2f} ms  fed {fed:5}  decoding {decoding}")
+    steps = [s for s, fed, d in turns if not fed and d]
+    if steps:
+        print(f"    decode-only turns: {len(steps)}, median {statistics.median(steps) * 1e3:.2f} ms")
+    for spare in range(loop.spare_sessions - len(loop.spares)):
+        loop.spares.append(model.session(decode="eager"))
+    profile = cProfile.Profile()
+    profile.enable()
+    again = round_of(loop, asks, args.tokens)
+    profile.disable()
+    print(f"\nunder cProfile: {again['wall']:.3f} s, {again['tok_s']:,.0f} tokens/s")
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(30)
+        print(text.getvalue()[text.getvalue().find("   ncalls"):])
+
+
+if __name__ == "__main__":
+    main()
