@@ -8,7 +8,8 @@ thread spending 0.26 s admitting, 0.39 s prefilling and 0.37 s in 65 replayed st
 
 Reported: tokens/s from the first submission to the last token, the time to each request's
 first token (p50, p99), each turn's seconds and what it did, the loop's own account (`spent`),
-then a second round under cProfile (its top functions by own time and by total).
+then a second round under cProfile (its top functions by own time and by total) and, on CUDA,
+a third whose first turn (admitting and feeding every prompt) runs under torch.profiler.
 
     python benchmarks/diag/serve_engine.py [--model qwen3.5-1.7b] [--clients 64] [--prompt 128] [--tokens 64]
     (on a CPU: --model shakespeare)"""
@@ -39,8 +40,10 @@ def sync(model) -> None:
         torch.cuda.synchronize()
 
 
-def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | None = None) -> dict:
-    """Every ask submitted at once, the loop's turns run here until each has its tokens."""
+def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | None = None,
+             first_turn=None) -> dict:
+    """Every ask submitted at once, the loop's turns run here until each has its tokens;
+    `first_turn`, if given, a context the first turn runs in."""
     firsts, last = {}, [0.0]
 
     def emit_for(i):
@@ -63,8 +66,14 @@ def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | 
         fed = sum(r.fed for r in requests)
         decoding = sum(r.fed >= len(r.prompt) for r in loop.running)
         t = time.perf_counter()
-        loop._turn()
-        sync(loop.model)
+        if first_turn is not None:
+            with first_turn:
+                loop._turn()
+                sync(loop.model)
+            first_turn = None
+        else:
+            loop._turn()
+            sync(loop.model)
         if turns is not None:
             turns.append((time.perf_counter() - t, sum(r.fed for r in requests) - fed, decoding))
     sync(loop.model)
@@ -124,6 +133,16 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(30)
         print(text.getvalue()[text.getvalue().find("   ncalls"):])
+    if model.device.type == "cuda":
+        for spare in range(loop.spare_sessions - len(loop.spares)):
+            loop.spares.append(model.session(decode="eager"))
+        from torch.profiler import ProfilerActivity, profile as kernels
+        traced = kernels(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        round_of(loop, asks, args.tokens, first_turn=traced)
+        averages = traced.key_averages()
+        print("\nthe first turn (admitting and feeding the prompts) under torch.profiler:")
+        print(averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 if __name__ == "__main__":
