@@ -33,7 +33,7 @@ from hebrus.bench.limits import sync
 from hebrus.sampling import constrained
 from hebrus.state.constraint import ahead, masks
 
-PARTS = ("masks", "apply", "argmax", "ahead", "feed", "join")
+PARTS = ("masks", "apply", "argmax", "ahead", "feed", "join", "after")
 
 
 def main() -> None:
@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync", action="store_true", help="wait for the device after applying the masks")
+    parser.add_argument("--later", action="store_true",
+                        help="no worker: the values after a step's tokens and their masks made after the step, "
+                             "in this thread (part `after`), not ahead while it runs")
     parser.add_argument("--out", default=None, help="also write the report here (constrained-parts.txt)")
     args = parser.parse_args()
     if args.steps < 2 or args.rounds < 1:
@@ -59,15 +62,16 @@ def main() -> None:
     model = _load(args.model, args.device, args.cache)
     start, prompt = workload(model)
     lines = [f"constrained step's parts: {args.model} on {model.device}, {args.steps} steps, {args.rounds} rounds"
-             f"{', synced after the apply' if args.sync else ''}; µs a step, mean over the timed steps"]
+             f"{', synced after the apply' if args.sync else ''}"
+             f"{', masks made after the step in this thread' if args.later else ''}; µs a step, mean over the timed steps"]
     print(lines[0], flush=True)
     for width in batches:
-        _run(model, prompt, width, args.steps, start, args.sync)          # warm-up: graphs, compiled ops
+        _run(model, prompt, width, args.steps, start, args.sync, args.later)          # warm-up: graphs, compiled ops
         _run(model, prompt, width, args.steps, None, args.sync)
         spent = {"free": defaultdict(list), "constrained": defaultdict(list)}
         for _ in range(args.rounds):
             for name, limit in (("free", None), ("constrained", start)):
-                for part, seconds in _run(model, prompt, width, args.steps, limit, args.sync).items():
+                for part, seconds in _run(model, prompt, width, args.steps, limit, args.sync, args.later).items():
                     spent[name][part].append(seconds)
         lines.append(f"\n## {width} session{'s' if width > 1 else ''}")
         for name, parts in spent.items():
@@ -104,9 +108,10 @@ def _begun(model, prompt, width, limit):
     return sessions, Batch(sessions), logits
 
 
-def _run(model, prompt: list[int], width: int, steps: int, limit, synced: bool) -> dict[str, float]:
+def _run(model, prompt: list[int], width: int, steps: int, limit, synced: bool, later: bool = False) -> dict[str, float]:
     """Seconds a step spent in each part, over `steps` steps of the bench's loop (the first
-    step untimed: its masks were not made ahead)."""
+    step untimed: its masks were not made ahead). `later`: no worker; the masks the next step
+    needs are made after this one, here."""
     sessions, batch, logits = _begun(model, prompt, width, limit)
     spent: dict[str, float] = defaultdict(float)
     sync(model.device)
@@ -125,7 +130,8 @@ def _run(model, prompt: list[int], width: int, steps: int, limit, synced: bool) 
             marks.append(("apply", time.perf_counter()))
         tokens = logits.argmax(-1).tolist()
         marks.append(("argmax", time.perf_counter()))
-        made = ahead([(s.constraint, t) for s, t in zip(sessions, tokens)]) if limit is not None else None
+        made = ahead([(s.constraint, t) for s, t in zip(sessions, tokens)]) \
+            if limit is not None and not later else None
         if made is not None:
             marks.append(("ahead", time.perf_counter()))
         results = batch.feed(tokens)
@@ -133,6 +139,9 @@ def _run(model, prompt: list[int], width: int, steps: int, limit, synced: bool) 
         if made is not None:
             made.join()
             marks.append(("join", time.perf_counter()))
+        elif limit is not None:
+            masks([s.constraint for s in sessions])
+            marks.append(("after", time.perf_counter()))
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
