@@ -7,12 +7,14 @@ logits' device and applied; with --sync, until the device has applied them), `ar
 tokens to the host: on a GPU, the wait for the apply and the step's logits), `ahead` (handing the
 values after the tokens to the worker thread), `feed` (the step itself) and `join` (waiting for
 the worker after the step). The free loop's `argmax` and `feed` are timed the same way beside it,
-rounds taking turns. Then the worker's work alone (the values after a step's tokens and their
+rounds taking turns; with --later a third loop takes turns with them, with no worker: the values
+after a step's tokens and their masks made after the step in the loop's own thread (`after`),
+which tells whether the worker's overlap with the step costs the step more than its work. Then the worker's work alone (the values after a step's tokens and their
 masks, nothing else running), and, on CUDA, one constrained step's kernels under the profiler
 beside a free one's. Means over the timed steps of every round, in µs a step:
 
     python benchmarks/constrained_parts.py [--model qwen3.5-1.7b] [--cache DIR] [--batch 1,64] \
-        [--steps 32] [--rounds 3] [--sync] [--out DIR]
+        [--steps 32] [--rounds 3] [--sync] [--later] [--out DIR]
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync", action="store_true", help="wait for the device after applying the masks")
     parser.add_argument("--later", action="store_true",
-                        help="no worker: the values after a step's tokens and their masks made after the step, "
-                             "in this thread (part `after`), not ahead while it runs")
+                        help="a third loop taking turns with the two: no worker, the values after a step's tokens "
+                             "and their masks made after the step in this thread (part `after`)")
     parser.add_argument("--out", default=None, help="also write the report here (constrained-parts.txt)")
     args = parser.parse_args()
     if args.steps < 2 or args.rounds < 1:
@@ -62,16 +64,16 @@ def main() -> None:
     model = _load(args.model, args.device, args.cache)
     start, prompt = workload(model)
     lines = [f"constrained step's parts: {args.model} on {model.device}, {args.steps} steps, {args.rounds} rounds"
-             f"{', synced after the apply' if args.sync else ''}"
-             f"{', masks made after the step in this thread' if args.later else ''}; µs a step, mean over the timed steps"]
+             f"{', synced after the apply' if args.sync else ''}; µs a step, mean over the timed steps"]
     print(lines[0], flush=True)
     for width in batches:
-        _run(model, prompt, width, args.steps, start, args.sync, args.later)          # warm-up: graphs, compiled ops
+        _run(model, prompt, width, args.steps, start, args.sync)          # warm-up: graphs, compiled ops
         _run(model, prompt, width, args.steps, None, args.sync)
-        spent = {"free": defaultdict(list), "constrained": defaultdict(list)}
+        loops = [("free", None, False), ("constrained", start, False)] + [("later", start, True)] * args.later
+        spent = {name: defaultdict(list) for name, _, _ in loops}
         for _ in range(args.rounds):
-            for name, limit in (("free", None), ("constrained", start)):
-                for part, seconds in _run(model, prompt, width, args.steps, limit, args.sync, args.later).items():
+            for name, limit, later in loops:
+                for part, seconds in _run(model, prompt, width, args.steps, limit, args.sync, later).items():
                     spent[name][part].append(seconds)
         lines.append(f"\n## {width} session{'s' if width > 1 else ''}")
         for name, parts in spent.items():
@@ -79,7 +81,7 @@ def main() -> None:
             lines.append(f"{name:12} {sum(each.values()):8.0f} µs: " +
                          ", ".join(f"{p} {v:.0f}" for p, v in each.items()))
         lines.append(f"the worker's work alone: {_ahead_alone(model, prompt, width, start) * 1e6:.0f} µs a step")
-        print("\n".join(lines[-4:]), flush=True)
+        print("\n".join(lines[-3 - len(loops):]), flush=True)
         if model.device.type == "cuda":
             for name, limit in (("free", None), ("constrained", start)):
                 lines.append(f"\n### one {name} step's kernels, {width} sessions\n" +
