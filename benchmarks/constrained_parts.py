@@ -9,8 +9,8 @@ values after the tokens to the worker thread), `feed` (the step itself) and `joi
 the worker after the step). The free loop's `argmax` and `feed` are timed the same way beside it,
 rounds taking turns; with --later a third loop takes turns with them, with no worker: the values
 after a step's tokens and their masks made after the step in the loop's own thread (`after`),
-which tells whether the worker's overlap with the step costs the step more than its work. Then the worker's work alone (the values after a step's tokens and their
-masks, nothing else running), and, on CUDA, one constrained step's kernels under the profiler
+which tells whether the worker's overlap with the step costs the step more than its work. Then
+the worker's work alone (the values after a step's tokens and their masks, nothing else running), and, on CUDA, one constrained step's kernels under the profiler
 beside a free one's. Means over the timed steps of every round, in µs a step:
 
     python benchmarks/constrained_parts.py [--model qwen3.5-1.7b] [--cache DIR] [--batch 1,64] \
