@@ -6,7 +6,7 @@ bench has it). On an H100 at 7c74ec4 the server delivered 3,543 tokens/s there, 
 thread spending 0.26 s admitting, 0.39 s prefilling and 0.37 s in 65 replayed steps of 1.16 s
 (results/cuda-h100/7c74ec4/bench-serve-8192.md).
 
-Reported: tokens/s from the first submission to the last token, the time to each request's
+Reported: the time to make a session, tokens/s from the first submission to the last token, the time to each request's
 first token (p50, p99), each turn's seconds and what it did, the loop's own account (`spent`),
 then a second round under cProfile (its top functions by own time and by total) and, on CUDA,
 a third whose first turn (admitting and feeding every prompt) runs under torch.profiler.
@@ -103,6 +103,13 @@ def main() -> None:
     loop.warm_up(lambda part: print(f"  warm-up: {part}", flush=True))
     print(f"{args.model} on {model.device}: warmed up in {time.perf_counter() - t:.1f} s; route {loop.decode}, "
           f"passes {loop.passes}, a turn's prompt tokens {loop.prefill_tokens}, spare sessions {loop.spare_sessions}")
+    sync(model)
+    t = time.perf_counter()
+    made = [model.session(decode="eager") for _ in range(args.clients)]
+    sync(model)
+    print(f"a new session: {(time.perf_counter() - t) / args.clients * 1e3:.3f} ms (mean of {args.clients}, "
+          f"made one after another)")
+    del made
     for spare in range(loop.spare_sessions):
         loop.spares.append(model.session(decode="eager"))           # as the idle engine thread makes them
     asks = prompts(model.spec.vocab_size, args.clients, args.prompt, seed=args.clients)
