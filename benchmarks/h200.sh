@@ -20,7 +20,9 @@
 # the fastest launches written into this copy's ops/cuda/gemv.py), beside (the 1.68B shape at 1K and 8K, then
 # the same from HEBRUS_BASE, another checkout's src, on the same machine),
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
-# constrained (bench --constrained at 1 and 64 sessions, and benchmarks/constrained_parts.py),
+# constrained (bench --constrained at 1 and 64 sessions, and benchmarks/constrained_parts.py), constrained-later
+# (diag/mask_apply.py, then constrained_parts.py --later: the worker against masks made after the step), serve-engine
+# (diag/serve_engine.py: the 64-client workload in the engine loop alone, no HTTP),
 # chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
@@ -163,6 +165,15 @@ for part in "$@"; do
             --decode-steps 32 --cache /tmp/shapes --json "$out/bench-constrained.json" \
             --table "$out/bench-constrained.md" 2>&1 | grep -v '^bench'
         timeout 240 python3 benchmarks/constrained_parts.py --model qwen3.5-1.7b --batch 1,64 --out "$out" 2>&1 | grep -v Warn ;;
+    constrained-later)
+        # issue 31: the host's apply taken apart (diag/mask_apply.py), then the step with the masks
+        # made ahead on the worker against made after it in the loop's thread (constrained_parts.py --later)
+        timeout 40 python3 benchmarks/diag/mask_apply.py > "$out/mask-apply.txt" 2>&1; cat "$out/mask-apply.txt"
+        timeout 150 python3 benchmarks/constrained_parts.py --model qwen3.5-1.7b --batch 1,64 --steps 24 --rounds 2 \
+            --later > "$out/constrained-parts-later.txt" 2>&1; grep -E '^(##|free|constrained|later|the worker)' "$out/constrained-parts-later.txt" ;;
+    serve-engine)
+        # issue 30: the 64-client uniform workload fed to the engine loop alone, no HTTP (diag/serve_engine.py)
+        timeout 240 python3 benchmarks/diag/serve_engine.py > "$out/serve-engine.txt" 2>&1; sed -n 1,40p "$out/serve-engine.txt" ;;
     chain)
         # the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain
         # (HEBRUS_PDL=1: ops/cuda/chain.py), taking turns, 3 rounds each time; the chained
