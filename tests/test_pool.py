@@ -42,7 +42,7 @@ class Sessions(RuleBasedStateMachine):
     @rule()
     def open(self):
         try:
-            slot = self.pool.take_slot()
+            slot, _ = self.pool.take_slot()
         except PoolFull:
             assert len(self.live) == self.pool.slots
             return
@@ -78,7 +78,7 @@ class Sessions(RuleBasedStateMachine):
     def fork(self, which):
         parent = self.live[which % len(self.live)]
         try:
-            slot = self.pool.take_slot()
+            slot, _ = self.pool.take_slot()
         except PoolFull:
             return
         child = Session(slot)
@@ -144,6 +144,28 @@ def test_carving_a_pool_from_bytes():
     assert short.blocks == 10 * 2                           # no more than every slot's table at 32 rows
     with pytest.raises(PoolFull, match="do not fit"):
         Pool.carve(SPECS, torch.device("cpu"), per_slot + padding, 1024, slots=2)
+
+
+def test_a_slot_taken_again_holds_every_owners_fill_in_both_banks_and_its_views_are_the_pools():
+    """Whatever a slot's last session left, taking it again resets each owner's value in both
+    banks to its fill (owners that start at zero are reset together, the others one by one), and
+    the views handed back are the pool's own memory; the other slots are untouched."""
+    specs = [OwnerSpec("zero", (2, 3), torch.float32), OwnerSpec("count", (4,), torch.int64),
+             OwnerSpec("history", (3,), torch.int64, fill=9), OwnerSpec("minus", (2,), torch.float64, fill=-1.5)]
+    pool = Pool(specs, torch.device("cpu"), slots=2, blocks=0, block_rows=1)
+    first, _ = pool.take_slot()
+    other, _ = pool.take_slot()
+    for bank in pool.banks.values():
+        bank[:, :2] = 7                                      # what the sessions left, both slots
+    pool.free_slot(first)
+    slot, views = pool.take_slot()
+    assert slot == first and len(views) == 2
+    for spec in specs:
+        for parity in (0, 1):
+            value = views[parity][spec.name]
+            assert value.data_ptr() == pool.banks[spec.name][parity, slot].data_ptr()
+            assert bool((value == spec.fill).all()), (spec.name, parity)
+        assert bool((pool.banks[spec.name][:, other] == 7).all())
 
 
 def test_blocks_taken_together_are_zeroed_together_and_never_after_they_are_given_back():

@@ -31,8 +31,7 @@ class Image:
         self.pool, self.specs, self.device = pool, pool.specs, pool.device
         self.banked = [s for s in self.specs if s.kind == BANKED]
         self.appended = [s for s in self.specs if s.kind == APPENDED]
-        slot = pool.take_slot()
-        self.banks = tuple({name: bank[parity, slot] for name, bank in pool.banks.items()} for parity in (0, 1))
+        slot, self.banks = pool.take_slot()
         self.public = Published(slot=slot, bank=0, frontier=0, table=())
         self._holding = _Holding(pool, slot)
         weakref.finalize(self, self._holding.release)
