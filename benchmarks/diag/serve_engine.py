@@ -30,20 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hebrus  # noqa: E402
 from hebrus import bench  # noqa: E402
+from hebrus.bench.limits import sync  # noqa: E402
 from hebrus.bench.serve import prompts  # noqa: E402
 from hebrus.sampling import Sampling  # noqa: E402
 from hebrus.scheduling.scheduler import Request, Scheduler  # noqa: E402
 
 
-def sync(model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | None = None,
              first_turn=None) -> dict:
     """Every ask submitted at once, the loop's turns run here until each has its tokens;
-    `first_turn`, if given, a context the first turn runs in."""
+    `first_turn`, if given, a context the first turn runs in. The loop's spare sessions are made
+    first, as its idle thread makes them between rounds."""
+    while len(loop.spares) < loop.spare_sessions:
+        loop.spares.append(loop.model.session(decode="eager"))
     firsts, last = {}, [0.0]
 
     def emit_for(i):
@@ -69,14 +68,14 @@ def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | 
         if first_turn is not None:
             with first_turn:
                 loop._turn()
-                sync(loop.model)
+                sync(loop.model.device)
             first_turn = None
         else:
             loop._turn()
-            sync(loop.model)
+            sync(loop.model.device)
         if turns is not None:
             turns.append((time.perf_counter() - t, sum(r.fed for r in requests) - fed, decoding))
-    sync(loop.model)
+    sync(loop.model.device)
     wall = time.perf_counter() - began
     ttft = sorted(f - began for f in firsts.values())
     return {"wall": wall, "tok_s": len(asks) * tokens / wall, "ttft_p50": statistics.median(ttft),
@@ -103,19 +102,15 @@ def main() -> None:
     loop.warm_up(lambda part: print(f"  warm-up: {part}", flush=True))
     print(f"{args.model} on {model.device}: warmed up in {time.perf_counter() - t:.1f} s; route {loop.decode}, "
           f"passes {loop.passes}, a turn's prompt tokens {loop.prefill_tokens}, spare sessions {loop.spare_sessions}")
-    sync(model)
+    sync(model.device)
     t = time.perf_counter()
     made = [model.session(decode="eager") for _ in range(args.clients)]
-    sync(model)
+    sync(model.device)
     print(f"a new session: {(time.perf_counter() - t) / args.clients * 1e3:.3f} ms (mean of {args.clients}, "
           f"made one after another)")
     del made
-    for spare in range(loop.spare_sessions):
-        loop.spares.append(model.session(decode="eager"))           # as the idle engine thread makes them
     asks = prompts(model.spec.vocab_size, args.clients, args.prompt, seed=args.clients)
     round_of(loop, prompts(model.spec.vocab_size, args.clients, args.prompt, seed=1), args.tokens)   # untimed
-    for spare in range(loop.spare_sessions - len(loop.spares)):
-        loop.spares.append(model.session(decode="eager"))
     turns = []
     first = round_of(loop, asks, args.tokens, turns)
     print(f"\n{args.clients} requests of {args.prompt} prompt tokens, {args.tokens} tokens each: "
@@ -129,8 +124,6 @@ def main() -> None:
     steps = [s for s, fed, d in turns if not fed and d]
     if steps:
         print(f"    decode-only turns: {len(steps)}, median {statistics.median(steps) * 1e3:.2f} ms")
-    for spare in range(loop.spare_sessions - len(loop.spares)):
-        loop.spares.append(model.session(decode="eager"))
     profile = cProfile.Profile()
     profile.enable()
     again = round_of(loop, asks, args.tokens)
@@ -141,8 +134,6 @@ def main() -> None:
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(30)
         print(text.getvalue()[text.getvalue().find("   ncalls"):])
     if model.device.type == "cuda":
-        for spare in range(loop.spare_sessions - len(loop.spares)):
-            loop.spares.append(model.session(decode="eager"))
         from torch.profiler import ProfilerActivity, profile as kernels
         traced = kernels(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         round_of(loop, asks, args.tokens, first_turn=traced)

@@ -112,8 +112,9 @@ class Pool:
                       for s in specs if s.kind == BANKED}
         self.rows = {s.name: torch.empty((blocks + 2, block_rows, *s.shape), dtype=s.dtype, device=device)
                      for s in specs if s.kind == APPENDED}
+        fills = {s.name: s.fill for s in specs if s.kind == BANKED}
         for name, bank in self.banks.items():
-            bank[:, slots].fill_(next(s.fill for s in specs if s.name == name))
+            bank[:, slots].fill_(fills[name])
         for storage in self.rows.values():
             _bytes(storage[blocks:]).zero_()
         self._free_slots = list(range(slots - 1, -1, -1))      # popped from the end: slot 0 first
@@ -123,7 +124,6 @@ class Pool:
         self._free_blocks = list(range(blocks - 1, -1, -1))
         self._free = blocks
         self._references = np.zeros(blocks, dtype=np.int64)     # how many tables hold each block
-        fills = {s.name: s.fill for s in specs if s.kind == BANKED}
         self._zeroed = [name for name, fill in fills.items() if fill == 0]     # reset together (`take_slot`)
         self._filled = {name: fill for name, fill in fills.items() if fill != 0}
         self.slot_nbytes, self.block_nbytes = self.slot_bytes(specs), self.block_bytes(specs, block_rows)
