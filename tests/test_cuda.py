@@ -432,6 +432,21 @@ def test_fla_runs_sessions_chunks_of_any_lengths_in_one_call():
 
 
 @cuda
+def test_the_varlen_inputs_made_on_the_host_are_flas_own_and_made_once_for_each_set_of_bounds():
+    """`varlen`'s chunk list (made on the host, so fla never waits for the device to make it)
+    is what fla makes from the bounds on the device, at lengths below, at and past a chunk; the
+    same bounds give the same tensors (fla's caches know them by identity)."""
+    _fla()
+    from fla.ops.utils import prepare_chunk_indices
+    from hebrus.ops.cuda.gdn import CHUNK, varlen
+    for bounds in [(0, 1), (0, 64), (0, 65), (0, 5, 6, 70, 71, 200), (0, 1, 2, 3), (0, 128, 129, 300)]:
+        on_device, on_host, chunks = varlen(bounds, torch.device("cuda"))
+        assert on_device.dtype == torch.int64 and on_host.tolist() == list(bounds) == on_device.tolist()
+        assert torch.equal(chunks, prepare_chunk_indices(torch.tensor(bounds, device="cuda"), CHUNK)), bounds
+        assert all(a is b for a, b in zip(varlen(bounds, torch.device("cuda")), (on_device, on_host, chunks)))
+
+
+@cuda
 def test_ragged_steps_on_cuda_match_the_sessions_fed_alone(tmp_path):
     """Prompts beside decode tokens in one step of a bfloat16 Qwen3.5 on CUDA (fla's varlen
     delta rule) against each session fed alone: both are bfloat16 roundings of the same values,

@@ -16,6 +16,7 @@ from hebrus.errors import ChunkAborted, InvalidInput
 from hebrus.state.step import StepBatch
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.txn import Transaction
+from hebrus.uploads import upload
 
 
 def run_step(model, sessions, chunks: list[torch.Tensor], outs) -> list:
@@ -55,7 +56,7 @@ def run_marked_alone(model, session, chunk: torch.Tensor, marks: tuple[int, ...]
     """`run_alone` keeping values after `marks` (`eager.run_marked`) -> (its last logits, the
     values by owner) or the `ChunkAborted` that aborted it."""
     try:
-        kept = run_marked(model, session.image, session.budget, chunk.to(model.device), None, marks, session.reserve)
+        kept = run_marked(model, session.image, session.budget, chunk, None, marks, session.reserve)
     except ChunkAborted as exc:
         return exc
     return session.image.read(OUTPUT).clone(), kept
@@ -77,7 +78,7 @@ def _step(model, sessions, chunks: list[torch.Tensor], marks=None):
             raise
         agreed([None] * len(sessions), True)
         return None
-    ids = torch.cat(list(chunks)).to(model.device)
+    ids = upload(torch.cat(list(chunks)), torch.int64, model.device)
 
     def work() -> None:             # no fault is armed here: its injection points do nothing
         run_stages(model, txn, StepBatch.ragged(ids, [p.frontier for p in txn.parts], lengths, marks))
@@ -139,7 +140,7 @@ def run_alone(model, session, chunk: torch.Tensor, out):
     """One session's chunk as a transaction of its own (the caller holds its lock, in inference
     mode) -> its last logits (`out` or a new tensor) or the `ChunkAborted` that aborted it."""
     try:
-        run_chunk(model, session.image, session.budget, chunk.to(model.device), out, session.reserve)
+        run_chunk(model, session.image, session.budget, chunk, out, session.reserve)
     except ChunkAborted as exc:
         return exc
     return out if out is not None else session.image.read(OUTPUT).clone()

@@ -20,6 +20,7 @@ from hebrus.state.interrupts import deferred_signals
 from hebrus.state.step import StepBatch
 from hebrus.engine.ranks import PeerStopped
 from hebrus.state.txn import Transaction, abort_error
+from hebrus.uploads import upload
 
 __all__ = ["FRONTIER", "OUTPUT", "agreement", "agreement_each", "begun", "by_logits", "finish", "run_chunk", "run_marked", "run_stages", "transaction"]   # the owner names re-exported for session
 
@@ -76,7 +77,7 @@ def begun(model, begin: Callable[[], Transaction]) -> Transaction:
 
 def _stages_of(model, ids: torch.Tensor, marks: tuple[int, ...] | None = None):
     def work(txn: Transaction) -> None:
-        run_stages(model, txn, StepBatch.chunk(ids.to(model.device), txn.frontier, each=txn.each, marks=marks))
+        run_stages(model, txn, StepBatch.chunk(upload(ids, torch.int64, model.device), txn.frontier, each=txn.each, marks=marks))
         txn.extend_reserved()
         if marks is not None:
             txn.check_each("marks")

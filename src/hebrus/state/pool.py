@@ -25,6 +25,7 @@ import torch
 from hebrus.errors import AllocationError, InvalidInput
 from hebrus.state.budget import out_of_memory
 from hebrus.state.owners import APPENDED, BANKED, OwnerSpec
+from hebrus.uploads import upload
 
 BLOCK_ROWS = 16         # rows a block holds, unless the pool is told otherwise
 MAX_SLOTS = 1024        # slots a pool carves unless told how many
@@ -289,7 +290,7 @@ class Pool:
             waiting += blocks
             return
         if blocks:
-            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            index = upload(blocks, torch.long, self.device)
             for storage in self.rows.values():
                 _bytes(storage).index_fill_(0, index, 0)
 
@@ -312,14 +313,14 @@ class Pool:
         return Log(self.rows[name], table, host, end, first)
 
     def table_tensor(self, table: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor(table, dtype=torch.long, device=self.device)
+        return upload(table, torch.long, self.device)
 
     def copy_blocks(self, copies) -> None:
         """Copy each (from, to) block of every appended owner (before a step writes into `to`)."""
         if not copies:
             return
-        source = torch.tensor([a for a, _ in copies], device=self.device)
-        target = torch.tensor([b for _, b in copies], device=self.device)
+        source = upload([a for a, _ in copies], torch.long, self.device)
+        target = upload([b for _, b in copies], torch.long, self.device)
         for storage in self.rows.values():
             storage[target] = storage[source]
 

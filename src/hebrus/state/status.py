@@ -9,6 +9,8 @@ import math
 import numpy as np
 import torch
 
+from hebrus.uploads import upload
+
 
 class Status(enum.IntFlag):
     """The bit of a status word the seam sets itself. The other bits are the checks of the
@@ -135,8 +137,8 @@ class DeviceChecks:
     def _token_sessions(self) -> torch.Tensor:
         """Each token's session (a ragged step's; made on first use, never inside a capture)."""
         if self._of_token is None:
-            self._of_token = torch.repeat_interleave(torch.arange(self.sessions, device=self.device),
-                                                     torch.tensor(self.lengths, device=self.device))
+            self._of_token = upload(torch.repeat_interleave(torch.arange(self.sessions), torch.tensor(self.lengths)),
+                                    torch.int64, self.device)
         return self._of_token
 
     def _each(self, t: torch.Tensor, how: str) -> torch.Tensor:

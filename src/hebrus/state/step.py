@@ -32,6 +32,8 @@ from functools import cached_property
 
 import torch
 
+from hebrus.uploads import upload
+
 
 @dataclass(eq=False)
 class StepBatch:
@@ -76,7 +78,8 @@ class StepBatch:
         if all(n == 1 for n in lengths):
             step = cls.tokens(ids, starts)
         else:
-            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(ids.device)
+            positions = upload(torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]), torch.int64,
+                               ids.device)
             step = cls(ids, positions, tuple(lengths), tuple(starts))
         step.marks = None if marks is None else tuple(map(tuple, marks))
         return step
@@ -84,7 +87,7 @@ class StepBatch:
     @classmethod
     def tokens(cls, ids: torch.Tensor, starts) -> "StepBatch":
         """One token for each of N sessions at host positions `starts`."""
-        return cls(ids, torch.tensor(starts, dtype=torch.int64, device=ids.device), (1,) * len(starts), tuple(starts))
+        return cls(ids, upload(starts, torch.int64, ids.device), (1,) * len(starts), tuple(starts))
 
     # ---- its shape -----------------------------------------------------------------------------
     @property
@@ -148,7 +151,7 @@ class StepBatch:
     @cached_property
     def cu_seqlens(self) -> torch.Tensor:
         """[N + 1] `bounds` on the device."""
-        return torch.tensor(self.bounds, dtype=torch.int32, device=self.ids.device)
+        return upload(self.bounds, torch.int32, self.ids.device)
 
     def windows(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sessions' rows laid out for one causal conv of `k` taps over all of them
@@ -276,4 +279,5 @@ def windows(lengths: tuple[int, ...], k: int, device) -> tuple[torch.Tensor, tor
     gather[placed] = n * k1 + rows
     gather[state_at] = torch.arange(n * k1)
     last = ((blocks + counts)[:, None] + torch.arange(k1)).flatten()
-    return tuple(torch.cat([gather, placed - k1, last]).to(device).split([len(gather), len(rows), len(last)]))
+    return tuple(upload(torch.cat([gather, placed - k1, last]), torch.int64, device).split(
+        [len(gather), len(rows), len(last)]))

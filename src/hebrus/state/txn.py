@@ -47,6 +47,7 @@ from hebrus.state.image import Image, Published
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.pool import Log, PoolFull, first_of_run
 from hebrus.state.status import Completion, DeviceChecks, describe
+from hebrus.uploads import upload
 
 
 def abort_error(stage: str, exc: Exception) -> ChunkAborted:
@@ -62,8 +63,7 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the public parities, the slots) of these records, as device index tensors: how a step of
     several sessions reads their banks."""
-    return (torch.tensor([r.bank for r in records], device=device),
-            torch.tensor([r.slot for r in records], device=device))
+    return upload([r.bank for r in records], torch.long, device), upload([r.slot for r in records], torch.long, device)
 
 
 class _Session:

@@ -9,6 +9,8 @@ import importlib
 
 import torch
 
+from hebrus.ops.cuda.gdn import varlen
+
 
 def available() -> bool:
     """Whether fla with its KDA kernels is installed. A broken install raises."""
@@ -19,15 +21,17 @@ def available() -> bool:
     return True
 
 
-def _run(q, k, v, g, beta, state, cu_seqlens=None):
-    """One call over [1, T, ...] inputs and [N, H, dk, dv] states (N sequences by cu_seqlens)."""
+def _run(q, k, v, g, beta, state, cu_seqlens=None, on_host=None):
+    """One call over [1, T, ...] inputs and [N, H, dk, dv] states (N sequences by cu_seqlens;
+    `on_host`, the same bounds on the host, spares fla a wait for the device)."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
     single = cu_seqlens is not None and q.shape[1] == cu_seqlens.numel() - 1     # a token each
     rule = fused_recurrent_kda if q.shape[1] == 1 or single else chunk_kda
     dtype = q.dtype
     o, final = rule(q.contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous(), g=g.float().contiguous(),
                     beta=beta.float().contiguous(), scale=1.0, initial_state=state.float().contiguous(),
-                    output_final_state=True, cu_seqlens=cu_seqlens)
+                    output_final_state=True, cu_seqlens=cu_seqlens,
+                    **({"cu_seqlens_cpu": on_host} if rule is chunk_kda and on_host is not None else {}))
     return o[0], final
 
 
@@ -45,5 +49,5 @@ def kda_fla(q, k, v, g, beta, state):
 
 def kda_fla_ragged(q, k, v, g, beta, state, cu_seqlens, bounds):
     """N sequences of any lengths in one call: the contract of `hebrus.ops.gdn.gdn_ragged`."""
-    o, final = _run(q[None], k[None], v[None], g[None], beta[None], state, cu_seqlens.long())
+    o, final = _run(q[None], k[None], v[None], g[None], beta[None], state, *varlen(tuple(bounds), q.device)[:2])
     return o, final.to(state.dtype)

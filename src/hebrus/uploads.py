@@ -1,0 +1,21 @@
+"""Small host values (token ids, positions, block tables, sequence bounds) put on the device
+without waiting for it.
+
+A plain copy from pageable host memory to a CUDA device waits until every kernel queued before
+it has run: in the middle of a pass, the host then stops running ahead of the device, and the
+device idles while the host launches the next kernels. Staged in pinned memory, the copy is
+queued on the current stream like a kernel (torch keeps the staging memory until the copy has
+run)."""
+from __future__ import annotations
+
+import torch
+
+
+def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """`values` (a list or tuple of numbers, or a tensor) as a `dtype` tensor on `device`, from
+    the host queued without a wait on CUDA (a tensor already on a device: `Tensor.to`'s own)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
