@@ -19,3 +19,10 @@ def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload_into(target: torch.Tensor, values) -> None:
+    """target := `values` (a list or tuple of numbers, as many as `target` holds), from the host
+    queued without a wait on CUDA."""
+    host = torch.tensor(values, dtype=target.dtype)
+    target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=target.is_cuda)

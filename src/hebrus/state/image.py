@@ -15,6 +15,7 @@ import torch
 
 from hebrus.state.owners import APPENDED, BANKED
 from hebrus.state.pool import Pool
+from hebrus.uploads import upload_into
 
 
 class Published(NamedTuple):             # immutable, and made at every flip (a quarter of a frozen dataclass's time)
@@ -77,7 +78,7 @@ class Image:
             self._device_table = torch.zeros(self.pool.blocks_for(self.pool.max_rows), dtype=torch.long,
                                              device=self.device)
         if self._uploaded != table:
-            self._device_table[:len(table)].copy_(torch.tensor(table, dtype=torch.long))
+            upload_into(self._device_table[:len(table)], table)
             self._uploaded = table
         return self._device_table[:len(table)]
 
