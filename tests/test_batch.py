@@ -65,6 +65,43 @@ def test_a_batch_equals_the_sessions_one_at_a_time(models, name, bits, tolerance
     _same_state(together, alone, tolerance)
 
 
+@pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
+def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_rows(models, monkeypatch, bits,
+                                                                                     tolerance):
+    """Where the op for lanes reads each lane's rows only up to its position (a kernel on CUDA;
+    here its readable twin, so marked), a step of several sessions' chunks attends in one call,
+    each token a lane over its session's rows through its table: the same logits and final
+    state as each session attending over its own rows (the same arithmetic up to the order of
+    sums). A chunk ending past `LANES_REACH` rows takes the sessions one by one."""
+    from hebrus.layers import attention
+    from hebrus.ops.qsa import dense_attention_lanes
+    model = models["qwen3_5" + ("64" if bits == 64 else "")]
+    vocab, calls = model.spec.vocab_size, []
+
+    def lanes(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return dense_attention_lanes(*args, **kwargs)
+
+    lanes.reads_to_position = True
+    layers = [stage.attn for stage in model.stages if getattr(stage, "attn", None) is not None]
+    lengths = (5, 1, 17, 2)
+    chunks = [tokens(n, seed=40 + i, vocab=vocab) for i, n in enumerate(lengths)]
+    alone = _sessions(model, vocab)
+    want = [s.feed(c) for s, c in zip(alone, chunks)]
+    together = _sessions(model, vocab)
+    for layer in layers:
+        monkeypatch.setattr(layer, "attend_lanes", lanes)
+    got = hebrus.feed_many(together, chunks)
+    assert calls == [sum(lengths)] * len(layers)                  # every token of the step in one call a layer
+    for i, (a, b) in enumerate(zip(got, want)):
+        _close(a, b, f"session {i}", tolerance)
+    _same_state(together, alone, tolerance)
+    monkeypatch.setattr(attention, "LANES_REACH", max(PROMPTS) + 10)
+    calls.clear()
+    hebrus.feed_many(together, chunks)                          # session 3 reaches past it
+    assert calls == []
+
+
 def test_one_sessions_nan_aborts_that_session_only(models):
     model = models["qwen3_5"]
     bad, vocab = 5, model.spec.vocab_size

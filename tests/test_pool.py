@@ -192,3 +192,39 @@ def test_blocks_taken_together_are_zeroed_together_and_never_after_they_are_give
         storage[list(given)] = 5.0                           # and written by it
     assert bool((storage[list(kept + more)] == 0).all())
     assert bool((storage[list(given)] == 5.0).all())
+
+
+def test_an_eager_step_of_several_sessions_writes_every_row_in_one_write_where_each_session_would():
+    """`StepBatch.put` of sessions whose logs share the pool's storage writes each token's row
+    through its session's table in one write (the places made once for every owner of the pass);
+    each session writing its own rows (its twin, taken where a log keeps a gathered copy) leaves
+    the same storage, and each session hears its rows (by token: [T, ...])."""
+    from hebrus.state.pool import Log
+    from hebrus.state.step import StepBatch
+    pool = Pool(SPECS, torch.device("cpu"), slots=3, blocks=12, block_rows=3)
+    tables = [(4, 7), (0, 1, 2, 9), (11,)]                  # not consecutive, consecutive, one block
+    starts, lengths = (1, 2, 0), (4, 7, 2)
+    step = StepBatch.ragged(torch.zeros(sum(lengths), dtype=torch.int64), starts, lengths)
+    value = torch.arange(sum(lengths) * 2, dtype=torch.float64).view(-1, 2) + 1
+
+    def logs(storage):
+        heard = []
+        out = [Log(storage, torch.tensor(t), t, s + n) for t, s, n in zip(tables, starts, lengths)]
+        for i, log in enumerate(out):
+            log.written = lambda rows, by_token=False, i=i: heard.append((i, by_token, rows.shape[0]))
+        return out, heard
+
+    together, heard = logs(pool.rows["rows"].clone())
+    where = step.placed(together)
+    assert where is not None and step.placed(logs(pool.rows["rows"])[0]) is where     # once for the tables
+    step.put(together, value)
+    assert heard == [(0, True, sum(lengths))]
+    alone, heard = logs(pool.rows["rows"].clone())
+    alone[0].upto(2)                                          # a gathered copy: each session writes its own
+    assert step.placed(alone) is None
+    step.put(alone, value)
+    assert heard == [(i, False, n) for i, n in enumerate(lengths)]
+    assert torch.equal(together[0].storage, alone[0].storage)
+    for i, log in enumerate(together):
+        assert torch.equal(log.upto(starts[i] + lengths[i])[starts[i]:], step.rows_of(i, value))
+        assert all(step.rows_of(i, where.tables)[:, :len(tables[i])].eq(torch.tensor(tables[i])).all(1))

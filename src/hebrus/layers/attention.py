@@ -27,6 +27,7 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
+LANES_REACH = 2048      # rows at most that a step of several sessions' chunks attends token by token
 DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
 LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions, gate=None) -> o: N
                                         # sessions' single queries, each over its rows through its block
@@ -129,6 +130,12 @@ class Attention:
         if span.token_a_lane and not self.indexed and self.attend_lanes is not None:
             gated = self._lanes(span, q, rows, gate.view(T, self.hq, self.dh))
             return self.linear(gated.flatten(1), w["o_proj.weight"])
+        placed = self._placed(span, rows)
+        if placed is not None:                # several sessions' chunks: each token a lane, in one call
+            k_log, v_log = (r[span.which[0]] for r in rows[:2])
+            gated = self.attend_lanes(q, k_log.storage, v_log.storage, placed.tables, span.positions,
+                                      gate.view(T, self.hq, self.dh))
+            return self.linear(gated.flatten(1), w["o_proj.weight"])
         outs, past = [], []
         for i in range(span.sessions):        # each session over its own rows
             mine, logs, cut = span.session(i) if span.sessions > 1 else span, [r[span.which[i]] for r in rows], span.rows_of
@@ -176,6 +183,19 @@ class Attention:
         self._put(span, rows, 0, k)
         self._put(span, rows, 1, v)
         return q
+
+    def _placed(self, span: StepBatch, rows):
+        """Where an eager step of several sessions' chunks has its tokens' rows (`StepBatch.placed`),
+        if it attends token by token, each token a lane over its session's rows through its table
+        (one call, where each session would be one): with a 16-bit cache, an op for lanes that
+        reads each lane's rows only up to its position (a kernel: `reads_to_position`), and no
+        chunk ending past `LANES_REACH` rows, since a token's rows are read for it alone where a
+        chunk's attention reads them once for a block of its queries. Else None."""
+        if (self.indexed or self.cache is not None or span.sessions < 2 or span.starts is None
+                or not getattr(self.attend_lanes, "reads_to_position", False)
+                or max(a + n for a, n in zip(span.starts, span.lengths)) > LANES_REACH):
+            return None
+        return span.placed([rows[0][m] for m in span.which])
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows, gate: torch.Tensor) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the

@@ -394,6 +394,12 @@ class Log:
         log.written = self.written
         return log
 
+    @property
+    def sees_storage(self) -> bool:
+        """Whether what it reads is its storage itself (a view, or nothing read yet), so a write
+        into the storage by another path (`write_rows`) shows in its reads."""
+        return self._first is not None or self._seen is None
+
     def upto(self, end: int) -> torch.Tensor:
         """Rows [0, end) as one tensor (an eager step's: its later writes show in it)."""
         if self._first is not None:

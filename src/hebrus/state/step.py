@@ -29,10 +29,21 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hebrus.uploads import upload
+
+
+class Placed(NamedTuple):
+    """Each token's row of an eager step of several sessions (`StepBatch.placed`), on the device:
+    its block [T] and its row in that block [T], and its session's block table [T, width] (as a
+    lane of a planned step has it: attention over a token's rows through it, each token a lane)."""
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    tables: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -54,6 +65,8 @@ class StepBatch:
     terms: dict = field(default_factory=dict)   # each branch's value, by its place in the spec
     # the rows `take` gave this pass, with their tables: every layer of one rotary width shares them
     taken: list = field(default_factory=list, init=False, repr=False)
+    # where `placed` found each token's row, with the sessions' tables: every owner's log shares them
+    rows_placed: list = field(default_factory=list, init=False, repr=False)
 
     @classmethod
     def chunk(cls, ids: torch.Tensor, start: int, each: bool = False,
@@ -210,9 +223,10 @@ class StepBatch:
         return rows
 
     def forget(self) -> None:
-        """A pass over the stages starts: what `take` gave is gathered again (a planned step's
-        positions are refilled in place between passes)."""
+        """A pass over the stages starts: what `take` and `placed` gave is made again (a planned
+        step's positions are refilled in place between passes)."""
         self.taken.clear()
+        self.rows_placed.clear()
 
     def lanes_log(self, logs):
         """A planned step's lanes: the one `state.pool.Log` (of `logs`, one per session of the
@@ -237,9 +251,44 @@ class StepBatch:
             for i, log in enumerate(logs):
                 a, b = self.bounds[i], self.bounds[i + 1]
                 log.write(self.positions[a:b], value[a:b])
+        elif (placed := self.placed(logs)) is not None:    # every session's rows in one write
+            logs[0].write_rows(placed.blocks, placed.offsets, value)
         else:
             for i, log in enumerate(logs):
                 log.write_range(self.starts[i], self.rows_of(i, value))
+
+    def placed(self, logs) -> "Placed | None":
+        """Where each token's row lies in an eager step of several sessions, `logs` one per
+        session (each through its session's table), made on the host once a pass for the
+        sessions' tables (every log of a session has the same). None where the logs do not
+        share one storage (a session refused its blocks writes scratch rows of its own) or one
+        keeps a gathered copy that only its own writes keep current (`Log.sees_storage`)."""
+        storage = logs[0].storage
+        if any(log.storage is not storage or log.host is None or not log.sees_storage for log in logs):
+            return None
+        tables = [log.host for log in logs]
+        for seen, where in self.rows_placed:
+            if len(seen) == len(tables) and all(a is b for a, b in zip(seen, tables)):
+                return where
+        R, device = logs[0].block_rows, self.ids.device
+        positions = [np.arange(a, a + n) for a, n in zip(self.starts, self.lengths)]
+        blocks = np.concatenate([np.asarray(table, dtype=np.int64)[p // R] for table, p in zip(tables, positions)])
+        each = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)      # past a table: block 0, never read
+        for i, table in enumerate(tables):
+            each[i, :len(table)] = table
+        token_tables = each[np.repeat(np.arange(len(tables)), self.lengths)]
+        where = Placed(*(upload(torch.from_numpy(a), torch.int64, device)
+                         for a in (blocks, np.concatenate(positions) % R, token_tables)))
+        self.rows_placed.append((tables, where))
+        return where
+        R = logs[0].block_rows
+        positions = [np.arange(a, a + n) for a, n in zip(self.starts, self.lengths)]
+        blocks = np.concatenate([np.asarray(table, dtype=np.int64)[p // R] for table, p in zip(tables, positions)])
+        offsets = np.concatenate(positions) % R
+        where = upload(torch.from_numpy(blocks), torch.int64, self.ids.device), \
+            upload(torch.from_numpy(offsets), torch.int64, self.ids.device)
+        self.rows_placed.append((tables, where))
+        return where
 
     def as_blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every lane's rows gathered through the tables, lane after lane ([N, width * R, ...], as
