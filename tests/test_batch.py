@@ -102,6 +102,28 @@ def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_
     assert calls == []
 
 
+def test_the_blocks_a_pass_of_several_sessions_takes_are_zeroed_together(models, monkeypatch):
+    """New sessions' first chunks take blocks for every session in one pass: they are zeroed in
+    one fill per row storage (each session's alone was a fill per storage each), before any row
+    is written into them."""
+    model = models["qwen3_5"]
+    zeroed, real = [], Pool._zero
+
+    def zero(pool, blocks):
+        if getattr(pool._zeroing, "blocks", None) is None and blocks:    # not deferred: a fill now
+            zeroed.append(sorted(blocks))
+        real(pool, blocks)
+
+    monkeypatch.setattr(Pool, "_zero", zero)
+    sessions = [model.session(decode="eager") for _ in range(4)]
+    alone = [model.session(decode="eager") for _ in range(4)]
+    chunks = [tokens(3 + 5 * i, seed=i, vocab=model.spec.vocab_size) for i in range(4)]
+    got = hebrus.feed_many(sessions, chunks)
+    assert zeroed == [sorted(b for s in sessions for b in s.image.public.table)]
+    for i, (g, s, c) in enumerate(zip(got, alone, chunks)):
+        _close(g, s.feed(c), f"session {i}", 2e-4)
+
+
 def test_one_sessions_nan_aborts_that_session_only(models):
     model = models["qwen3_5"]
     bad, vocab = 5, model.spec.vocab_size

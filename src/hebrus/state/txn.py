@@ -285,14 +285,10 @@ class Transaction:
                 log.written = partial(self._hear, lane)
                 logs.append(log)
             return logs
+        if any(p.failure is None and p.device_table is None for p in self.parts):
+            self._tables()
         logs = []
         for i, p in enumerate(self.parts):
-            if p.failure is None and p.device_table is None:
-                try:
-                    p.device_table = self._writable_table(p)
-                    p.first = first_of_run(p.table)
-                except Exception as exc:
-                    self._fail(p, exc)
             if p.failure is not None:
                 row = self.pool.rows[name]
                 log = Log.whole(torch.zeros((p.frontier + p.length,) + row.shape[2:], dtype=row.dtype,
@@ -302,6 +298,27 @@ class Transaction:
             log.written = partial(self._hear, i)
             logs.append(log)
         return logs
+
+    def _tables(self) -> None:
+        """Each session's table for its chunk's rows (`_writable_table`), the blocks they take
+        zeroed together (one fill per row storage, where each session's were one each). A
+        session refused its blocks fails alone; blocks that cannot be zeroed fail every session
+        (theirs go back when the step is finished)."""
+        try:
+            with self.pool.zeroing_together():
+                for p in self.parts:
+                    if p.failure is None and p.device_table is None:
+                        try:
+                            p.device_table = self._writable_table(p)
+                            p.first = first_of_run(p.table)
+                        except Exception as exc:
+                            self._fail(p, exc)
+        except ChunkAborted:
+            raise
+        except Exception as exc:
+            for p in self.parts:
+                if p.failure is None:
+                    self._fail(p, exc)
 
     def _hear(self, session: int, rows: torch.Tensor, by_token: bool = False) -> None:
         """Rows a stage wrote for `session` (`by_token`: for every session, a row per token):
