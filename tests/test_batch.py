@@ -72,7 +72,8 @@ def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_
     here its readable twin, so marked), a step of several sessions' chunks attends in one call,
     each token a lane over its session's rows through its table: the same logits and final
     state as each session attending over its own rows (the same arithmetic up to the order of
-    sums). A chunk ending past `LANES_REACH` rows takes the sessions one by one."""
+    sums). A step whose tokens would read more than `LANES_READ` bytes of rows a session takes
+    the sessions one by one."""
     from hebrus.layers import attention
     from hebrus.ops.qsa import dense_attention_lanes
     model = models["qwen3_5" + ("64" if bits == 64 else "")]
@@ -96,9 +97,14 @@ def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_
     for i, (a, b) in enumerate(zip(got, want)):
         _close(a, b, f"session {i}", tolerance)
     _same_state(together, alone, tolerance)
-    monkeypatch.setattr(attention, "LANES_REACH", max(PROMPTS) + 10)
+    k = model.pool.rows[next(iter(model.pool.rows))]
+    read = sum(n * (a + len(c)) + n * (n + 1) // 2 for a, c, n in zip(PROMPTS, chunks, lengths))   # rows, now
+    monkeypatch.setattr(attention, "LANES_READ", -(-read * 2 * k[0, 0].numel() * k.element_size() // len(lengths)))
     calls.clear()
-    hebrus.feed_many(together, chunks)                          # session 3 reaches past it
+    hebrus.feed_many(together, chunks)                          # reads exactly the bound: in one call
+    assert calls == [sum(lengths)] * len(layers)
+    calls.clear()
+    hebrus.feed_many(together, chunks)                          # further on, past it: one by one
     assert calls == []
 
 

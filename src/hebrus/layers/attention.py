@@ -27,7 +27,11 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
-LANES_REACH = 2048      # rows at most that a step of several sessions' chunks attends token by token
+# a step of several sessions' chunks attends token by token while its tokens read at most this many
+# bytes of K/V rows a session: each token reads its rows [0, position] for itself, where attention
+# over one session's chunk reads them once for a block of its queries; below it, a call a session
+# costs the host more than the reads cost the device (an estimate, to be measured)
+LANES_READ = 256 << 20
 DENSE = "attention.dense"               # (q, k_rows, v_rows, positions) -> o: attention over every row
 LANES = "attention.lanes"               # (q, k_blocks, v_blocks, tables, positions, gate=None) -> o: N
                                         # sessions' single queries, each over its rows through its block
@@ -188,14 +192,15 @@ class Attention:
         """Where an eager step of several sessions' chunks has its tokens' rows (`StepBatch.placed`),
         if it attends token by token, each token a lane over its session's rows through its table
         (one call, where each session would be one): with a 16-bit cache, an op for lanes that
-        reads each lane's rows only up to its position (a kernel: `reads_to_position`), and no
-        chunk ending past `LANES_REACH` rows, since a token's rows are read for it alone where a
-        chunk's attention reads them once for a block of its queries. Else None."""
+        reads each lane's rows only up to its position (a kernel: `reads_to_position`), and its
+        tokens reading no more than `LANES_READ` bytes of rows a session. Else None."""
         if (self.indexed or self.cache is not None or span.sessions < 2 or span.starts is None
-                or not getattr(self.attend_lanes, "reads_to_position", False)
-                or max(a + n for a, n in zip(span.starts, span.lengths)) > LANES_REACH):
+                or not getattr(self.attend_lanes, "reads_to_position", False)):
             return None
-        return span.placed([rows[0][m] for m in span.which])
+        k = rows[0][span.which[0]].storage
+        row_bytes = 2 * k[0, 0].numel() * k.element_size()                  # a row of K and of V
+        read = sum(n * a + n * (n + 1) // 2 for a, n in zip(span.starts, span.lengths)) * row_bytes
+        return span.placed([rows[0][m] for m in span.which]) if read <= LANES_READ * span.sessions else None
 
     def _lanes(self, span: StepBatch, q: torch.Tensor, rows, gate: torch.Tensor) -> torch.Tensor:
         """A planned step of one token per lane: every lane's rows at once, read through the
