@@ -7,7 +7,8 @@ each with the line of hebrus (or of a library) that asked, for:
     a new session; a lone prompt of P tokens; 4 and N prompts of P tokens in one pass (the
     serving engine's first turn at N clients); N sessions stepping one token each, eagerly
 
-and the seconds each took (the device synchronised before and after); then each pass of
+and the seconds each took (the device synchronised before and after); the pass of N prompts
+with attention token by token (`layers.attention.LANES_READ`) and session by session; then each pass of
 prompts again under torch.profiler, its operations by host time and by device time (at
 7c74ec4 on an H100 a turn of 4 prompts of 128 tokens took about 290 ms, a lone one 42 ms).
 
@@ -113,6 +114,21 @@ def main() -> None:
     batch = sessions()
     counted(f"{n} prompts of {p} tokens in one pass", together(batch))
     counted(f"{n} sessions one token each, eager", stepped(batch))
+    from hebrus.layers import attention
+    default, times = attention.LANES_READ, {}
+    for round_ in range(3):                     # attention token by token, or session by session
+        for bound in (default, 0):
+            attention.LANES_READ = bound
+            batch = sessions()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            feed_many(batch, prompts)
+            torch.cuda.synchronize()
+            times.setdefault(bound, []).append(time.perf_counter() - t)
+    attention.LANES_READ = default
+    print(f"\n{n} prompts of {p} tokens in one pass, ms (3 rounds taking turns): attention token by token "
+          f"{sorted(round(x * 1e3, 2) for x in times[default])}, session by session "
+          f"{sorted(round(x * 1e3, 2) for x in times[0])}")
     from torch.profiler import ProfilerActivity, profile
     for count in (4, n):
         batch = [model.session(decode="eager") for _ in range(count)]
