@@ -115,8 +115,8 @@ def main() -> None:
     counted(f"{n} prompts of {p} tokens in one pass", together(batch))
     counted(f"{n} sessions one token each, eager", stepped(batch))
     from hebrus.layers import attention
-    default, times = attention.LANES_READ, {}
-    for round_ in range(3):                     # attention token by token, or session by session
+    default, times = getattr(attention, "LANES_READ", None), {}
+    for round_ in range(3 if default is not None else 0):   # attention token by token, or session by session
         for bound in (default, 0):
             attention.LANES_READ = bound
             batch = sessions()
@@ -125,10 +125,11 @@ def main() -> None:
             feed_many(batch, prompts)
             torch.cuda.synchronize()
             times.setdefault(bound, []).append(time.perf_counter() - t)
-    attention.LANES_READ = default
-    print(f"\n{n} prompts of {p} tokens in one pass, ms (3 rounds taking turns): attention token by token "
-          f"{sorted(round(x * 1e3, 2) for x in times[default])}, session by session "
-          f"{sorted(round(x * 1e3, 2) for x in times[0])}")
+    if default is not None:
+        attention.LANES_READ = default
+        print(f"\n{n} prompts of {p} tokens in one pass, ms (3 rounds taking turns): attention token by token "
+              f"{sorted(round(x * 1e3, 2) for x in times[default])}, session by session "
+              f"{sorted(round(x * 1e3, 2) for x in times[0])}")
     from torch.profiler import ProfilerActivity, profile
     for count in (4, n):
         batch = [model.session(decode="eager") for _ in range(count)]
