@@ -15,9 +15,7 @@ Two shapes of kernel:
 - **matrix** (more rows, 16-bit x): tiles of W rebuilt in x's dtype, exactly as the twin rebuilds
   them (int8 and fp8 codes are exact in 16 bits; int4's (q − z)·s rounded once), and multiplied
   on the tensor cores (`tl.dot`), float32 accumulation; int8's per-output scale and fp8's block
-  scales applied to the float32 sums. An int4 tile is two products: its even inputs by its
-  bytes' low nibbles, its odd inputs by their high nibbles (x read at a stride of two), so no
-  nibble moves between lanes.
+  scales applied to the float32 sums.
 
 The vector kernels also run two other ways: GATED, for SwiGLU's gate and up laid together
 ([G; U]), each program reducing its outputs' gate rows and up rows and writing silu(gate) ⊙ up
@@ -182,48 +180,42 @@ def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, e_ptr, W_E, S_E, H, K, GK, BLOCK_N: 
 @triton.jit
 def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # FORMAT 0: int8 (s [N]); 1: int4 (s, z [N, G]: a tile's rows of scales as its inputs' groups);
+    # FORMAT 0: int8 (s [N]); 1: int4 (s, z [N, G], BLOCK_K divides GROUP: a tile is in one group);
     # 2: fp8 (s [ceil(N/GROUP), G], BLOCK_K and BLOCK_N divide GROUP: one scale a tile)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m64, n64 = m.to(tl.int64), n.to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
         if FORMAT == 1:
-            # the tile's even inputs by its bytes' low nibbles, its odd ones by their high nibbles:
-            # two products of BLOCK_K / 2 inputs, no nibble moved between lanes
             half = (K + 1) // 2
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(w_ptr + n64[None, :] * half + j[:, None], mask=(n[None, :] < N) & (j[:, None] < half),
+            b = tl.load(w_ptr + n.to(tl.int64)[None, :] * half + j[:, None], mask=(n[None, :] < N) & (j[:, None] < half),
                         other=0).to(tl.int32)
-            x_row = x_ptr + m64[:, None] * K + 2 * j[None, :]
-            rows = m[:, None] < M
-            even = tl.load(x_row, mask=rows & (2 * j[None, :] < K), other=0.0)
-            odd = tl.load(x_row + 1, mask=rows & (2 * j[None, :] + 1 < K), other=0.0)
-            g = (2 * j) // GROUP
-            there = (n[None, :] < N) & (g[:, None] < G)
-            s = tl.load(s_ptr + n64[None, :] * G + g[:, None], mask=there, other=0.0)
+            q = tl.reshape(tl.permute(tl.join(b & 15, b >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))   # input 2j + t
+            g = k0 // GROUP
+            s = tl.load(s_ptr + n.to(tl.int64) * G + g, mask=n < N, other=0.0)
             if HAS_ZERO:
-                z = tl.load(z_ptr + n64[None, :] * G + g[:, None], mask=there, other=0).to(tl.float32)
+                z = tl.load(z_ptr + n.to(tl.int64) * G + g, mask=n < N, other=0).to(tl.float32)
             else:
-                z = 8.0
-            acc += tl.dot(even, (((b & 15).to(tl.float32) - z) * s).to(dtype))
-            acc += tl.dot(odd, (((b >> 4).to(tl.float32) - z) * s).to(dtype))
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(dtype)
+            acc += tl.dot(x, w)
         else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + m64[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
             inside = (n[None, :] < N) & (k[:, None] < K)
             if FORMAT == 0:
-                w = tl.load(w_ptr + n64[None, :] * K + k[:, None], mask=inside, other=0)
+                w = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=inside, other=0)
                 acc += tl.dot(x, w.to(dtype))
             else:
-                w = tl.load(w_ptr + n64[None, :] * K + k[:, None], mask=inside, other=0.0)
+                w = tl.load(w_ptr + n.to(tl.int64)[None, :] * K + k[:, None], mask=inside, other=0.0)
                 s = tl.load(s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP) * G + k0 // GROUP)
                 acc += tl.dot(x, w.to(dtype)) * s
     if FORMAT == 0:
         acc = acc * tl.load(s_ptr + n, mask=n < N, other=0.0)[None, :]
-    tl.store(y_ptr + m64[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
@@ -317,12 +309,12 @@ def vector_shape(w: Quantized) -> tuple[int, int, int]:
 def matrix_shape(rows: int, w: Quantized) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the matrix kernel for `rows` of x by w: the measured
     launch for its shape (measured at 64 rows, taken from 33), else the measurement's usual winner
-    (32 outputs by 128 inputs a program, 4 warps), an fp8 tile within one block of scales."""
+    (32 outputs by 128 inputs a program, 4 warps), BLOCK_K within an int4 group, one fp8 block."""
     measured = MEASURED_MATRIX.get(key(w)) if rows > 32 else None
     if measured is not None:
         return measured
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_k = 128 if w.format != "fp8" else min(128, w.group)
+    block_k = 128 if w.format == "int8" else min(128, w.group)
     return block_m, min(32, w.group) if w.format == "fp8" else 32, block_k, 4
 
 
