@@ -219,15 +219,17 @@ def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr,
              mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-def takes(x: torch.Tensor, w: Quantized) -> bool:
+def takes(x: torch.Tensor, w: Quantized, inputs: int | None = None) -> bool:
     """Whether the kernels take this product: a CUDA x in a 16- or 32-bit float (a float64 model
     keeps its own precision through the twin; a float32 one of at most FEW_ROWS rows), a single
     (not stacked) weight in its stored layout, int4 groups and fp8 blocks a power of two of at
-    least 16 (a tile holds whole ones)."""
+    least 16 (a tile holds whole ones). `inputs`: the width of the x the product will have, where
+    x stands for its rows only (x's own width by default)."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     side = w.group
     return (x.is_cuda and rows > 0 and x.dtype in FLOATS and (x.dtype in HALF or rows <= FEW_ROWS)
-            and w.qweight.dim() == 2 and w.qweight.is_contiguous() and x.shape[-1] == w.inputs
+            and w.qweight.dim() == 2 and w.qweight.is_contiguous()
+            and (x.shape[-1] if inputs is None else inputs) == w.inputs
             and (w.format == "int8" or (side >= 16 and side & (side - 1) == 0)))
 
 
@@ -369,12 +371,12 @@ def experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_
     lie, none rebuilt or copied: the gate and up products with SwiGLU's middle in one kernel
     (without a `limit`; with one, the products, then `silu_mul`), then the down product; the
     choices summed in rank order."""
-    if not (_stacked(h, gate_up) and _stacked(h, down) and gate_up.qweight.shape[-2] % 2 == 0):
+    H = gate_up.qweight.shape[-2] // 2 if isinstance(gate_up, Quantized) else 0
+    if not (_stacked(h, gate_up) and _stacked(h, down, H) and gate_up.qweight.shape[-2] % 2 == 0):
         return experts_gathered(h, weights, experts, gate_up, down, limit)
     T, k = experts.shape
     routes = experts.flatten().contiguous()
     x = h.repeat_interleave(k, dim=0).contiguous()                                       # [T*k, D]
-    H = gate_up.qweight.shape[-2] // 2
     block_n, block_k, warps = vector_shape(gate_up)
     if limit is None:
         middle = torch.empty((T * k, H), dtype=h.dtype, device=h.device)
@@ -389,11 +391,13 @@ def experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_
     return y.view(T, k, -1).sum(1)
 
 
-def _stacked(h: torch.Tensor, w) -> bool:
-    """Whether `experts` multiplies h's rows by stack w here: a quantized stack [E, N, ...] lying
+def _stacked(h: torch.Tensor, w, inputs: int | None = None) -> bool:
+    """Whether `experts` multiplies rows like h's, `inputs` wide (h's own width by default; the
+    down product's x is SwiGLU's middle), by stack w here: a quantized stack [E, N, ...] lying
     contiguous, an expert of which the kernels take (`takes`)."""
     return (isinstance(w, Quantized) and w.qweight.dim() == 3 and w.qweight.is_contiguous()
-            and w.scale.is_contiguous() and (w.zero is None or w.zero.is_contiguous()) and takes(h, w[0]))
+            and w.scale.is_contiguous() and (w.zero is None or w.zero.is_contiguous())
+            and takes(h, w[0], inputs))
 
 
 def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, int, int], gated: bool,
