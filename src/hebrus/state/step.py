@@ -308,7 +308,13 @@ class StepBatch:
             return X[-1:]
         if self.one_each:
             return X
-        return X[[b - 1 for b in self.bounds[1:]]]
+        return X.index_select(0, self.lasts)
+
+    @cached_property
+    def lasts(self) -> torch.Tensor:
+        """Each session's last token's row [N] on the device (indexing by a host list would copy
+        it there and wait for the device)."""
+        return upload([b - 1 for b in self.bounds[1:]], torch.int64, self.ids.device)
 
 
 @functools.lru_cache(maxsize=64)       # (a 64-session 8K pass's: about 200 KB)
