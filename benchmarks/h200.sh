@@ -22,7 +22,8 @@
 # copies (benchmarks/copy_sites.py: where a planned decode step's copy and index kernels come from),
 # constrained (bench --constrained at 1 and 64 sessions, and benchmarks/constrained_parts.py), constrained-later
 # (diag/mask_apply.py, then constrained_parts.py --later: the worker against masks made after the step), serve-engine
-# (diag/serve_engine.py: the 64-client workload in the engine loop alone, no HTTP),
+# (diag/serve_engine.py: the 64-client workload in the engine loop alone, no HTTP), syncs (diag/syncs.py: where
+# a pass of prompts waits for the device, with its profile),
 # chain (the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain, HEBRUS_PDL; the chained
 # step profiled; the GPU tests of the kernels that take part, chained),
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
@@ -174,6 +175,9 @@ for part in "$@"; do
     serve-engine)
         # issue 30: the 64-client uniform workload fed to the engine loop alone, no HTTP (diag/serve_engine.py)
         timeout 240 python3 benchmarks/diag/serve_engine.py > "$out/serve-engine.txt" 2>&1; sed -n 1,40p "$out/serve-engine.txt" ;;
+    syncs)
+        # issue 30: where a pass of prompts waits for the device, and its profile (diag/syncs.py)
+        timeout 300 python3 benchmarks/diag/syncs.py > "$out/syncs.txt" 2>&1; sed -n 1,30p "$out/syncs.txt" ;;
     chain)
         # the 1.68B shape at 1K and 8K with a step's kernels launched plain and as a chain
         # (HEBRUS_PDL=1: ops/cuda/chain.py), taking turns, 3 rounds each time; the chained
