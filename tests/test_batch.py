@@ -67,13 +67,13 @@ def test_a_batch_equals_the_sessions_one_at_a_time(models, name, bits, tolerance
 
 @pytest.mark.parametrize("bits, tolerance", [(64, 1e-10), (32, 2e-4)])
 def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_rows(models, monkeypatch, bits,
-                                                                                     tolerance):
+                                                                                     tolerance, one_pass):
     """Where the op for lanes reads each lane's rows only up to its position (a kernel on CUDA;
     here its readable twin, so marked), a step of several sessions' chunks attends in one call,
     each token a lane over its session's rows through its table: the same logits and final
     state as each session attending over its own rows (the same arithmetic up to the order of
-    sums). A step whose tokens would read more than `LANES_READ` bytes of rows a session takes
-    the sessions one by one."""
+    sums). A step whose tokens would read more than `LANES_READ` bytes of rows a session on
+    average takes the sessions one by one."""
     from hebrus.layers import attention
     from hebrus.ops.qsa import dense_attention_lanes
     model = models["qwen3_5" + ("64" if bits == 64 else "")]
@@ -108,7 +108,7 @@ def test_several_sessions_chunks_attend_token_by_token_as_each_session_over_its_
     assert calls == []
 
 
-def test_the_blocks_a_pass_of_several_sessions_takes_are_zeroed_together(models, monkeypatch):
+def test_the_blocks_a_pass_of_several_sessions_takes_are_zeroed_together(models, monkeypatch, one_pass):
     """New sessions' first chunks take blocks for every session in one pass: they are zeroed in
     one fill per row storage (each session's alone was a fill per storage each), before any row
     is written into them."""

@@ -18,6 +18,7 @@ def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
+    _not_capturing()
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -25,4 +26,13 @@ def upload_into(target: torch.Tensor, values) -> None:
     """target := `values` (a list or tuple of numbers, as many as `target` holds), from the host
     queued without a wait on CUDA."""
     host = torch.tensor(values, dtype=target.dtype)
+    if target.is_cuda:
+        _not_capturing()
     target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=target.is_cuda)
+
+
+def _not_capturing() -> None:
+    """A CUDA graph would keep the staging memory's address, which is freed once the copy has
+    run: an upload is refused while the stream is captured (a plain copy fails there too)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("host values cannot be uploaded while a CUDA graph is captured")

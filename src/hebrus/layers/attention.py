@@ -28,7 +28,7 @@ from hebrus.state.owners import APPENDED, OwnerSpec
 
 QUERY_BLOCK = 1024      # queries of a chunk scored and attended together (bounds a long chunk's memory)
 # a step of several sessions' chunks attends token by token while its tokens read at most this many
-# bytes of K/V rows a session: each token reads its rows [0, position] for itself, where attention
+# bytes of K/V rows a session on average: each token reads its rows [0, position] for itself, where attention
 # over one session's chunk reads them once for a block of its queries; below it, a call a session
 # costs the host more than the reads cost the device (an estimate, to be measured)
 LANES_READ = 256 << 20
@@ -191,9 +191,10 @@ class Attention:
     def _placed(self, span: StepBatch, rows):
         """Where an eager step of several sessions' chunks has its tokens' rows (`StepBatch.placed`),
         if it attends token by token, each token a lane over its session's rows through its table
-        (one call, where each session would be one): with a 16-bit cache, an op for lanes that
-        reads each lane's rows only up to its position (a kernel: `reads_to_position`), and its
-        tokens reading no more than `LANES_READ` bytes of rows a session. Else None."""
+        (one call, where each session would be one): with rows kept as they are (no quantized
+        cache), an op for lanes that reads each lane's rows only up to its position (a kernel:
+        `reads_to_position`), and its tokens reading no more than `LANES_READ` bytes of rows a
+        session on average. Else None."""
         if (self.indexed or self.cache is not None or span.sessions < 2 or span.starts is None
                 or not getattr(self.attend_lanes, "reads_to_position", False)):
             return None

@@ -434,7 +434,8 @@ class Log:
 
     def write_rows(self, blocks: torch.Tensor, offsets: torch.Tensor, value: torch.Tensor) -> None:
         """Token t's row := value[t], at row offsets[t] of block blocks[t] (a planned step's lanes,
-        through their tables; this log's own table aside). What it hears is attributed by token."""
+        or an eager step's sessions, through their tables; this log's own table aside). What it
+        hears is attributed by token."""
         value = value.to(self.storage.dtype)
         _bytes(self.storage).index_put_((blocks, offsets), _bytes(value))
         self.wrote_rows(value)

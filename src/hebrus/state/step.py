@@ -281,14 +281,6 @@ class StepBatch:
                          for a in (blocks, np.concatenate(positions) % R, token_tables)))
         self.rows_placed.append((tables, where))
         return where
-        R = logs[0].block_rows
-        positions = [np.arange(a, a + n) for a, n in zip(self.starts, self.lengths)]
-        blocks = np.concatenate([np.asarray(table, dtype=np.int64)[p // R] for table, p in zip(tables, positions)])
-        offsets = np.concatenate(positions) % R
-        where = upload(torch.from_numpy(blocks), torch.int64, self.ids.device), \
-            upload(torch.from_numpy(offsets), torch.int64, self.ids.device)
-        self.rows_placed.append((tables, where))
-        return where
 
     def as_blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every lane's rows gathered through the tables, lane after lane ([N, width * R, ...], as
