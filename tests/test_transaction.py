@@ -339,6 +339,27 @@ def test_several_sessions_checks_say_each_sessions_own(defer):
     assert [words for words, _ in read] == [{}, {2: 1 << 3}, {2: 1 << 3}, {4: 1 << 5}]
 
 
+def test_a_ragged_steps_checks_by_token_say_each_sessions_own_cells():
+    """Tensors of a row per token in a step of sessions of 2, 1 and 3 tokens, written at several
+    stages (cells) and added up by session together when the checks fold: each session hears of
+    the cells where its own tokens wrote a non-finite value, in whatever order the cells came,
+    beside a tensor of a row per session and one named for a session."""
+    from hebrus.state.status import DeviceChecks
+    checks = DeviceChecks(lengths=[2, 1, 3])
+    first = torch.zeros(6, 4)
+    first[1, 2] = float("nan")                                                 # session 0's second token
+    second = torch.zeros(6, 2, 3, dtype=torch.bfloat16)
+    second[5, 1, 0] = float("inf")                                             # session 2's last token
+    third = torch.zeros(6, 3)
+    third[2, 0] = float("-inf")                                                # session 1's token
+    per_session = torch.zeros(3, 5)
+    per_session[2, 4] = float("nan")
+    checks.finite(7, [(first, None), (per_session, None)])
+    checks.finite(2, [(second, None)])
+    checks.finite(4, [(third, None), (torch.tensor([float("nan")]), 0)])
+    assert [nonfinite for _, nonfinite in checks.read()] == [{7, 4}, {4}, {2, 7}]
+
+
 def test_checks_joined_keep_their_order_whatever_their_mix():
     """The fold's values, whatever their mix (scalars and vectors; rows of several sessions;
     float32, bfloat16 and int64, in runs or interleaved), come out as the stacked values in

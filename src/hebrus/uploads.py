@@ -12,10 +12,11 @@ import torch
 
 
 def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """`values` (a list or tuple of numbers, or a tensor) as a `dtype` tensor on `device`, from
-    the host queued without a wait on CUDA (a tensor already on a device: `Tensor.to`'s own)."""
+    """`values` (a list or tuple of numbers, or a tensor) as a `dtype` tensor on `device` (None:
+    the CPU), from the host queued without a wait on CUDA (a tensor already on a device:
+    `Tensor.to`'s own)."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    device = torch.device(device)
+    device = torch.device("cpu" if device is None else device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     _not_capturing()
