@@ -27,9 +27,11 @@ def upload_into(target: torch.Tensor, values) -> None:
     """target := `values` (a list or tuple of numbers, as many as `target` holds), from the host
     queued without a wait on CUDA."""
     host = torch.tensor(values, dtype=target.dtype)
-    if target.is_cuda:
-        _not_capturing()
-    target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=target.is_cuda)
+    if not target.is_cuda:
+        target.copy_(host)
+        return
+    _not_capturing()
+    target.copy_(host.pin_memory(), non_blocking=True)
 
 
 def _not_capturing() -> None:

@@ -77,7 +77,8 @@ def begun(model, begin: Callable[[], Transaction]) -> Transaction:
 
 def _stages_of(model, ids: torch.Tensor, marks: tuple[int, ...] | None = None):
     def work(txn: Transaction) -> None:
-        run_stages(model, txn, StepBatch.chunk(upload(ids, torch.int64, model.device), txn.frontier, each=txn.each, marks=marks))
+        on_device = upload(ids, torch.int64, model.device)
+        run_stages(model, txn, StepBatch.chunk(on_device, txn.frontier, each=txn.each, marks=marks))
         txn.extend_reserved()
         if marks is not None:
             txn.check_each("marks")

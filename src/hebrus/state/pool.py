@@ -319,8 +319,7 @@ class Pool:
         """Copy each (from, to) block of every appended owner (before a step writes into `to`)."""
         if not copies:
             return
-        source = upload([a for a, _ in copies], torch.long, self.device)
-        target = upload([b for _, b in copies], torch.long, self.device)
+        source, target = upload(list(zip(*copies)), torch.long, self.device)
         for storage in self.rows.values():
             storage[target] = storage[source]
 

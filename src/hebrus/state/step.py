@@ -277,8 +277,10 @@ class StepBatch:
         for i, table in enumerate(tables):
             each[i, :len(table)] = table
         token_tables = each[np.repeat(np.arange(len(tables)), self.lengths)]
-        where = Placed(*(upload(torch.from_numpy(a), torch.int64, device)
-                         for a in (blocks, np.concatenate(positions) % R, token_tables)))
+        T = len(blocks)                                                             # one upload for all three
+        both = upload(torch.from_numpy(np.concatenate([blocks, np.concatenate(positions) % R, token_tables.ravel()])),
+                      torch.int64, device)
+        where = Placed(both[:T], both[T:2 * T], both[2 * T:].view(T, -1))
         self.rows_placed.append((tables, where))
         return where
 

@@ -63,7 +63,8 @@ def abort_error(stage: str, exc: Exception) -> ChunkAborted:
 def banks_of(records, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the public parities, the slots) of these records, as device index tensors: how a step of
     several sessions reads their banks."""
-    return upload([r.bank for r in records], torch.long, device), upload([r.slot for r in records], torch.long, device)
+    both = upload([[r.bank for r in records], [r.slot for r in records]], torch.long, device)
+    return both[0], both[1]
 
 
 class _Session:
