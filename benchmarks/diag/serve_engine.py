@@ -12,6 +12,7 @@ then a second round under cProfile (its top functions by own time and by total) 
 a third whose first turn (admitting and feeding every prompt) runs under torch.profiler.
 
     python benchmarks/diag/serve_engine.py [--model qwen3.5-1.7b] [--clients 64] [--prompt 128] [--tokens 64]
+        [--spares 4,64]
     (on a CPU: --model shakespeare)"""
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=None)
+    parser.add_argument("--spares", default="",
+                        help="after the report, a round with each of these numbers of spare sessions "
+                             "made before it (comma-separated; the loop's default is its own)")
     args = parser.parse_args()
     name = args.model
     if name in bench.SHAPES:
@@ -98,6 +102,7 @@ def main() -> None:
     model = hebrus.load(name, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
                         mode="fast")
     loop = Scheduler(model, max_sessions=args.clients, cache_bytes=0, prefill_tokens=args.prefill_tokens)
+    default_spares = loop.spare_sessions
     t = time.perf_counter()
     loop.warm_up(lambda part: print(f"  warm-up: {part}", flush=True))
     print(f"{args.model} on {model.device}: warmed up in {time.perf_counter() - t:.1f} s; route {loop.decode}, "
@@ -124,6 +129,12 @@ def main() -> None:
     steps = [s for s, fed, d in turns if not fed and d]
     if steps:
         print(f"    decode-only turns: {len(steps)}, median {statistics.median(steps) * 1e3:.2f} ms")
+    for spares in [int(n) for n in args.spares.split(",") if n]:
+        loop.spare_sessions = spares
+        made = round_of(loop, asks, args.tokens)
+        print(f"with {spares} spare sessions: {made['wall']:.3f} s, {made['tok_s']:,.0f} tokens/s; TTFT p50 "
+              f"{made['ttft_p50'] * 1e3:.1f} ms; admitting {made['spent'].get('admit', 0.0) * 1e3:.1f} ms")
+    loop.spare_sessions = default_spares
     profile = cProfile.Profile()
     profile.enable()
     again = round_of(loop, asks, args.tokens)
