@@ -364,15 +364,18 @@ class Transaction:
         wrote to each session's memory budget (the values it keeps; its scratch tensors are not
         counted), and record its completion."""
         self.checks.finite(self.stage_index, self._writes)
-        for j, p in enumerate(self.parts):
+        what, values, own = f"the intermediates of {self.stage}", self._value_bytes, self._own_bytes
+        for j, p in enumerate(self.parts):          # (a step of 64 sessions seals each of them at every stage)
             if p.failure is None:
-                growth = max(p.working - p.budget.working + self._value_bytes + self._own_bytes.get(j, 0), 0)
+                budget = p.budget
+                growth = max(p.working - budget.working + values + own.get(j, 0), 0)
                 p.accounts.append((growth, p.working, self.stage))
                 try:
-                    self._request(p.budget.admit, growth, f"the intermediates of {self.stage}")
-                    p.budget.set_working(p.working)
+                    self._request(budget.admit, growth, what)
                 except ChunkAborted as exc:
                     self._fail(p, exc)
+                    continue
+                budget.set_working(p.working)
         self.completion.record(self.stage_index)
 
     def advance(self) -> None:
