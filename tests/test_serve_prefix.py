@@ -169,6 +169,25 @@ def _pool_of(slots: int, blocks: int, mode: str = "exact"):
     return model
 
 
+def test_spare_sessions_are_as_many_as_the_places_and_let_go_of_their_slots_first():
+    """By default the idle loop keeps a spare session for every place; where the pool has no
+    slot for a session the loop needs, a spare gives its slot back before anything else, and
+    with neither a spare nor a cached entry left the allocation error stands."""
+    from hebrus.errors import AllocationError
+    model = _pool_of(slots=3, blocks=12)
+    scheduler = Scheduler(model, max_sessions=3)
+    assert scheduler.spare_sessions == 3
+    scheduler.spares = [model.session(decode="eager") for _ in range(3)]
+    assert model.pool.free_slots == 0
+    made = scheduler._made(lambda: model.session(decode="eager"))
+    assert len(scheduler.spares) == 2 and made is not None and model.pool.free_slots == 0
+    scheduler.spares.clear()
+    held = [made] + [model.session(decode="eager") for _ in range(2)]
+    with pytest.raises(AllocationError):
+        scheduler._made(lambda: model.session(decode="eager"))
+    assert len(held) == 3
+
+
 def _together(scheduler: Scheduler, requests: list[Request]) -> None:
     """The requests arriving at once, run through the loop's turns until all have ended."""
     scheduler.waiting.extend(requests)

@@ -20,8 +20,11 @@ publishes nothing, and every other request goes on as if it had never been there
 samples from its own generator, so what it produces does not depend on what runs beside it
 (exact mode: bit for bit what `Session.generate` gives).
 
-While it has nothing to do, the loop makes up to `spare_sessions` new sessions, so that
-admitting a request takes one instead of waiting for one to be made.
+While it has nothing to do, the loop makes up to `spare_sessions` new sessions (by default as
+many as `max_sessions`: a burst of requests after a quiet spell is admitted without making one),
+so that admitting a request takes one instead of waiting for one to be made. A spare holds a
+slot of the state pool and no block; where the pool has no slot left for a session the loop
+needs, spares are let go first.
 
 Admission is first come, first served, with a share per API key: while requests of several keys
 wait or run, a key that holds its share of the `max_sessions` places (an equal part, at least
@@ -123,9 +126,10 @@ class Overloaded(Exception):
 class Scheduler:
     def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
                  prefill_tokens: int | None = None, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
-                 prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int = 4, decode: str = "auto",
+                 prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int | None = None, decode: str = "auto",
                  preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",
                  fault: Callable[[Request], str | None] | None = None, metrics=None):
+        spare_sessions = max_sessions if spare_sessions is None else spare_sessions
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
         if max_sessions < 1:
@@ -431,13 +435,16 @@ class Scheduler:
         request.cut = hit.cut if hit is not None else 0
 
     def _made(self, make):
-        """`make()`, a session from the pool; while the pool is full, the prefix cache gives back
-        its least recently used entries' slots and blocks first."""
+        """`make()`, a session from the pool; while the pool is full, spare sessions let go of
+        their slots first, then the prefix cache gives back its least recently used entries'
+        slots and blocks."""
         while True:
             try:
                 return make()
             except AllocationError:
-                if not self.cache.shed():
+                if self.spares:
+                    self.spares.pop()
+                elif not self.cache.shed():
                     raise
                 gc.collect()
 
