@@ -159,6 +159,20 @@ def test_a_full_pool_takes_back_the_caches_slots_for_new_requests(tiny):
     assert model.pool.slots < kept and 0 < len(scheduler.cache.entries) <= model.pool.slots
 
 
+def test_spares_holding_every_free_slot_give_them_to_the_states_a_prompt_keeps(tiny):
+    """The idle loop may fill a small pool with spare sessions; a prompt's states for the prefix
+    cache still find slots (spares are let go for them), so a later request finds the prefix."""
+    model = _pool_of(slots=12, blocks=64)
+    scheduler = Scheduler(model, chunk_size=256, prefill_tokens=512, prefix_every=8)
+    while model.pool.free_slots and len(scheduler.spares) < scheduler.spare_sessions:
+        scheduler.spares.append(model.session(decode="eager"))       # as the idle loop makes them
+    assert model.pool.free_slots == 0
+    prompt = tokens(150, seed=5)
+    first, second = _run(scheduler, _ask(prompt), _ask(prompt + [3, 4], seed=1))
+    assert first.cached == 0 and second.cached > 0 and second.cached % 8 == 0    # (0 where spares kept every slot)
+    assert second.got == _alone(tiny, second)
+
+
 # ---- preemption and the per-key share ----------------------------------------------------------
 
 def _pool_of(slots: int, blocks: int, mode: str = "exact"):

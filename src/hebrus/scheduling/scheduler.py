@@ -23,8 +23,10 @@ samples from its own generator, so what it produces does not depend on what runs
 While it has nothing to do, the loop makes up to `spare_sessions` new sessions (by default as
 many as `max_sessions`: a burst of requests after a quiet spell is admitted without making one),
 so that admitting a request takes one instead of waiting for one to be made. A spare holds a
-slot of the state pool and no block; where the pool has no slot left for a session the loop
-needs, spares are let go first.
+slot of the state pool and no block, and gives it back first wherever the loop needs one: a
+fork for a cached prefix or a request's copy, a preempted request coming back, and the states a
+turn's prompt chunks keep for the prefix cache (spares are let go until the pool has a slot for
+each).
 
 Admission is first come, first served, with a share per API key: while requests of several keys
 wait or run, a key that holds its share of the `max_sessions` places (an equal part, at least
@@ -435,18 +437,30 @@ class Scheduler:
         request.cut = hit.cut if hit is not None else 0
 
     def _made(self, make):
-        """`make()`, a session from the pool; while the pool is full, spare sessions let go of
-        their slots first, then the prefix cache gives back its least recently used entries'
-        slots and blocks."""
+        """`make()`, a session from the pool; while the pool is full, room is made (`_shed`)."""
         while True:
             try:
                 return make()
             except AllocationError:
-                if self.spares:
-                    self.spares.pop()
-                elif not self.cache.shed():
+                if not self._shed():
                     raise
-                gc.collect()
+
+    def _shed(self) -> bool:
+        """Give a slot back to the pool: a spare session's, else the prefix cache's least
+        recently used entry's (its blocks too). False when there is neither."""
+        if self.spares:
+            self.spares.pop()               # a new session: its slot is back as it goes
+            return True
+        if not self.cache.shed():
+            return False
+        gc.collect()                        # an entry's session let go in a reference cycle
+        return True
+
+    def _slots_for(self, needed: int) -> None:
+        """Let spare sessions go until the pool has `needed` free slots (or no spare is left)."""
+        pool = getattr(self.model, "pool", None)        # (a model over ranks: each rank's own)
+        while self.spares and pool is not None and pool.free_slots < needed:
+            self.spares.pop()
 
     def _space(self, request: Request) -> tuple[str, str]:
         """The prefix cache's space a request sees: its key's, or every key's (shared), narrowed
@@ -464,6 +478,7 @@ class Scheduler:
         marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
         marked.update((r.id, []) for r, _ in stepping)
         fed, kept = sum(len(c) for _, c in feeding), {}
+        self._slots_for(sum(map(len, marked.values())))     # the states kept take a slot each
         made = self._ahead(stepping)
         results = self._each_or_together(
             feeding + [(r, [token]) for r, token in stepping],
@@ -759,7 +774,7 @@ class Scheduler:
         """Bring preempted requests back while there are places and blocks for them
         (`Preempted.back`); one that fails to come back fails alone."""
         for request, failure in self.preempted.back(self.model.pool, len(self.running), self.max_sessions,
-                                                    self.cache.shed, self._restored):
+                                                    self._shed, self._restored):
             if failure is None:
                 self.running.append(request)
             else:
