@@ -292,7 +292,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
     out, err = io.StringIO(), io.StringIO()
     argv = ["bench", "--serve", "--workload", workload, "--model", "tiny", "--clients", "3", "--requests", "4",
             "--system", "130", "--own", "4", "--serve-prompt", "8", "--serve-tokens", "30" if workload == "long" else "3",
-            "--serve-prefill-share", "1.5", "--json", str(tmp_path / "w.json"), "--table", str(tmp_path / "w.md")]
+            "--serve-prefill-share", "1.5", "--serve-prefill-chunk", "64", "--json", str(tmp_path / "w.json"),
+            "--table", str(tmp_path / "w.md")]
     with redirect_stdout(out), redirect_stderr(err):
         assert main(argv) == 0, err.getvalue()
     report = json.loads((tmp_path / "w.json").read_text())
@@ -303,14 +304,17 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
         assert report["on"]["later_cached_share"] > 0 and report["off"]["later_cached_share"] == 0
     elif workload == "long":                    # decoders seen before the long prompt and after it arrives
         assert report["gaps_before"] >= 3 * 3 and report["long_ttft_ms"] > 0 and report["decoders_tokens_per_s"] > 0
-        assert "prompt share 1.5 (a turn within 1 + that many" in out.getvalue()
+        assert "prompt share 1.5 (a turn within 1 + that many decode steps), chunks of 64 tokens" in out.getvalue()
     else:
         assert report["on"]["output_tokens_per_s"] > 0 and report["off"]["output_tokens_per_s"] > 0
-    assert report["prefill_share"] == 1.5 and (tmp_path / "w.md").read_text() == out.getvalue()
+    assert report["prefill_share"] == 1.5 and report["prefill_chunk"] == 64
+    assert (tmp_path / "w.md").read_text() == out.getvalue()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--serve", "--workload", "shared", "--model", "tiny", "--system", "5000"]) == 2
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-share", "0"]) == 2
+        assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-chunk", "0"]) == 2
     assert "max_context" in err.getvalue() and "--serve-prefill-share must be a positive" in err.getvalue()
+    assert "--serve-prefill-chunk must be at least 1" in err.getvalue()
 
 
 def test_a_batch_point_needs_slots_for_one_rounds_sessions_only():

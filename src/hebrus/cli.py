@@ -12,7 +12,7 @@ from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import PREFILL_SHARE
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 from hebrus.state.pool import PoolSize
 from hebrus.show import escaped
 from hebrus.weights import checkpoint
@@ -136,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                             "tokens coming (default: the model's prefill chunk, 8192 in fast mode on a GPU, "
                             "where a pass of a few hundred tokens costs about what one of thousands does, "
                             "else 512)")
+    serve.add_argument("--prefill-chunk", type=int, default=CHUNK_SIZE, metavar="N",
+                       help="one request's prompt tokens a turn feeds at most (default %(default)s): a long "
+                            "prompt goes in chunks of N, several requests' chunks in one pass, up to "
+                            "--prefill-tokens together")
     serve.add_argument("--prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="while requests decode, a turn (their step and its prompt chunks) takes at most "
                             "the time of 1 + this many decode steps (a step alone where one of about their "
@@ -191,6 +195,8 @@ def _serve(args) -> int:
         raise InvalidInput("--max-sessions must be at least 1")
     if args.prefill_tokens is not None and args.prefill_tokens < 1:
         raise InvalidInput("--prefill-tokens must be at least 1")
+    if args.prefill_chunk < 1:
+        raise InvalidInput("--prefill-chunk must be at least 1")
     if not args.prefill_share > 0:
         raise InvalidInput("--prefill-share must be a positive number of decode steps")
     if args.prefix_cache_bytes < 0:
@@ -208,7 +214,7 @@ def _serve(args) -> int:
     model = _load(args)
     serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
               cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every, prefill_share=args.prefill_share,
-              share_prefixes=args.share_prefixes, passes=args.passes)
+              share_prefixes=args.share_prefixes, passes=args.passes, prefill_chunk=args.prefill_chunk)
     return 0
 
 

@@ -11,7 +11,7 @@ from hebrus.bench import SHAPES
 from hebrus.engine.graphs import DECODE
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import PREFILL_SHARE
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 from hebrus.text import MODEL
 
 
@@ -87,6 +87,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")
+    bench.add_argument("--serve-prefill-chunk", type=int, default=CHUNK_SIZE, metavar="N",
+                       help="the server's --prefill-chunk: one request's prompt tokens a turn at most "
+                            "(default %(default)s)")
     bench.add_argument("--serve-prefill-tokens", type=int, default=None, metavar="N",
                        help="the server's --prefill-tokens: prompt tokens a turn feeds at most (default: the "
                             "server's, the model's prefill chunk)")
@@ -257,6 +260,8 @@ def _serve(args, load_model) -> int:
     if not args.serve_prefill_share > 0:
         raise InvalidInput(f"--serve-prefill-share must be a positive number of decode steps, "
                            f"got {args.serve_prefill_share}")
+    if args.serve_prefill_chunk < 1:
+        raise InvalidInput(f"--serve-prefill-chunk must be at least 1, got {args.serve_prefill_chunk}")
     if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
     if args.serve_temperature and args.workload != "uniform":
@@ -264,7 +269,7 @@ def _serve(args, load_model) -> int:
     model = load_model(args)
     limit, name = model.spec.max_context, Path(args.model).name
     engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share,
-              "prefill_tokens": args.serve_prefill_tokens}
+              "prefill_tokens": args.serve_prefill_tokens, "prefill_chunk": args.serve_prefill_chunk}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")

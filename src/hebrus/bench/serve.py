@@ -191,7 +191,7 @@ def serving(model, name: str, **options):
 
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,
         temperature: float = 0.0, engine: dict | None = None) -> dict:
-    """`engine`: the engine's options (`passes`, `prefill_share`, `prefill_tokens`; the server's
+    """`engine`: the engine's options (`passes`, `prefill_share`, `prefill_tokens`, `prefill_chunk`; the server's
     defaults where left out)."""
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
@@ -227,7 +227,8 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
-            "prefill_share": share, "prefill_tokens": scheduler.prefill_tokens, "server_start_s": round(started, 2),
+            "prefill_share": share, "prefill_tokens": scheduler.prefill_tokens,
+            "prefill_chunk": scheduler.chunk_size, "server_start_s": round(started, 2),
             "points": points}
 
 
@@ -254,7 +255,8 @@ def table(report: dict) -> str:
              f"({'sampled at temperature ' + str(report['temperature']) if report.get('temperature') else 'greedy'}, "
              "streamed); "
              "offline: the same sessions prefilled, then decoding together; end to end includes the prefills; "
-             f"a turn feeds at most {report.get('prefill_tokens', '?')} prompt tokens; "
+             f"a turn feeds at most {report.get('prefill_tokens', '?')} prompt tokens, "
+             f"{report.get('prefill_chunk', '?')} a request; "
              f"the server started in {report.get('server_start_s', float('nan')):.1f} s (on CUDA its warm-up: "
              "every shape it serves compiled and captured)", "",
              "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "

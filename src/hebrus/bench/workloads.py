@@ -39,7 +39,7 @@ CACHES = (("off", 0), ("on", 1 << 30))         # each workload's two runs: the p
 
 def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, engine: dict | None = None):
     """For each (setting, cache budget) of `caches`, a server as `serving` makes it, with the API
-    key set, the engine's options `engine` (`passes`, `prefill_share`, `prefill_tokens`: what the engine took goes
+    key set, the engine's options `engine` (`passes`, `prefill_share`, `prefill_tokens`, `prefill_chunk`: what the engine took goes
     in `report`), and one short request answered first (what a first request compiles or
     allocates) -> (the setting, its URL, its scheduler, its `ask`), each server stopped before
     the next."""
@@ -49,6 +49,7 @@ def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, e
             url, scheduler, ask = running
             report["passes"], report["prefill_share"] = scheduler.passes, scheduler.prefill_share
             report["prefill_tokens"], report["server_start_s"] = scheduler.prefill_tokens, round(ask.started_s, 2)
+            report["prefill_chunk"] = scheduler.chunk_size
             ask(prompts(model.spec.vocab_size, 1, 8, seed=9), 1, 4, KEY)
             yield cache, url, scheduler, ask
 
@@ -240,7 +241,8 @@ def table(report: dict) -> str:
             f"# serving, a long prompt among decoders: {report['model']} on {report['device']} ({report['mode']})", "",
             f"{report['clients']} clients decoding {report['tokens']} tokens each; a {report['prompt']}-token prompt "
             f"arrives once they decode; {report['passes']} pass{'es' if report['passes'] == 'two' else ''} a turn, "
-            f"prompt share {report['prefill_share']} (a turn within 1 + that many decode steps)", "",
+            f"prompt share {report['prefill_share']} (a turn within 1 + that many decode steps), "
+            f"chunks of {report.get('prefill_chunk', '?')} tokens", "",
             "| decoders' ITL p50 before, ms | ITL p99 while it is fed, ms | ÷ | gaps before / during | "
             "its TTFT ms | decoders' tok/s |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |",

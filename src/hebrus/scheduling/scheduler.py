@@ -117,6 +117,7 @@ class Request:
 # a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
 # a long prompt then slows the decoders' tokens about 1 + this many times
 PREFILL_SHARE = 1.5
+CHUNK_SIZE = 256        # one request's prompt tokens a turn at most (`hebrus serve --prefill-chunk`)
 WARM_UP = "\0warm-up"    # the made-up requests' key (`Scheduler.warm_up`)
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
 
@@ -126,7 +127,7 @@ class Overloaded(Exception):
 
 
 class Scheduler:
-    def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = 256,
+    def __init__(self, model, max_sessions: int = 16, max_waiting: int = 256, chunk_size: int = CHUNK_SIZE,
                  prefill_tokens: int | None = None, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int | None = None, decode: str = "auto",
                  preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",

@@ -4,20 +4,21 @@ feed is `hebrus.scheduling`.
 Needs the `serve` extra (FastAPI, uvicorn, prometheus-client)."""
 from __future__ import annotations
 
-from hebrus.scheduling.scheduler import PREFILL_SHARE
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 
 
 def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, max_waiting: int = 256,
           cache_bytes: int = 1 << 30, max_body_bytes: int = 1 << 20, prefill_tokens: int | None = None,
           prefix_every: int = 64, share_prefixes: bool = False, prefill_share: float | None = PREFILL_SHARE, passes: str = "auto",
-          fault=None, progress=None):
+          prefill_chunk: int = CHUNK_SIZE, fault=None, progress=None):
     """(the FastAPI app, its scheduler, started) serving `model` as `name`. `prefill_tokens`:
     prompt tokens fed per turn of the engine loop at most (None: the model's `prefill_chunk`). `cache_bytes`: the
     prefix cache's budget (0: off); it keeps a state every `prefix_every` tokens of a prompt;
     `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
     while requests decode, a turn (its step and its prompt chunks) takes at most 1 + that many
     decode steps' time alone (None: `prefill_tokens` alone bounds the chunks). `passes`: a turn's prompt chunks and decode steps
-    in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `fault` is for
+    in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `prefill_chunk`: one
+    request's prompt tokens a turn at most (`Scheduler`'s `chunk_size`). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None.
     `progress`: told each part of the warm-up on CUDA as it starts (`Scheduler.warm_up`)."""
     from hebrus.scheduling.scheduler import Scheduler
@@ -25,6 +26,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     from hebrus.serve.metrics import Metrics
     metrics = Metrics()
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, cache_bytes=cache_bytes,
+                          chunk_size=prefill_chunk,
                           prefill_tokens=prefill_tokens, prefix_every=prefix_every, share_prefixes=share_prefixes,
                           prefill_share=prefill_share, passes=passes, fault=fault, metrics=metrics)
     if model.device.type == "cuda":
