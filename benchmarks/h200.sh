@@ -174,7 +174,7 @@ for part in "$@"; do
             --later > "$out/constrained-parts-later.txt" 2>&1; grep -E '^(##|free|constrained|later|the worker)' "$out/constrained-parts-later.txt" ;;
     serve-engine)
         # issue 30: the 64-client uniform workload fed to the engine loop alone, no HTTP (diag/serve_engine.py)
-        timeout 240 python3 benchmarks/diag/serve_engine.py > "$out/serve-engine.txt" 2>&1; sed -n 1,40p "$out/serve-engine.txt" ;;
+        timeout 240 python3 benchmarks/diag/serve_engine.py --spares 4,64 > "$out/serve-engine.txt" 2>&1; sed -n 1,40p "$out/serve-engine.txt" ;;
     syncs)
         # issue 30: where a pass of prompts waits for the device, and its profile (diag/syncs.py)
         timeout 300 python3 benchmarks/diag/syncs.py > "$out/syncs.txt" 2>&1; sed -n 1,30p "$out/syncs.txt" ;;
