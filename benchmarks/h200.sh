@@ -13,7 +13,8 @@
 # the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline), sampled (the same at 64
 # clients, sampled at temperature 0.8), serving (the
 # workloads shared, long-serve and mixed, each with the prefix cache on and off; also parts of their own: each
-# server warms up first, so the three may not fit one call),
+# server warms up first, so the three may not fit one call), long-chunks (the long workload with one request's
+# prompt chunk at 256 and 4096 tokens, --serve-prefill-chunk),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py --update: a Triton product of one row against cuBLAS on the 1.68B shape's weights,
@@ -122,6 +123,15 @@ for part in "$@"; do
         timeout 200 python3 -m hebrus bench --serve --workload long --model qwen3.5-1.7b --clients 32 \
             --system 32000 --serve-tokens 512 --cache /tmp/shapes \
             --json "$out/bench-serve-long-qwen3.5-1.7b.json" --table "$out/bench-serve-long-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    long-chunks)
+        # issue 30 (d): the long workload with one request's chunk at the default 256 and at 4096 tokens
+        # (hebrus serve --prefill-chunk), one after the other: a pass costs the host about the same either way
+        for chunk in 256 4096; do
+            timeout 240 python3 -m hebrus bench --serve --workload long --model qwen3.5-1.7b --clients 32 \
+                --system 32000 --serve-tokens 512 --serve-prefill-chunk $chunk --cache /tmp/shapes \
+                --json "$out/bench-serve-long-chunk-$chunk-qwen3.5-1.7b.json" \
+                --table "$out/bench-serve-long-chunk-$chunk-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        done ;;
     mixed)
         timeout 180 python3 -m hebrus bench --serve --workload mixed --model qwen3.5-1.7b --clients 64 --requests 128 \
             --serve-prompt 256 --serve-tokens 64 --cache /tmp/shapes \
