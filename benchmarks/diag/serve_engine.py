@@ -42,6 +42,7 @@ def round_of(loop: Scheduler, asks: list[list[int]], tokens: int, turns: list | 
     """Every ask submitted at once, the loop's turns run here until each has its tokens;
     `first_turn`, if given, a context the first turn runs in. The loop's spare sessions are made
     first, as its idle thread makes them between rounds."""
+    del loop.spares[loop.spare_sessions:]              # as many as the round asks, no more
     while len(loop.spares) < loop.spare_sessions:
         loop.spares.append(loop.model.session(decode="eager"))
     firsts, last = {}, [0.0]
