@@ -161,7 +161,7 @@ class Transaction:
             if not self.planned and frontier_owner in p.private:
                 p.private[frontier_owner].fill_(p.frontier + p.length)
         if self.planned:
-            self._begin_lanes()
+            self._tables()
         if frontier_owner in self.parts[0].private and not self.planned:
             self.written.add(frontier_owner)
 
@@ -304,22 +304,26 @@ class Transaction:
         """Each session's table for its chunk's rows (`_writable_table`), the blocks they take
         zeroed together (one fill per row storage, where each session's were one each). A
         session refused its blocks fails alone; blocks that cannot be zeroed fail every session
-        (theirs go back when the step is finished)."""
+        (theirs go back when the step is finished). An eager step also finds whether each table's
+        blocks are consecutive (`first`: its logs read a view); a planned step's lanes read through
+        their tables, and it goes on when every session has failed (a replay runs them all)."""
+        stop = not self.planned
         try:
             with self.pool.zeroing_together():
                 for p in self.parts:
                     if p.failure is None and p.device_table is None:
                         try:
                             p.device_table = self._writable_table(p)
-                            p.first = first_of_run(p.table)
+                            if not self.planned:
+                                p.first = first_of_run(p.table)
                         except Exception as exc:
-                            self._fail(p, exc)
+                            self._fail(p, exc, stop)
         except ChunkAborted:
             raise
         except Exception as exc:
             for p in self.parts:
                 if p.failure is None:
-                    self._fail(p, exc)
+                    self._fail(p, exc, stop)
 
     def _hear(self, session: int, rows: torch.Tensor, by_token: bool = False) -> None:
         """Rows a stage wrote for `session` (`by_token`: for every session, a row per token):
@@ -384,27 +388,6 @@ class Transaction:
         if self.frontier_owner in self.parts[0].private:
             last = self.lanes.positions.view(self._width, -1)[:, -1] + 1
             self.write(self.frontier_owner, last if self._width > 1 else last[0])
-
-    def _begin_lanes(self) -> None:
-        """Every session's `_begin_planned`, the blocks they take zeroed in one go. If those
-        cannot be zeroed, every session fails (each one's own failures are its own), and its
-        blocks go back when the step is finished."""
-        try:
-            with self.pool.zeroing_together():
-                for p in self.parts:
-                    self._begin_planned(p)
-        except Exception as exc:
-            for p in self.parts:
-                if p.failure is None:
-                    self._fail(p, exc, stop=False)
-
-    def _begin_planned(self, p: _Session) -> None:
-        """Take the blocks `p`'s chunk writes (on the host: a graph takes none). A refusal fails
-        `p` alone."""
-        try:
-            p.device_table = self._writable_table(p)
-        except Exception as exc:
-            self._fail(p, exc, stop=False)
 
     def admit_peaks(self) -> None:
         """A replay's budgets: each session's is asked for the largest request the captured
