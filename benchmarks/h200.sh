@@ -14,7 +14,8 @@
 # clients, sampled at temperature 0.8), serving (the
 # workloads shared, long-serve and mixed, each with the prefix cache on and off; also parts of their own: each
 # server warms up first, so the three may not fit one call), long-chunks (the long workload with one request's
-# prompt chunk at 256 and 4096 tokens, --serve-prefill-chunk),
+# prompt chunk at 256 and 4096 tokens, --serve-prefill-chunk), long-paced (the long workload at chunk 4096 with
+# --serve-passes paced, then two),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py --update: a Triton product of one row against cuBLAS on the 1.68B shape's weights,
@@ -131,6 +132,15 @@ for part in "$@"; do
                 --system 32000 --serve-tokens 512 --serve-prefill-chunk $chunk --cache /tmp/shapes \
                 --json "$out/bench-serve-long-chunk-$chunk-qwen3.5-1.7b.json" \
                 --table "$out/bench-serve-long-chunk-$chunk-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        done ;;
+    long-paced)
+        # issue 30 (d): the long workload with the prompt's pass a few stages a turn (--passes paced) at one
+        # request's chunk of 4096 tokens, then the same with two passes a turn (the default on a GPU)
+        for passes in paced two; do
+            timeout 240 python3 -m hebrus bench --serve --workload long --model qwen3.5-1.7b --clients 32 \
+                --system 32000 --serve-tokens 512 --serve-prefill-chunk 4096 --serve-passes $passes --cache /tmp/shapes \
+                --json "$out/bench-serve-long-$passes-4096-qwen3.5-1.7b.json" \
+                --table "$out/bench-serve-long-$passes-4096-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
         done ;;
     mixed)
         timeout 180 python3 -m hebrus bench --serve --workload mixed --model qwen3.5-1.7b --clients 64 --requests 128 \

@@ -519,6 +519,33 @@ def test_batch_graphs_match_eager_batches(tmp_path):
 
 
 @cuda
+def test_a_paced_pass_beside_graph_replays_is_the_pass_in_one_call(tmp_path):
+    """A pass of prompt chunks run a stage at a time (`engine.paced`, as `hebrus serve --passes
+    paced` runs it), other sessions' steps replayed from CUDA graphs between its stages, against
+    forks fed the same chunks in one call: the same kernels in the same order, so the same bits
+    and the same states."""
+    from hebrus.engine.paced import Paced
+    model = _graph_models(tmp_path)["qwen3_5-bfloat16"]
+    vocab = model.spec.vocab_size
+    feeding = [model.session(decode="eager") for _ in range(3)]
+    stepping = [model.session() for _ in range(4)]
+    for i, s in enumerate(feeding + stepping):
+        s.feed(_ids(3 + 5 * i, vocab, i))
+    twins = [s.fork() for s in feeding]
+    chunks = [_ids(n, vocab, 50 + n) for n in (40, 1, 130)]
+    group = hebrus.Batch(stepping)
+    paced = Paced(lambda: hebrus.feed_many(feeding, chunks))
+    turns = 0
+    while not paced.advance(1):
+        turns += 1
+        assert all(isinstance(r, torch.Tensor) for r in group.feed(_ids(4, vocab, 300 + turns)))
+    assert turns >= len(model.stages) - 1 and group._steps.replays >= 1
+    for i, (got, want) in enumerate(zip(paced.outcome(), hebrus.feed_many(twins, chunks))):
+        assert torch.equal(got, want), (i, _rel(got.float(), want.float()))
+        assert feeding[i].digest() == twins[i].digest(), i
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_one_row_product_matches_f_linear(dtype):
     """The Triton product of a batch-1 step's row (`ops.cuda.gemv`) against F.linear in float32,

@@ -45,13 +45,14 @@ def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> li
     raise AssertionError("the requests did not end")
 
 
-@pytest.mark.parametrize("passes", ["one", "two"])
+@pytest.mark.parametrize("passes", ["one", "two", "paced"])
 def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny, passes):
     """Exact mode: every request's tokens are bit for bit what its session generates alone,
     whoever decodes beside it, turn after turn, its steps in the pass of the turn's prompt
-    chunks or in one of their own."""
+    chunks, in one of their own, or beside a prompt pass a few stages a turn."""
     got = {}
-    requests = _turns(Scheduler(tiny, chunk_size=8, prefill_tokens=8, passes=passes), got)
+    scheduler = Scheduler(tiny, chunk_size=8, prefill_tokens=8, passes=passes, prefill_share=0.5)
+    requests = _turns(scheduler, got)
     for i, request in enumerate(requests):
         alone = tiny.session().generate(request.prompt, max_new_tokens=request.max_tokens, temperature=0.8, seed=i)
         assert got[i] == list(alone), i
@@ -234,3 +235,44 @@ def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, tiny_fast,
     _turns(warmed, got_warmed, key="k")
     _turns(Scheduler(tiny, max_sessions=4, chunk_size=8, prefill_tokens=8, cache_bytes=cache_bytes), got_cold, key="k")
     assert got_warmed == got_cold
+
+
+def test_a_paced_prompt_pass_spans_turns_while_the_decoders_step_every_turn(tiny):
+    """`passes="paced"`: a prompt pass advances a few stages a turn, and every turn steps the
+    requests decoding, so a long prompt never holds them for a whole pass. One pass is under way
+    at a time (a prompt arriving meanwhile waits for the next); a request whose chunk is in the
+    pass is never the one preempted, and one cancelled meanwhile ends once the pass does. Exact
+    mode: every answer is bit for bit what its session gives alone."""
+    model = tiny
+    scheduler = Scheduler(model, chunk_size=64, prefill_tokens=64, passes="paced", prefill_share=0.25, cache_bytes=0)
+    got = {}
+    requests = [_asking(0, 4, 30, got), _asking(1, 60, 3, got), _asking(2, 50, 3, got), _asking(3, 30, 2, got)]
+    for request in requests:
+        request.sampling = Sampling()
+    decoder, long, late = requests[0], requests[1:3], requests[3]
+    scheduler.running.append(decoder)
+    while decoder.fed < len(decoder.prompt):
+        scheduler._turn()
+    scheduler.running += long
+    scheduler._turn()
+    flight = scheduler.flight
+    assert flight is not None and [r for r, _ in flight.feeding] == long
+    assert scheduler._make_room(long[1]) and decoder in scheduler.preempted     # the newest not in flight
+    scheduler.running.append(late)
+    long[1].cancelled.set()
+    turns = 0
+    while scheduler.flight is flight:
+        before = len(got[0])
+        scheduler._turn()
+        turns += 1
+        assert len(got[0]) == before + 1 and late.fed == 0          # the decoder stepped; one pass at a time
+    assert turns >= 2
+    assert long[1] in scheduler.running and long[1].fed == 50      # its pass ended: it is dropped next turn
+    scheduler._turn()
+    assert long[1] not in scheduler.running and long[1].session is None
+    while scheduler.running:
+        scheduler._turn()
+    for i in (0, 1, 3):
+        request = requests[i]
+        alone = model.session(decode="eager").generate(request.prompt, max_new_tokens=request.max_tokens)
+        assert got[i] == list(alone), i

@@ -146,10 +146,12 @@ def _parser() -> argparse.ArgumentParser:
                             "width was measured; default %(default)s), or "
                             "the prefilling requests' part of --prefill-tokens by head count if more: a long "
                             "prompt slows their tokens by about 1 + STEPS times")
-    serve.add_argument("--passes", choices=("auto", "one", "two"), default="auto",
+    serve.add_argument("--passes", choices=("auto", "one", "two", "paced"), default="auto",
                        help="a turn of the engine loop feeds its prompt chunks and steps its decoding requests in "
-                            "one pass, or in two (chunks, then steps replayed from CUDA graphs); default auto: "
-                            "two where the steps replay graphs (fast mode on CUDA), else one")
+                            "one pass, or in two (chunks, then steps replayed from CUDA graphs), or paced: a "
+                            "pass of chunks runs a few of its stages a turn, as many as --prefill-share decode "
+                            "steps' time affords, the steps after them; default auto: two where the steps "
+                            "replay graphs (fast mode on CUDA), else one")
     serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
                             "with cached tokens feeds only the rest (default 1 GiB; 0: off)")

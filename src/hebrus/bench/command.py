@@ -81,9 +81,10 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-temperature", type=float, default=0.0, metavar="T",
                        help="--serve's uniform workload samples at temperature T, each request from its own "
                             "seed (default 0: greedy)")
-    bench.add_argument("--serve-passes", choices=("auto", "one", "two"), default="auto",
-                       help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two "
-                            "(default auto: two where the steps replay CUDA graphs, else one)")
+    bench.add_argument("--serve-passes", choices=("auto", "one", "two", "paced"), default="auto",
+                       help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two, "
+                            "or a pass of chunks a few stages a turn (paced; default auto: two where the steps "
+                            "replay CUDA graphs, else one)")
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")

@@ -240,7 +240,7 @@ def table(report: dict) -> str:
         return "\n".join([
             f"# serving, a long prompt among decoders: {report['model']} on {report['device']} ({report['mode']})", "",
             f"{report['clients']} clients decoding {report['tokens']} tokens each; a {report['prompt']}-token prompt "
-            f"arrives once they decode; {report['passes']} pass{'es' if report['passes'] == 'two' else ''} a turn, "
+            f"arrives once they decode; {_passes(report['passes'])}, "
             f"prompt share {report['prefill_share']} (a turn within 1 + that many decode steps), "
             f"chunks of {report.get('prefill_chunk', '?')} tokens", "",
             "| decoders' ITL p50 before, ms | ITL p99 while it is fed, ms | ÷ | gaps before / during | "
@@ -270,3 +270,10 @@ def _head(report: dict, what: str, intro: str, columns: list[str]) -> list[str]:
 
 def _ms(value) -> str:
     return "–" if value is None else f"{value:.1f}"
+
+
+def _passes(passes: str) -> str:
+    """How the engine ran a turn (`Scheduler.passes`), in words."""
+    words = {"one": "one pass a turn", "two": "two passes a turn",
+             "paced": "two passes a turn, the prompts' a few stages at a time"}
+    return words.get(passes, passes)

@@ -18,6 +18,7 @@ from hebrus.state.budget import MemoryBudget
 from hebrus.state.image import Image
 from hebrus.state.interrupts import deferred_signals
 from hebrus.state.step import StepBatch
+from hebrus.engine.paced import between_stages
 from hebrus.engine.ranks import PeerStopped
 from hebrus.state.txn import Transaction, abort_error
 from hebrus.uploads import upload
@@ -94,7 +95,8 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
 def run_stages(model, txn, step: StepBatch) -> None:
     """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
     fields (the streams, a pending output, the branches' values) is checked with its writes and
-    counted as the step's working set. Under tensor parallelism a stage that raises tells the
+    counted as the step's working set; in a paced pass (`engine.paced`) it may wait after a
+    stage for its next turn. Under tensor parallelism a stage that raises tells the
     other ranks at their next exchange (`engine.ranks`)."""
     txn.step = step
     for index, stage in enumerate(model.stages):
@@ -113,6 +115,7 @@ def run_stages(model, txn, step: StepBatch) -> None:
                 model.ranks.stop(exc if isinstance(exc, ChunkAborted) else abort_error(txn.stage, exc),
                                  _order(model))
             raise
+        between_stages()                # a paced pass waits here for its next turn (`engine.paced`)
 
 
 def _carried(step: StepBatch) -> list[torch.Tensor]:

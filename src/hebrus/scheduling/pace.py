@@ -10,7 +10,8 @@ both all fed as much), each is a running mean of the passes that did it alone, a
 did both gives its prompt tokens what the step did not take (at least half of it). Apart from
 the fit, `alone_s` follows the passes that only stepped: the decoders' pace with no prompt beside
 them, which a turn's prompt share is measured against (`alone(width)`: only for a step of about
-the width it was measured at).
+the width it was measured at). A prompt pass paced over turns (`passes="paced"`) measures its
+stages instead: `stage_s`, a running mean of the seconds a stage took.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Pace:
         # alone (`step_s` is its part of such a pass)
         self.alone_s: float | None = None
         self.alone_width = 0
+        self.stage_s: float | None = None     # a paced prompt pass's stage (`staged`)
         # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
         self._sums = (0.0,) * 5
 
@@ -53,6 +55,11 @@ class Pace:
             self.token_s = self._mean(self.token_s, seconds / fed)
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
             self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
+
+    def staged(self, stages: int, seconds: float) -> None:
+        """Take in a paced prompt pass's turn: `stages` of its stages ran in `seconds`."""
+        if stages:
+            self.stage_s = self._mean(self.stage_s, seconds / stages)
 
     def alone(self, width: int) -> float | None:
         """A step of `width` requests alone, as passes that only stepped measured it: None where

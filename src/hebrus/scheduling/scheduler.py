@@ -14,8 +14,14 @@ prompt chunks together, each request its own transaction; a request whose prompt
 completes chooses and sends its first token at once, and steps it next turn. With CUDA graphs
 (`passes="two"`, the default there) the chunks go in one pass and the steps of every request
 then decoding in a second, replayed from the model's graphs, which any set of sessions shares
-(a pass of chunks and steps together would not replay). Exact mode feeds and
-steps them one after another. A transaction that aborts fails its own request only: its session
+(a pass of chunks and steps together would not replay). With `passes="paced"` the steps
+go in a pass of their own, as with two, but a pass of chunks runs only a few of its stages a
+turn (`engine.paced`: it waits between stages on a thread of its own), as many as
+`prefill_share` decode steps' time affords at the seconds a stage has taken, so a turn stays
+within 1 + `prefill_share` steps however long the pass (on a GPU a pass of any size costs the
+host tens of milliseconds, which no cut in its tokens brings near a replayed step). One such
+pass is under way at a time; its requests are neither dropped nor preempted until it ends, and
+its chunks are not cut to the share. Exact mode feeds and steps them one after another. A transaction that aborts fails its own request only: its session
 publishes nothing, and every other request goes on as if it had never been there. A request
 samples from its own generator, so what it produces does not depend on what runs beside it
 (exact mode: bit for bit what `Session.generate` gives).
@@ -67,6 +73,7 @@ from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route, lanes_for
+from hebrus.engine.paced import Paced
 from hebrus.scheduling import choice
 from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.preemption import Preempted
@@ -122,6 +129,17 @@ WARM_UP = "\0warm-up"    # the made-up requests' key (`Scheduler.warm_up`)
 MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow prefill is against a step
 
 
+@dataclass
+class Flight:
+    """A prompt pass under way across turns (`passes="paced"`): its chunks, where they keep
+    states and the dict the kept sessions go in, the pass, and the seconds it has taken so far."""
+    feeding: list[tuple[Request, list[int]]]
+    marked: dict
+    kept: dict
+    paced: Paced
+    spent: float = 0.0
+
+
 class Overloaded(Exception):
     """The waiting line is full: the caller answers 429 with Retry-After."""
 
@@ -157,11 +175,16 @@ class Scheduler:
         self.decode = decode_route(model, decode)
         # "one": a turn that feeds prompt chunks steps the decoding requests in the same pass;
         # "two": in a pass of their own after it, from the static step plan where `decode` is
-        # "planned" or "graph" (a pass of chunks and steps together is eager); "auto": two
-        # where the steps take the plan, else one
-        if passes not in ("one", "two", "auto"):
-            raise ValueError(f"passes must be 'one', 'two' or 'auto', got {passes!r}")
+        # "planned" or "graph" (a pass of chunks and steps together is eager); "paced": as
+        # two, the pass of chunks a few stages a turn (`_fly`); "auto": two where the steps
+        # take the plan, else one
+        if passes not in ("one", "two", "paced", "auto"):
+            raise ValueError(f"passes must be 'one', 'two', 'paced' or 'auto', got {passes!r}")
         self.passes = passes if passes != "auto" else "two" if self.decode in ("planned", "graph") else "one"
+        if self.passes == "paced" and getattr(model, "ranks", None) is not None:
+            raise ValueError("passes='paced' runs a prompt pass on a thread of its own: a model over "
+                             "tensor-parallel ranks steps only in calls every rank runs; use 'one' or 'two'")
+        self.flight: Flight | None = None           # the paced prompt pass under way
         self.widest = 0                 # the most requests one step has stepped together (tests, bench)
         # steps together and their seconds, replayed from graphs or not (bench): "replayed",
         # "replayed_s", "slow", "slow_s"
@@ -331,6 +354,7 @@ class Scheduler:
                     self._wake.wait()
                 self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
+                    self._land()                    # its thread holds its sessions' locks
                     self.spares.clear()             # their memory goes back with the loop
                     return
                 if not self.preempted:              # they come back first (`_resume`)
@@ -338,6 +362,9 @@ class Scheduler:
             try:
                 self._turn()
             except Exception as exc:                    # a bug here must not strand the requests
+                if self.flight is not None:         # its thread lets its sessions go at its end
+                    self.flight.paced.advance(None)
+                    self.flight = None
                 for request in self.running + list(self.preempted):
                     request.session = None          # its slot and blocks back, as `_end` does
                     request.emit("error", exc)
@@ -363,7 +390,7 @@ class Scheduler:
             self._drop(request)
         self._resume()
         for request in list(self.running):
-            if request.cancelled.is_set():
+            if request.cancelled.is_set() and not self._flying(request):     # (dropped once its pass ends)
                 self._drop(request)
             elif request.session is None:
                 try:
@@ -373,11 +400,13 @@ class Scheduler:
         clock = self._spend("admit", clock)
         feeding = self._chunks()
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
-        if feeding and decoding and self.passes == "one":
+        if self.passes == "paced":
+            self._fly(feeding, bool(decoding))
+        elif feeding and decoding and self.passes == "one":
             stepping = self._tokens(decoding)
             self._pass(feeding, stepping, self._spend("sample", clock))
             return
-        if feeding:
+        elif feeding:
             self._pass(feeding, [], clock)
         decoding = [r for r in self.running if r.fed >= len(r.prompt)]
         if decoding:
@@ -385,6 +414,8 @@ class Scheduler:
 
     def _chunks(self) -> list[tuple[Request, list[int]]]:
         """This turn's prompt chunks, oldest request first, within `_prompt_budget`."""
+        if self.flight is not None:                     # (paced: one pass at a time)
+            return []
         budget, feeding = self._prompt_budget(), []
         shared = budget < self.prefill_tokens           # the share's budget cuts chunks; `prefill_tokens` does not
         for request in self.running:
@@ -401,7 +432,7 @@ class Scheduler:
         `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
-        if self.prefill_share is None or token_s is None or step_s is None or not decoding:
+        if self.passes == "paced" or self.prefill_share is None or token_s is None or step_s is None or not decoding:
             return self.prefill_tokens
         # a turn of the step and its chunks within (1 + share) steps: with one pass a turn of eager
         # steps a step beside chunks costs more than one alone, the step the decoders see without
@@ -472,21 +503,96 @@ class Scheduler:
               clock: float) -> None:
         """Feed each request of `feeding` its next prompt chunk, keeping states for the prefix
         cache at its marks, and step each request of `stepping` by its token (chosen and sent
-        already): in fast mode in one pass (`feed_many`, or `feed_keeping_many` where a
-        chunk keeps states: each its own transaction, so one that aborts fails alone), else one
-        after another. A request whose prompt is now fed, in a pass that stepped others,
-        chooses and sends its first token at once; its step comes with the next turn's."""
-        marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
-        marked.update((r.id, []) for r, _ in stepping)
-        fed, kept = sum(len(c) for _, c in feeding), {}
-        self._slots_for(sum(map(len, marked.values())))     # the states kept take a slot each
+        already): in fast mode in one pass (`_feed_all`), else one after another. A request
+        whose prompt is now fed, in a pass that stepped others, chooses and sends its first
+        token at once; its step comes with the next turn's."""
+        marked, kept = self._marked(feeding, stepping)
         made = self._ahead(stepping)
-        results = self._each_or_together(
-            feeding + [(r, [token]) for r, token in stepping],
-            lambda joint: self._prefill_together(joint, marked, kept),
-            lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
+        results = self._feed_all(feeding + [(r, [token]) for r, token in stepping], marked, kept)
         if made is not None:
             made.join()
+        spent = time.perf_counter() - clock         # a feed returns once validated: synced
+        self.pace.add(len(stepping), sum(len(c) for _, c in feeding), spent)
+        self._fed(feeding, results, marked, kept, spent)
+        if stepping:
+            self.widest = max(self.widest, len(stepping) + len(feeding))
+            for request, token in stepping:
+                self._stepped(request, token, results[request.id])
+            now = self._copied([r for r, _ in feeding if r in self.running and r.fed == len(r.prompt)
+                                and r.pending is None])
+            chosen = self._choose(now)
+            for request in now:
+                request.pending = chosen.get(request.id)
+        self._spend("one pass" if stepping else "prefill", clock)
+
+    def _fly(self, feeding: list[tuple[Request, list[int]]], decoding: bool) -> None:
+        """`passes="paced"`: begin a pass of `feeding`'s chunks if none is under way, and
+        advance the one under way: with requests `decoding`, by as many stages as
+        `prefill_share` decode steps' time affords (`_stages`), else to its end. A pass that
+        ends is taken in as `_pass` takes in its chunks."""
+        clock = time.perf_counter()
+        if self.flight is None and feeding:
+            marked, kept = self._marked(feeding, [])
+            self.flight = Flight(feeding, marked, kept,
+                                 Paced(lambda: self._feed_all(feeding, marked, kept)))
+        flight = self.flight
+        if flight is None:
+            return
+        before = flight.paced.stages
+        ended = flight.paced.advance(self._stages() if decoding else None)
+        if self.model.device.type == "cuda":        # its stages' device work counts in their time
+            torch.cuda.synchronize(self.model.device)
+        now = time.perf_counter()
+        self.pace.staged(flight.paced.stages - before, now - clock)
+        flight.spent += now - clock
+        if ended:
+            self.flight = None
+            self._fed(flight.feeding, flight.paced.outcome(), flight.marked, flight.kept, flight.spent)
+        self._spend("prefill", clock)
+
+    def _flying(self, request: Request) -> bool:
+        """Whether `request`'s chunk is in the paced pass under way (its session is the pass's
+        until it ends: it is neither dropped nor preempted meanwhile)."""
+        return self.flight is not None and any(r is request for r, _ in self.flight.feeding)
+
+    def _land(self) -> None:
+        """Run the paced pass under way, if any, to its end and take it in."""
+        while self.flight is not None:
+            self._fly([], False)
+
+    def _stages(self) -> int | None:
+        """The stages a paced prompt pass runs this turn: as many as `prefill_share` decode
+        steps alone take, at the seconds a stage has taken (at least one; None, to its end,
+        without a share)."""
+        if self.prefill_share is None:
+            return None
+        decoding = sum(r.fed >= len(r.prompt) for r in self.running)
+        step_s = self.pace.alone(decoding) or self.pace.step_s
+        if step_s is None or self.pace.stage_s is None:
+            return 1
+        return max(1, int(self.prefill_share * step_s / self.pace.stage_s))
+
+    def _marked(self, feeding: list[tuple[Request, list[int]]], stepping: list[tuple[Request, int]]):
+        """Where each request's chunk keeps states for the prefix cache (`_marks`; none for a
+        step) by request id, with a free slot of the pool for each state (spares are let go),
+        and the dict the kept sessions will go in."""
+        marked = {r.id: self._marks(r, len(c)) for r, c in feeding}
+        marked.update((r.id, []) for r, _ in stepping)
+        self._slots_for(sum(map(len, marked.values())))     # the states kept take a slot each
+        return marked, {}
+
+    def _feed_all(self, chunks: list[tuple[Request, list[int]]], marked: dict, kept: dict) -> dict:
+        """Request id -> its logits or its failure after its chunk (`_each_or_together`): in
+        fast mode in one pass (`feed_many`, or `feed_keeping_many` where a chunk keeps states:
+        each its own transaction, so one that aborts fails alone)."""
+        return self._each_or_together(
+            chunks, lambda joint: self._prefill_together(joint, marked, kept),
+            lambda r, c: self._feed_keeping(r, c, marked[r.id], kept) if marked[r.id] else self._feed(r, c))
+
+    def _fed(self, feeding: list[tuple[Request, list[int]]], results: dict, marked: dict, kept: dict,
+             spent: float) -> None:
+        """Take in the outcomes of a pass's prompt chunks, `spent` seconds of it: the states kept
+        go in the prefix cache, each request's prompt moves on (or it runs again, or fails)."""
         # cached only now, outside the feeds: a failure here must not read as a pass that
         # failed (its chunks would be fed again); the chunks are published, only states are lost
         for request, _ in feeding:
@@ -495,8 +601,6 @@ class Scheduler:
                     self._keep(request, marked[request.id], kept[request.id])
                 except Exception:
                     self.cache.lost += 1            # /metrics counts it
-        spent = time.perf_counter() - clock         # a feed returns once validated: synced
-        self.pace.add(len(stepping), fed, spent)
         for request, chunk in feeding:
             result = results[request.id]
             if isinstance(result, BaseException):
@@ -508,16 +612,6 @@ class Scheduler:
             request.fed += len(chunk)
             if request.fed == len(request.prompt):
                 self.prefills.append(request.prefill_s)
-        if stepping:
-            self.widest = max(self.widest, len(stepping) + len(feeding))
-            for request, token in stepping:
-                self._stepped(request, token, results[request.id])
-            now = self._copied([r for r, _ in feeding if r in self.running and r.fed == len(r.prompt)
-                                and r.pending is None])
-            chosen = self._choose(now)
-            for request in now:
-                request.pending = chosen.get(request.id)
-        self._spend("one pass" if stepping else "prefill", clock)
 
     def _prefill_together(self, joint: list[tuple[Request, list[int]]], marked: dict, kept: dict) -> dict:
         """Two or more requests' chunks in one pass -> request id -> outcome (one is left
@@ -763,7 +857,7 @@ class Scheduler:
             gc.collect()                            # sessions let go in reference cycles give theirs back now
         if pool.free_blocks > before:
             return True
-        holding = [r for r in self.running if r.session is not None]
+        holding = [r for r in self.running if r.session is not None and not self._flying(r)]
         if not holding or holding == [failed]:
             return False
         newest = max(holding, key=lambda r: r.id)

@@ -17,7 +17,7 @@ def build(model, name: str, api_key: str | None = None, max_sessions: int = 16, 
     `share_prefixes`: one cache space for every API key (else each key's own). `prefill_share`:
     while requests decode, a turn (its step and its prompt chunks) takes at most 1 + that many
     decode steps' time alone (None: `prefill_tokens` alone bounds the chunks). `passes`: a turn's prompt chunks and decode steps
-    in "one" pass or "two" ("auto": two where the steps replay CUDA graphs). `prefill_chunk`: one
+    in "one" pass or "two", or "paced" (a pass of chunks a few stages a turn; "auto": two where the steps replay CUDA graphs). `prefill_chunk`: one
     request's prompt tokens a turn at most (`Scheduler`'s `chunk_size`). `fault` is for
     tests only: a function of a request returning a stage to fail its next step at, or None.
     `progress`: told each part of the warm-up on CUDA as it starts (`Scheduler.warm_up`)."""
