@@ -531,18 +531,22 @@ def test_a_paced_pass_beside_graph_replays_is_the_pass_in_one_call(tmp_path):
     stepping = [model.session() for _ in range(4)]
     for i, s in enumerate(feeding + stepping):
         s.feed(_ids(3 + 5 * i, vocab, i))
-    twins = [s.fork() for s in feeding]
+    twins, steppers = [s.fork() for s in feeding], [s.fork() for s in stepping]
     chunks = [_ids(n, vocab, 50 + n) for n in (40, 1, 130)]
     group = hebrus.Batch(stepping)
     paced = Paced(lambda: hebrus.feed_many(feeding, chunks))
-    turns = 0
+    turns, stepped = 0, []
     while not paced.advance(1):
         turns += 1
-        assert all(isinstance(r, torch.Tensor) for r in group.feed(_ids(4, vocab, 300 + turns)))
+        stepped.append([r.clone() for r in group.feed(_ids(4, vocab, 300 + turns))])
     assert turns >= len(model.stages) - 1 and group._steps.replays >= 1
     for i, (got, want) in enumerate(zip(paced.outcome(), hebrus.feed_many(twins, chunks))):
         assert torch.equal(got, want), (i, _rel(got.float(), want.float()))
         assert feeding[i].digest() == twins[i].digest(), i
+    alone = hebrus.Batch(steppers)              # the same steps with no pass between them
+    for turn, got in enumerate(stepped, 1):
+        assert all(torch.equal(a, b) for a, b in zip(got, alone.feed(_ids(4, vocab, 300 + turn)))), turn
+    assert [s.digest() for s in stepping] == [s.digest() for s in steppers]
 
 
 @cuda

@@ -51,8 +51,8 @@ def test_a_pass_a_stage_at_a_time_is_the_pass_in_one_call_bit_for_bit(tiny, mode
 
 
 def test_a_session_that_aborts_mid_pass_fails_alone_and_the_fault_armed_where_the_pass_was_made_fires(tiny):
-    """A fault armed (for one session) around the pass's making fires in it, on its own thread:
-    that session aborts and publishes nothing, the other publishes, as in one call."""
+    """A fault armed (for one session) around the pass's making fires in it: that session aborts
+    and publishes nothing, the other publishes, as in one call."""
     model = tiny.with_mode("fast")
     feeding = _sessions(model, [tokens(5, seed=1), tokens(6, seed=2)])
     before = (feeding[0].frontier, feeding[0].digest())
@@ -64,7 +64,28 @@ def test_a_session_that_aborts_mid_pass_fails_alone_and_the_fault_armed_where_th
     first, second = paced.outcome()
     assert isinstance(first, ChunkAborted) and (feeding[0].frontier, feeding[0].digest()) == before
     assert isinstance(second, torch.Tensor) and feeding[1].frontier == 10
-    feeding[0].feed([1])                    # its lock is free again: the pass's thread let it go
+    feeding[0].feed([1])                    # its lock is free again: the pass let it go
+
+
+def test_while_a_pass_waits_its_sessions_are_refused_and_the_callers_modes_are_its_own(tiny):
+    """Between its stages the pass holds its sessions: a call on one is refused as busy, and
+    changes nothing. torch's modes are the thread's: the pass runs in inference mode, its caller,
+    meanwhile, in the modes it called `advance` in (a tensor it makes is an ordinary one)."""
+    from hebrus.errors import InvalidInput
+    model = tiny.with_mode("fast")
+    session = _sessions(model, [tokens(5, seed=1)])[0]
+    paced = Paced(lambda: feed_many([session], [tokens(4, seed=2)]))
+    assert not paced.advance(1)
+    with pytest.raises(InvalidInput, match="session busy"):
+        session.feed([3])
+    made = torch.zeros(2)
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled() and not made.is_inference()
+    made += 1                               # (an inference tensor would refuse this here)
+    with torch.no_grad():
+        assert not paced.advance(1) and not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    paced.outcome()
+    assert session.frontier == 9 and not torch.is_inference_mode_enabled()
 
 
 def test_what_the_work_raises_comes_back_to_the_caller_and_advancing_asks_for_a_stage_at_least():

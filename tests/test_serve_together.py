@@ -5,6 +5,8 @@ mode from the static step plan, uncaptured: the work a CUDA graph captures), aga
 request run alone."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -45,13 +47,13 @@ def _turns(scheduler: Scheduler, got: dict, key: str = "", each_turn=None) -> li
     raise AssertionError("the requests did not end")
 
 
-@pytest.mark.parametrize("passes", ["one", "two", "paced"])
-def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny, passes):
+@pytest.mark.parametrize("passes, share", [("one", None), ("two", None), ("paced", 0.5)])
+def test_requests_joining_and_leaving_mid_run_each_get_what_they_get_alone(tiny, passes, share):
     """Exact mode: every request's tokens are bit for bit what its session generates alone,
     whoever decodes beside it, turn after turn, its steps in the pass of the turn's prompt
     chunks, in one of their own, or beside a prompt pass a few stages a turn."""
     got = {}
-    scheduler = Scheduler(tiny, chunk_size=8, prefill_tokens=8, passes=passes, prefill_share=0.5)
+    scheduler = Scheduler(tiny, chunk_size=8, prefill_tokens=8, passes=passes, prefill_share=share)
     requests = _turns(scheduler, got)
     for i, request in enumerate(requests):
         alone = tiny.session().generate(request.prompt, max_new_tokens=request.max_tokens, temperature=0.8, seed=i)
@@ -237,27 +239,34 @@ def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, tiny_fast,
     assert got_warmed == got_cold
 
 
-def test_a_paced_prompt_pass_spans_turns_while_the_decoders_step_every_turn(tiny):
-    """`passes="paced"`: a prompt pass advances a few stages a turn, and every turn steps the
-    requests decoding, so a long prompt never holds them for a whole pass. One pass is under way
-    at a time (a prompt arriving meanwhile waits for the next); a request whose chunk is in the
-    pass is never the one preempted, and one cancelled meanwhile ends once the pass does. Exact
-    mode: every answer is bit for bit what its session gives alone."""
-    model = tiny
+def _paced(model, first_tokens: int = 60):
+    """A paced scheduler (no prefix cache), one request decoding (greedy) and two long prompts
+    just made its pass: (scheduler, got, the decoder, the two)."""
+    gc.collect()                            # sessions of earlier tests give their blocks back now
     scheduler = Scheduler(model, chunk_size=64, prefill_tokens=64, passes="paced", prefill_share=0.25, cache_bytes=0)
     got = {}
-    requests = [_asking(0, 4, 30, got), _asking(1, 60, 3, got), _asking(2, 50, 3, got), _asking(3, 30, 2, got)]
-    for request in requests:
+    decoder, *long = [_asking(0, 4, first_tokens, got), _asking(1, 60, 3, got), _asking(2, 50, 3, got)]
+    for request in (decoder, *long):
         request.sampling = Sampling()
-    decoder, long, late = requests[0], requests[1:3], requests[3]
     scheduler.running.append(decoder)
     while decoder.fed < len(decoder.prompt):
         scheduler._turn()
     scheduler.running += long
     scheduler._turn()
+    assert scheduler.flight is not None and [r for r, _ in scheduler.flight.feeding] == long
+    return scheduler, got, decoder, long
+
+
+def test_a_paced_prompt_pass_spans_turns_while_the_decoders_step_every_turn(tiny):
+    """`passes="paced"`: a prompt pass advances a few stages a turn, and every turn steps the
+    requests decoding, so a long prompt never holds them for a whole pass. One pass is under way
+    at a time (a prompt arriving meanwhile waits for the next); a request cancelled while its
+    chunk is in the pass ends when the pass does. Exact mode: every answer is bit for bit what
+    its session gives alone."""
+    scheduler, got, decoder, long = _paced(tiny)
     flight = scheduler.flight
-    assert flight is not None and [r for r, _ in flight.feeding] == long
-    assert scheduler._make_room(long[1]) and decoder in scheduler.preempted     # the newest not in flight
+    late = _asking(3, 30, 2, got)
+    late.sampling = Sampling()
     scheduler.running.append(late)
     long[1].cancelled.set()
     turns = 0
@@ -267,12 +276,24 @@ def test_a_paced_prompt_pass_spans_turns_while_the_decoders_step_every_turn(tiny
         turns += 1
         assert len(got[0]) == before + 1 and late.fed == 0          # the decoder stepped; one pass at a time
     assert turns >= 2
-    assert long[1] in scheduler.running and long[1].fed == 50      # its pass ended: it is dropped next turn
-    scheduler._turn()
-    assert long[1] not in scheduler.running and long[1].session is None
+    assert long[1] not in scheduler.running and long[1].session is None and not got[2]
     while scheduler.running:
         scheduler._turn()
-    for i in (0, 1, 3):
-        request = requests[i]
-        alone = model.session(decode="eager").generate(request.prompt, max_new_tokens=request.max_tokens)
-        assert got[i] == list(alone), i
+    for request in (decoder, long[0], late):
+        alone = tiny.session(decode="eager").generate(request.prompt, max_new_tokens=request.max_tokens)
+        assert got[request.id - decoder.id] == list(alone), request.id
+
+
+def test_making_room_while_a_paced_pass_is_under_way_ends_it_first_and_preempts_the_newest(tiny):
+    """The pool short of blocks mid-pass: the pass runs to its end (its requests' sessions are
+    its own until then), and the newest request is preempted, as with two passes; what each
+    request produces is unchanged (exact mode: bit for bit)."""
+    scheduler, got, decoder, long = _paced(tiny, first_tokens=12)
+    assert scheduler._make_room(decoder)
+    assert scheduler.flight is None and long[0].fed == 60 and long[1].fed == 50
+    assert long[1] in scheduler.preempted and decoder in scheduler.running
+    while scheduler.running or scheduler.preempted:
+        scheduler._turn()
+    for request in (decoder, *long):
+        alone = tiny.session(decode="eager").generate(request.prompt, max_new_tokens=request.max_tokens)
+        assert got[request.id - decoder.id] == list(alone), request.id

@@ -92,11 +92,11 @@ def by_logits(keep: Callable[[torch.Tensor], int] | None) -> Callable[[Transacti
     return None if keep is None else lambda txn: keep(txn.after_each[txn.output].clone())
 
 
-def run_stages(model, txn, step: StepBatch) -> None:
+def run_stages(model, txn, step: StepBatch, paced: bool = True) -> None:
     """Every stage over `step`, in order, each sealed by `txn`: what a stage puts in the step's
     fields (the streams, a pending output, the branches' values) is checked with its writes and
     counted as the step's working set; in a paced pass (`engine.paced`) it may wait after a
-    stage for its next turn. Under tensor parallelism a stage that raises tells the
+    stage for its next turn, unless not `paced` (a planned step holds its runner's lock). Under tensor parallelism a stage that raises tells the
     other ranks at their next exchange (`engine.ranks`)."""
     txn.step = step
     for index, stage in enumerate(model.stages):
@@ -115,7 +115,8 @@ def run_stages(model, txn, step: StepBatch) -> None:
                 model.ranks.stop(exc if isinstance(exc, ChunkAborted) else abort_error(txn.stage, exc),
                                  _order(model))
             raise
-        between_stages()                # a paced pass waits here for its next turn (`engine.paced`)
+        if paced:
+            between_stages()            # a paced pass waits here for its next turn (`engine.paced`)
 
 
 def _carried(step: StepBatch) -> list[torch.Tensor]:

@@ -1,48 +1,65 @@
-"""A pass that runs a few stages at a time: `Paced(work)` runs `work()` on a thread of its own,
-and `advance(n)` lets it go on for `n` more stages, waiting until it stops between two of them
-(or ends). One thread runs at a time: the caller's waits while the pass runs, and the pass's
-waits, parked between stages, while the caller does other work (the serving loop steps its
-decoding requests there). The pass does exactly what it would in one call, in the same order:
-the stages only wait longer between them.
+"""A pass that runs a few stages at a time: `Paced(work)` runs `work()` as a greenlet (a stack of
+its own on the caller's thread), and `advance(n)` lets it go on for `n` more stages, returning
+once it stops between two of them (or ends). The caller does other work meanwhile (the serving
+loop steps its decoding requests there). The pass does exactly what it would in one call, in the
+same order: its stages only wait longer between them.
 
-    pass = Paced(lambda: feed_many(sessions, chunks))
-    while not pass.advance(3):      # three stages, then the decoders' step
+    flight = Paced(lambda: feed_many(sessions, chunks))
+    while not flight.advance(3):    # three stages, then the decoders' step
         step_the_decoders()
-    results = pass.outcome()
+    results = flight.outcome()
 
-`engine.eager.run_stages` calls `between_stages()` after each stage it seals; outside a paced
-pass that does nothing. The sessions a paced pass feeds are locked by its thread until it ends:
-nothing else may touch them meanwhile (the loop leaves them out of everything else). The pass
-runs in a copy of the context it was made in (a fault armed there is armed in it).
+One thread, not two: a second thread computing on the CPU brings a second team of OpenMP
+workers, and each team's idle workers spin while the other's run (a decode step took twice its
+time beside a pass parked on another thread, 16 sessions of `shakespeare`). torch's grad and
+inference modes are the thread's, so while the pass waits the caller's are restored.
+
+`engine.eager.run_stages` calls `between_stages()` after each stage it seals (but in a planned
+step, which holds its runner's lock: a pass of one token each from CUDA graphs runs whole);
+outside a paced pass that does nothing. The sessions a paced pass feeds are its own until it
+ends: nothing else may touch them meanwhile (a call on one from the caller's side is refused as
+"session busy": the pass holds its lock on the same thread; the serving loop leaves them out of
+everything else). The pass runs in a copy of the context it was made in (a fault armed there is
+armed in it); `advance` is called from the thread that made it.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import threading
+import time
 from typing import Callable
 
-_here = threading.local()       # .paced: the `Paced` whose thread this is
+import greenlet
+import torch
 
 
 def between_stages() -> None:
     """Where a paced pass waits for its next `advance` (a stage is sealed). Nothing elsewhere."""
-    paced = getattr(_here, "paced", None)
+    paced = getattr(greenlet.getcurrent(), "paced", None)
     if paced is not None:
         paced._between()
+
+
+class _Pass(greenlet.greenlet):
+    paced: "Paced | None" = None
 
 
 class Paced:
     def __init__(self, work: Callable[[], object]):
         self._work = work
-        self._context = contextvars.copy_context()  # what the caller's thread sees (armed faults)
-        self._go = threading.Semaphore(0)           # the pass may run
-        self._back = threading.Semaphore(0)         # the pass has stopped (between stages, or at its end)
-        self._left = 0                              # stages to run before stopping (None: to the end)
+        self._context = contextvars.copy_context()  # what the caller sees (armed faults)
+        self._left: int | None = 0                  # stages to run before stopping (None: to the end)
+        self._modes = (False, True)                 # the caller's inference and grad modes
         self._result: object = None
         self._error: BaseException | None = None
         self.done = False
         self.stages = 0                             # stages run so far
-        self._thread = threading.Thread(target=self._run, name="hebrus-paced-pass", daemon=True)
+        # the seconds each stage took, then those from the last stage to the pass's end (its
+        # validation and publication): the host's time, not the time it waited between them
+        self.seconds: list[float] = []
+        self._mark = 0.0
+        self._pass = _Pass(self._run)
+        self._pass.paced = self
 
     def advance(self, stages: int | None = None) -> bool:
         """Let the pass run `stages` more stages (at least one; None: to its end) and wait until
@@ -52,10 +69,10 @@ class Paced:
         if stages is not None and stages < 1:
             raise ValueError(f"a paced pass advances at least one stage at a time, got {stages}")
         self._left = stages
-        if not self._thread.is_alive():
-            self._thread.start()
-        self._go.release()
-        self._back.acquire()
+        self._modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self._mark = time.perf_counter()
+        self._pass.parent = greenlet.getcurrent()   # where it comes back to: this caller
+        self._pass.switch()
         return self.done
 
     def outcome(self) -> object:
@@ -66,22 +83,27 @@ class Paced:
         return self._result
 
     def _run(self) -> None:
-        _here.paced = self
-        self._go.acquire()
         try:
             self._result = self._context.run(self._work)
-        except BaseException as exc:        # handed to the caller's thread (`outcome`)
+        except BaseException as exc:        # handed to the caller (`outcome`)
             self._error = exc
         finally:
-            _here.paced = None
+            self.seconds.append(time.perf_counter() - self._mark)
+            self._pass.paced = None
             self.done = True
-            self._back.release()
 
     def _between(self) -> None:
+        now = time.perf_counter()
+        self.seconds.append(now - self._mark)
+        self._mark = now
         self.stages += 1
         if self._left is None:
             return
         self._left -= 1
         if self._left <= 0:
-            self._back.release()
-            self._go.acquire()
+            inference, grad = self._modes
+            # torch's modes are the thread's: while the pass waits, the caller's are back
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(torch.inference_mode(inference))
+                modes.enter_context(torch.set_grad_enabled(grad))
+                self._pass.parent.switch()

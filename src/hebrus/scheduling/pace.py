@@ -11,7 +11,9 @@ did both gives its prompt tokens what the step did not take (at least half of it
 the fit, `alone_s` follows the passes that only stepped: the decoders' pace with no prompt beside
 them, which a turn's prompt share is measured against (`alone(width)`: only for a step of about
 the width it was measured at). A prompt pass paced over turns (`passes="paced"`) measures its
-stages instead: `stage_s`, a running mean of the seconds a stage took.
+stages instead, each its own (an embedding costs little beside a layer, the last "stage" is
+the pass's validation and publication): `stage_s`, a running mean by the stage's place in the
+pass, and `stages_within`, how many from one place fit some seconds.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class Pace:
         # alone (`step_s` is its part of such a pass)
         self.alone_s: float | None = None
         self.alone_width = 0
-        self.stage_s: float | None = None     # a paced prompt pass's stage (`staged`)
+        self.stage_s: dict[int, float] = {}   # a paced prompt pass's stages, by place (`staged`)
         # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
         self._sums = (0.0,) * 5
 
@@ -56,10 +58,19 @@ class Pace:
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
             self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
 
-    def staged(self, stages: int, seconds: float) -> None:
-        """Take in a paced prompt pass's turn: `stages` of its stages ran in `seconds`."""
-        if stages:
-            self.stage_s = self._mean(self.stage_s, seconds / stages)
+    def staged(self, first: int, seconds: list[float]) -> None:
+        """Take in a paced prompt pass's turn: its stages from place `first` on took `seconds`."""
+        for place, spent in enumerate(seconds, first):
+            self.stage_s[place] = self._mean(self.stage_s.get(place), spent)
+
+    def stages_within(self, first: int, seconds: float) -> int:
+        """How many stages of a paced pass, from place `first` on, fit `seconds` at what each
+        took before: at least one; a place never measured ends the count there."""
+        count, spent = 0, 0.0
+        while (cost := self.stage_s.get(first + count)) is not None and spent + cost <= seconds:
+            spent += cost
+            count += 1
+        return max(1, count)
 
     def alone(self, width: int) -> float | None:
         """A step of `width` requests alone, as passes that only stepped measured it: None where

@@ -132,12 +132,12 @@ MIN_CHUNK = 16          # prompt tokens a turn feeds at least, however slow pref
 @dataclass
 class Flight:
     """A prompt pass under way across turns (`passes="paced"`): its chunks, where they keep
-    states and the dict the kept sessions go in, the pass, and the seconds it has taken so far."""
+    states and the dict the kept sessions go in, the pass, and when it began."""
     feeding: list[tuple[Request, list[int]]]
     marked: dict
     kept: dict
     paced: Paced
-    spent: float = 0.0
+    began: float                        # when (`time.perf_counter`): its requests' prefill time runs from here
 
 
 class Overloaded(Exception):
@@ -181,6 +181,9 @@ class Scheduler:
         if passes not in ("one", "two", "paced", "auto"):
             raise ValueError(f"passes must be 'one', 'two', 'paced' or 'auto', got {passes!r}")
         self.passes = passes if passes != "auto" else "two" if self.decode in ("planned", "graph") else "one"
+        if self.passes == "paced" and prefill_share is None:
+            raise ValueError("passes='paced' runs as many of a prompt pass's stages a turn as prefill_share decode "
+                             "steps' time affords: give a prefill_share")
         if self.passes == "paced" and getattr(model, "ranks", None) is not None:
             raise ValueError("passes='paced' runs a prompt pass on a thread of its own: a model over "
                              "tensor-parallel ranks steps only in calls every rank runs; use 'one' or 'two'")
@@ -283,6 +286,7 @@ class Scheduler:
                 self._turn()
             served([9], 1)
         finally:
+            self._abandon()                     # (a made-up request's pass, if one raised mid-way)
             self.metrics = metrics
             for space in spaces:
                 self.cache.forget(space)
@@ -354,22 +358,20 @@ class Scheduler:
                     self._wake.wait()
                 self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
-                    self._land()                    # its thread holds its sessions' locks
                     self.spares.clear()             # their memory goes back with the loop
-                    return
+                    break
                 if not self.preempted:              # they come back first (`_resume`)
                     self._take_waiting()
             try:
                 self._turn()
             except Exception as exc:                    # a bug here must not strand the requests
-                if self.flight is not None:         # its thread lets its sessions go at its end
-                    self.flight.paced.advance(None)
-                    self.flight = None
+                self._abandon()
                 for request in self.running + list(self.preempted):
                     request.session = None          # its slot and blocks back, as `_end` does
                     request.emit("error", exc)
                 self.running = []
                 self.preempted.clear()
+        self._abandon()
 
     def _take_waiting(self) -> None:
         """Waiting requests into the free places, first come first served, except that a key
@@ -533,21 +535,26 @@ class Scheduler:
         clock = time.perf_counter()
         if self.flight is None and feeding:
             marked, kept = self._marked(feeding, [])
-            self.flight = Flight(feeding, marked, kept,
-                                 Paced(lambda: self._feed_all(feeding, marked, kept)))
+            self.flight = Flight(feeding, marked, kept, Paced(lambda: self._feed_all(feeding, marked, kept)), clock)
         flight = self.flight
         if flight is None:
             return
-        before = flight.paced.stages
-        ended = flight.paced.advance(self._stages() if decoding else None)
+        # the states it keeps take a slot each when it ends: spares made meanwhile go first
+        self._slots_for(sum(map(len, flight.marked.values())))
+        first, start = len(flight.paced.seconds), time.perf_counter()
+        ended = flight.paced.advance(self._stages(first) if decoding else None)
         if self.model.device.type == "cuda":        # its stages' device work counts in their time
             torch.cuda.synchronize(self.model.device)
-        now = time.perf_counter()
-        self.pace.staged(flight.paced.stages - before, now - clock)
-        flight.spent += now - clock
+        ran, wall = flight.paced.seconds[first:], time.perf_counter() - start
+        scale = wall / sum(ran) if sum(ran) > 0 else 1.0    # (the device's wait shared among them)
+        self.pace.staged(first, [s * scale for s in ran])
         if ended:
             self.flight = None
-            self._fed(flight.feeding, flight.paced.outcome(), flight.marked, flight.kept, flight.spent)
+            self._fed(flight.feeding, flight.paced.outcome(), flight.marked, flight.kept,
+                      time.perf_counter() - flight.began)
+            for request, _ in flight.feeding:       # cancelled while in the pass: it goes now
+                if request.cancelled.is_set() and request in self.running:
+                    self._drop(request)
         self._spend("prefill", clock)
 
     def _flying(self, request: Request) -> bool:
@@ -555,22 +562,27 @@ class Scheduler:
         until it ends: it is neither dropped nor preempted meanwhile)."""
         return self.flight is not None and any(r is request for r, _ in self.flight.feeding)
 
+    def _abandon(self) -> None:
+        """End the paced pass under way, if any, and let its outcome go (its requests are let go
+        by the caller): its sessions are its own until it ends."""
+        if self.flight is not None:
+            flight, self.flight = self.flight, None
+            flight.paced.advance(None)
+
     def _land(self) -> None:
         """Run the paced pass under way, if any, to its end and take it in."""
         while self.flight is not None:
             self._fly([], False)
 
-    def _stages(self) -> int | None:
-        """The stages a paced prompt pass runs this turn: as many as `prefill_share` decode
-        steps alone take, at the seconds a stage has taken (at least one; None, to its end,
-        without a share)."""
-        if self.prefill_share is None:
-            return None
+    def _stages(self, first: int) -> int:
+        """The stages a paced prompt pass runs this turn from its place `first`: as many as fit
+        `prefill_share` decode steps alone, at what each stage took before (`Pace.stages_within`:
+        at least one, so a stage that alone takes longer than the share overruns it)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s = self.pace.alone(decoding) or self.pace.step_s
-        if step_s is None or self.pace.stage_s is None:
+        if step_s is None:
             return 1
-        return max(1, int(self.prefill_share * step_s / self.pace.stage_s))
+        return self.pace.stages_within(first, self.prefill_share * step_s)
 
     def _marked(self, feeding: list[tuple[Request, list[int]]], stepping: list[tuple[Request, int]]):
         """Where each request's chunk keeps states for the prefix cache (`_marks`; none for a
@@ -847,8 +859,9 @@ class Scheduler:
     def _make_room(self, failed: Request) -> bool:
         """After `failed`'s chunk found the pool without a free block, free some so that it runs
         again next turn: the prefix cache's least recently used entries first, else the newest
-        running request is preempted (`failed` itself, perhaps). False when nothing can be
-        freed: `failed` holds the pool alone."""
+        running request is preempted (`failed` itself, perhaps; a paced pass under way is run
+        to its end first, so that its requests may be). False when nothing can be freed:
+        `failed` holds the pool alone."""
         pool = self.model.pool
         before = pool.free_blocks
         while pool.free_blocks == before and self.cache.shed():
@@ -857,7 +870,9 @@ class Scheduler:
             gc.collect()                            # sessions let go in reference cycles give theirs back now
         if pool.free_blocks > before:
             return True
-        holding = [r for r in self.running if r.session is not None and not self._flying(r)]
+        if self.flight is not None:                 # its requests can be preempted once it ends
+            self._land()
+        holding = [r for r in self.running if r.session is not None]
         if not holding or holding == [failed]:
             return False
         newest = max(holding, key=lambda r: r.id)
