@@ -16,7 +16,7 @@ completes chooses and sends its first token at once, and steps it next turn. Wit
 then decoding in a second, replayed from the model's graphs, which any set of sessions shares
 (a pass of chunks and steps together would not replay). With `passes="paced"` the steps
 go in a pass of their own, as with two, but a pass of chunks runs only a few of its stages a
-turn (`engine.paced`: it waits between stages on a thread of its own), as many as
+turn (`engine.paced`: it waits between stages on a stack of its own), as many as
 `prefill_share` decode steps' time affords at the seconds a stage has taken, so a turn stays
 within 1 + `prefill_share` steps however long the pass (on a GPU a pass of any size costs the
 host tens of milliseconds, which no cut in its tokens brings near a replayed step). One such
@@ -185,7 +185,7 @@ class Scheduler:
             raise ValueError("passes='paced' runs as many of a prompt pass's stages a turn as prefill_share decode "
                              "steps' time affords: give a prefill_share")
         if self.passes == "paced" and getattr(model, "ranks", None) is not None:
-            raise ValueError("passes='paced' runs a prompt pass on a thread of its own: a model over "
+            raise ValueError("passes='paced' stops a prompt pass between its stages: a model over "
                              "tensor-parallel ranks steps only in calls every rank runs; use 'one' or 'two'")
         self.flight: Flight | None = None           # the paced prompt pass under way
         self.widest = 0                 # the most requests one step has stepped together (tests, bench)
