@@ -297,3 +297,28 @@ def test_making_room_while_a_paced_pass_is_under_way_ends_it_first_and_preempts_
     for request in (decoder, *long):
         alone = tiny.session(decode="eager").generate(request.prompt, max_new_tokens=request.max_tokens)
         assert got[request.id - decoder.id] == list(alone), request.id
+
+
+def test_the_server_with_paced_passes_answers_as_sessions_alone(tiny):
+    """`hebrus serve --passes paced` through HTTP: the engine thread runs each prompt's pass a
+    few stages a turn beside the requests decoding (its stages measured), and every greedy answer
+    is bit for bit what its session gives alone (exact mode), however the passes fell."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import Server, _greedy
+    server = Server(tiny, max_sessions=4, passes="paced", prefill_share=0.5, prefill_chunk=16)
+    try:
+        client = server.client()
+        prompts = [f"Speak {i}, " + "and speak again " * (3 * i) for i in range(4)]
+
+        def ask(i):
+            return client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12 - 2 * i,
+                                             temperature=0).choices[0].text
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+        for i, text in enumerate(answers):
+            assert text == _greedy(tiny, prompts[i].encode(), 12 - 2 * i, temperature=0.0), i
+        assert server.scheduler.passes == "paced" and server.scheduler.pace.stage_s
+    finally:
+        server.close()
+    assert server.scheduler.flight is None
