@@ -233,6 +233,15 @@ def test_finite_checks_see_nan_and_inf_on_cuda():
     for cell, t in enumerate(rows):
         several.finite(cell, [(t, None)])
     assert [nonfinite for _, nonfinite in several.read()] == [set(), {0}, set(), {1, 3}]
+    from hebrus.state.status import _row_norm_keeps_nan
+    ragged = DeviceChecks(lengths=[300, 1, 2000, 7])         # rows of a token each, by session at the fold
+    tokens = [torch.randn(2308, 2048, device="cuda", dtype=dtype) for dtype in (torch.bfloat16, torch.float32,
+                                                                                torch.bfloat16)]
+    tokens[0][300, 1000], tokens[1][2303, 5], tokens[2][299, 2047] = float("nan"), float("inf"), float("nan")
+    for cell, t in enumerate(tokens):
+        ragged.finite(cell, [(t, None)])
+    assert _row_norm_keeps_nan(torch.device("cuda"))
+    assert [nonfinite for _, nonfinite in ragged.read()] == [{2}, {0}, set(), {1}]
 
 
 @cuda

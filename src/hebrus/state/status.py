@@ -40,9 +40,12 @@ class DeviceChecks:
     In a step of several sessions (`lengths`: each one's tokens), every value is kept per
     session: a tensor is reduced per session by its first dimension (T rows: each session its
     own tokens'; N rows: row i session i's; anything else concerns every session), a finite
-    check's tensor also by the session named beside it (a session's rows). A finite check by
-    first dimension is then a float64 sum of each session's part (a sum is non-finite exactly
-    when a value is, and float64 does not overflow on finite 16- or 32-bit values). Tensors of N
+    check's tensor also by the session named beside it (a session's rows). A finite check of a
+    tensor of T rows takes each row's largest magnitude in the tensor's dtype, and each session
+    the float64 sum of its rows' (non-finite exactly when a value is: float64 does not overflow on
+    finite 16- or 32-bit values), all such tensors of a step summed by session in one addition when
+    folded (a float64 sum of each tensor per session, and its own scatter, cost a 64-prompt pass on
+    an H100 some 300 launches and a float64 copy of every tensor). Tensors of N
     rows are reduced together instead: those of one dtype and row length stacked, the least and
     largest value of each session's rows (both finite exactly when every value is; a step of a
     token each writes a hundred such tensors, and a launch each, with float64's cast, cost more
@@ -69,6 +72,7 @@ class DeviceChecks:
         self._named: list[torch.Tensor] = []                 # several sessions': magnitudes of tensors named for one
         self._named_at: list[tuple[int, int]] = []           # (cell, session) of each
         self._rows: list[tuple[torch.Tensor, int]] = []      # (tensor of N rows, cell): reduced together
+        self._token_rows: list[tuple[torch.Tensor, int]] = []    # (a tensor of T rows' row magnitudes, cell)
         self._row_groups: list[list[tuple[torch.Tensor, int]]] = []   # the same by dtype and row, once folded
         self._folded: torch.Tensor | None = None
         self._bounds: tuple[np.ndarray, np.ndarray] | None = None     # each test's kind and bound, as arrays
@@ -127,6 +131,10 @@ class DeviceChecks:
                 named.append((t, i, cell))
             elif t.dim() and t.shape[0] == self.sessions:
                 self._rows.append((t, cell))
+            elif t.dim() and t.shape[0] == self.tokens and _row_norm_keeps_nan(t.device):
+                # each row's largest magnitude, in the tensor's dtype (no float64 copy of the
+                # tensor), added up by session for all such tensors at once when folded
+                self._token_rows.append((torch.linalg.vector_norm(t.reshape(self.tokens, -1), math.inf, dim=1), cell))
             else:
                 self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)
@@ -156,6 +164,22 @@ class DeviceChecks:
         return out.scatter_reduce(0, self._token_sessions(), per.to(torch.float64),
                                   {"any": "amax", "sum": "sum", "min": "amin", "max": "amax"}[how])
 
+    def _by_session(self, token_rows: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """Row magnitudes [T] of several tensors -> [G, N] float64, each session's sum of its
+        rows' (non-finite exactly when one is: they are not negative, and float64 does not
+        overflow on finite 16- or 32-bit values), flattened; their cells go after the finite
+        checks' so far. One stack and one cast per dtype, one addition by session for all."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, (rows, _) in enumerate(token_rows):
+            groups.setdefault(rows.dtype, []).append(i)
+        order = [i for members in groups.values() for i in members]
+        stacked = torch.cat([torch.stack([token_rows[i][0] for i in members]).to(torch.float64)
+                             for members in groups.values()])
+        sums = torch.zeros((len(order), self.sessions), dtype=torch.float64, device=stacked.device)
+        sums.index_add_(1, self._token_sessions(), stacked)
+        self._finite_cells += [token_rows[i][1] for i in order]
+        return sums.reshape(-1)
+
     def fold(self) -> torch.Tensor | None:
         """Every recorded value in one float64 device tensor (a device op: a captured step folds
         inside its graph, and each replay refills the same tensor)."""
@@ -163,6 +187,9 @@ class DeviceChecks:
             if self._pending:
                 self._magnitudes(self._pending, self._pending_cells)
                 self._pending, self._pending_cells = [], []
+            if self._token_rows:
+                self._finite.append(self._by_session(self._token_rows))
+                self._token_rows = []
             groups: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
             for t, cell in self._rows:
                 groups.setdefault((t.dtype, t.numel() // self.sessions), []).append((t, cell))
@@ -283,6 +310,17 @@ def _max_keeps_nan() -> bool:
 
 
 _KEEPS_NAN: dict[str, bool] = {}
+_ROWS_KEEP_NAN: dict[str, bool] = {}
+
+
+def _row_norm_keeps_nan(device: torch.device) -> bool:
+    """Whether this torch's ∞-norm along a dimension carries a NaN through on this kind of device
+    (probed once per device type); where it does not, a tensor's rows are summed in float64."""
+    kind = device.type
+    if kind not in _ROWS_KEEP_NAN:
+        probe = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 2.0, 3.0]], device=device, dtype=torch.bfloat16)
+        _ROWS_KEEP_NAN[kind] = bool(torch.linalg.vector_norm(probe, math.inf, dim=1)[0].isnan())
+    return _ROWS_KEEP_NAN[kind]
 
 
 def _norm_keeps_nan(device: torch.device) -> bool:
