@@ -68,3 +68,19 @@ def test_it_follows_a_pace_that_changes():
     for fed in (100, 30, 250, 64) * 15:                     # the contexts grew: tokens cost twice as much
         pace.add(True, fed, STEP + 2 * TOKEN * fed)
     assert pace.token_s == pytest.approx(2 * TOKEN, rel=1e-3) and pace.step_s == pytest.approx(STEP, rel=1e-2)
+
+
+def test_a_paced_pass_runs_as_many_stages_as_fit_at_what_each_took_by_its_place():
+    """Stage costs kept by place (a pass of three stages and its end: four places); a count from
+    a place adds them up to what fits, at least one; a place never measured ends it; a pass that
+    runs its stages again counts them from the first place again."""
+    pace = Pace(keep=0.5)
+    assert pace.stages_within(0, 1.0, 4) == 1                       # nothing measured yet
+    pace.staged(0, [0.1, 0.5], 4)
+    assert pace.stages_within(0, 0.55, 4) == 1 and pace.stages_within(0, 0.6, 4) == 2
+    assert pace.stages_within(0, 10.0, 4) == 2                      # place 2 never measured
+    pace.staged(2, [0.2, 0.05, 0.3], 4)                             # places 2, 3, then 0 again
+    assert pace.stage_s[0] == pytest.approx(0.5 * 0.1 + 0.5 * 0.3)
+    assert pace.stages_within(1, 0.72, 4) == 2 and pace.stages_within(1, 0.8, 4) == 3    # 0.5, 0.7, 0.75
+    assert pace.stages_within(3, 0.01, 4) == 1                      # one even when it overruns
+    assert pace.stages_within(3, 0.97, 4) == 4                      # 0.05, 0.25, 0.75, 0.95: round again

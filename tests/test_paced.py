@@ -110,3 +110,33 @@ def test_what_the_work_raises_comes_back_to_the_caller_and_advancing_asks_for_a_
 def test_between_stages_outside_a_paced_pass_does_nothing():
     between_stages()
     assert Paced(lambda: 7).outcome() == 7
+
+
+def test_the_callers_modes_are_back_however_the_pass_stops_and_only_its_thread_advances_it():
+    """A pass that ends inside an `advance` made under other modes than its first leaves the
+    caller in the modes it called in; another thread may not advance it (and changes nothing);
+    an interrupt inside the pass is raised in the caller at once."""
+    import threading
+
+    def work():
+        with torch.inference_mode():
+            between_stages()
+        return 5
+    paced = Paced(work)
+    assert not paced.advance(1)
+    refused = []
+    thread = threading.Thread(target=lambda: refused.append(pytest.raises(RuntimeError, paced.advance, 1)))
+    thread.start()
+    thread.join()
+    assert refused and "thread that made it" in str(refused[0].value) and paced.stages == 1
+    with torch.inference_mode():
+        assert paced.advance(1) and torch.is_inference_mode_enabled()
+    assert not torch.is_inference_mode_enabled() and paced.outcome() == 5
+
+    def interrupted():
+        between_stages()
+        raise KeyboardInterrupt
+    paced = Paced(interrupted)
+    paced.advance(1)
+    with pytest.raises(KeyboardInterrupt):
+        paced.advance(1)

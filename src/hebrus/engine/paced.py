@@ -68,11 +68,16 @@ class Paced:
             return True
         if stages is not None and stages < 1:
             raise ValueError(f"a paced pass advances at least one stage at a time, got {stages}")
+        try:
+            self._pass.parent = greenlet.getcurrent()   # where it comes back to: this caller
+        except ValueError:
+            raise RuntimeError("a paced pass advances only on the thread that made it") from None
         self._left = stages
         self._modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         self._mark = time.perf_counter()
-        self._pass.parent = greenlet.getcurrent()   # where it comes back to: this caller
-        self._pass.switch()
+        # the caller's modes back however the pass stops: parked (`_between` sets them too) or ended
+        with torch.inference_mode(self._modes[0]), torch.set_grad_enabled(self._modes[1]):
+            self._pass.switch()
         return self.done
 
     def outcome(self) -> object:
@@ -85,8 +90,8 @@ class Paced:
     def _run(self) -> None:
         try:
             self._result = self._context.run(self._work)
-        except BaseException as exc:        # handed to the caller (`outcome`)
-            self._error = exc
+        except Exception as exc:            # handed to the caller (`outcome`); anything else (an
+            self._error = exc               # interrupt) is raised in the caller at once
         finally:
             self.seconds.append(time.perf_counter() - self._mark)
             self._pass.paced = None

@@ -58,16 +58,18 @@ class Pace:
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
             self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
 
-    def staged(self, first: int, seconds: list[float]) -> None:
-        """Take in a paced prompt pass's turn: its stages from place `first` on took `seconds`."""
+    def staged(self, first: int, seconds: list[float], places: int) -> None:
+        """Take in a paced prompt pass's turn: its stages from place `first` on took `seconds`.
+        A pass has `places` (its stages and its end); a pass that runs them again (sessions
+        alone after a pass that failed as a whole) counts again from the first."""
         for place, spent in enumerate(seconds, first):
-            self.stage_s[place] = self._mean(self.stage_s.get(place), spent)
+            self.stage_s[place % places] = self._mean(self.stage_s.get(place % places), spent)
 
-    def stages_within(self, first: int, seconds: float) -> int:
-        """How many stages of a paced pass, from place `first` on, fit `seconds` at what each
-        took before: at least one; a place never measured ends the count there."""
+    def stages_within(self, first: int, seconds: float, places: int) -> int:
+        """How many stages of a paced pass of `places`, from place `first` on, fit `seconds` at
+        what each took before: at least one; a place never measured ends the count there."""
         count, spent = 0, 0.0
-        while (cost := self.stage_s.get(first + count)) is not None and spent + cost <= seconds:
+        while (cost := self.stage_s.get((first + count) % places)) is not None and spent + cost <= seconds:
             spent += cost
             count += 1
         return max(1, count)

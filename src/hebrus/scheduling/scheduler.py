@@ -342,6 +342,12 @@ class Scheduler:
 
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._turns()
+        finally:
+            self._abandon()                             # a paced pass's sessions are its own until it ends
+
+    def _turns(self) -> None:
         while True:
             with self._wake:
                 self._idle_since = time.perf_counter()
@@ -371,7 +377,6 @@ class Scheduler:
                     request.emit("error", exc)
                 self.running = []
                 self.preempted.clear()
-        self._abandon()
 
     def _take_waiting(self) -> None:
         """Waiting requests into the free places, first come first served, except that a key
@@ -547,7 +552,7 @@ class Scheduler:
             torch.cuda.synchronize(self.model.device)
         ran, wall = flight.paced.seconds[first:], time.perf_counter() - start
         scale = wall / sum(ran) if sum(ran) > 0 else 1.0    # (the device's wait shared among them)
-        self.pace.staged(first, [s * scale for s in ran])
+        self.pace.staged(first, [s * scale for s in ran], len(self.model.stages) + 1)
         if ended:
             self.flight = None
             self._fed(flight.feeding, flight.paced.outcome(), flight.marked, flight.kept,
@@ -566,8 +571,8 @@ class Scheduler:
         """End the paced pass under way, if any, and let its outcome go (its requests are let go
         by the caller): its sessions are its own until it ends."""
         if self.flight is not None:
-            flight, self.flight = self.flight, None
-            flight.paced.advance(None)
+            self.flight.paced.advance(None)
+            self.flight = None
 
     def _land(self) -> None:
         """Run the paced pass under way, if any, to its end and take it in."""
@@ -582,7 +587,7 @@ class Scheduler:
         step_s = self.pace.alone(decoding) or self.pace.step_s
         if step_s is None:
             return 1
-        return self.pace.stages_within(first, self.prefill_share * step_s)
+        return self.pace.stages_within(first, self.prefill_share * step_s, len(self.model.stages) + 1)
 
     def _marked(self, feeding: list[tuple[Request, list[int]]], stepping: list[tuple[Request, int]]):
         """Where each request's chunk keeps states for the prefix cache (`_marks`; none for a

@@ -107,6 +107,8 @@ class DeviceChecks:
         infinity and no reduction of their own, through the scales written beside them).
         `written`: (tensor, the session it belongs to, or None: by its first dimension)."""
         written = [(t, i) for t, i in written if t.is_floating_point() and t.numel() and t.element_size() > 1]
+        if self._folded is not None and written:
+            raise RuntimeError("a finite check after the checks were folded would not be read (reset first)")
         if self.defer:
             self._pending += written
             self._pending_cells += [cell] * len(written)
@@ -134,7 +136,7 @@ class DeviceChecks:
             elif t.dim() and t.shape[0] == self.tokens and _row_norm_keeps_nan(t.device):
                 # each row's largest magnitude, in the tensor's dtype (no float64 copy of the
                 # tensor), added up by session for all such tensors at once when folded
-                self._token_rows.append((torch.linalg.vector_norm(t.reshape(self.tokens, -1), math.inf, dim=1), cell))
+                self._token_rows.append((_row_magnitudes(t.reshape(self.tokens, -1)), cell))
             else:
                 self._finite.append(self._each(t, "sum"))
                 self._finite_cells.append(cell)
@@ -313,13 +315,23 @@ _KEEPS_NAN: dict[str, bool] = {}
 _ROWS_KEEP_NAN: dict[str, bool] = {}
 
 
+def _row_magnitudes(rows: torch.Tensor) -> torch.Tensor:
+    """[R, L] -> each row's largest magnitude [R], in its dtype (non-finite exactly when a value
+    of the row is): the ∞-norm along the rows, one launch with no copy, on a GPU; the max of the
+    absolute values on the CPU, where the norm is not vectorised (7x slower over 100 tensors of
+    256 x 1024)."""
+    if rows.device.type == "cpu":
+        return rows.abs().amax(1)
+    return torch.linalg.vector_norm(rows, math.inf, dim=1)
+
+
 def _row_norm_keeps_nan(device: torch.device) -> bool:
-    """Whether this torch's ∞-norm along a dimension carries a NaN through on this kind of device
-    (probed once per device type); where it does not, a tensor's rows are summed in float64."""
+    """Whether `_row_magnitudes` carries a NaN through on this kind of device (probed once per
+    device type); where it does not, a tensor's rows are summed in float64."""
     kind = device.type
     if kind not in _ROWS_KEEP_NAN:
         probe = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 2.0, 3.0]], device=device, dtype=torch.bfloat16)
-        _ROWS_KEEP_NAN[kind] = bool(torch.linalg.vector_norm(probe, math.inf, dim=1)[0].isnan())
+        _ROWS_KEEP_NAN[kind] = bool(_row_magnitudes(probe)[0].isnan())
     return _ROWS_KEEP_NAN[kind]
 
 
