@@ -15,7 +15,8 @@
 # workloads shared, long-serve and mixed, each with the prefix cache on and off; also parts of their own: each
 # server warms up first, so the three may not fit one call), long-chunks (the long workload with one request's
 # prompt chunk at 256 and 4096 tokens, --serve-prefill-chunk), long-paced (the long workload at chunk 4096 with
-# --serve-passes paced, then two),
+# --serve-passes paced, then two), paced-turns (diag/serve_turns.py: the engine loop alone with a 16K prompt among
+# 32 decoders, each turn timed, paced then two),
 # prefill8k (the 1.68B shape's 8K prompt against transformers, 5 rounds), shakespeare (the trained
 # default's decode at batch 1 and 8), conv (benchmarks/conv_prefill.py: a GDN conv over an 8K chunk),
 # gemv (benchmarks/gemv.py --update: a Triton product of one row against cuBLAS on the 1.68B shape's weights,
@@ -141,6 +142,14 @@ for part in "$@"; do
                 --system 32000 --serve-tokens 512 --serve-prefill-chunk 4096 --serve-passes $passes --cache /tmp/shapes \
                 --json "$out/bench-serve-long-$passes-4096-qwen3.5-1.7b.json" \
                 --table "$out/bench-serve-long-$passes-4096-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        done ;;
+    paced-turns)
+        # issue 30 (d) in the engine loop alone (benchmarks/diag/serve_turns.py): 32 decoding, a 16,000-token
+        # prompt in chunks of 2048, each turn timed; paced (the pass a few stages a turn, its places' costs) then two
+        for passes in paced two; do
+            timeout 280 python3 benchmarks/diag/serve_turns.py --model qwen3.5-1.7b --clients 32 --prompt 16000 \
+                --chunk 2048 --passes $passes > "$out/serve-turns-$passes.txt" 2>&1
+            head -3 "$out/serve-turns-$passes.txt" | cut -c1-400
         done ;;
     mixed)
         timeout 180 python3 -m hebrus bench --serve --workload mixed --model qwen3.5-1.7b --clients 64 --requests 128 \
