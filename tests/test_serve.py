@@ -309,9 +309,11 @@ def test_the_command_refuses_bad_arguments():
         assert main(["serve", "--model", "tiny", "--max-sessions", "0"]) == 2
         assert main(["serve", "--model", "tiny", "--prefill-tokens", "0"]) == 2
         assert main(["serve", "--model", "tiny", "--prefill-chunk", "0"]) == 2
+        assert main(["serve", "--model", "tiny", "--passes", "paced", "--tensor-parallel", "2"]) == 2
     assert "--port must lie in" in err.getvalue() and "--max-sessions" in err.getvalue()
     assert "--prefill-tokens must be at least 1" in err.getvalue()
     assert "--prefill-chunk must be at least 1" in err.getvalue()
+    assert "--passes paced stops a prompt pass between its stages" in err.getvalue()
 
 
 def test_a_turn_feeds_prompts_up_to_its_budget_oldest_first_and_steps_every_decoding_request(tiny):

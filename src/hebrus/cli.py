@@ -201,6 +201,9 @@ def _serve(args) -> int:
         raise InvalidInput("--prefill-chunk must be at least 1")
     if not args.prefill_share > 0:
         raise InvalidInput("--prefill-share must be a positive number of decode steps")
+    if args.passes == "paced" and (getattr(args, "tensor_parallel", None) or 1) > 1:
+        raise InvalidInput("--passes paced stops a prompt pass between its stages, which a model over "
+                           "tensor-parallel ranks cannot (its ranks step together): use one or two")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
     if args.prefix_every < 1:
