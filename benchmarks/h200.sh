@@ -37,7 +37,7 @@
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
 # over 2 ranks where the machine has two GPUs; and the GPU tests of tests/test_parallel.py).
-# Needs fla-core and einops wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
+# Needs fla-core, einops and greenlet wheels in .whl/ (and, for the serve part, the FastAPI stack: see benchmarks/README.md); HEBRUS_COMMIT names the commit.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
