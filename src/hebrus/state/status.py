@@ -144,11 +144,12 @@ class DeviceChecks:
         self._named += vectors
         self._named_at += [(named[j][2], named[j][1]) for j in order]
 
-    def _token_sessions(self) -> torch.Tensor:
-        """Each token's session (a ragged step's; made on first use, never inside a capture)."""
+    def _token_sessions(self, device: torch.device) -> torch.Tensor:
+        """Each token's session (a ragged step's; made on first use, never inside a capture), on
+        the checks' device, else on `device` (the values' it indexes)."""
         if self._of_token is None:
             self._of_token = upload(torch.repeat_interleave(torch.arange(self.sessions), torch.tensor(self.lengths)),
-                                    torch.int64, self.device)
+                                    torch.int64, self.device if self.device is not None else device)
         return self._of_token
 
     def _each(self, t: torch.Tensor, how: str) -> torch.Tensor:
@@ -163,7 +164,7 @@ class DeviceChecks:
             return per
         start = {"any": 0.0, "sum": 0.0, "min": float("inf"), "max": float("-inf")}[how]
         out = torch.full((N,), start, dtype=torch.float64, device=t.device)
-        return out.scatter_reduce(0, self._token_sessions(), per.to(torch.float64),
+        return out.scatter_reduce(0, self._token_sessions(t.device), per.to(torch.float64),
                                   {"any": "amax", "sum": "sum", "min": "amin", "max": "amax"}[how])
 
     def _by_session(self, token_rows: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -178,7 +179,7 @@ class DeviceChecks:
         stacked = torch.cat([torch.stack([token_rows[i][0] for i in members]).to(torch.float64)
                              for members in groups.values()])
         sums = torch.zeros((len(order), self.sessions), dtype=torch.float64, device=stacked.device)
-        sums.index_add_(1, self._token_sessions(), stacked)
+        sums.index_add_(1, self._token_sessions(stacked.device), stacked)
         self._finite_cells += [token_rows[i][1] for i in order]
         return sums.reshape(-1)
 
