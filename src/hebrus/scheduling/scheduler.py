@@ -550,8 +550,9 @@ class Scheduler:
         ended = flight.paced.advance(self._stages(first) if decoding else None)
         if self.model.device.type == "cuda":        # its stages' device work counts in their time
             torch.cuda.synchronize(self.model.device)
-        ran, wall = flight.paced.seconds[first:], time.perf_counter() - start
-        scale = wall / sum(ran) if sum(ran) > 0 else 1.0    # (the device's wait shared among them)
+        ran = flight.paced.seconds[first:]
+        host = sum(ran)
+        scale = (time.perf_counter() - start) / host if host > 0 else 1.0     # (the device's wait shared among them)
         self.pace.staged(first, [s * scale for s in ran], len(self.model.stages) + 1)
         if ended:
             self.flight = None

@@ -312,8 +312,17 @@ def _max_keeps_nan() -> bool:
     return hasattr(torch, "_foreach_max") and bool(torch._foreach_max(torch._foreach_abs(probe))[0].isnan())
 
 
-_KEEPS_NAN: dict[str, bool] = {}
-_ROWS_KEEP_NAN: dict[str, bool] = {}
+_KEEPS_NAN: dict[tuple[str, str], bool] = {}     # (reduction, device type) -> whether a NaN comes through
+
+
+def _keeps_nan(name: str, device: torch.device, reduce) -> bool:
+    """Whether `reduce(probe)` of a probe holding a NaN (first row or vector) gives a NaN on this
+    kind of device; probed once per reduction and device type."""
+    key = (name, device.type)
+    if key not in _KEEPS_NAN:
+        probe = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 2.0, 3.0]], device=device)
+        _KEEPS_NAN[key] = bool(reduce(probe)[0].isnan())
+    return _KEEPS_NAN[key]
 
 
 def _row_magnitudes(rows: torch.Tensor) -> torch.Tensor:
@@ -327,24 +336,16 @@ def _row_magnitudes(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _row_norm_keeps_nan(device: torch.device) -> bool:
-    """Whether `_row_magnitudes` carries a NaN through on this kind of device (probed once per
-    device type); where it does not, a tensor's rows are summed in float64."""
-    kind = device.type
-    if kind not in _ROWS_KEEP_NAN:
-        probe = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 2.0, 3.0]], device=device, dtype=torch.bfloat16)
-        _ROWS_KEEP_NAN[kind] = bool(_row_magnitudes(probe)[0].isnan())
-    return _ROWS_KEEP_NAN[kind]
+    """Whether `_row_magnitudes` carries a NaN through on this kind of device; where it does not,
+    a tensor's rows are summed in float64."""
+    return _keeps_nan("rows", device, lambda probe: _row_magnitudes(probe.bfloat16()))
 
 
 def _norm_keeps_nan(device: torch.device) -> bool:
     """Whether this torch's multi-tensor ∞-norm carries a NaN through on this kind of device
-    (older CUDA builds took a plain max, which drops it); probed once per device type. Where it
-    does not, each tensor is summed instead: a NaN or Inf always makes a sum non-finite."""
-    kind = device.type
-    if kind not in _KEEPS_NAN:
-        probe = torch.tensor([1.0, float("nan"), 2.0], device=device)
-        _KEEPS_NAN[kind] = bool(torch._foreach_norm([probe], math.inf)[0].isnan())
-    return _KEEPS_NAN[kind]
+    (older CUDA builds took a plain max, which drops it). Where it does not, each tensor is
+    summed instead: a NaN or Inf always makes a sum non-finite."""
+    return _keeps_nan("norm", device, lambda probe: torch._foreach_norm([probe[0]], math.inf))
 
 
 class Completion:
