@@ -4,6 +4,7 @@ compared with `Session.generate` (exact mode: the same tokens), a failing reques
 leave the others untouched, and every refusal is shown to change nothing."""
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import PATIENCE, wait_until
 from hebrus import serve
+from hebrus.sampling import Sampling
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -38,7 +40,24 @@ def _healthy(url: str) -> bool:
 
 
 class Server:
-    def __init__(self, model, keys=KEYS, **options):
+    """A server of `model` on a loopback port: its app and engine in this process, or with
+    `split`, as `hebrus serve` runs them: the engine here, the front end in a process of its own."""
+
+    def __init__(self, model, keys=KEYS, split: bool = False, **options):
+        if split:
+            import contextlib
+            self.scheduler = serve.engine(model, **options)
+            listening = socket.socket()
+            listening.bind(("127.0.0.1", 0))
+            self.port = listening.getsockname()[1]
+            self.split = contextlib.ExitStack()
+            self.front = self.split.enter_context(serve.fronted(self.scheduler, "tiny", listening, keys,
+                                                                log_level="error"))
+            listening.close()
+            self.url = f"http://127.0.0.1:{self.port}"
+            assert wait_until(lambda: _healthy(self.url), step=0.05), "the server did not start"
+            return
+        self.split = None
         self.app, self.scheduler = serve.build(model, "tiny", api_key=keys, **options)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -53,6 +72,9 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=PATIENCE)
 
     def close(self):
+        if self.split is not None:
+            self.split.close()
+            return
         self.server.should_exit = True
         self.thread.join(10)
         self.scheduler.stop(drain_seconds=5)
@@ -213,7 +235,8 @@ def test_keys_sizes_and_unknown_fields(server):
     assert reply.status_code == 413 and "over" in reply.json()["error"]["message"]
 
 
-def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
+@pytest.mark.parametrize("split", [False, True], ids=["one process", "front end apart"])
+def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny, split):
     """32 concurrent streaming requests; one is failed mid-decode (its fourth token's transaction
     aborts through the test-only fault hook, the real nonfinite path); the other 31 stream what
     each would alone."""
@@ -224,7 +247,7 @@ def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
         if bytes(request.prompt) == prompts[doomed] and len(request.produced) == 3:
             return "layers.1.qsa"
         return None
-    server = Server(tiny, fault=fault, max_sessions=32)
+    server = Server(tiny, fault=fault, max_sessions=32, split=split)
     try:
         def ask(i):
             pieces = []
@@ -251,8 +274,9 @@ def test_one_failing_request_leaves_31_others_as_a_clean_run_gives_them(tiny):
         server.close()
 
 
-def test_overload_is_a_429_with_retry_after(tiny):
-    server = Server(tiny, max_waiting=0)
+@pytest.mark.parametrize("split", [False, True], ids=["one process", "front end apart"])
+def test_overload_is_a_429_with_retry_after(tiny, split):
+    server = Server(tiny, max_waiting=0, split=split)
     try:
         reply = _post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
                       headers={"Authorization": f"Bearer {KEYS[0]}"})
@@ -600,3 +624,102 @@ def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatc
     finally:
         scheduler.stop(drain_seconds=1)
     assert scheduler.spares == []                                       # given back with the loop
+
+
+# ---- the front end in a process of its own (`serve.link`, as `hebrus serve` runs) ----------------
+def test_with_the_front_end_apart_every_answer_is_the_one_in_one_process(tiny):
+    """The same requests to a server in one process and to one whose front end runs apart:
+    greedy, sampled with n = 2 and streamed, constrained by a regex, with logprobs: the same
+    answers; a client gone mid-stream frees its request in the engine's process too."""
+    bodies = [{"prompt": "Double, double", "max_tokens": 12, "temperature": 0},
+              {"prompt": "Toil and trouble", "max_tokens": 9, "temperature": 0.8, "seed": 7, "n": 2, "stream": True},
+              {"prompt": "Fire burn", "max_tokens": 8, "seed": 3, "response_format": {"type": "regex", "regex": "ab+c"}},
+              {"prompt": "and cauldron", "max_tokens": 5, "temperature": 0, "logprobs": 2}]
+    answers = {}
+    for split in (False, True):
+        server = Server(tiny, split=split)
+        try:
+            got = []
+            for body in bodies:
+                reply = _post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                              json={"model": "tiny", **body})
+                assert reply.status_code == 200, reply.text
+                if body.get("stream"):
+                    chunks = [json.loads(line[6:]) for line in reply.text.splitlines()
+                              if line.startswith("data: {")]
+                    got.append(sorted((c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks
+                                      if c["choices"]))
+                else:
+                    got.append([(c["text"], c["finish_reason"], c["logprobs"]) for c in reply.json()["choices"]])
+            answers[split] = got
+            if split:
+                test_a_client_gone_mid_stream_frees_its_request(server)
+        finally:
+            server.close()
+    assert answers[True] == answers[False]
+    assert answers[False][0][0][0] == _greedy(tiny, b"Double, double", 12, temperature=0)
+
+
+def test_the_relay_sends_a_turns_events_as_one_message(tiny):
+    """The engine's end of the link: four requests decoding together send their tokens a turn
+    at a time (one message carrying each request's token), each request's events in order."""
+    from hebrus.scheduling.scheduler import Scheduler
+    from hebrus.serve.link import Relay
+
+    class Conn:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+        def recv(self):
+            raise EOFError
+    scheduler, conn = Scheduler(tiny, max_sessions=4), Conn()
+    relay = Relay(scheduler, conn)
+    for i in range(4):
+        relay._submit(i, {"key": "k", "prompt": list(f"Voice {i}".encode()), "max_tokens": 6,
+                          "sampling": Sampling(), "seed": i, "stop_ids": frozenset(), "keep": False, "salt": "",
+                          "logprobs": None}, None, [])
+    scheduler.start()
+    try:
+        assert wait_until(lambda: sum(len(m[1]) for m in conn.sent) == 4 * 7)
+    finally:
+        scheduler.stop(drain_seconds=1)
+    events = [e for m in conn.sent for e in m[1]]
+    for i in range(4):
+        assert [kind for j, kind, _ in events if j == i] == ["token"] * 6 + ["done"]
+    assert len(conn.sent) <= 7 and all({j for j, _, _ in m[1]} == {0, 1, 2, 3} for m in conn.sent)
+
+
+def test_what_crosses_the_link_and_what_happens_when_the_engine_is_gone():
+    """An abort crosses whole (its kind, stage and text); an error that cannot be pickled crosses
+    as a RuntimeError naming it. The engine's end closing fails what is running, refuses what
+    comes after, and tells the front end (which then stops)."""
+    import multiprocessing
+    import pickle
+    from hebrus.errors import NonFiniteError
+    from hebrus.scheduling.scheduler import Request
+    from hebrus.serve.link import Link, _portable
+    abort = pickle.loads(pickle.dumps(_portable(NonFiniteError("layers.1.qsa", "inf in h", 3))))
+    assert type(abort) is NonFiniteError and (abort.stage, abort.detail, abort.published) == ("layers.1.qsa",
+                                                                                              "inf in h", 3)
+
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}{b}")
+    odd = _portable(Odd("no ", "pickle"))
+    assert type(odd) is RuntimeError and str(odd) == "Odd: no pickle"
+    here, there = multiprocessing.Pipe()
+    lost, events = threading.Event(), []
+    link = Link(here, share_prefixes=False, lost=lost.set)
+    job = Request(key="k", prompt=[1, 2], max_tokens=3, sampling=Sampling(), seed=0, stop_ids=frozenset(),
+                  emit=lambda kind, value: events.append((kind, value)))
+    link.submit(job)
+    assert there.recv()[0] == "submit"
+    there.close()
+    assert lost.wait(PATIENCE)
+    assert events[0][0] == "error" and "the engine stopped" in str(events[0][1])
+    with pytest.raises(RuntimeError, match="the engine stopped"):
+        link.submit(Request(key="k", prompt=[1], max_tokens=1, sampling=Sampling(), seed=0, stop_ids=frozenset(),
+                            emit=lambda kind, value: None))

@@ -39,6 +39,9 @@ class ChunkAborted(RuntimeError):
             text += f" by this chunk ({self.published} tokens of earlier chunks were)"
         return text
 
+    def __reduce__(self):                   # pickled whole (an engine in another process sends it)
+        return type(self), (self.stage, self.detail, self.published)
+
     def with_published(self, published: int) -> "ChunkAborted":
         self.published = published
         self.args = (self._message(),)

@@ -1,7 +1,7 @@
 """`hebrus bench --serve`: the server under load against the same engine offline.
 
-The server runs in this process on a loopback port (`hebrus.serve.build` and uvicorn), and
-from another process `clients` streaming requests at a time are kept in flight until `requests` have been answered,
+The server runs as `hebrus serve` runs it, its engine loop in this process and its HTTP front
+end in another on a loopback port (`hebrus.serve.fronted`), and from a third process `clients` streaming requests at a time are kept in flight until `requests` have been answered,
 each a prompt of `prompt` tokens and `tokens` new ones (greedy; no stop, so every request makes
 all of them). Reported per concurrency: requests/s, output tokens/s, time to first token and
 inter-token latency (p50, p99). Beside them, offline: the same number of sessions prefilled,
@@ -16,7 +16,6 @@ import contextlib
 import json
 import socket
 import sys
-import threading
 import time
 
 import torch
@@ -149,44 +148,49 @@ def _load_here(url: str, name: str, asks: list[list[int]], clients: int, tokens,
 
 
 @contextlib.contextmanager
-def serving(model, name: str, **options):
-    """A server of `model` (`hebrus.serve.build` with `options`) on a loopback port of this
-    process, and a process of its own for the clients (in this one they would share the
-    interpreter lock with the server and its engine) -> (its URL, its scheduler, a function
-    `ask(asks, clients, tokens, key=None)` that runs `load` there; `ask.run(function, *args)`
-    runs another function there; `ask.started_s`: seconds the server took to start)."""
+def serving(model, name: str, api_key: str | None = None, **options):
+    """A server of `model` as `hebrus serve` runs one: its engine loop in this process
+    (`hebrus.serve.engine` with `options`), its HTTP front end in a process of its own on a
+    loopback port (`hebrus.serve.fronted`), and another process for the clients (in this one
+    they would share the interpreter lock with the engine) -> (its URL, its scheduler, a
+    function `ask(asks, clients, tokens, key=None)` that runs `load` there; `ask.run(function,
+    *args)` runs another function there; `ask.started_s`: seconds the server took to start).
+    `api_key`: the key the server asks for (None: none)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    import uvicorn
+    import httpx
 
     from hebrus import serve
     began = time.perf_counter()
-    app, scheduler = serve.build(model, name, progress=lambda part: print(f"bench: warming the server up: {part}",
-                                                                          file=sys.stderr, flush=True), **options)
-    started_s = time.perf_counter() - began                 # the server's start (its warm-up on CUDA)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{port}"
-    clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    scheduler = serve.engine(model, progress=lambda part: print(f"bench: warming the server up: {part}",
+                                                                 file=sys.stderr, flush=True), **options)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+    with serve.fronted(scheduler, name, listening, api_key, log_level="error") as front:
+        listening.close()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if not front.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server's front end did not start (exit status {front.exitcode})")
+            time.sleep(0.05)
+        started_s = time.perf_counter() - began             # the server's start (its warm-up on CUDA)
+        clients_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
-    def ask(asks, clients: int, tokens, key: str | None = None, temperature: float = 0.0) -> dict:
-        return clients_process.submit(_load_here, url, name, asks, clients, tokens, key, temperature).result()
-    ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
-    ask.started_s = started_s
-    try:
-        yield url, scheduler, ask
-    finally:
-        clients_process.shutdown()
-        server.should_exit = True
-        thread.join(30)
-        scheduler.stop(drain_seconds=5)
+        def ask(asks, clients: int, tokens, key: str | None = None, temperature: float = 0.0) -> dict:
+            return clients_process.submit(_load_here, url, name, asks, clients, tokens, key, temperature).result()
+        ask.run = lambda function, *args: clients_process.submit(function, *args).result()   # any load of the bench's
+        ask.started_s = started_s
+        try:
+            yield url, scheduler, ask
+        finally:
+            clients_process.shutdown()
 
 
 def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, tokens: int,

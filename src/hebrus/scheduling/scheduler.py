@@ -149,7 +149,7 @@ class Scheduler:
                  prefill_tokens: int | None = None, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int | None = None, decode: str = "auto",
                  preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",
-                 fault: Callable[[Request], str | None] | None = None, metrics=None):
+                 fault: Callable[[Request], str | None] | None = None):
         spare_sessions = max_sessions if spare_sessions is None else spare_sessions
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
@@ -204,7 +204,11 @@ class Scheduler:
                                  cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key)
         self.share_prefixes = share_prefixes
         self.fault = fault              # tests only: a stage to fail a request's next step at
-        self.metrics = metrics
+        # transactions aborted, by (failure kind, stage) (/metrics; made-up requests not counted)
+        self.aborts: collections.Counter[tuple[str, str]] = collections.Counter()
+        # called by the engine thread after each turn and once more as the loop ends: where the
+        # turn's events go on together (`serve.link`)
+        self.after_turn: Callable[[], None] | None = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.preempted = Preempted(preempt_host_bytes)
@@ -229,7 +233,7 @@ class Scheduler:
         requests decoding together (three steps or more: uncaptured, captured, replayed); a
         prompt beside a decoding request. Each made-up prompt is its own (none is found cached);
         their cached prefixes are dropped after, the loop's counters, pace and preemptions start
-        again, and none counts in the metrics. `progress` is told each wave as it starts. Exact
+        again, and none counts in `aborts`. `progress` is told each wave as it starts. Exact
         mode has nothing to warm up."""
         say = progress or (lambda part: None)
         if not self.model.kernels.whole_chunk:
@@ -238,7 +242,7 @@ class Scheduler:
         vocab, room = self.model.spec.vocab_size, self.model.spec.max_context
         failed: list[BaseException] = []
         made, spaces = itertools.count(), set()
-        metrics, self.metrics = self.metrics, None      # made-up requests count in no metric
+        aborts = collections.Counter(self.aborts)       # made-up requests count in no metric
 
         def asked(lengths: list[int], tokens: int) -> None:
             """Requests of prompts of `lengths` and `tokens` tokens each, waiting: prompts no
@@ -287,7 +291,7 @@ class Scheduler:
             served([9], 1)
         finally:
             self._abandon()                     # (a made-up request's pass, if one raised mid-way)
-            self.metrics = metrics
+            self.aborts = aborts
             for space in spaces:
                 self.cache.forget(space)
             self.cache.lookups = self.cache.hits = self.cache.saved = self.cache.lost = 0
@@ -340,12 +344,28 @@ class Scheduler:
     def depth(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting) + len(self.preempted)
 
+    def counts(self) -> dict:
+        """What /metrics shows of the engine, a moment's values read from any thread: requests
+        running and waiting (preempted ones wait), preemptions so far, the prefix cache's counts,
+        and aborted transactions by (kind, stage)."""
+        running, waiting = self.depth
+        cache = self.cache
+        return {"running": running, "waiting": waiting, "preemptions": self.preemptions,
+                "cache": {"lookups": cache.lookups, "hits": cache.hits, "saved": cache.saved, "used": cache.used,
+                          "entries": len(cache.entries), "lost": cache.lost},
+                "aborts": dict(self.aborts)}
+
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         try:
             self._turns()
         finally:
             self._abandon()                             # a paced pass's sessions are its own until it ends
+            self._turned()
+
+    def _turned(self) -> None:
+        if self.after_turn is not None:
+            self.after_turn()
 
     def _turns(self) -> None:
         while True:
@@ -377,6 +397,7 @@ class Scheduler:
                     request.emit("error", exc)
                 self.running = []
                 self.preempted.clear()
+            self._turned()
 
     def _take_waiting(self) -> None:
         """Waiting requests into the free places, first come first served, except that a key
@@ -911,9 +932,9 @@ class Scheduler:
         return session
 
     def _report(self, request: Request, exc: BaseException) -> None:
-        """Send the exception that failed `request` (counted in the metrics if an abort)."""
-        if self.metrics is not None and isinstance(exc, ChunkAborted):
-            self.metrics.aborted(exc.kind, exc.stage)
+        """Send the exception that failed `request` (counted in `aborts` if an abort)."""
+        if isinstance(exc, ChunkAborted):
+            self.aborts[exc.kind, exc.stage] += 1
         request.emit("error", exc)
 
     def _fail(self, request: Request, exc: BaseException) -> None:

@@ -235,7 +235,7 @@ class Server:
         except Overloaded as exc:
             for job in parents:
                 job.cancelled.set()
-            return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
+            return _overloaded(exc)
         self.metrics.request(chat)
         answer = Answer(replies, chat, self.name, sum(map(len, prompts)), self.metrics, started)
         if body.stream:
@@ -290,7 +290,13 @@ def _wrapped(seed: int) -> int:
     return seed - 2**64 if seed >= 2**64 else seed
 
 
+def _overloaded(exc: Overloaded) -> JSONResponse:
+    return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
+
+
 def _failure(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, Overloaded):                 # (refused by an engine in another process: `serve.link`)
+        return _overloaded(exc)
     if isinstance(exc, ChunkAborted):
         return error(500, f"the request's transaction aborted ({exc.kind} at {exc.stage}): {exc}; nothing "
                           f"else was affected", "server_error", code=f"aborted_{exc.kind}")
@@ -321,9 +327,8 @@ async def health():
 
 @routes.get("/metrics")
 async def prometheus(server: Server = Depends(admitted)):
-    running, waiting = server.scheduler.depth
-    return PlainTextResponse(server.metrics.render(running, waiting, server.scheduler.cache,
-                                                    server.scheduler.preemptions),
+    counts = await asyncio.to_thread(server.scheduler.counts)     # (the engine's process may be another)
+    return PlainTextResponse(server.metrics.render(counts),
                              media_type="text/plain; version=0.0.4")
 
 

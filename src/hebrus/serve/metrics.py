@@ -16,6 +16,7 @@ class Metrics:
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
         self.aborts = Counter("hebrus_aborted_transactions", "Transactions aborted, by failure kind and stage",
                               ["kind", "stage"], registry=registry)
+        self._aborts: dict[tuple[str, str], int] = {}      # the engine's counts the counter has taken
         self.active = Gauge("hebrus_active_sessions", "Requests running in the engine", registry=registry)
         self.queue = Gauge("hebrus_queue_depth", "Requests waiting for the engine", registry=registry)
         self.preemptions = Gauge("hebrus_preemptions", "Requests preempted for want of state-pool blocks",
@@ -43,16 +44,16 @@ class Metrics:
     def finished(self, prompt_tokens: int, tokens: int) -> None:
         self.tokens_in.inc(prompt_tokens)
 
-    def aborted(self, kind: str, stage: str) -> None:
-        self.aborts.labels(kind=kind, stage=stage).inc()
-
-    def render(self, running: int, waiting: int, cache=None, preemptions: int = 0) -> bytes:
-        """The metrics now; `cache`: the scheduler's prefix cache, whose counts are read (a
-        moment's values, read from another thread than the engine's)."""
-        self.active.set(running)
-        self.queue.set(waiting)
-        self.preemptions.set(preemptions)
-        if cache is not None:
-            for name, gauge in self.cache.items():
-                gauge.set(len(cache.entries) if name == "entries" else getattr(cache, name))
+    def render(self, counts: dict) -> bytes:
+        """The metrics now, with the engine's `counts` (`Scheduler.counts`: a moment's values)."""
+        self.active.set(counts["running"])
+        self.queue.set(counts["waiting"])
+        self.preemptions.set(counts["preemptions"])
+        for name, gauge in self.cache.items():
+            gauge.set(counts["cache"][name])
+        for (kind, stage), n in counts["aborts"].items():     # the engine's count; the counter follows it
+            seen = self._aborts.get((kind, stage), 0)
+            if n > seen:
+                self.aborts.labels(kind=kind, stage=stage).inc(n - seen)
+                self._aborts[kind, stage] = n
         return generate_latest(self.registry)

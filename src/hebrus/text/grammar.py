@@ -89,7 +89,7 @@ class Grammar:
         matcher = LLMatcher(ll, compiled, log_level=0)
         if matcher.is_error():
             raise InvalidInput(f"the {_WHAT[self.kind]} is not supported: {matcher.get_error()}")
-        return GrammarState(matcher, vocab_size, ll.vocab_size)
+        return GrammarState(matcher, vocab_size, ll.vocab_size, self)
 
     def _compiled(self) -> str:
         from llguidance import LLMatcher
@@ -110,10 +110,11 @@ class GrammarState:
     """A grammar's state after the tokens so far: a constraint value (`state.constraint`). Never
     changed: `after` advances a copy."""
 
-    __slots__ = ("_matcher", "_vocab", "_mask", "_matcher_vocab", "_next")
+    __slots__ = ("_matcher", "_vocab", "_mask", "_matcher_vocab", "_next", "grammar")
 
-    def __init__(self, matcher, vocab_size: int, matcher_vocab: int):
+    def __init__(self, matcher, vocab_size: int, matcher_vocab: int, grammar: Grammar):
         self._matcher, self._vocab, self._mask = matcher, vocab_size, None
+        self.grammar = grammar                  # what it follows (started again in another process)
         self._matcher_vocab = matcher_vocab     # the ids llguidance's tokenizer knows (its mask's bits)
         # (token, the value after it): the last one-token `after`, so that a value made ahead of
         # a step (its mask computed while the step runs) is the one the step's flip publishes
@@ -130,7 +131,7 @@ class GrammarState:
         matcher = self._matcher.deep_copy()
         if not matcher.consume_tokens(list(tokens)):
             raise ValueError(f"the grammar does not allow these tokens: {matcher.get_error()}")
-        value = GrammarState(matcher, self._vocab, self._matcher_vocab)
+        value = GrammarState(matcher, self._vocab, self._matcher_vocab, self.grammar)
         if one is not None:
             with _memo:                         # two threads making the same value keep one of them
                 known = self._next
