@@ -629,12 +629,13 @@ def test_an_engine_that_cannot_make_a_spare_serves_all_the_same(tiny, monkeypatc
 # ---- the front end in a process of its own (`serve.link`, as `hebrus serve` runs) ----------------
 def test_with_the_front_end_apart_every_answer_is_the_one_in_one_process(tiny):
     """The same requests to a server in one process and to one whose front end runs apart:
-    greedy, sampled with n = 2 and streamed, constrained by a regex, with logprobs: the same
-    answers; a client gone mid-stream frees its request in the engine's process too."""
+    greedy, sampled with n = 2 and streamed, constrained by a regex, with logprobs, a prompt
+    found cached (its usage's cached tokens): the same answers; a client gone mid-stream frees its request in the engine's process too."""
     bodies = [{"prompt": "Double, double", "max_tokens": 12, "temperature": 0},
               {"prompt": "Toil and trouble", "max_tokens": 9, "temperature": 0.8, "seed": 7, "n": 2, "stream": True},
               {"prompt": "Fire burn", "max_tokens": 8, "seed": 3, "response_format": {"type": "regex", "regex": "ab+c"}},
-              {"prompt": "and cauldron", "max_tokens": 5, "temperature": 0, "logprobs": 2}]
+              {"prompt": "and cauldron", "max_tokens": 5, "temperature": 0, "logprobs": 2},
+              {"prompt": "Double, double", "max_tokens": 12, "temperature": 0}]   # its prompt found cached
     answers = {}
     for split in (False, True):
         server = Server(tiny, split=split)
@@ -650,13 +651,15 @@ def test_with_the_front_end_apart_every_answer_is_the_one_in_one_process(tiny):
                     got.append(sorted((c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks
                                       if c["choices"]))
                 else:
-                    got.append([(c["text"], c["finish_reason"], c["logprobs"]) for c in reply.json()["choices"]])
+                    got.append([(c["text"], c["finish_reason"], c["logprobs"]) for c in reply.json()["choices"]]
+                               + [reply.json()["usage"]])
             answers[split] = got
             if split:
                 test_a_client_gone_mid_stream_frees_its_request(server)
         finally:
             server.close()
     assert answers[True] == answers[False]
+    assert answers[True][-1][-1]["prompt_tokens_details"]["cached_tokens"] > 0
     assert answers[False][0][0][0] == _greedy(tiny, b"Double, double", 12, temperature=0)
 
 
@@ -683,12 +686,12 @@ def test_the_relay_sends_a_turns_events_as_one_message(tiny):
                           "logprobs": None}, None, [])
     scheduler.start()
     try:
-        assert wait_until(lambda: sum(len(m[1]) for m in conn.sent) == 4 * 7)
+        assert wait_until(lambda: sum(len(m[1]) for m in conn.sent) == 4 * 8)
     finally:
         scheduler.stop(drain_seconds=1)
     events = [e for m in conn.sent for e in m[1]]
     for i in range(4):
-        assert [kind for j, kind, _ in events if j == i] == ["token"] * 6 + ["done"]
+        assert [kind for j, kind, _ in events if j == i] == ["cached"] + ["token"] * 6 + ["done"]
     assert len(conn.sent) <= 7 and all({j for j, _, _ in m[1]} == {0, 1, 2, 3} for m in conn.sent)
 
 

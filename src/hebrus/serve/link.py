@@ -13,7 +13,8 @@ joined by a pipe:
   A thread reads the engine's events and hands each to its request's `emit`.
 - `Relay` is the engine's side: a thread reads the messages into `Scheduler.submit` and the
   requests' cancel events; a request's events wait in a list until the turn ends
-  (`Scheduler.after_turn`), then go as one message: one send a turn, not one a token.
+  (`Scheduler.after_turn`), then go as one message: one send a turn, not one a token. Before
+  a request's first event goes its count of prompt tokens found cached (the usage's).
 
 A refusal for a full waiting line comes back as the request's first event (an `Overloaded`
 error, answered 429). `Face` is what the front end needs of the model: its spec, family and
@@ -112,7 +113,11 @@ class Link:
                 for job_id, kind, value in message[1]:
                     with self.lock:
                         job = self.jobs.pop(job_id) if kind in ("done", "error") else self.jobs.get(job_id)
-                    if job is not None:
+                    if job is None:
+                        continue
+                    if kind == "cached":                # the engine's count, which the usage reports
+                        job.cached = value
+                    else:
                         job.emit(kind, value)
             elif message[0] == "counts":
                 with self.lock:
@@ -183,10 +188,16 @@ class Relay:
             pass
 
     def _emitter(self, job_id: int):
+        told = []
+
         def emit(kind: str, value) -> None:
             if kind == "error":
                 value = _portable(value)
             with self.lock:
+                job = self.jobs.get(job_id)
+                if not told and job is not None:        # its prompt tokens found cached, before its first event
+                    told.append(True)
+                    self.events.append((job_id, "cached", job.cached))
                 self.events.append((job_id, kind, value))
                 if kind in ("done", "error"):
                     self.jobs.pop(job_id, None)
