@@ -28,12 +28,13 @@ class PacedEngine:
     """Stands in for `Scheduler` where the app calls it: `submit`, `depth`, `start`, `stop`."""
     share_prefixes, preemptions, cache = False, 0, None
 
-    def __init__(self, step_s: float, width: int):
-        self.step_s, self.width = step_s, width
+    def __init__(self, step_s: float, width: int, host_s: float = 0.0):
+        self.step_s, self.width, self.host_s = step_s, width, host_s
         self.waiting, self.running = collections.deque(), []
         self.lock, self.stopped = threading.Lock(), False
         self.turns = self.late = self.sent = 0
         self.busy = 0.0                 # seconds the engine thread spent sending (the interpreter lock held)
+        self.stepped = 0.0              # seconds of the turns that stepped, each from its start to its device wait
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     @property
@@ -58,6 +59,7 @@ class PacedEngine:
             with self.lock:
                 while self.waiting and len(self.running) < self.width:
                     self.running.append(self.waiting.popleft())
+            _hold(self.host_s)          # a step's own host work: launches, inputs, sampling (the lock held)
             for request in list(self.running):
                 request.emit("token", 65 + len(request.produced) % 26)
                 request.produced.append(0)
@@ -69,9 +71,17 @@ class PacedEngine:
             self.busy += now - began
             if self.running:
                 self.turns += 1
+                self.stepped += now - began
                 self.late += began > due + self.step_s / 2
             due = max(due + self.step_s, now)
             time.sleep(max(0.0, due - time.perf_counter()))
+
+
+def _hold(seconds: float) -> None:
+    """Busy in Python for `seconds`, holding the interpreter lock as the engine's host work does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(100))
 
 
 def _clients(url: str, asks: list[list[int]], clients: int, tokens: int) -> dict:
@@ -86,6 +96,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request (default 256)")
     parser.add_argument("--requests", type=int, default=256, help="requests in all (default 256)")
     parser.add_argument("--client-processes", type=int, default=4, help="processes the clients run in (default 4)")
+    parser.add_argument("--host-ms", type=float, default=0.0,
+                        help="of each step, the engine's own host work in Python, the interpreter lock held "
+                             "(default 0: the whole step waits on the device with the lock released)")
+    parser.add_argument("--switch-ms", type=float, default=None,
+                        help="the interpreter's switch interval (sys.setswitchinterval; default its own, 5 ms)")
     parser.add_argument("--json", default=None, help="write the report here too")
     args = parser.parse_args(argv)
     if args.width % args.client_processes or args.requests % args.client_processes:
@@ -97,7 +112,9 @@ def main(argv=None) -> int:
     from hebrus.serve.app import create_app
     from hebrus.serve.metrics import Metrics
     model = hebrus.load("tiny")             # its tokenizer and limits only: the engine never runs it
-    engine = PacedEngine(args.step_ms / 1e3, args.width)
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
+    engine = PacedEngine(args.step_ms / 1e3, args.width, args.host_ms / 1e3)
     app = create_app(model, "frontend", engine, metrics=Metrics())
     engine.start()
     with socket.socket() as s:
@@ -112,7 +129,7 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
         pool.submit(_clients, url, asks[:n], n, 4).result()         # the processes start before the clock
         engine.turns = engine.late = engine.sent = 0
-        engine.busy, began, cpu = 0.0, time.perf_counter(), time.process_time()
+        engine.busy, engine.stepped, began, cpu = 0.0, 0.0, time.perf_counter(), time.process_time()
         parts = list(pool.map(_clients, [url] * n, [asks[i::n] for i in range(n)],
                               [args.width // n] * n, [args.tokens] * n))
     wall, cpu = time.perf_counter() - began, time.process_time() - cpu
@@ -125,7 +142,9 @@ def main(argv=None) -> int:
         "offered_events_per_s": args.width / (args.step_ms / 1e3),
         "received_events_per_s": received / wall,
         "engine_turns": engine.turns, "engine_turns_late": engine.late,
-        "engine_busy_s": engine.busy, "wall_s": wall,
+        "engine_busy_s": engine.busy, "wall_s": wall, "host_ms": args.host_ms,
+        "switch_ms": args.switch_ms if args.switch_ms is not None else sys.getswitchinterval() * 1e3,
+        "engine_host_ms_mean": engine.stepped / max(1, engine.turns) * 1e3,
         "server_cpu_s": cpu,            # the server's process (front end and engine): of wall_s, how busy
         "ttft_ms_p50": sorted(p["ttft_ms_p50"] for p in parts)[n // 2],
         "itl_ms_p50": sorted(p["itl_ms_p50"] for p in parts)[n // 2],
