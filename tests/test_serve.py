@@ -333,6 +333,7 @@ def test_the_command_refuses_bad_arguments():
         assert main(["serve", "--model", "tiny", "--max-sessions", "0"]) == 2
         assert main(["serve", "--model", "tiny", "--prefill-tokens", "0"]) == 2
         assert main(["serve", "--model", "tiny", "--prefill-chunk", "0"]) == 2
+        assert main(["serve", "--model", "tiny", "--gather-ms", "-1"]) == 2
         assert main(["serve", "--model", "tiny", "--passes", "paced", "--tensor-parallel", "2"]) == 2
     assert "--port must lie in" in err.getvalue() and "--max-sessions" in err.getvalue()
     assert "--prefill-tokens must be at least 1" in err.getvalue()
@@ -364,6 +365,36 @@ def test_a_turn_feeds_prompts_up_to_its_budget_oldest_first_and_steps_every_deco
         assert ("running", "token") in events
     assert fed == [(8, 0), (16, 0), (20, 8), (20, 12), (20, 12)]   # 4 tokens left 4 of the budget
     assert len(running.produced) == 6
+
+
+def test_an_idle_loop_gathers_a_burst_of_requests_into_one_pass(tiny):
+    """With `gather`, an idle loop woken by one request waits while more keep arriving: four
+    submitted a moment apart (well within the gap) are fed in one pass; it waits no longer once
+    they fill every place (a gap of 30 s is never waited out). On the CPU the default is not to
+    wait; a negative gap is refused."""
+    from hebrus.scheduling.scheduler import Request, Scheduler
+    assert Scheduler(tiny).gather == 0
+    with pytest.raises(ValueError, match="gather"):
+        Scheduler(tiny, gather=-1)
+    for gather, places in ((0.5, 8), (30.0, 4)):
+        scheduler, done = Scheduler(tiny, max_sessions=places, gather=gather), []
+        passes = []
+        real = scheduler._pass
+        scheduler._pass = lambda feeding, *rest: (passes.append(len(feeding)), real(feeding, *rest))[1]
+        scheduler.start()
+        began = time.monotonic()
+        try:
+            for i in range(4):
+                scheduler.submit(Request(key="", prompt=list(f"Burst {i}".encode()), max_tokens=2, sampling=Sampling(),
+                                         seed=i, stop_ids=frozenset(), keep=False,
+                                         emit=lambda kind, value: kind != "token" and done.append(kind)))
+                time.sleep(0.02)
+            assert wait_until(lambda: len(done) == 4)
+        finally:
+            scheduler.stop(drain_seconds=1)
+        assert done == ["done"] * 4 and passes[0] == 4
+        if gather == 30.0:
+            assert time.monotonic() - began < gather             # the places full, it waited no longer
 
 
 def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path):

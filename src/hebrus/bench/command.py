@@ -85,6 +85,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="the server's --passes: a turn's prompt chunks and decode steps in one pass or two, "
                             "or a pass of chunks a few stages a turn (paced; default auto: two where the steps "
                             "replay CUDA graphs, else one)")
+    bench.add_argument("--serve-gather-ms", type=float, default=None, metavar="MS",
+                       help="the server's --gather-ms: an idle engine waits for more of a burst of requests "
+                            "while they arrive less than MS apart (default: the server's)")
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")
@@ -265,12 +268,15 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--serve-prefill-chunk must be at least 1, got {args.serve_prefill_chunk}")
     if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
+    if args.serve_gather_ms is not None and not 0 <= args.serve_gather_ms <= 1000:
+        raise InvalidInput(f"--serve-gather-ms must be from 0 to 1000, got {args.serve_gather_ms}")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
     limit, name = model.spec.max_context, Path(args.model).name
     engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share,
-              "prefill_tokens": args.serve_prefill_tokens, "prefill_chunk": args.serve_prefill_chunk}
+              "prefill_tokens": args.serve_prefill_tokens, "prefill_chunk": args.serve_prefill_chunk,
+              "gather": None if args.serve_gather_ms is None else args.serve_gather_ms / 1e3}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")

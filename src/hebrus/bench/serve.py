@@ -199,7 +199,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
     defaults where left out)."""
     points = []
     with serving(model, name, max_sessions=max(concurrencies), cache_bytes=0, **(engine or {})) as (url, scheduler, ask):
-        passes, share, started = scheduler.passes, scheduler.prefill_share, ask.started_s
+        passes, share, started, gather = scheduler.passes, scheduler.prefill_share, ask.started_s, scheduler.gather
         warm = prompts(model.spec.vocab_size, 2, prompt, seed=9)
         ask(warm, 1, 4)
         for clients in concurrencies:
@@ -231,7 +231,7 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             points.append(point)
     return {"model": name, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "mode": model.mode, "prompt": prompt, "tokens": tokens, "temperature": temperature, "passes": passes,
-            "prefill_share": share, "prefill_tokens": scheduler.prefill_tokens,
+            "prefill_share": share, "gather_ms": gather * 1e3, "prefill_tokens": scheduler.prefill_tokens,
             "prefill_chunk": scheduler.chunk_size, "server_start_s": round(started, 2),
             "points": points}
 
@@ -260,7 +260,8 @@ def table(report: dict) -> str:
              "streamed); "
              "offline: the same sessions prefilled, then decoding together; end to end includes the prefills; "
              f"a turn feeds at most {report.get('prefill_tokens', '?')} prompt tokens, "
-             f"{report.get('prefill_chunk', '?')} a request; "
+             f"{report.get('prefill_chunk', '?')} a request; an idle engine gathers a burst of requests "
+             f"arriving less than {report.get('gather_ms', float('nan')):g} ms apart; "
              f"the server started in {report.get('server_start_s', float('nan')):.1f} s (on CUDA its warm-up: "
              "every shape it serves compiled and captured)", "",
              "| clients | requests/s | output tok/s | offline tok/s | server ÷ offline | offline decode tok/s "

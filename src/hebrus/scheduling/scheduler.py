@@ -121,6 +121,13 @@ class Request:
     logprobs: int | None = None         # send each token's log probability and this many likeliest ones'
 
 
+# an idle loop's wait for more of a burst of requests (`Scheduler.gather`): while they keep
+# arriving less than this apart (on a CPU the front end's 64 requests reached the engine over 14
+# ms, at most 4.9 ms apart), up to GATHER_TIMES this in all. On an H100 a pass of prompts costs
+# the host 45 ms for one 128-token prompt and 86 ms for 64 of them (diag/syncs.py at bd855bf)
+GATHER = 0.005
+GATHER_TIMES = 10
+
 # a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
 # a long prompt then slows the decoders' tokens about 1 + this many times
 PREFILL_SHARE = 1.5
@@ -149,7 +156,7 @@ class Scheduler:
                  prefill_tokens: int | None = None, cache_bytes: int = 1 << 30, cache_per_key: int | None = None,
                  prefix_every: int = 64, share_prefixes: bool = False, spare_sessions: int | None = None, decode: str = "auto",
                  preempt_host_bytes: int = 4 << 30, prefill_share: float | None = None, passes: str = "auto",
-                 fault: Callable[[Request], str | None] | None = None):
+                 gather: float | None = None, fault: Callable[[Request], str | None] | None = None):
         spare_sessions = max_sessions if spare_sessions is None else spare_sessions
         if spare_sessions < 0:
             raise ValueError(f"spare_sessions must be at least 0, got {spare_sessions}")
@@ -188,6 +195,14 @@ class Scheduler:
             raise ValueError("passes='paced' stops a prompt pass between its stages: a model over "
                              "tensor-parallel ranks steps only in calls every rank runs; use 'one' or 'two'")
         self.flight: Flight | None = None           # the paced prompt pass under way
+        # an idle loop that a request wakes waits for more while they keep arriving less than
+        # `gather` seconds apart (up to GATHER_TIMES that in all), so a burst's prompts go in one
+        # pass, not one pass for the first few and another for the rest: where a pass costs the
+        # host about the same at any size (steps that replay graphs); None: GATHER there, else 0
+        if gather is not None and not gather >= 0:
+            raise ValueError(f"gather must be at least 0 seconds, got {gather}")
+        self.gather = (GATHER if self.decode in ("planned", "graph") else 0.0) if gather is None else gather
+        self._arrived = 0.0             # when the last request was submitted (`time.perf_counter`)
         self.widest = 0                 # the most requests one step has stepped together (tests, bench)
         # steps together and their seconds, replayed from graphs or not (bench): "replayed",
         # "replayed_s", "slow", "slow_s"
@@ -308,6 +323,7 @@ class Scheduler:
             if over and (self.waiting or self.max_waiting == 0):     # alone, any n may wait
                 raise Overloaded(f"{len(self.waiting)} requests are waiting")
             self.waiting.append(request)
+            self._arrived = time.perf_counter()
             self._wake.notify()
 
     def stop(self, drain_seconds: float = 30.0) -> None:
@@ -382,6 +398,8 @@ class Scheduler:
                             self._wake.acquire()
                         continue
                     self._wake.wait()
+                if self.gather and not self.running and not self.preempted:
+                    self._gathered()
                 self.spent["idle"] += time.perf_counter() - self._idle_since
                 if self._stop:
                     self.spares.clear()             # their memory goes back with the loop
@@ -398,6 +416,18 @@ class Scheduler:
                 self.running = []
                 self.preempted.clear()
             self._turned()
+
+    def _gathered(self) -> None:
+        """(The loop's lock held, nothing running.) Wait while requests keep arriving less than
+        `gather` seconds apart, up to GATHER_TIMES that since this began, or until enough wait
+        to fill every place."""
+        until = time.perf_counter() + GATHER_TIMES * self.gather
+        while not self._stop and _places(self.waiting) < self.max_sessions:
+            now = time.perf_counter()
+            left = min(self._arrived + self.gather, until) - now
+            if left <= 0:
+                return
+            self._wake.wait(left)
 
     def _take_waiting(self) -> None:
         """Waiting requests into the free places, first come first served, except that a key

@@ -17,7 +17,7 @@ from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 def engine(model, max_sessions: int = 16, max_waiting: int = 256, cache_bytes: int = 1 << 30,
            prefill_tokens: int | None = None, prefix_every: int = 64, share_prefixes: bool = False,
            prefill_share: float | None = PREFILL_SHARE, passes: str = "auto", prefill_chunk: int = CHUNK_SIZE,
-           fault=None, progress=None):
+           gather: float | None = None, fault=None, progress=None):
     """The engine loop serving `model` (a `Scheduler`, not started), warmed up on CUDA.
     `prefill_tokens`: prompt tokens fed per turn at most (None: the model's `prefill_chunk`).
     `cache_bytes`: the prefix cache's budget (0: off); it keeps a state every `prefix_every`
@@ -27,13 +27,15 @@ def engine(model, max_sessions: int = 16, max_waiting: int = 256, cache_bytes: i
     chunks). `passes`: a turn's prompt chunks and decode steps in "one" pass or "two", or
     "paced" (a pass of chunks a few stages a turn; "auto": two where the steps replay CUDA
     graphs). `prefill_chunk`: one request's prompt tokens a turn at most (`Scheduler`'s
-    `chunk_size`). `fault` is for tests only: a function of a request returning a stage to fail
+    `chunk_size`). `gather`: seconds an idle loop waits for more of a burst of requests
+    (`Scheduler.gather`; None: its default). `fault` is for tests only: a function of a request returning a stage to fail
     its next step at, or None. `progress`: told each part of the warm-up on CUDA as it starts
     (`Scheduler.warm_up`)."""
     from hebrus.scheduling.scheduler import Scheduler
     scheduler = Scheduler(model, max_sessions=max_sessions, max_waiting=max_waiting, cache_bytes=cache_bytes,
                           chunk_size=prefill_chunk, prefill_tokens=prefill_tokens, prefix_every=prefix_every,
-                          share_prefixes=share_prefixes, prefill_share=prefill_share, passes=passes, fault=fault)
+                          share_prefixes=share_prefixes, prefill_share=prefill_share, passes=passes, gather=gather,
+                          fault=fault)
     if model.device.type == "cuda":
         # Fused ops compile on first use. Compiled in the engine thread, waiting on the
         # compiler's pool of worker processes never returned on the H200
