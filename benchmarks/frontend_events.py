@@ -6,7 +6,10 @@ rest of the step (a GPU step waits on the device with the interpreter lock relea
 stream from `--client-processes` processes of their own. Reported: the events a second the
 engine offered and the clients received, the engine's turns late against its step (the lock
 it waited for), the server process's CPU seconds against the wall's (a server short of a core
-is the limit; one with time to spare is not), and TTFT and ITL against the step.
+is the limit; one with time to spare is not), and TTFT and ITL against the step. `--host-ms`: the stand-in holds the interpreter lock for
+that much of each step, as the real engine's host work does; `--switch-ms`: the interpreter's
+switch interval. (`hebrus serve` itself runs its front end in a process of its own since the
+real engine, on an H100, lost most of its speed beside it: `benchmarks/README.md`.)
 
     python benchmarks/frontend_events.py --width 64 --step-ms 5 --json out.json
 """
