@@ -1,13 +1,13 @@
 """How many streamed token events a second the HTTP front end carries in the engine's own
-interpreter. The server's app (routes, request shaping, the outbox, SSE) runs as `hebrus serve`
-runs it, on a loopback port; the engine is a stand-in with the real one's rhythm: every
+interpreter. The server's app (routes, request shaping, the outbox, SSE) runs in this process
+beside the engine, on a loopback port; the engine is a stand-in with the real one's rhythm: every
 `--step-ms` it sends each running request (up to `--width`) its next token, then sleeps the
 rest of the step (a GPU step waits on the device with the interpreter lock released). Clients
 stream from `--client-processes` processes of their own. Reported: the events a second the
 engine offered and the clients received, the engine's turns late against its step (the lock
 it waited for), the server process's CPU seconds against the wall's (a server short of a core
-is the limit; one with time to spare is not), and TTFT and ITL against the step. `--host-ms`: the stand-in holds the interpreter lock for
-that much of each step, as the real engine's host work does; `--switch-ms`: the interpreter's
+is the limit; one with time to spare is not), and TTFT and ITL against the step.
+`--host-ms`: the stand-in holds the interpreter lock for that much of each step, as the real engine's host work does; `--switch-ms`: the interpreter's
 switch interval. (`hebrus serve` itself runs its front end in a process of its own since the
 real engine, on an H100, lost most of its speed beside it: `benchmarks/README.md`.)
 
