@@ -712,9 +712,9 @@ def test_the_relay_sends_a_turns_events_as_one_message(tiny):
     scheduler, conn = Scheduler(tiny, max_sessions=4), Conn()
     relay = Relay(scheduler, conn)
     for i in range(4):
-        relay._submit(i, {"key": "k", "prompt": list(f"Voice {i}".encode()), "max_tokens": 6,
-                          "sampling": Sampling(), "seed": i, "stop_ids": frozenset(), "keep": False, "salt": "",
-                          "logprobs": None}, None, [])
+        relay._submit([(i, {"key": "k", "prompt": list(f"Voice {i}".encode()), "max_tokens": 6,
+                            "sampling": Sampling(), "seed": i, "stop_ids": frozenset(), "keep": False, "salt": "",
+                            "logprobs": None}, None, [])])
     scheduler.start()
     try:
         assert wait_until(lambda: sum(len(m[1]) for m in conn.sent) == 4 * 8)
@@ -757,3 +757,103 @@ def test_what_crosses_the_link_and_what_happens_when_the_engine_is_gone():
     with pytest.raises(RuntimeError, match="the engine stopped"):
         link.submit(Request(key="k", prompt=[1], max_tokens=1, sampling=Sampling(), seed=0, stop_ids=frozenset(),
                             emit=lambda kind, value: None))
+
+
+def test_neither_end_of_the_link_blocks_the_other_when_the_front_end_falls_behind():
+    """Found by a review: with both ends sending while holding a lock the other's reader needed,
+    a front end that fell behind for a moment, an engine message larger than the pipe's buffer,
+    a /metrics count and a long prompt left every thread waiting for good. Each end sends from a
+    thread of its own now: all of it arrives."""
+    import multiprocessing
+    from hebrus.scheduling.scheduler import Request
+    from hebrus.serve.link import Link, Relay
+
+    class Loop:                         # the engine loop where the relay reaches it
+        model, after_turn = None, None
+
+        def __init__(self):
+            self.got = []
+
+        def submit(self, *requests):
+            self.got += requests
+
+        def counts(self):
+            return {"running": len(self.got)}
+
+    def job(prompt, emit):
+        return Request(key="k", prompt=prompt, max_tokens=4, sampling=Sampling(), seed=0, stop_ids=frozenset(),
+                       emit=emit)
+    here, there = multiprocessing.Pipe()
+    loop, seen, slow = Loop(), [], threading.Event()
+    relay = Relay(loop, here)
+    relay.start()
+    link = Link(there, share_prefixes=False)
+
+    def emit(kind, value):
+        if not slow.is_set():           # the front end busy for a moment
+            slow.set()
+            time.sleep(1.0)
+        seen.append(kind)
+    link.submit(job([1, 2, 3], emit))
+    assert wait_until(lambda: loop.got)
+    engine_emit = loop.got[0].emit
+    engine_emit("token", 5)
+    relay.flush()
+    big = list(range(300_000))          # a turn's message far larger than the pipe's buffer
+    engine = threading.Thread(target=lambda: (engine_emit("logprobs", big), relay.flush()), daemon=True)
+    engine.start()
+    counted = []
+    asking = threading.Thread(target=lambda: counted.append(link.counts(timeout=PATIENCE)), daemon=True)
+    asking.start()
+    link.submit(job(list(range(200_000)), lambda kind, value: None))
+    engine.join(PATIENCE)
+    asking.join(PATIENCE)
+    assert not engine.is_alive() and not asking.is_alive() and counted
+    assert wait_until(lambda: len(loop.got) == 2 and seen == ["token", "logprobs"])
+    link.close()
+
+
+def test_one_http_requests_prompts_are_taken_or_refused_together(tiny):
+    """`Scheduler.submit` of several prompts (one HTTP request's): none waits unless all can."""
+    from hebrus.scheduling.scheduler import Overloaded, Request, Scheduler
+    scheduler = Scheduler(tiny, max_waiting=2)
+
+    def ask():
+        return Request(key="k", prompt=[1, 2], max_tokens=1, sampling=Sampling(), seed=0, stop_ids=frozenset(),
+                       emit=lambda kind, value: None)
+    scheduler.submit(ask())
+    with pytest.raises(Overloaded):
+        scheduler.submit(ask(), ask())
+    assert len(scheduler.waiting) == 1
+    scheduler.submit(ask())
+    assert len(scheduler.waiting) == 2
+
+
+def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly():
+    """`hebrus serve` told to stop as soon as its front end's process exists, while it is most
+    likely still starting (found by a review: the front end died by the signal and the command
+    exited 1): it exits 0 either way."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    process = subprocess.Popen([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--mode", "exact",
+                                "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    def front_started():                # the front end's process spawned (not the resource tracker)
+        try:
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+            return any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
+        except OSError:
+            return False
+    try:
+        assert wait_until(front_started, step=0.005), "no front end was started"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=PATIENCE) == 0
+    finally:
+        process.kill()
+        process.wait()

@@ -268,8 +268,8 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--serve-prefill-chunk must be at least 1, got {args.serve_prefill_chunk}")
     if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
-    if args.serve_gather_ms is not None and not 0 <= args.serve_gather_ms <= 1000:
-        raise InvalidInput(f"--serve-gather-ms must be from 0 to 1000, got {args.serve_gather_ms}")
+    if args.serve_gather_ms is not None and not 0 <= args.serve_gather_ms <= 100:
+        raise InvalidInput(f"--serve-gather-ms must be from 0 to 100, got {args.serve_gather_ms}")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)

@@ -84,8 +84,9 @@ from hebrus.state.constraint import ahead
 @dataclass
 class Request:
     """One completion: what to feed and how to sample, and where its events go. `emit(kind,
-    value)` is called from the engine thread: ("token", id), ("done", finish reason) or
-    ("error", exception)."""
+    value)` is called from the engine thread: ("token", id), ("logprobs", scores), ("done",
+    finish reason) or ("error", exception); `serve.link`'s relay also calls it, from its own
+    thread, for a request it could not submit."""
     key: str                            # the API key that owns what the request leaves cached
     prompt: list[int]
     max_tokens: int
@@ -317,12 +318,14 @@ class Scheduler:
         if failed:
             say(f"{len(failed)} made-up requests failed; the first: {type(failed[0]).__name__}: {failed[0]}")
 
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queue `requests` (one HTTP request's prompts) together, or none of them: Overloaded
+        when the waiting line has no room for them all."""
         with self._wake:
-            over = _places(self.waiting) + _places([request]) > self.max_waiting
+            over = _places(self.waiting) + _places(requests) > self.max_waiting
             if over and (self.waiting or self.max_waiting == 0):     # alone, any n may wait
                 raise Overloaded(f"{len(self.waiting)} requests are waiting")
-            self.waiting.append(request)
+            self.waiting.extend(requests)
             self._arrived = time.perf_counter()
             self._wake.notify()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 
 import uvicorn
 
@@ -64,8 +65,10 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
             log_level: str = "info", drain_seconds: float = 60.0):
     """`scheduler` started here and the HTTP front end serving its model as `name` on the
     socket `listening` (bound; it listens from there on) in a process of its own, the two joined
-    by `link`; yields that process. On leaving, the front end is told to stop (SIGTERM: open
-    requests finish first, up to `drain_seconds`) and waited for, then the loop stops."""
+    by `link`; yields that process, its `ready` set once it serves. It starts with Ctrl-C
+    ignored, until its server takes the signal (a Ctrl-C while it starts reaches this process,
+    whose caller decides). On leaving, the front end is told to stop (SIGTERM: open requests
+    finish first, up to `drain_seconds`) and waited for, then the loop stops."""
     import multiprocessing
 
     from hebrus.serve.link import Face, Relay
@@ -77,7 +80,14 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
     front = spawn.Process(target=_front, name="hebrus-http", args=(
         there, listening, Face(scheduler.model), name, api_key, max_body_bytes, scheduler.share_prefixes,
         log_level, drain_seconds))
-    front.start()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None   # (inherited across the spawn)
+    try:
+        front.start()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    front.ready = relay.ready
     there.close()
     try:
         yield front
@@ -90,11 +100,12 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
 
 
 def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int | None = None,
-        **options) -> None:
+        **options) -> int:
     """Serve on the socket `listening` (bound) until SIGTERM or Ctrl-C; in-flight requests are
-    finished first (up to 60 s), then this returns (the command exits 0). The engine loop runs
-    in this process, the HTTP front end in a child (`fronted`). `options`: `engine`'s others
-    (the prefix cache, the prompt share, the passes)."""
+    finished first (up to 60 s), then this returns 0 (the command's exit status; 1 where the
+    front end ended of itself, failing). The engine loop runs in this process, the HTTP front end
+    in a child (`fronted`). `options`: `engine`'s others (the prefix cache, the prompt share,
+    the passes)."""
     if model.device.type == "cuda":
         print("hebrus serve: compiling the fused ops and capturing the steps before serving (minutes on a "
               "first start; the compiler's cache makes later starts quicker)", file=sys.stderr, flush=True)
@@ -102,31 +113,45 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     def progress(part: str) -> None:
         print(f"hebrus serve: warming up: {part}", file=sys.stderr, flush=True)
     scheduler = engine(model, max_sessions=max_sessions, prefill_tokens=prefill_tokens, progress=progress, **options)
-    with fronted(scheduler, name, listening, api_key) as front:
-        listening.close()                   # the front end's now
-        told = []
+    told, started = [], []
 
-        def tell(signum, frame):            # the front end drains, then ends; this waits for it
-            if not told and front.is_alive():
-                told.append(signum)
-                front.terminate()
-        previous = {sig: signal.signal(sig, tell) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+    def tell(signum, frame):                # the front end drains, then ends; this waits for it
+        if told:
+            return
+        told.append(signum)
+        if started:
+            stop(started[0])
+
+    def stop(front):
+        if front.ready.is_set():
+            front.terminate()
+        else:                               # still starting: nothing to drain
+            front.kill()
+    previous = {sig: signal.signal(sig, tell) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with fronted(scheduler, name, listening, api_key) as front:
+            listening.close()               # the front end's now
+            started.append(front)
+            if told:                        # told while it was being started
+                stop(front)
             front.join()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        if front.exitcode != 0:
-            raise RuntimeError(f"the HTTP front end ended with exit status {front.exitcode}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if front.exitcode != 0 and not told:
+        print(f"hebrus serve: error: the HTTP front end ended with exit status {front.exitcode}",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, draining on SIGINT or SIGTERM and returning (not dying by it), saying
     when it is ready."""
 
-    def __init__(self, config, ready: str):
+    def __init__(self, config, ready: str, link=None):
         super().__init__(config)
-        self.ready = ready
+        self.ready, self.link = ready, link
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -142,6 +167,8 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(self.ready, file=sys.stderr, flush=True)
+            if self.link is not None:
+                self.link.ready()
 
 
 def _front(conn, listening, face, name: str, api_key, max_body_bytes: int, share_prefixes: bool, log_level: str,
@@ -157,7 +184,7 @@ def _front(conn, listening, face, name: str, api_key, max_body_bytes: int, share
     link = Link(conn, share_prefixes, lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
     app = create_app(face, name, link, api_key=api_key, max_body_bytes=max_body_bytes)
     server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_seconds),
-                     f"hebrus serve: ready, {name} at http://{address}:{port}/v1")
+                     f"hebrus serve: ready, {name} at http://{address}:{port}/v1", link)
     try:
         server.run(sockets=[listening])         # returns once open requests have finished
     finally:

@@ -31,6 +31,7 @@ from hebrus.models import tool_calls
 from hebrus.sampling import Sampling
 from hebrus.scheduling.scheduler import Overloaded, Request, Scheduler
 from hebrus.serve.bodies import ChatBody, CompletionBody
+from hebrus.serve.link import EngineGone
 from hebrus.serve.metrics import Metrics
 from hebrus.serve.outbox import Outbox
 from hebrus.serve.reply import Answer, Reply
@@ -230,12 +231,13 @@ class Server:
             replies += [Reply(p * body.n + j, self.text, stops, job, tools, first=j == 0) for j, job in enumerate(jobs)]
         started = time.monotonic()
         try:
-            for job in parents:
-                self.scheduler.submit(job)
+            self.scheduler.submit(*parents)
         except Overloaded as exc:
             for job in parents:
                 job.cancelled.set()
             return _overloaded(exc)
+        except EngineGone as exc:
+            return error(503, f"{exc}; the server is stopping", "server_error", code="engine_gone")
         self.metrics.request(chat)
         answer = Answer(replies, chat, self.name, sum(map(len, prompts)), self.metrics, started)
         if body.stream:
@@ -297,6 +299,8 @@ def _overloaded(exc: Overloaded) -> JSONResponse:
 def _failure(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Overloaded):                 # (refused by an engine in another process: `serve.link`)
         return _overloaded(exc)
+    if isinstance(exc, EngineGone):
+        return error(503, f"{exc}; the server is stopping", "server_error", code="engine_gone")
     if isinstance(exc, ChunkAborted):
         return error(500, f"the request's transaction aborted ({exc.kind} at {exc.stage}): {exc}; nothing "
                           f"else was affected", "server_error", code=f"aborted_{exc.kind}")
@@ -327,7 +331,10 @@ async def health():
 
 @routes.get("/metrics")
 async def prometheus(server: Server = Depends(admitted)):
-    counts = await asyncio.to_thread(server.scheduler.counts)     # (the engine's process may be another)
+    try:
+        counts = await asyncio.to_thread(server.scheduler.counts)     # (the engine's process may be another)
+    except EngineGone as exc:
+        return error(503, str(exc), "server_error", code="engine_gone")
     return PlainTextResponse(server.metrics.render(counts),
                              media_type="text/plain; version=0.0.4")
 

@@ -8,23 +8,32 @@ every streamed token) holds the interpreter lock the engine's host work waits fo
 engine stays in the process that loaded the model and the front end runs in a child process,
 joined by a pipe:
 
-- `Link` is the front end's engine: `submit` sends a request's fields (its constraint as its
-  grammar, started again beside the engine), a cancel is a message, `counts` asks and waits.
-  A thread reads the engine's events and hands each to its request's `emit`.
+- `Link` is the front end's engine: `submit` sends the requests' fields (a constraint as its
+  grammar, started again beside the engine, off the relay's reading thread), a cancel is a
+  message, `counts` asks and waits. A thread reads the engine's events and hands each to its
+  request's `emit`.
 - `Relay` is the engine's side: a thread reads the messages into `Scheduler.submit` and the
   requests' cancel events; a request's events wait in a list until the turn ends
   (`Scheduler.after_turn`), then go as one message: one send a turn, not one a token. Before
   a request's first event goes its count of prompt tokens found cached (the usage's).
 
-A refusal for a full waiting line comes back as the request's first event (an `Overloaded`
-error, answered 429). `Face` is what the front end needs of the model: its spec, family and
-checkpoint folder, its tokenizer made from there.
+Each side sends from a thread of its own (`_Writer`): no caller waits on a full pipe, and none
+holds a lock while it does, so two sides each waiting for the other to read cannot happen. A
+refusal for a full waiting line comes back as the requests' first events (`Overloaded` errors,
+answered 429; one HTTP request's prompts are taken or refused together). When the engine's end
+closes, what is running fails and later requests are refused (`EngineGone`, a 503). The front
+end says when it is ready (`Relay.ready`): before then there is nothing to drain. `Face` is what
+the front end needs of the model: its spec, family and checkpoint folder, its tokenizer made
+from there.
 """
 from __future__ import annotations
 
 import functools
 import pickle
+import queue
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from hebrus.scheduling.scheduler import Request
 
@@ -46,61 +55,100 @@ class Face:
         return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
 
 
+class EngineGone(RuntimeError):
+    """The engine's end of the link has closed: the front end answers 503."""
+
+
+class _Writer:
+    """Messages sent on `conn` in the order put, by a thread of its own."""
+
+    def __init__(self, conn, name: str):
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, message) -> None:
+        self.queue.put(message)
+
+    def close(self, seconds: float = 1.0) -> None:
+        """Send what is queued (waiting up to `seconds`), then stop."""
+        self.queue.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(seconds)
+
+    def _run(self) -> None:
+        while (message := self.queue.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError, EOFError):     # the other end is gone: nobody reads it
+                return
+            except Exception as exc:                    # noqa: BLE001 - one message lost, not the link
+                print(f"hebrus serve: a {message[0]!r} message could not be sent: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+
+
 class Link:
     """The engine as the front end's routes call it (`submit`, `counts`, `share_prefixes`), in
-    another process at the end of `conn`."""
+    another process at the end of `conn`. `lost`: called once the engine's end has closed
+    (not when `close` closes this one)."""
 
     def __init__(self, conn, share_prefixes: bool, lost=None):
-        self.conn, self.share_prefixes = conn, share_prefixes
-        self.on_lost = lost                     # called once the engine's end has closed
+        self.conn, self.share_prefixes, self.on_lost = conn, share_prefixes, lost
         self.jobs: dict[int, Request] = {}      # every choice sent and not finished, by id
-        self.lock = threading.Lock()            # `jobs`, `asked` and the sending end
         self.asked: dict[int, list] = {}        # a `counts` waiting for its answer: [event, answer]
+        self.lock = threading.Lock()            # `jobs`, `asked`, `gone`
         self.gone: BaseException | None = None  # set once the engine's end closed
+        self.closing = False
+        self.writer = _Writer(conn, "hebrus-link-send")
         self.thread = threading.Thread(target=self._read, name="hebrus-link", daemon=True)
         self.thread.start()
 
-    def submit(self, request: Request) -> None:
-        """Send `request` and its copies (other choices) to the engine; their events come to
-        their `emit`s, a full waiting line as an `Overloaded` error event."""
-        choices = [request, *request.copies]
+    def submit(self, *requests: Request) -> None:
+        """Send `requests` (one HTTP request's prompts) and their copies (other choices) to the
+        engine, taken or refused together; their events come to their `emit`s, a full waiting
+        line as `Overloaded` error events. EngineGone once the engine's end has closed."""
+        choices = [job for request in requests for job in (request, *request.copies)]
         for job in choices:
             job.cancelled = _Cancel(self, job.id)
-        grammar = request.constraint.grammar if request.constraint is not None else None
-        message = ("submit", request.id, {f: getattr(request, f) for f in FIELDS}, grammar,
-                   [(copy.id, copy.seed) for copy in request.copies])
+        asks = [(r.id, {f: getattr(r, f) for f in FIELDS}, r.constraint.grammar if r.constraint is not None else None,
+                 [(copy.id, copy.seed) for copy in r.copies]) for r in requests]
         with self.lock:
             if self.gone is not None:
-                raise RuntimeError(f"the engine stopped: {self.gone}")
-            self.jobs.update((job.id, job) for job in choices)
-            self.conn.send(message)
+                raise EngineGone(f"the engine stopped: {self.gone}")
+            self.jobs.update((job.id, job) for job in choices)     # before its events can come
+        self.writer.put(("submit", asks))
 
     def counts(self, timeout: float = 30.0) -> dict:
         """`Scheduler.counts` of the engine, asked for and waited for."""
         waiting = [threading.Event(), None]
+        token = id(waiting)
         with self.lock:
             if self.gone is not None:
-                raise RuntimeError(f"the engine stopped: {self.gone}")
-            token = id(waiting)
+                raise EngineGone(f"the engine stopped: {self.gone}")
             self.asked[token] = waiting
-            self.conn.send(("counts", token))
+        self.writer.put(("counts", token))
         if not waiting[0].wait(timeout):
             with self.lock:
                 self.asked.pop(token, None)
             raise TimeoutError(f"the engine did not answer within {timeout:g} s")
         if waiting[1] is None:
-            raise RuntimeError(f"the engine stopped: {self.gone}")
+            raise EngineGone(f"the engine could not answer: {self.gone or 'its counts failed'}")
         return waiting[1]
 
     def cancel(self, job_id: int) -> None:
         with self.lock:
-            if self.gone is None and job_id in self.jobs:
-                self.conn.send(("cancel", job_id))
+            going = self.gone is None and job_id in self.jobs
+        if going:
+            self.writer.put(("cancel", job_id))
+
+    def ready(self) -> None:
+        """Tell the engine's end that the front end is serving."""
+        self.writer.put(("ready",))
 
     def close(self) -> None:
-        with self.lock:
-            if self.gone is None:
-                self.conn.close()
+        self.closing = True
+        self.writer.close()
+        self.conn.close()
 
     def _read(self) -> None:
         while True:
@@ -109,22 +157,29 @@ class Link:
             except (EOFError, OSError) as exc:
                 self._lost(exc)
                 return
-            if message[0] == "events":
-                for job_id, kind, value in message[1]:
-                    with self.lock:
-                        job = self.jobs.pop(job_id) if kind in ("done", "error") else self.jobs.get(job_id)
-                    if job is None:
-                        continue
-                    if kind == "cached":                # the engine's count, which the usage reports
-                        job.cached = value
-                    else:
-                        job.emit(kind, value)
-            elif message[0] == "counts":
+            try:
+                self._take(message)
+            except Exception as exc:                    # noqa: BLE001 - a bad message, not a dead link
+                print(f"hebrus serve: a {message[0]!r} message from the engine failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
+
+    def _take(self, message) -> None:
+        if message[0] == "events":
+            for job_id, kind, value in message[1]:
                 with self.lock:
-                    waiting = self.asked.pop(message[1], None)
-                if waiting is not None:
-                    waiting[1] = message[2]
-                    waiting[0].set()
+                    job = self.jobs.pop(job_id, None) if kind in ("done", "error") else self.jobs.get(job_id)
+                if job is None:
+                    continue
+                if kind == "cached":                    # the engine's count, which the usage reports
+                    job.cached = value
+                else:
+                    job.emit(kind, value)
+        elif message[0] == "counts":
+            with self.lock:
+                waiting = self.asked.pop(message[1], None)
+            if waiting is not None:
+                waiting[1] = message[2]
+                waiting[0].set()
 
     def _lost(self, exc: BaseException) -> None:
         """The engine's end closed: every request still running fails, later ones are refused."""
@@ -133,10 +188,10 @@ class Link:
             jobs, self.jobs = list(self.jobs.values()), {}
             asked, self.asked = list(self.asked.values()), {}
         for job in jobs:
-            job.emit("error", RuntimeError(f"the engine stopped: {self.gone}"))
+            job.emit("error", EngineGone(f"the engine stopped: {self.gone}"))
         for waiting in asked:
             waiting[0].set()                    # its answer None: the route fails
-        if self.on_lost is not None:
+        if self.on_lost is not None and not self.closing:
             self.on_lost()
 
 
@@ -160,9 +215,13 @@ class Relay:
     def __init__(self, scheduler, conn):
         self.scheduler, self.conn = scheduler, conn
         self.jobs: dict[int, Request] = {}      # the front end's id -> the request here, until it ends
+        self.compiling: set[int] = set()        # requests not made yet: their grammars compiling
+        self.early: set[int] = set()            # cancels for those
         self.events: list[tuple[int, str, object]] = []
-        self.lock = threading.Lock()            # `jobs` and `events`
-        self.sending = threading.Lock()         # one message on the pipe at a time
+        self.lock = threading.Lock()            # `jobs`, `compiling`, `early`, `events`
+        self.ready = threading.Event()          # the front end is serving
+        self.writer = _Writer(conn, "hebrus-relay-send")
+        self.grammars = ThreadPoolExecutor(1, thread_name_prefix="hebrus-grammar")
         scheduler.after_turn = self.flush
         self.thread = threading.Thread(target=self._read, name="hebrus-relay", daemon=True)
 
@@ -171,21 +230,10 @@ class Relay:
 
     def flush(self) -> None:
         """Send the events put since the last flush, as one message (in the order they were put)."""
-        with self.sending:
-            with self.lock:
-                events, self.events = self.events, []
+        with self.lock:
+            events, self.events = self.events, []
             if events:
-                self._sent(("events", events))
-
-    def _send(self, message) -> None:
-        with self.sending:
-            self._sent(message)
-
-    def _sent(self, message) -> None:
-        try:
-            self.conn.send(message)
-        except (OSError, ValueError):           # the front end is gone: nobody is left to read it
-            pass
+                self.writer.put(("events", events))
 
     def _emitter(self, job_id: int):
         told = []
@@ -212,34 +260,71 @@ class Relay:
                     jobs = list(self.jobs.values())
                 for job in jobs:
                     job.cancelled.set()
+                self.writer.close()
+                self.grammars.shutdown(wait=False)
                 return
-            if message[0] == "submit":
-                self._submit(*message[1:])
-            elif message[0] == "cancel":
-                with self.lock:
-                    job = self.jobs.get(message[1])
-                if job is not None:
-                    job.cancelled.set()
-            elif message[0] == "counts":
-                self._send(("counts", message[1], self.scheduler.counts()))
+            try:
+                self._take(message)
+            except Exception as exc:                    # noqa: BLE001 - a bad message, not a dead link
+                print(f"hebrus serve: a {message[0]!r} message failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr, flush=True)
 
-    def _submit(self, job_id: int, fields: dict, grammar, copies: list[tuple[int, int]]) -> None:
-        """The request and its copies made here and submitted; where that fails (a full
-        waiting line, or anything else), each gets the error as its only event."""
-        ids = [job_id] + [i for i, _ in copies]
-        try:
-            model = self.scheduler.model
-            constraint = grammar.start(model.tokenizer, model.spec.vocab_size) if grammar is not None else None
-            request = Request(**fields, emit=self._emitter(job_id), constraint=constraint)
-            request.copies = [Request(**(fields | {"seed": seed}), emit=self._emitter(i), constraint=constraint)
-                              for i, seed in copies]
+    def _take(self, message) -> None:
+        if message[0] == "submit":
+            if any(grammar is not None for _, _, grammar, _ in message[1]):
+                with self.lock:
+                    self.compiling.update(_ids(message[1]))
+                self.grammars.submit(self._submit, message[1])      # compiling: off this thread
+            else:
+                self._submit(message[1])
+        elif message[0] == "cancel":
             with self.lock:
-                self.jobs.update(zip(ids, [request, *request.copies]))
-            self.scheduler.submit(request)
-        except Exception as exc:                # noqa: BLE001 - it fails alone, as a request the loop fails
+                job = self.jobs.get(message[1])
+                if job is None and message[1] in self.compiling:
+                    self.early.add(message[1])
+            if job is not None:
+                job.cancelled.set()
+        elif message[0] == "counts":
+            try:
+                counts = self.scheduler.counts()
+            except Exception:                           # noqa: BLE001 - the route answers 503
+                counts = None
+            self.writer.put(("counts", message[1], counts))
+        elif message[0] == "ready":
+            self.ready.set()
+
+    def _submit(self, asks: list) -> None:
+        """The requests and their copies made here and submitted together; where that fails (a
+        full waiting line, or anything else), each gets the error as its only event."""
+        ids = _ids(asks)
+        try:
+            model, requests = self.scheduler.model, []
+            for job_id, fields, grammar, copies in asks:
+                constraint = grammar.start(model.tokenizer, model.spec.vocab_size) if grammar is not None else None
+                request = Request(**fields, emit=self._emitter(job_id), constraint=constraint)
+                request.copies = [Request(**(fields | {"seed": seed}), emit=self._emitter(i), constraint=constraint)
+                                  for i, seed in copies]
+                requests.append(request)
+            with self.lock:
+                made = [job for request in requests for job in (request, *request.copies)]
+                self.jobs.update(zip(ids, made))
+                for i, job in zip(ids, made):
+                    if i in self.early:
+                        job.cancelled.set()
+            self.scheduler.submit(*requests)
+        except Exception as exc:                # noqa: BLE001 - they fail alone, as requests the loop fails
             for i in ids:
                 self._emitter(i)("error", exc)
             self.flush()
+        finally:
+            with self.lock:
+                self.compiling.difference_update(ids)
+                self.early.difference_update(ids)
+
+
+def _ids(asks: list) -> list[int]:
+    """The front end's ids of a submit's requests and their copies, in order."""
+    return [i for job_id, _, _, copies in asks for i in (job_id, *(c for c, _ in copies))]
 
 
 def _portable(exc: BaseException) -> BaseException:
