@@ -11,7 +11,8 @@
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
 # then the trained shakespeare model, also with its int8 twin as a draft model), serve (bench --serve:
 # the 1.68B shape behind the HTTP server at 1, 16 and 64 clients against the engine offline), sampled (the same at 64
-# clients, sampled at temperature 0.8), serving (the
+# clients, sampled at temperature 0.8), serve-gather (64 clients, an idle engine gathering a burst of requests
+# into one pass and not: --serve-gather-ms 5 and 0, a server each), serving (the
 # workloads shared, long-serve and mixed, each with the prefix cache on and off; also parts of their own: each
 # server warms up first, so the three may not fit one call), long-chunks (the long workload with one request's
 # prompt chunk at 256 and 4096 tokens, --serve-prefill-chunk), long-paced (the long workload at chunk 4096 with
@@ -105,6 +106,15 @@ for part in "$@"; do
         timeout 560 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 1,16,64 --requests 64 \
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
+    serve-gather)
+        # issue 30 (a) with an idle engine gathering a burst of requests into one pass (the default
+        # --gather-ms 5 on a GPU) and without (--serve-gather-ms 0), one server each
+        for gather in 5 0; do
+            timeout 400 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 64 --requests 128 \
+                --serve-prompt 128 --serve-tokens 64 --serve-gather-ms $gather --cache /tmp/shapes \
+                --json "$out/bench-serve-gather-$gather-qwen3.5-1.7b.json" \
+                --table "$out/bench-serve-gather-$gather-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench'
+        done ;;
     sampled)
         # (a) sampled: 64 clients, each request at temperature 0.8 from its own seed
         timeout 300 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 64 --requests 128 \
