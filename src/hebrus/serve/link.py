@@ -100,7 +100,8 @@ class Link:
         self.gone: BaseException | None = None  # set once the engine's end closed
         self.closing = False
         self.writer = _Writer(conn, "hebrus-link-send")
-        self.thread = threading.Thread(target=self._read, name="hebrus-link", daemon=True)
+        self.thread = threading.Thread(target=_reading, args=(conn, self._take, self._lost, "from the engine"),
+                                       name="hebrus-link", daemon=True)
         self.thread.start()
 
     def submit(self, *requests: Request) -> None:
@@ -149,19 +150,6 @@ class Link:
         self.closing = True
         self.writer.close()
         self.conn.close()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError) as exc:
-                self._lost(exc)
-                return
-            try:
-                self._take(message)
-            except Exception as exc:                    # noqa: BLE001 - a bad message, not a dead link
-                print(f"hebrus serve: a {message[0]!r} message from the engine failed: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
 
     def _take(self, message) -> None:
         if message[0] == "events":
@@ -223,7 +211,8 @@ class Relay:
         self.writer = _Writer(conn, "hebrus-relay-send")
         self.grammars = ThreadPoolExecutor(1, thread_name_prefix="hebrus-grammar")
         scheduler.after_turn = self.flush
-        self.thread = threading.Thread(target=self._read, name="hebrus-relay", daemon=True)
+        self.thread = threading.Thread(target=_reading, args=(conn, self._take, self._closed, "from the front end"),
+                                       name="hebrus-relay", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -251,23 +240,14 @@ class Relay:
                     self.jobs.pop(job_id, None)
         return emit
 
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):         # the front end is gone: what it asked for is cancelled
-                with self.lock:
-                    jobs = list(self.jobs.values())
-                for job in jobs:
-                    job.cancelled.set()
-                self.writer.close()
-                self.grammars.shutdown(wait=False)
-                return
-            try:
-                self._take(message)
-            except Exception as exc:                    # noqa: BLE001 - a bad message, not a dead link
-                print(f"hebrus serve: a {message[0]!r} message failed: {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
+    def _closed(self, exc: BaseException) -> None:
+        """The front end is gone: what it asked for is cancelled."""
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            job.cancelled.set()
+        self.writer.close()
+        self.grammars.shutdown(wait=False)
 
     def _take(self, message) -> None:
         if message[0] == "submit":
@@ -325,6 +305,22 @@ class Relay:
 def _ids(asks: list) -> list[int]:
     """The front end's ids of a submit's requests and their copies, in order."""
     return [i for job_id, _, _, copies in asks for i in (job_id, *(c for c, _ in copies))]
+
+
+def _reading(conn, take, closed, side: str) -> None:
+    """Each message from `conn` to `take` until the other end closes, then `closed(exc)`; a
+    message `take` fails on is said on stderr, not the end of the link."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError) as exc:
+            closed(exc)
+            return
+        try:
+            take(message)
+        except Exception as exc:                        # noqa: BLE001 - a bad message, not a dead link
+            print(f"hebrus serve: a {message[0]!r} message {side} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
 
 
 def _portable(exc: BaseException) -> BaseException:
