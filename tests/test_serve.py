@@ -829,7 +829,8 @@ def test_one_http_requests_prompts_are_taken_or_refused_together(tiny):
     assert len(scheduler.waiting) == 2
 
 
-def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly():
+@pytest.mark.parametrize("group", [False, True], ids=["SIGTERM to the server", "Ctrl-C to its process group"])
+def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly(group):
     """`hebrus serve` told to stop as soon as its front end's process exists, while it is most
     likely still starting (found by a review: the front end died by the signal and the command
     exited 1): it exits 0 either way."""
@@ -843,7 +844,7 @@ def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     process = subprocess.Popen([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--mode", "exact",
                                 "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               stderr=subprocess.DEVNULL, start_new_session=group)
     def front_started():                # the front end's process spawned (not the resource tracker)
         try:
             children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
@@ -852,8 +853,75 @@ def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly():
             return False
     try:
         assert wait_until(front_started, step=0.005), "no front end was started"
-        process.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=PATIENCE) == 0
     finally:
         process.kill()
         process.wait()
+
+
+class _Compiling:
+    """A grammar whose start waits for the test (the relay starts it on a thread of its own)."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def start(self, tokenizer, vocab_size):
+        _Compiling.entered.set()
+        assert _Compiling.gate.wait(PATIENCE)
+        return None
+
+
+def test_a_cancel_or_a_gone_front_end_reaches_a_request_whose_grammar_was_compiling():
+    """Found by a review: a request made after its grammar compiled is cancelled if its cancel
+    came meanwhile, and if the front end went away meanwhile (it was not)."""
+    import multiprocessing
+    from hebrus.serve.link import Relay
+
+    class Loop:
+        model, after_turn = type("Model", (), {"tokenizer": None, "spec": type("Spec", (), {"vocab_size": 8})})(), None
+
+        def __init__(self):
+            self.got = []
+
+        def submit(self, *requests):
+            self.got += requests
+    fields = {"key": "k", "prompt": [1, 2], "max_tokens": 4, "sampling": Sampling(), "seed": 0,
+              "stop_ids": frozenset(), "keep": False, "salt": "", "logprobs": None}
+    for gone in (False, True):
+        _Compiling.entered.clear()
+        _Compiling.gate.clear()
+        here, there = multiprocessing.Pipe()
+        loop = Loop()
+        relay = Relay(loop, here)
+        relay.start()
+        there.send(("submit", [(7, fields, _Compiling(), [])]))
+        assert _Compiling.entered.wait(PATIENCE)
+        if gone:
+            there.close()
+            assert wait_until(lambda: relay.closed)
+        else:
+            there.send(("cancel", 7))
+            assert wait_until(lambda: 7 in relay.early)
+        _Compiling.gate.set()
+        assert wait_until(lambda: loop.got)
+        assert loop.got[0].cancelled.is_set(), gone
+        assert wait_until(lambda: not relay.compiling and not relay.early)
+        if not gone:
+            there.close()
+
+
+def test_a_front_end_that_cannot_start_leaves_no_engine_loop_running(tiny):
+    """`fronted` whose process cannot be started (here an argument the spawn cannot pickle)
+    stops the loop it started (found by a review)."""
+    scheduler = serve.engine(tiny)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    try:
+        with pytest.raises(Exception):
+            with serve.fronted(scheduler, lambda: None, listening):
+                pass
+    finally:
+        listening.close()
+    assert wait_until(lambda: not scheduler.thread.is_alive())

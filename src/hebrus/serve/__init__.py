@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import threading
 
 import uvicorn
 
@@ -65,36 +64,33 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
             log_level: str = "info", drain_seconds: float = 60.0):
     """`scheduler` started here and the HTTP front end serving its model as `name` on the
     socket `listening` (bound; it listens from there on) in a process of its own, the two joined
-    by `link`; yields that process, its `ready` set once it serves. It starts with Ctrl-C
-    ignored, until its server takes the signal (a Ctrl-C while it starts reaches this process,
-    whose caller decides). On leaving, the front end is told to stop (SIGTERM: open requests
-    finish first, up to `drain_seconds`) and waited for, then the loop stops."""
+    by `link`; yields that process, its `ready` set once it serves (a signal before then ends it
+    as the default would: it has nothing to drain). On leaving, or where the front end cannot be
+    started, the front end is told to stop (SIGTERM: open requests finish first, up to
+    `drain_seconds`) and waited for, then the loop stops."""
     import multiprocessing
 
     from hebrus.serve.link import Face, Relay
     spawn = multiprocessing.get_context("spawn")    # (a fork would copy CUDA's state and the threads' locks)
     here, there = spawn.Pipe()
     relay = Relay(scheduler, here)
-    relay.start()
-    scheduler.start()
     front = spawn.Process(target=_front, name="hebrus-http", args=(
         there, listening, Face(scheduler.model), name, api_key, max_body_bytes, scheduler.share_prefixes,
         log_level, drain_seconds))
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None   # (inherited across the spawn)
+    relay.start()
+    scheduler.start()
     try:
-        front.start()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-    front.ready = relay.ready
-    there.close()
-    try:
+        try:
+            front.start()
+        finally:
+            there.close()
+        front.ready = relay.ready
         yield front
     finally:
         if front.is_alive():
             front.terminate()
-        front.join()
+        if front.pid is not None:
+            front.join()
         here.close()
         scheduler.stop(drain_seconds=5)
 
@@ -113,7 +109,7 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     def progress(part: str) -> None:
         print(f"hebrus serve: warming up: {part}", file=sys.stderr, flush=True)
     scheduler = engine(model, max_sessions=max_sessions, prefill_tokens=prefill_tokens, progress=progress, **options)
-    told, started = [], []
+    told, started, signalled = [], [], []
 
     def tell(signum, frame):                # the front end drains, then ends; this waits for it
         if told:
@@ -123,6 +119,9 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
             stop(started[0])
 
     def stop(front):
+        if not front.is_alive():
+            return
+        signalled.append(True)
         if front.ready.is_set():
             front.terminate()
         else:                               # still starting: nothing to drain
@@ -138,7 +137,8 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if front.exitcode != 0 and not told:
+    stopped = signalled or (told and front.exitcode in (-signal.SIGINT, -signal.SIGTERM))   # (Ctrl-C reaches both)
+    if front.exitcode != 0 and not stopped:
         print(f"hebrus serve: error: the HTTP front end ended with exit status {front.exitcode}",
               file=sys.stderr, flush=True)
         return 1

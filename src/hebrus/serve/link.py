@@ -29,6 +29,7 @@ from there.
 from __future__ import annotations
 
 import functools
+import itertools
 import pickle
 import queue
 import sys
@@ -99,6 +100,7 @@ class Link:
         self.lock = threading.Lock()            # `jobs`, `asked`, `gone`
         self.gone: BaseException | None = None  # set once the engine's end closed
         self.closing = False
+        self.tokens = itertools.count()         # each `counts` question's own
         self.writer = _Writer(conn, "hebrus-link-send")
         self.thread = threading.Thread(target=_reading, args=(conn, self._take, self._lost, "from the engine"),
                                        name="hebrus-link", daemon=True)
@@ -122,7 +124,7 @@ class Link:
     def counts(self, timeout: float = 30.0) -> dict:
         """`Scheduler.counts` of the engine, asked for and waited for."""
         waiting = [threading.Event(), None]
-        token = id(waiting)
+        token = next(self.tokens)
         with self.lock:
             if self.gone is not None:
                 raise EngineGone(f"the engine stopped: {self.gone}")
@@ -208,6 +210,7 @@ class Relay:
         self.events: list[tuple[int, str, object]] = []
         self.lock = threading.Lock()            # `jobs`, `compiling`, `early`, `events`
         self.ready = threading.Event()          # the front end is serving
+        self.closed = False                     # the front end is gone: whatever is made now is cancelled
         self.writer = _Writer(conn, "hebrus-relay-send")
         self.grammars = ThreadPoolExecutor(1, thread_name_prefix="hebrus-grammar")
         scheduler.after_turn = self.flush
@@ -243,6 +246,7 @@ class Relay:
     def _closed(self, exc: BaseException) -> None:
         """The front end is gone: what it asked for is cancelled."""
         with self.lock:
+            self.closed = True
             jobs = list(self.jobs.values())
         for job in jobs:
             job.cancelled.set()
@@ -289,7 +293,7 @@ class Relay:
                 made = [job for request in requests for job in (request, *request.copies)]
                 self.jobs.update(zip(ids, made))
                 for i, job in zip(ids, made):
-                    if i in self.early:
+                    if i in self.early or self.closed:
                         job.cancelled.set()
             self.scheduler.submit(*requests)
         except Exception as exc:                # noqa: BLE001 - they fail alone, as requests the loop fails
@@ -316,6 +320,10 @@ def _reading(conn, take, closed, side: str) -> None:
         except (EOFError, OSError) as exc:
             closed(exc)
             return
+        except Exception as exc:                        # noqa: BLE001 - one message unreadable, the rest still come
+            print(f"hebrus serve: a message {side} could not be read: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            continue
         try:
             take(message)
         except Exception as exc:                        # noqa: BLE001 - a bad message, not a dead link
