@@ -109,7 +109,7 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     def progress(part: str) -> None:
         print(f"hebrus serve: warming up: {part}", file=sys.stderr, flush=True)
     scheduler = engine(model, max_sessions=max_sessions, prefill_tokens=prefill_tokens, progress=progress, **options)
-    told, started, signalled = [], [], []
+    told, started = [], []
 
     def tell(signum, frame):                # the front end drains, then ends; this waits for it
         if told:
@@ -121,7 +121,6 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     def stop(front):
         if not front.is_alive():
             return
-        signalled.append(True)
         if front.ready.is_set():
             front.terminate()
         else:                               # still starting: nothing to drain
@@ -137,7 +136,8 @@ def run(model, name: str, listening, api_key: str | None, max_sessions: int, pre
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    stopped = signalled or (told and front.exitcode in (-signal.SIGINT, -signal.SIGTERM))   # (Ctrl-C reaches both)
+    # told: ended by the signal we sent (killed while starting) or by Ctrl-C, which reaches both
+    stopped = told and front.exitcode in (-signal.SIGINT, -signal.SIGTERM, -signal.SIGKILL)
     if front.exitcode != 0 and not stopped:
         print(f"hebrus serve: error: the HTTP front end ended with exit status {front.exitcode}",
               file=sys.stderr, flush=True)

@@ -237,7 +237,7 @@ class Server:
                 job.cancelled.set()
             return _overloaded(exc)
         except EngineGone as exc:
-            return error(503, f"{exc}; the server is stopping", "server_error", code="engine_gone")
+            return _gone(exc)
         self.metrics.request(chat)
         answer = Answer(replies, chat, self.name, sum(map(len, prompts)), self.metrics, started)
         if body.stream:
@@ -296,11 +296,15 @@ def _overloaded(exc: Overloaded) -> JSONResponse:
     return error(429, f"overloaded: {exc}; try again", "rate_limit_error", headers={"Retry-After": "1"})
 
 
+def _gone(exc: EngineGone) -> JSONResponse:
+    return error(503, f"{exc}; the server is stopping", "server_error", code="engine_gone")
+
+
 def _failure(exc: BaseException) -> JSONResponse:
     if isinstance(exc, Overloaded):                 # (refused by an engine in another process: `serve.link`)
         return _overloaded(exc)
     if isinstance(exc, EngineGone):
-        return error(503, f"{exc}; the server is stopping", "server_error", code="engine_gone")
+        return _gone(exc)
     if isinstance(exc, ChunkAborted):
         return error(500, f"the request's transaction aborted ({exc.kind} at {exc.stage}): {exc}; nothing "
                           f"else was affected", "server_error", code=f"aborted_{exc.kind}")
@@ -334,7 +338,7 @@ async def prometheus(server: Server = Depends(admitted)):
     try:
         counts = await asyncio.to_thread(server.scheduler.counts)     # (the engine's process may be another)
     except EngineGone as exc:
-        return error(503, str(exc), "server_error", code="engine_gone")
+        return _gone(exc)
     return PlainTextResponse(server.metrics.render(counts),
                              media_type="text/plain; version=0.0.4")
 

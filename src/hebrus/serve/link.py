@@ -117,7 +117,7 @@ class Link:
                  [(copy.id, copy.seed) for copy in r.copies]) for r in requests]
         with self.lock:
             if self.gone is not None:
-                raise EngineGone(f"the engine stopped: {self.gone}")
+                raise self._stopped()
             self.jobs.update((job.id, job) for job in choices)     # before its events can come
         self.writer.put(("submit", asks))
 
@@ -127,7 +127,7 @@ class Link:
         token = next(self.tokens)
         with self.lock:
             if self.gone is not None:
-                raise EngineGone(f"the engine stopped: {self.gone}")
+                raise self._stopped()
             self.asked[token] = waiting
         self.writer.put(("counts", token))
         if not waiting[0].wait(timeout):
@@ -171,6 +171,9 @@ class Link:
                 waiting[1] = message[2]
                 waiting[0].set()
 
+    def _stopped(self) -> EngineGone:
+        return EngineGone(f"the engine stopped: {self.gone}")
+
     def _lost(self, exc: BaseException) -> None:
         """The engine's end closed: every request still running fails, later ones are refused."""
         with self.lock:
@@ -178,7 +181,7 @@ class Link:
             jobs, self.jobs = list(self.jobs.values()), {}
             asked, self.asked = list(self.asked.values()), {}
         for job in jobs:
-            job.emit("error", EngineGone(f"the engine stopped: {self.gone}"))
+            job.emit("error", self._stopped())
         for waiting in asked:
             waiting[0].set()                    # its answer None: the route fails
         if self.on_lost is not None and not self.closing:
