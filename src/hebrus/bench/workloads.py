@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hebrus.bench.serve import _percentile, load, prompts, serving, streamed
+from hebrus.bench.serve import _compiled, _percentile, _settled, load, prompts, serving, streamed
 
 KEY = "bench"
 
@@ -55,12 +55,20 @@ def _servers(model, name: str, max_sessions: int, report: dict, caches=CACHES, e
 
 
 def _measured(scheduler, run) -> dict:
-    """`run()`'s report, with the prefix cache's hit rate and the preemptions while it ran."""
+    """`run()`'s report, with the prefix cache's hit rate and the preemptions while it ran, and
+    where the engine thread spent its time (`engine`: seconds by part, its steps, and the graphs
+    compiled meanwhile: a shape no warm-up met stalls every request)."""
     lookups, hits, preemptions = scheduler.cache.lookups, scheduler.cache.hits, scheduler.preemptions
+    _settled(scheduler)
+    scheduler.clock_reset()
+    scheduler.timed.clear()
+    compiled = _compiled()
     point = run()
     looked = scheduler.cache.lookups - lookups
     point["hit_rate"] = (scheduler.cache.hits - hits) / looked if looked else 0.0
     point["preemptions"] = scheduler.preemptions - preemptions
+    point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
+                       "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
     return point
 
 
@@ -88,9 +96,10 @@ def long_prompt(model, name: str, clients: int, prompt: int, tokens: int, engine
     decoders = prompts(vocab, clients, 16, seed=6)
     long = prompts(vocab, 1, prompt, seed=7)[0]
     report = _report(model, name, "long", clients=clients, prompt=prompt, tokens=tokens)
-    for _, url, _, ask in _servers(model, name, clients + 1, report, caches=(("off", 0),), engine=engine):
+    for _, url, scheduler, ask in _servers(model, name, clients + 1, report, caches=(("off", 0),), engine=engine):
         # a tenth of the decoders' tokens first, then the long prompt
-        report |= ask.run(_long_here, url, name, decoders, tokens, long, max(2, tokens // 10))
+        report |= _measured(scheduler, lambda: ask.run(_long_here, url, name, decoders, tokens, long,
+                                                       max(2, tokens // 10)))
     report["during_p99_over_before_p50"] = (report["itl_ms_p99_during"] / report["itl_ms_p50_before"]
                                            if report["itl_ms_p99_during"] and report["itl_ms_p50_before"] else None)
     return report
@@ -221,7 +230,8 @@ def table(report: dict) -> str:
                          f"{_ms(c['itl_ms_p50'])} | {_ms(c['itl_ms_p99'])} | {c['hit_rate']:.2f} | {c['preemptions']} |")
         lines += ["", f"cached TTFT ÷ cold TTFT (cache on): **{report['cached_over_cold_ttft']:.3f}**; clients' "
                       f"tokens/s with the cache ÷ without: **{report['throughput_on_over_off']:.2f}×**"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _engines({f"{cache}, {part}": report[cache][part] for cache in ("off", "on")
+                                            for part in ("cold", "clients", "after")})) + "\n"
     if report["workload"] == "chat":
         lines = _head(report, f"chats of {report['turns']} turns",
                       f"{report['clients']} conversations at once; ~{report['opening']} characters to open, "
@@ -234,7 +244,7 @@ def table(report: dict) -> str:
                          f"{r['later_ttft_ms_p50']:.1f} | {r['later_ttft_ms_p99']:.1f} | "
                          f"{r['later_cached_share']:.2f} | {r['hit_rate']:.2f} |")
         lines += ["", f"later turns' TTFT with the cache ÷ without: **{report['later_ttft_on_over_off']:.3f}**"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _engines({cache: report[cache] for cache in ("off", "on")})) + "\n"
     if report["workload"] == "long":
         ratio = report["during_p99_over_before_p50"]
         return "\n".join([
@@ -248,7 +258,7 @@ def table(report: dict) -> str:
             "| ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {_ms(report['itl_ms_p50_before'])} | {_ms(report['itl_ms_p99_during'])} | "
             f"{'–' if ratio is None else f'{ratio:.2f}'} | {report['gaps_before']} / {report['gaps_during']} | "
-            f"{report['long_ttft_ms']:.1f} | {report['decoders_tokens_per_s']:.1f} |"]) + "\n"
+            f"{report['long_ttft_ms']:.1f} | {report['decoders_tokens_per_s']:.1f} |"] + _engines({"": report})) + "\n"
     lines = _head(report, "lognormal lengths",
                   f"{report['requests']} requests, {report['clients']} in flight; prompt median "
                   f"{report['prompt_median']}, output median {report['tokens_median']} (σ 0.8): "
@@ -258,7 +268,7 @@ def table(report: dict) -> str:
         r = report[cache]
         lines.append(f"| {cache} | {r['output_tokens_per_s']:.1f} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
                      f"{_ms(r['itl_ms_p50'])} | {_ms(r['itl_ms_p99'])} | {r['hit_rate']:.2f} | {r['preemptions']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _engines({cache: report[cache] for cache in ("off", "on")})) + "\n"
 
 
 def _head(report: dict, what: str, intro: str, columns: list[str]) -> list[str]:
@@ -266,6 +276,23 @@ def _head(report: dict, what: str, intro: str, columns: list[str]) -> list[str]:
     setting's figures."""
     return [f"# serving, {what}: {report['model']} on {report['device']} ({report['mode']})", "", intro, "",
             "| cache | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+
+
+def _engines(points: dict) -> list[str]:
+    """Where the engine thread spent each point's time (seconds by part), its steps together,
+    and the graphs compiled meanwhile, a line a point (`_measured`'s `engine`)."""
+    lines = ["", "the engine thread, by point: seconds by part; steps together (replayed, not); graphs compiled", ""]
+    for label, point in points.items():
+        engine = point.get("engine")
+        if engine is None:
+            continue
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(engine["seconds"].items(), key=lambda kv: -kv[1]))
+        steps = engine["steps"]
+        counted = ", ".join(f"{steps[k]} {k} in {steps.get(k + '_s', 0):.2f} s" for k in sorted(steps)
+                            if not k.endswith("_s"))
+        lines.append(f"- {label + ': ' if label else ''}{parts or 'nothing'}; steps: {counted or 'none'}; "
+                     f"compiled {engine['compiled']}")
+    return lines
 
 
 def _ms(value) -> str:
