@@ -1,4 +1,5 @@
 """Every fast op against its slow twin (outputs and final state), and ops against their definitions."""
+import contextlib
 import itertools
 
 import pytest
@@ -423,28 +424,83 @@ def test_dense_attention_of_lanes_is_each_lane_alone():
 
 def test_a_fused_ops_shared_kernel_serves_every_length_and_never_the_lanes():
     """The form shared by every length is made once, with the rows symbolic, and answers
-    each later length without compiling again; a lanes' shape compiles its own kernel even
-    after the shared one exists (torch.compile shares kernels between compilers that compare
-    equal, which is why the two forms' options differ); the caller's tensors stay unmarked.
-    Compiled here by the CPU's inductor: the same caching as on CUDA."""
+    each later length without compiling again, a power of two of rows too outside a planned
+    step; within one (`planned()`) a lanes' shape compiles its own kernel even after the shared
+    one exists (torch.compile shares kernels between compilers that compare equal, which is
+    why the two forms' options differ); the caller's tensors stay unmarked. Compiled here by
+    the CPU's inductor: the same caching as on CUDA."""
     from torch._dynamo.utils import counters
 
-    from hebrus.ops.cuda.fuse import _Fused
+    from hebrus.ops.cuda.fuse import _Fused, planned
     from hebrus.ops.moe import silu_mul
     torch._dynamo.reset()
     op = _Fused(silu_mul)
     g = torch.Generator().manual_seed(5)
     made = []
-    for T in (5, 300, 7, 64, 64, 9):
+    for T, lanes in ((5, False), (300, False), (64, False), (7, False), (64, True), (64, True), (9, False),
+                     (64, False), (9, True)):
         both = torch.randn(T, 2 * 24, generator=g)         # gate and up side by side, as the products give them
         gate, up = both[:, :24], both[:, 24:]
         before = counters["stats"]["unique_graphs"]
-        got = op(gate, up)
+        with planned() if lanes else contextlib.nullcontext():
+            got = op(gate, up)
         made.append(counters["stats"]["unique_graphs"] - before)
         assert op.failed is None, op.failed
         assert torch.allclose(got, silu_mul(gate, up), rtol=1e-6, atol=1e-6)
         assert not any(hasattr(t, "_dynamo_weak_dynamic_indices") for t in (both, gate, up))
-    assert made == [1, 0, 0, 1, 0, 0]
+    assert made == [1, 0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def _conv_of(x, state, weight):
+    """An op over a state, as the delta rule's inputs take the conv's (`fresh`: its state)."""
+    from hebrus.ops.conv import causal_conv
+    return causal_conv(x, state, weight)
+
+
+_conv_of.fresh = (1,)
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_fused_ops_fresh_state_compiles_once_wherever_it_lies(fresh):
+    """A state read where its slot lies (a transposed view at the slot's offset, of a tensor
+    made outside inference mode), one of several stacked, and the one a call before left (an
+    inference tensor of its own) meet one compiled kernel when the op names the state `fresh`;
+    without, the compiler's guards on layout, offset and kind of tensor fail and it compiles
+    again (on a server: seconds while every request waited). Compiled here by the CPU's inductor."""
+    from torch._dynamo.utils import counters
+
+    from hebrus.ops.cuda.fuse import _Fused
+    torch._dynamo.reset()
+
+    def op(x, state, weight):
+        return _conv_of(x, state, weight)
+    op.fresh = (1,) if fresh else ()
+    fused = _Fused(op)
+    g = torch.Generator().manual_seed(11)
+    C, K = 8, 4
+    weight = torch.randn(C, K, generator=g)
+    pool = torch.randn(5, C, K - 1, generator=g)          # slots of [C, K-1], read transposed
+    made = []
+    with torch.inference_mode():
+        stacked = torch.randn(3, K - 1, C, generator=g)
+        state = pool[2].transpose(0, 1)
+        for T, source in ((9, "slot"), (17, "left"), (33, "stacked"), (12, "slot"), (10, "left")):
+            if source == "slot":
+                state = pool[3 if T == 12 else 2].transpose(0, 1)
+            elif source == "stacked":
+                state = stacked[1]
+            x = torch.randn(T, C, generator=g)
+            before = counters["stats"]["unique_graphs"]
+            y, new = fused(x, state, weight)
+            made.append(counters["stats"]["unique_graphs"] - before)
+            want_y, want_state = _conv_of(x, state, weight)
+            assert fused.failed is None, fused.failed
+            assert torch.allclose(y, want_y, rtol=1e-5, atol=1e-5) and torch.allclose(new, want_state)
+            state = new
+    if fresh:
+        assert made == [1, 0, 0, 0, 0], made
+    else:
+        assert sum(made) > 1, made          # what the test guards against happens without it
 
 
 def test_the_fused_ngram_hashes_are_the_same_ids():

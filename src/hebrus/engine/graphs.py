@@ -251,7 +251,8 @@ class Steps:
 
     def _plan(self, txn: Transaction, inputs: Inputs) -> None:
         txn.advance()
-        run_stages(self.model, txn, inputs.step, paced=False)     # (it holds the runner's lock)
+        with self.model.kernels.planned():      # the lanes' fused ops: a kernel for each width
+            run_stages(self.model, txn, inputs.step, paced=False)     # (it holds the runner's lock)
         txn.checks.fold()
 
     def _stage(self, inputs: Inputs, txn: Transaction, ids) -> None:

@@ -10,6 +10,7 @@ choice matters downstream (experts: yes, their order is stored; attended rows: n
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -47,6 +48,7 @@ class Kernels:
     whole_chunk: bool          # True: each stage runs the whole chunk at once; False: token by token
     choose: Chooser
     fused: Callable = unfused             # op -> the op as this table runs it (compiled on CUDA fast)
+    planned: Callable = contextlib.nullcontext    # () -> the context a planned step's stages run in (`ops.cuda.fuse.planned`)
     quantized_linear: Callable = rebuilt_linear   # (x, Quantized w) -> x Wᵀ
     linear: Callable = product          # (x, W dense or quantized) -> x Wᵀ: every projection's product
     together: bool = False     # projections of one input laid side by side: one product (fast), else each
@@ -80,14 +82,14 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
                                                             "reduce": ranks.reduce, "gather": ranks.gather}
     if mode != "fast":
         return Kernels(False, choose, ops=ops, **parallel)
-    fuse, quantized, mix, linear = unfused, rebuilt_linear, sinkhorn, product
+    fuse, planned, quantized, mix, linear = unfused, contextlib.nullcontext, rebuilt_linear, sinkhorn, product
     if device is None or device.type == "cpu":
         from hebrus.ops import cpu
         mix = cpu.sinkhorn
     elif device.type == "cuda":
         from hebrus.ops.cuda import fuse as cuda_fuse
         if cuda_fuse.enabled():
-            fuse = cuda_fuse.fused
+            fuse, planned = cuda_fuse.fused, cuda_fuse.planned
         try:
             from hebrus.ops.cuda import gemv as cuda_gemv            # Triton
             from hebrus.ops.cuda import quant as cuda_quant
@@ -95,5 +97,5 @@ def kernels(mode: str, chooser: Chooser | None = None, device: torch.device | No
             quantized, mix, linear = cuda_quant.linear, cuda_sinkhorn.sinkhorn, cuda_gemv.linear
         except ImportError:
             pass
-    return Kernels(True, choose, fused=fuse, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
+    return Kernels(True, choose, fused=fuse, planned=planned, quantized_linear=quantized, linear=linear, together=True, sinkhorn=mix,
                    ops=ops, **parallel)

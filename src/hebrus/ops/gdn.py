@@ -40,6 +40,9 @@ def gdn_inputs_ragged(projected, b, a, conv_states, conv_w, neg_a, dt_bias, head
 
 
 gdn_inputs_ragged.any_rows = True
+# the conv's state, read where a slot lies (a transposed view at the slot's offset), gathered
+# from several slots, or left by the piece before, compiles one kernel (`ops.cuda.fuse`)
+gdn_inputs.fresh = gdn_inputs_ragged.fresh = (3,)
 
 
 def gdn_activations(mixed, b, a, neg_a, dt_bias, heads: tuple[int, int, int, int]):

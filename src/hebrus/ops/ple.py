@@ -24,6 +24,11 @@ def ngram_buckets(ids: torch.Tensor, history: torch.Tensor, constants: torch.Ten
     return out
 
 
+# the history, read where a slot lies or left by a piece before, compiles one kernel (`ops.cuda.fuse`)
+ngram_buckets.fresh = (1,)
+
+
 def gelu_mul(gate: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """A layer's embedding term's middle: gelu_tanh(gate) ⊙ its rows of the tables."""
     return F.gelu(gate, approximate="tanh") * table
+

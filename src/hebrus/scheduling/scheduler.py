@@ -239,13 +239,14 @@ class Scheduler:
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Before `start`, serve made-up requests in the caller's thread, through the loop's own
         turns, so that every shape serving runs is met here first: a fused op compiles for each
-        power of two of rows it meets (`ops.cuda.fuse`) and a step's graph is captured for each
-        width; met first while serving, each stalled every request (42 compiles, 59 s, at 64
-        clients on an H100). A pass of several sessions runs some ops on each session's rows and
-        others on all of them, so the waves are: a prompt of every power of two of tokens up to
-        `chunk_size` (and of 9), alone and two at a time; prompts of the longest such chunk
-        together, up to a turn's `prefill_tokens` rounded up to a power of two (and
-        `max_sessions` of them); then, for every lane width up to `max_sessions`, that many
+        power of two of rows a decode step's lanes meet, once for a prompt's any rows (twice
+        more: for rows fewer than a conv's taps, and for one; `ops.cuda.fuse`), and a step's
+        graph is captured for each width; met first while serving, each stalled every request
+        (42 compiles, 59 s, at 64 clients on an H100). A pass of several sessions runs some ops
+        on each session's rows and others on all of them, so the waves are: a prompt of every
+        power of two of tokens up to `chunk_size` (and of 3 and 9), alone and two at a time;
+        prompts of the longest such chunk together, up to a turn's `prefill_tokens` rounded up
+        to a power of two (and `max_sessions` of them); then, for every lane width up to `max_sessions`, that many
         requests decoding together (three steps or more: uncaptured, captured, replayed); a
         prompt beside a decoding request. Each made-up prompt is its own (none is found cached);
         their cached prefixes are dropped after, the loop's counters, pace and preemptions start
@@ -281,8 +282,8 @@ class Scheduler:
         try:
             top = 1 << (max(1, min(self.chunk_size, room - 8)).bit_length() - 1)    # a chunk's longest power of two
             lengths = [1 << k for k in range(top.bit_length())]
-            say(f"prompts of {', '.join(map(str, lengths + [9]))} tokens, alone and two at a time")
-            for n in lengths + [9]:            # (and rows of no power of two)
+            say(f"prompts of {', '.join(map(str, lengths + [3, 9]))} tokens, alone and two at a time")
+            for n in lengths + [3, 9]:         # (and rows of no power of two, fewer than a conv's taps and more)
                 served([n], 1)                  # one session's chunk
                 served([n, n], 1)               # two sessions' chunks in one pass (other ops see 2n rows)
             rows = 4 * top

@@ -5,18 +5,24 @@ same way for the same inputs.
 
 A decode step is hundreds of small ops; launched one by one, even from a CUDA graph, their
 count rather than the bytes they move sets its time. An op compiles on first use for each new
-shape signature, which is why a planned step runs uncaptured before it is captured. A step whose
-rows are a power of two up to STATIC_ROWS (the lanes of a planned step) gets a kernel made for
-exactly its shape; any other length shares a kernel in which the rows are symbolic and the
-model's widths and numbers are constants (a slice's row stride and storage offset stay
-symbolic too: a few entries apart by layout, and by rows fewer than a conv's taps). An op marked
-`any_rows` (its shapes vary with more than the rows: a pass of several sessions') always takes
-the shared kernel. Set
-HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op runs
-unfused in this process from then on (the compiled form is shared by every model).
+shape signature, which is why a planned step runs uncaptured before it is captured. Within a
+planned step (`planned()`: the lanes of a decode step, a few widths the server's warm-up meets
+all of), rows that are a power of two up to STATIC_ROWS get a kernel made for exactly their
+shape; every other call (a prompt's pass, its pieces between a prefix cache's marks, the rows of
+several sessions' chunks together: lengths without end) shares a kernel in which the rows are
+symbolic and the model's widths and numbers are constants (a slice's row stride and storage
+offset stay symbolic too: a few entries apart by layout, and by rows fewer than a conv's taps).
+An op marked `any_rows` (its shapes vary with more than the rows: a pass of several sessions')
+always takes the shared kernel. An op's `fresh` arguments (by position: a state read where its
+slot lies, stacked from several sessions', or left by a piece before) are given to the compiled
+form as tensors of their own, contiguous, so that where the value came from never makes the
+compiler's guards fail (each failure compiled the op again, seconds, while every request waited).
+Set HEBRUS_FUSE=0 to run every op unfused. If compiling an op fails, it warns once and that op
+runs unfused in this process from then on (the compiled form is shared by every model).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -35,8 +41,10 @@ RECOMPILES = 256
 
 # A kernel made for every length is tuned for the first one it meets: after a prefill of 2048 rows,
 # a reduction over 64 rows ran in one block of the whole GPU (13.9 us against 1.8 us for a kernel
-# made for 64 rows, on an H200). Steps of a power of two of rows up to this many (a planned step's
-# lanes, a few shapes per op) get a kernel of their own.
+# made for 64 rows, on an H200). A planned step's lanes of a power of two of rows up to this many
+# (a few shapes per op) get a kernel of their own. Not a prompt's pass: a server met powers of two
+# there that its warm-up had not (a pass of pieces, several sessions' chunks adding up to one),
+# and each compiled while every request waited.
 STATIC_ROWS = 512
 
 # The shared form's compiler options: the default, named, because torch.compile lets calls whose
@@ -104,6 +112,18 @@ def compile_in_process() -> None:
     _configure()
 
 
+@contextlib.contextmanager
+def planned():
+    """Within, in this thread, the fused ops run a planned step's lanes: a power of two of rows
+    up to STATIC_ROWS gets a kernel of its own (`engine.graphs` runs its plans so)."""
+    before = getattr(_thread, "planned", False)
+    _thread.planned = True
+    try:
+        yield
+    finally:
+        _thread.planned = before
+
+
 class _Fused:
     def __init__(self, op: Callable):
         self.op = op
@@ -124,7 +144,8 @@ class _Fused:
             if getattr(_thread, "configured", 0) != _settings:
                 _configure()
             try:
-                if static_shape(args) and not getattr(self.op, "any_rows", False):
+                args = _fresh(args, getattr(self.op, "fresh", ()))
+                if getattr(_thread, "planned", False) and static_shape(args) and not getattr(self.op, "any_rows", False):
                     return self.static(*args)
                 return self.compiled(*rows_symbolic(args))
             except Exception as exc:
@@ -147,6 +168,16 @@ def static_shape(args: tuple) -> bool:
         return False
     rows = first.shape[0]
     return 0 < rows <= STATIC_ROWS and rows & (rows - 1) == 0
+
+
+def _fresh(args: tuple, which: tuple[int, ...]) -> tuple:
+    """`args` with those at positions `which` copied to tensors of their own, contiguous (an
+    op's `fresh` arguments: one layout, one storage offset and one kind of tensor, whatever
+    their source, for the compiler's guards)."""
+    if not which:
+        return args
+    return tuple(arg.clone(memory_format=torch.contiguous_format) if i in which and isinstance(arg, torch.Tensor)
+                 else arg for i, arg in enumerate(args))
 
 
 def rows_symbolic(args: tuple) -> tuple:
