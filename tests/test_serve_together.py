@@ -184,17 +184,19 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
     scheduler = Scheduler(tiny_fast, chunk_size=8, prefill_tokens=64, decode="planned",
                           fault=lambda r: "head" if r.prompt == doomed else None)
     got, ends = {}, {}
-    requests = [_asking(i, n, 1, got) for i, n in enumerate([5, 12, 20])]
+    requests = [_asking(i, n, 4 if i == 0 else 1, got) for i, n in enumerate([5, 12, 20])]
     requests.append(Request(key="", prompt=doomed, max_tokens=1, sampling=Sampling(), seed=0,
                             stop_ids=frozenset(), emit=lambda kind, value: ends.setdefault(kind, value)))
-    scheduler.running += requests
-    scheduler._turn()                       # the four prompts' first chunks: three in one pass
-    assert passes == [3] and "error" in ends and requests[3] not in scheduler.running
-    scheduler._turn()                       # the two longer ones' second chunks (request 0 decodes)
-    scheduler._turn()                       # the longest one's third chunk
-    assert passes == [3, 2]
-    for request in requests[:3]:            # each fed its prompt, then its one token
-        assert request not in scheduler.running and len(request.produced) == 1
+    scheduler.running += requests[:1]
+    scheduler._turn()                       # request 0's prompt, alone and whole (no request decodes)
+    scheduler.running += requests[1:]
+    scheduler._turn()                       # the three others' first chunks, of 8 (request 0 decodes): two in one pass
+    assert passes == [2] and "error" in ends and requests[3] not in scheduler.running
+    scheduler._turn()                       # the two longer ones' second chunks
+    scheduler._turn()                       # the longest one's third chunk (alone: no pass together)
+    assert passes == [2, 2]
+    for request in requests[:3]:            # each fed its prompt, then its tokens
+        assert request not in scheduler.running and len(request.produced) == request.max_tokens
         alone = tiny_fast.session(decode="eager").feed(request.prompt + request.produced)
         _close(request.logits, alone, f"request {request.id}")
 

@@ -31,11 +31,15 @@ SPREAD = 2              # programs per multiprocessor the runs aim for
 TILE = 64               # rows a program takes at a time (whole blocks: at least one)
 
 
-@triton.jit
+# The runs a table is dealt to grow with its tiles (`runs_for`) and the table's width with the
+# context: both are plain arguments, never specialised, so that a context no warm-up met runs the
+# kernels compiled already (as constants, each new count compiled both again: 1.5 s of a server's
+# step at a 2K context on an H100).
+@triton.jit(do_not_specialize=["W", "RUNS"])
 def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
-          k_block, k_row, k_head, v_block, v_row, v_head,
+          k_block, k_row, k_head, v_block, v_row, v_head, RUNS,
           HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-          R: tl.constexpr, BB: tl.constexpr, RP: tl.constexpr, RUNS: tl.constexpr, CHAINED: tl.constexpr):
+          R: tl.constexpr, BB: tl.constexpr, RP: tl.constexpr, CHAINED: tl.constexpr):
     after_the_last(CHAINED)
     n, h, run = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     position = tl.load(positions + n)
@@ -71,9 +75,9 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
     tl.store(total_out + at, total, mask=mg)
 
 
-@triton.jit
-def _weigh(acc, top, total, o, gate, gate_row, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           RUNS: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
+@triton.jit(do_not_specialize=["RUNS"])
+def _weigh(acc, top, total, o, gate, gate_row, RUNS, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           SP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
     """One (session, query head): its runs' partial results in the proportion of their sums
     against the largest maximum (a run that saw no row has maximum -inf and weighs nothing);
     `GATED`: then, rounded to o's dtype, times σ(gate) (attention's output gate)."""
@@ -125,9 +129,13 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
     q, tables, positions = q.contiguous(), tables.contiguous(), positions.contiguous()
     BB = max(1, TILE // R)                  # blocks a tile
     tiles = -(-W // BB)
+    processors = _processors(q.device.index or 0)
     if runs is None:
-        runs = runs_for(N, HKV, tiles, _processors(q.device.index or 0))
+        runs = runs_for(N, HKV, tiles, processors)
     runs = min(max(runs, 1), tiles)
+    # the weighing's span of runs: the most the sessions could be dealt at any width, not this
+    # width's count (a constant of the kernel: a few lanes' counts, not one per context)
+    span = triton.next_power_of_2(max(runs, runs_for(N, HKV, 1 << 30, processors)))
     acc = torch.empty((N, HQ, runs, D), dtype=torch.float32, device=q.device)
     top = torch.empty((N, HQ, runs), dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
@@ -137,13 +145,13 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
     chain = chained(q.device)
     _runs[(N, HKV, runs)](q, k_blocks, v_blocks, tables, positions, acc, top, total, W, D ** -0.5,
                           k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-                          v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
+                          v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2), runs,
                           HQ=HQ, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP,
-                          R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), RUNS=runs, num_warps=WARPS,
+                          R=R, BB=BB, RP=max(16, triton.next_power_of_2(BB * R)), num_warps=WARPS,
                           CHAINED=chain, launch_pdl=chain)
     o = torch.empty_like(q)
-    _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0),
-                      HQ=HQ, D=D, DP=DP, RUNS=runs, SP=triton.next_power_of_2(runs), GATED=gate is not None,
+    _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0), runs,
+                      HQ=HQ, D=D, DP=DP, SP=span, GATED=gate is not None,
                       CHAINED=chain, launch_pdl=chain)
     return o
 
