@@ -276,6 +276,24 @@ def test_distributions_and_draws_of_many_rows_are_each_rows_alone():
     assert many[3] < 7 and all(together[b, many[b]] > 0 for b in range(12))
 
 
+def test_rows_that_need_no_order_are_what_the_sorted_filters_give():
+    """Rows at any temperature with min_p but no top_k or top_p skip the sort: their weights
+    are `by_order`'s (the sorted filters, the readable twin) bit for bit, a row with ties and
+    one with ids ruled out included."""
+    from hebrus.sampling import Sampling, by_order, distributions
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(6, 500, generator=gen) * 3
+    logits[1, :40] = logits[1, 40]                             # ties at the top
+    logits[2, 9:] = float("-inf")
+    hows = [Sampling(temperature=t, min_p=m) for t, m in zip([0.3, 0.8, 1.0, 2.0, 0.8, 1.5],
+                                                             [0.0, 0.2, 0.0, 0.05, 0.5, 0.0])]
+    got = distributions(logits, hows)
+    scaled = torch.stack([(row.double() - row.double().max()) / h.temperature for row, h in zip(logits, hows)])
+    want = by_order(torch.softmax(scaled, dim=-1), hows)
+    assert torch.equal(got, want)
+    assert (got[2, 9:] == 0).all() and (got[4] == 0).any() and (got[0] > 0).all()
+
+
 def test_a_prompt_is_fed_in_the_models_prefill_chunk_unless_told(tiny, monkeypatch):
     """`prefill`, `generate` and the text API feed a prompt in chunks of `model.prefill_chunk`
     (512 on a CPU) when no chunk size is named, and in the named one when it is; the state is

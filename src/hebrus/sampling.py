@@ -176,11 +176,25 @@ def distributions(logits: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
     device = logits.device
     column = lambda values: torch.tensor(values, dtype=torch.float64, device=device)[:, None]   # noqa: E731
     temperature = column([h.temperature for h in hows])
-    top_p, min_p = column([h.top_p for h in hows]), column([h.min_p for h in hows])
-    top_k = torch.tensor([h.top_k or V for h in hows], device=device)[:, None]
+    min_p = column([h.min_p for h in hows])
     scaled = logits.double()
     scaled = (scaled - scaled.amax(-1, keepdim=True)) / temperature     # <= 0, so no temperature overflows it
     probs = torch.softmax(scaled, dim=-1)
+    if all((h.top_k or V) >= V and h.top_p >= 1.0 for h in hows):      # no row needs the ids in order
+        # what `by_order` gives these rows without sorting them (a sort of the vocabulary for each
+        # row was most of a sampled step's host time): min_p against each row's largest
+        return torch.where((min_p <= 0.0) | (probs >= min_p * probs.amax(-1, keepdim=True)), probs, 0.0)
+    return by_order(probs, hows)
+
+
+def by_order(probs: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
+    """`distributions`' filters on probabilities [B, V] (float64), each row's ids sorted by
+    probability: its top_k, then its top_p of the mass, then its min_p of the largest."""
+    B, V = probs.shape
+    device = probs.device
+    column = lambda values: torch.tensor(values, dtype=torch.float64, device=device)[:, None]   # noqa: E731
+    top_p, min_p = column([h.top_p for h in hows]), column([h.min_p for h in hows])
+    top_k = torch.tensor([h.top_k or V for h in hows], device=device)[:, None]
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     keep = torch.arange(V, device=device)[None, :] < top_k
     before = sorted_p.cumsum(-1) - sorted_p                             # mass strictly before each token
