@@ -107,6 +107,39 @@ def test_a_space_over_its_share_loses_its_own_oldest_and_no_other_spaces():
     assert c.used_by("a") == 3 * SLOT and c.used == 4 * SLOT
 
 
+def test_an_entry_a_prompt_found_outlasts_a_burst_of_entries_never_found():
+    """What a shared system prompt meets: the prefix all the clients hit, then each client's own
+    ends, more than the budget holds. The ends go first, oldest first, and the prefix stays for
+    the next prompt; once only entries that were found are left, the least recently used goes."""
+    c = cache(budget=3 * SLOT, every=4)
+    system = [1, 2, 3, 4, 5, 6]
+    prefix = session(name="prefix")
+    c.put("a", system, prefix)
+    for i in range(5):
+        assert found(c, "a", system + [10 + i])[0] is prefix
+        c.put("a", system + [10 + i], session())
+    assert found(c, "a", system + [99])[0] is prefix
+    assert held(c) == [("a", system + [13]), ("a", system + [14]), ("a", system)]
+    again = session()
+    c.put("a", [7], again)
+    assert found(c, "a", [7, 8])[0] is again and found(c, "a", system + [14])[1] == 7    # both found now
+    c.put("a", [9], session())                  # none left never found but itself: the oldest found goes
+    assert held(c) == [("a", [7]), ("a", system + [14]), ("a", [9])]
+    assert c.shed() and held(c) == [("a", [7]), ("a", system + [14])]     # [9], never found, goes first
+
+
+def test_a_space_alone_may_fill_the_budget_and_keeps_to_its_share_beside_another():
+    """A share protects the other spaces: a space alone keeps entries past it, up to the budget;
+    once another space holds an entry, its next entry brings it back within its share."""
+    c = cache(budget=5 * SLOT, per_space=2 * SLOT)
+    for i in range(1, 5):
+        c.put("a", [i], session())
+    assert c.used_by("a") == 4 * SLOT
+    c.put("b", [9], session())
+    c.put("a", [5], session())
+    assert held(c) == [("a", [4]), ("b", [9]), ("a", [5])] and c.used_by("a") == 2 * SLOT
+
+
 def test_shared_blocks_count_once_and_go_with_their_last_entry():
     c = cache(budget=1000)
     c.put("a", [1, 2, 3, 4], session(7, 8))
@@ -121,12 +154,17 @@ def test_shared_blocks_count_once_and_go_with_their_last_entry():
     assert c.used == 0 and not c.roots and not c.blocks
 
 
-def test_an_entry_over_its_spaces_share_or_the_budget_is_not_kept():
+def test_an_entry_over_its_spaces_share_beside_another_or_over_the_budget_is_not_kept():
     c = cache(budget=100, per_space=30)
+    c.put("b", [0], session())                  # another space holds an entry: the share applies
     c.put("a", [1], session())
     c.put("a", [2], session(*range(21)))
-    c.put("b", [3], session(*range(91)))
-    assert held(c) == [("a", [1])] and c.used == SLOT
+    c.put("c", [3], session(*range(91)))
+    assert held(c) == [("b", [0]), ("a", [1])] and c.used == 2 * SLOT
+    c = cache(budget=100, per_space=30)
+    c.put("a", [2], session(*range(21)))        # alone, only the budget bounds it
+    c.put("a", [3], session(*range(91)))
+    assert held(c) == [("a", [2])]
     c = cache(budget=0)
     c.put("a", [1], session())
     assert not c.entries and not c.keeps

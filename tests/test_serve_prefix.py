@@ -69,6 +69,28 @@ def test_sharing_a_thousand_tokens_recomputes_fewer_than_k_on_the_first_hit_and_
     assert scheduler.cache.hits == 2 and scheduler.cache.saved == first.cached + 1000
 
 
+def test_a_system_prompt_all_clients_hit_outlasts_their_own_ends_in_a_small_cache(tiny):
+    """Workload (b) in a cache of six entries: a system prompt fed cold, clients that each hit
+    it and each leave states no other prompt shares (their ends, their turns' ends), more than
+    the cache holds; the next request still finds the state they found (the entries found go
+    after those never found): with least recently used alone, it found nothing."""
+    probe = tiny.session()
+    pool = probe.image.pool
+    system = SHARED[:200]
+    blocks = len(system) // pool.block_rows + 9      # the system prompt's, shared by reference, and a few own
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefix_every=64,
+                          cache_bytes=6 * pool.slot_nbytes + blocks * pool.block_nbytes)
+    del probe
+    cold = _run(scheduler, _ask(system + tokens(8, seed=50), seed=50))[0]
+    clients = [_ask(system + tokens(8, seed=s), seed=s) for s in range(51, 59)]
+    _together(scheduler, clients)               # all found the prefix, then each left its own
+    after = _run(scheduler, _ask(system + tokens(8, seed=60), seed=60))[0]
+    assert cold.cached == 0 and all(r.cached >= 192 for r in clients)
+    # the state the clients found (fewer than k short of where they part) outlasted their ends
+    assert len(system) - 64 < after.cached <= len(system) and after.got == _alone(tiny, after)
+    assert len(scheduler.cache.entries) <= 6
+
+
 def test_in_fast_mode_a_cached_prefix_is_within_the_bound_of_a_cold_run(tiny_fast):
     scheduler = Scheduler(tiny_fast, chunk_size=256, prefill_tokens=512, decode="eager")
     requests = _run(scheduler, *(_ask(SHARED[:n] + [3, n % 256], seed=n) for n in (1000, 700, 999, 700)))

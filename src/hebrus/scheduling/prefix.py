@@ -16,9 +16,12 @@ kept state at or below the longest shared prefix is the hit; how far the prompt 
 cached tokens beyond it is the cut.
 
 Spaces keep users apart: the scheduler names one per API key (and `cache_salt`), or one for all
-keys when sharing is on. Least recently used entries go first: a space's own once its entries
-pass `per_space` bytes, anyone's once all pass `budget`. The bytes counted are what the cache
-holds: each entry's slot, and each block once, however many entries share it.
+keys when sharing is on. Least recently used entries go first, those never found before those a
+prompt has found (a segmented LRU: a burst of prompts that each leave states no other prompt
+shares, as every prompt's own end does, does not push out the prefix they all hit): a space's own
+once its entries pass `per_space` bytes while another space holds entries (a share protects the
+others; alone, a space may fill the budget), anyone's once all pass `budget`. The bytes counted
+are what the cache holds: each entry's slot, and each block once, however many entries share it.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class _Entry:
     session: object
     node: _Node
     blocks: tuple
+    found: bool = False             # a prompt has found it (it goes after every entry never found)
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -122,6 +126,7 @@ class PrefixCache:
         if best is None:
             return Hit(None, 0, cut)
         self.entries.move_to_end(best.id)
+        best.found = True
         self.hits += 1
         self.saved += len(best.tokens)
         return Hit(best.session, len(best.tokens), max(cut, len(best.tokens)))
@@ -129,8 +134,8 @@ class PrefixCache:
     # ---- keeping --------------------------------------------------------------------------
     def put(self, space, tokens, session) -> None:
         """Keep `session`, which holds `tokens` and is never fed again, for `space` (replacing
-        one that holds the same tokens); not kept if it alone is over the space's share or the
-        budget."""
+        one that holds the same tokens); not kept if it alone is over the budget, or over the
+        space's share while another space holds entries."""
         if not self.keeps or not len(tokens):
             return
         tokens = tuple(tokens)
@@ -138,7 +143,8 @@ class PrefixCache:
         if not self.slot_bytes:
             self.slot_bytes, self.block_bytes = image.pool.slot_nbytes, image.pool.block_nbytes
         blocks = image.public.table
-        if self.slot_bytes + len(blocks) * self.block_bytes > min(self.budget, self.per_space):
+        shared = any(other != space for other in self.space_slots)     # a share protects other spaces' entries
+        if self.slot_bytes + len(blocks) * self.block_bytes > (min(self.budget, self.per_space) if shared else self.budget):
             return
         node = self._node(space, tokens)
         rest = tokens[node.depth:]
@@ -155,16 +161,22 @@ class PrefixCache:
         self.blocks.update(blocks)
         self.space_blocks.setdefault(space, collections.Counter()).update(blocks)
         self.space_slots[space] += 1
-        while self.used_by(space) > self.per_space:     # the new one fits alone: it is never dropped
-            self._drop(next(e for e in self.entries.values() if e.space == space))
+        # the new one fits alone: it is never dropped
+        while shared and self.used_by(space) > self.per_space:
+            self._drop(self._first(lambda e: e.space == space and e is not entry))
         while self.used > self.budget:
-            self._drop(next(iter(self.entries.values())))
+            self._drop(self._first(lambda e: e is not entry))
+
+    def _first(self, among) -> _Entry:
+        """The entry of those `among` admits that goes first: the least recently used never
+        found, else the least recently used."""
+        return min((e for e in self.entries.values() if among(e)), key=lambda e: e.found)
 
     def shed(self) -> bool:
-        """Drop the least recently used entry (the pool needs its slot): False if none is held."""
+        """Drop the entry that goes first (the pool needs its slot): False if none is held."""
         if not self.entries:
             return False
-        self._drop(next(iter(self.entries.values())))
+        self._drop(self._first(lambda e: True))
         return True
 
     def forget(self, space) -> None:

@@ -218,8 +218,8 @@ class Scheduler:
         # stepping alone, and the rest of a turn
         self.spent: collections.Counter[str] = collections.Counter()
         self._idle_since = time.perf_counter()
-        # a key keeps at most a quarter of the budget unless told otherwise: one busy key cannot
-        # evict every other key's prefixes
+        # a key keeps at most a quarter of the budget beside other keys' entries unless told
+        # otherwise: one busy key cannot evict every other key's prefixes (alone, it may fill it)
         self.cache = PrefixCache(cache_bytes, prefix_every,
                                  cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key)
         self.share_prefixes = share_prefixes
