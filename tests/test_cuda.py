@@ -1135,6 +1135,32 @@ def test_the_attention_lanes_kernel_matches_its_twin(dtype, hq, hkv, dh, R, runs
 
 
 @cuda
+def test_the_attention_lanes_kernels_compile_once_for_any_context():
+    """The runs a table is dealt to and the table's width grow with the context; the kernels
+    take both as plain arguments, so lanes at contexts no call met before run the kernels made
+    for the first (a server's warm-up meets short contexts only: each new count compiled both
+    again, a 1.5 s step)."""
+    from hebrus.ops.cuda import attention_lanes
+    from hebrus.ops.cuda.attention_lanes import attention_lanes_cuda
+
+    def made() -> int:
+        return sum(len(caches[0]) for fn in (attention_lanes._runs, attention_lanes._weigh)
+                   for caches in fn.device_caches.values())
+    g = torch.Generator(device="cuda").manual_seed(4)
+    R, hkv, dh, N = 16, 2, 64, 2
+    counts = []
+    for W in (2, 5, 9, 17, 40, 130, 600):              # up to runs past the weighing's block of 16
+        blocks = torch.randn(N * W, R, hkv, dh, generator=g, device="cuda").to(torch.bfloat16)
+        tables = torch.arange(N * W, device="cuda").view(N, W)
+        q = torch.randn(N, 8, dh, generator=g, device="cuda").to(torch.bfloat16)
+        positions = torch.tensor([W * R - 1, (W * R) // 2], device="cuda")
+        before = made()
+        attention_lanes_cuda(q, blocks, blocks, tables, positions)
+        counts.append(made() - before)
+    assert counts[0] == 2 and not any(counts[1:]), counts
+
+
+@cuda
 def test_graph_steps_publish_each_sessions_constraint():
     """Steps replayed from CUDA graphs advance each session's constraint by its token (the flip
     publishes it with the rest), and a token it does not allow is refused before the step."""

@@ -29,6 +29,7 @@ from hebrus.ops.cuda.chain import after_the_last, chained
 WARPS = 4               # warps per program of the runs' kernel
 SPREAD = 2              # programs per multiprocessor the runs aim for
 TILE = 64               # rows a program takes at a time (whole blocks: at least one)
+WEIGHED = 16            # runs the weighing takes at a time
 
 
 # The runs a table is dealt to grow with its tiles (`runs_for`) and the table's width with the
@@ -77,20 +78,31 @@ def _runs(q, k, v, tables, positions, acc_out, top_out, total_out, W, scale,
 
 @triton.jit(do_not_specialize=["RUNS"])
 def _weigh(acc, top, total, o, gate, gate_row, RUNS, HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           SP: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
+           SB: tl.constexpr, GATED: tl.constexpr, CHAINED: tl.constexpr):
     """One (session, query head): its runs' partial results in the proportion of their sums
-    against the largest maximum (a run that saw no row has maximum -inf and weighs nothing);
-    `GATED`: then, rounded to o's dtype, times σ(gate) (attention's output gate)."""
+    against the largest maximum (a run that saw no row has maximum -inf and weighs nothing),
+    SB runs at a time (any number of runs, one kernel); `GATED`: then, rounded to o's dtype,
+    times σ(gate) (attention's output gate)."""
     after_the_last(CHAINED)
     i = tl.program_id(0)
-    rs, rd = tl.arange(0, SP), tl.arange(0, DP)
-    ms, md = rs < RUNS, rd < D
-    tops = tl.load(top + i * RUNS + rs, mask=ms, other=float("-inf"))
-    scale = tl.exp(tops - tl.max(tops, 0))
-    scale = tl.where(ms & (tops > float("-inf")), scale, 0.0)
-    sums = tl.sum(tl.load(total + i * RUNS + rs, mask=ms, other=0.0) * scale, 0)
-    parts = tl.load(acc + (i * RUNS + rs)[:, None] * D + rd[None, :], mask=ms[:, None] & md[None, :], other=0.0)
-    out = tl.sum(parts * scale[:, None], 0) / sums
+    rs, rd = tl.arange(0, SB), tl.arange(0, DP)
+    md = rd < D
+    largest = tl.full([SB], float("-inf"), tl.float32)
+    for first in range(0, RUNS, SB):
+        largest = tl.maximum(largest, tl.load(top + i * RUNS + first + rs, mask=first + rs < RUNS,
+                                              other=float("-inf")))
+    biggest = tl.max(largest, 0)
+    sums = tl.zeros([SB], tl.float32)
+    out = tl.zeros([DP], tl.float32)
+    for first in range(0, RUNS, SB):
+        ms = first + rs < RUNS
+        tops = tl.load(top + i * RUNS + first + rs, mask=ms, other=float("-inf"))
+        scale = tl.where(ms & (tops > float("-inf")), tl.exp(tops - biggest), 0.0)
+        sums += tl.load(total + i * RUNS + first + rs, mask=ms, other=0.0) * scale
+        parts = tl.load(acc + (i * RUNS + first + rs)[:, None] * D + rd[None, :], mask=ms[:, None] & md[None, :],
+                        other=0.0)
+        out += tl.sum(parts * scale[:, None], 0)
+    out = out / tl.sum(sums, 0)
     if GATED:
         g = tl.load(gate + (i // HQ) * gate_row + (i % HQ) * D + rd, mask=md, other=0.0).to(tl.float32)
         out = out.to(o.dtype.element_ty).to(tl.float32) / (1.0 + tl.exp(-g))
@@ -129,13 +141,9 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
     q, tables, positions = q.contiguous(), tables.contiguous(), positions.contiguous()
     BB = max(1, TILE // R)                  # blocks a tile
     tiles = -(-W // BB)
-    processors = _processors(q.device.index or 0)
     if runs is None:
-        runs = runs_for(N, HKV, tiles, processors)
+        runs = runs_for(N, HKV, tiles, _processors(q.device.index or 0))
     runs = min(max(runs, 1), tiles)
-    # the weighing's span of runs: the most the sessions could be dealt at any width, not this
-    # width's count (a constant of the kernel: a few lanes' counts, not one per context)
-    span = triton.next_power_of_2(max(runs, runs_for(N, HKV, 1 << 30, processors)))
     acc = torch.empty((N, HQ, runs, D), dtype=torch.float32, device=q.device)
     top = torch.empty((N, HQ, runs), dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
@@ -151,7 +159,7 @@ def attention_lanes_cuda(q, k_blocks, v_blocks, tables, positions, gate=None,
                           CHAINED=chain, launch_pdl=chain)
     o = torch.empty_like(q)
     _weigh[(N * HQ,)](acc, top, total, o, o if gate is None else gate, 0 if gate is None else gate.stride(0), runs,
-                      HQ=HQ, D=D, DP=DP, SP=span, GATED=gate is not None,
+                      HQ=HQ, D=D, DP=DP, SB=WEIGHED, GATED=gate is not None,
                       CHAINED=chain, launch_pdl=chain)
     return o
 
