@@ -1157,7 +1157,7 @@ def test_the_attention_lanes_kernels_compile_once_for_any_context():
         before = made()
         attention_lanes_cuda(q, blocks, blocks, tables, positions)
         counts.append(made() - before)
-    assert counts[0] == 2 and not any(counts[1:]), counts
+    assert counts[0] <= 2 and not any(counts[1:]), counts      # (the first may find them made by another test)
 
 
 @cuda
