@@ -107,9 +107,9 @@ for part in "$@"; do
             --serve-prompt 128 --serve-tokens 64 --cache /tmp/shapes --json "$out/bench-serve-qwen3.5-1.7b.json" \
             --table "$out/bench-serve-qwen3.5-1.7b.md" 2>&1 | grep -v '^bench' ;;
     serve-gather)
-        # issue 30 (a) with an idle engine gathering a burst of requests into one pass (the default
-        # --gather-ms 5 on a GPU) and without (--serve-gather-ms 0), one server each
-        for gather in 5 0; do
+        # issue 30 (a) with an idle engine gathering a burst of requests into one pass
+        # (--serve-gather-ms 5) and without (0, the default), one server each, twice in turn
+        for gather in 5 0 5 0; do
             timeout 400 python3 -m hebrus bench --serve --model qwen3.5-1.7b --clients 64 --requests 128 \
                 --serve-prompt 128 --serve-tokens 64 --serve-gather-ms $gather --cache /tmp/shapes \
                 --json "$out/bench-serve-gather-$gather-qwen3.5-1.7b.json" \

@@ -147,11 +147,10 @@ def _parser() -> argparse.ArgumentParser:
                             "width was measured; default %(default)s), or "
                             "the prefilling requests' part of --prefill-tokens by head count if more: a long "
                             "prompt slows their tokens by about 1 + STEPS times")
-    serve.add_argument("--gather-ms", type=float, default=None, metavar="MS",
+    serve.add_argument("--gather-ms", type=float, default=0.0, metavar="MS",
                        help="an idle engine woken by a request waits for more while they keep arriving less "
-                            "than MS apart (up to ten times MS; at most 100), so a burst's prompts go in one pass (default: 5 "
-                            "where the steps replay CUDA graphs, where a pass costs the host about the same at "
-                            "any size; else 0)")
+                            "than MS apart (up to ten times MS; at most 100), so a burst's prompts go in one "
+                            "pass (default 0: off; 5 ms was measured slower at 64 clients on an H100)")
     serve.add_argument("--passes", choices=("auto", "one", "two", "paced"), default="auto",
                        help="a turn of the engine loop feeds its prompt chunks and steps its decoding requests in "
                             "one pass, or in two (chunks, then steps replayed from CUDA graphs), or paced: a "
@@ -210,7 +209,7 @@ def _serve(args) -> int:
     if args.passes == "paced" and (getattr(args, "tensor_parallel", None) or 1) > 1:
         raise InvalidInput("--passes paced stops a prompt pass between its stages, which a model over "
                            "tensor-parallel ranks cannot (its ranks step together): use one or two")
-    if args.gather_ms is not None and not 0 <= args.gather_ms <= 100:
+    if not 0 <= args.gather_ms <= 100:
         raise InvalidInput(f"--gather-ms must be from 0 to 100, got {args.gather_ms}")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
@@ -228,7 +227,7 @@ def _serve(args) -> int:
     return serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
               cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every, prefill_share=args.prefill_share,
               share_prefixes=args.share_prefixes, passes=args.passes, prefill_chunk=args.prefill_chunk,
-              gather=None if args.gather_ms is None else args.gather_ms / 1e3)
+              gather=args.gather_ms / 1e3)
 
 
 def _listening(host: str, port: int):
