@@ -128,6 +128,49 @@ def test_an_entry_a_prompt_found_outlasts_a_burst_of_entries_never_found():
     assert c.shed() and held(c) == [("a", [7]), ("a", system + [14])]     # [9], never found, goes first
 
 
+def test_states_found_long_ago_go_back_on_probation_and_a_new_prefix_is_found():
+    """The protected segment holds at most PROTECTED of the budget's slots: entries found once
+    long ago (finished conversations' ends) go back on probation as newer ones are found, so a
+    new system prompt that clients start sharing is kept and found from its second client on."""
+    c = cache(budget=6 * SLOT, every=4)
+    for i in range(5):                          # five stale entries, each found once
+        c.put("a", [100 + i] * 8, session())
+        c.find("a", [100 + i] * 8 + [1])
+    system, hits = list(range(1, 41)), []
+    for j in range(20):                         # clients of a new system prompt, each its own end
+        prompt = system + [500 + j, 501]
+        hit = c.find("a", prompt)
+        hits.append(hit.length)
+        for mark in c.marks(hit.length, len(prompt), hit.cut):
+            c.put("a", prompt[:mark], session())
+    assert hits == [0] + [40] * 19 and len(c.protected) <= 0.75 * 6
+
+
+def test_a_state_put_again_keeps_its_segment():
+    c = cache(budget=4 * SLOT)
+    c.put("a", [1, 2], session())
+    c.find("a", [1, 2, 3])
+    c.put("a", [1, 2], session(name="again"))
+    assert [list(e.tokens) for e in c.protected.values()] == [[1, 2]] and not c.probation
+
+
+def test_past_the_budget_a_quiet_space_over_its_share_loses_its_own_first():
+    """A space that filled the budget alone and went quiet is past its share once another space
+    holds entries: when the budget is full, its entries go before the newcomer's, found or not."""
+    c = cache(budget=6 * SLOT, every=4, per_space=2 * SLOT)
+    for i in range(6):
+        c.put("A", [100 + i] * 8, session())
+        c.find("A", [100 + i] * 8 + [1])
+    system, hits = list(range(1, 41)), []
+    for j in range(10):
+        prompt = system + [500 + j, 501]
+        hit = c.find("B", prompt)
+        hits.append(hit.length)
+        for mark in c.marks(hit.length, len(prompt), hit.cut):
+            c.put("B", prompt[:mark], session())
+    assert hits == [0] + [40] * 9 and c.used_by("B") == 2 * SLOT and c.used <= c.budget
+
+
 def test_a_space_alone_may_fill_the_budget_and_keeps_to_its_share_beside_another():
     """A share protects the other spaces: a space alone keeps entries past it, up to the budget;
     once another space holds an entry, its next entry brings it back within its share."""

@@ -201,6 +201,28 @@ def test_a_turns_prompt_chunks_are_fed_in_one_pass_and_one_that_aborts_fails_alo
         _close(request.logits, alone, f"request {request.id}")
 
 
+def test_while_none_decodes_a_long_prompt_takes_what_the_budget_leaves_after_every_prompts_chunk(tiny_fast):
+    """A turn with no request decoding: every prompt gets its chunk first, oldest first, and the
+    budget's rest goes to the oldest, so a long prompt ahead of short ones does not hold them
+    back; with the prefix cache keeping its states, a chunk grows only to as many as it holds."""
+    got = {}
+    long_one = _asking(0, 1000, 1, got)
+    shorts = [_asking(i, 10, 4, got) for i in range(1, 6)]
+    scheduler = Scheduler(tiny_fast, chunk_size=32, prefill_tokens=128, decode="eager", cache_bytes=0)
+    scheduler.running += [long_one, *shorts]
+    scheduler._turn()
+    assert [r.fed for r in shorts] == [10] * 5 and long_one.fed == 128 - 50
+    scheduler._turn()                           # the shorts decode now: chunks of 32 again
+    assert long_one.fed == 128 - 50 + 32
+    keeping = _asking(7, 1000, 1, got, key="k")     # its chunk keeps states: at most what the cache holds
+    slot = tiny_fast.session().image.pool.slot_nbytes
+    scheduler = Scheduler(tiny_fast, chunk_size=32, prefill_tokens=512, decode="eager", prefix_every=16,
+                          cache_bytes=5 * slot)
+    scheduler.running.append(keeping)
+    scheduler._turn()
+    assert keeping.fed == 5 * 16
+
+
 @pytest.mark.parametrize("cache_bytes", [0, 1 << 24])
 def test_warming_up_leaves_nothing_behind_and_changes_no_answer(tiny, tiny_fast, cache_bytes, monkeypatch):
     """`warm_up` serves made-up requests through the loop's own turns at every lane width up to

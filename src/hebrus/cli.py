@@ -137,10 +137,10 @@ def _parser() -> argparse.ArgumentParser:
                             "where a pass of a few hundred tokens costs about what one of thousands does, "
                             "else 512)")
     serve.add_argument("--prefill-chunk", type=int, default=CHUNK_SIZE, metavar="N",
-                       help="one request's prompt tokens a turn feeds at most while requests decode "
-                            "(default %(default)s): a long prompt goes in chunks of N, several requests' "
-                            "chunks in one pass, up to --prefill-tokens together; while none decodes, a "
-                            "prompt goes in chunks of up to --prefill-tokens")
+                       help="one request's prompt tokens a turn feeds (default %(default)s): a long prompt "
+                            "goes in chunks of N, several requests' chunks in one pass, up to --prefill-tokens "
+                            "together; while no request decodes, what --prefill-tokens leaves after every "
+                            "prompt's chunk goes to the oldest prompts")
     serve.add_argument("--prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="while requests decode, a turn (their step and its prompt chunks) takes at most "
                             "the time of 1 + this many decode steps (a step alone where one of about their "

@@ -16,18 +16,24 @@ kept state at or below the longest shared prefix is the hit; how far the prompt 
 cached tokens beyond it is the cut.
 
 Spaces keep users apart: the scheduler names one per API key (and `cache_salt`), or one for all
-keys when sharing is on. Least recently used entries go first, those never found before those a
-prompt has found (a segmented LRU: a burst of prompts that each leave states no other prompt
-shares, as every prompt's own end does, does not push out the prefix they all hit): a space's own
-once its entries pass `per_space` bytes while another space holds entries (a share protects the
-others; alone, a space may fill the budget), anyone's once all pass `budget`. The bytes counted
-are what the cache holds: each entry's slot, and each block once, however many entries share it.
+keys when sharing is on. Least recently used entries go first, in two segments (a segmented
+LRU): those on probation (never found, or let back from the other) before those a prompt has
+found, which are protected up to PROTECTED of the budget's slots (past it, their least recently
+found goes back on probation): a burst of prompts that each leave states no other prompt shares,
+as every prompt's own end does, does not push out the prefix they all hit, and states found once
+long ago do not hold the cache for ever. A space's own entries go once they pass `per_space`
+bytes while another space holds entries (a share protects the others; alone, a space may fill
+the budget); once all pass `budget`, first those of a space past its share, then anyone's. The
+bytes counted are what the cache holds: each entry's slot, and each block once, however many
+entries share it.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 from dataclasses import dataclass, field
+
+PROTECTED = 0.75        # the part of the budget's slots that entries a prompt found may keep protected
 
 
 @dataclass(eq=False)
@@ -49,7 +55,6 @@ class _Entry:
     session: object
     node: _Node
     blocks: tuple
-    found: bool = False             # a prompt has found it (it goes after every entry never found)
     id: int = field(default_factory=itertools.count().__next__)
 
 
@@ -73,6 +78,9 @@ class PrefixCache:
         self.budget, self.per_space, self.every = budget, per_space, every
         self.roots: dict[object, _Node] = {}
         self.entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()   # least recently used first
+        # the two segments, each least recently used first: never found (or let back), and found
+        self.probation: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
+        self.protected: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self.blocks: collections.Counter = collections.Counter()         # block -> entries holding it
         self.space_blocks: dict[object, collections.Counter] = {}
         self.space_slots: collections.Counter = collections.Counter()   # space -> its entries
@@ -126,7 +134,7 @@ class PrefixCache:
         if best is None:
             return Hit(None, 0, cut)
         self.entries.move_to_end(best.id)
-        best.found = True
+        self._protect(best)
         self.hits += 1
         self.saved += len(best.tokens)
         return Hit(best.session, len(best.tokens), max(cut, len(best.tokens)))
@@ -149,6 +157,7 @@ class PrefixCache:
         node = self._node(space, tokens)
         rest = tokens[node.depth:]
         old = node.tails.get(rest) if rest else node.entry
+        found = old is not None and old.id in self.protected      # a replaced entry keeps its segment
         if old is not None:
             self._drop(old)
         node = self._node(space, tokens)                # dropping may have pruned it
@@ -158,6 +167,9 @@ class PrefixCache:
         else:
             node.entry = entry
         self.entries[entry.id] = entry
+        self.probation[entry.id] = entry
+        if found:
+            self._protect(entry)
         self.blocks.update(blocks)
         self.space_blocks.setdefault(space, collections.Counter()).update(blocks)
         self.space_slots[space] += 1
@@ -165,12 +177,24 @@ class PrefixCache:
         while shared and self.used_by(space) > self.per_space:
             self._drop(self._first(lambda e: e.space == space and e is not entry))
         while self.used > self.budget:
-            self._drop(self._first(lambda e: e is not entry))
+            over = self._first(lambda e: e is not entry and e.space != space and self.used_by(e.space) > self.per_space)
+            self._drop(over or self._first(lambda e: e is not entry))
 
-    def _first(self, among) -> _Entry:
-        """The entry of those `among` admits that goes first: the least recently used never
-        found, else the least recently used."""
-        return min((e for e in self.entries.values() if among(e)), key=lambda e: e.found)
+    def _first(self, among) -> _Entry | None:
+        """The entry of those `among` admits that goes first: the least recently used on
+        probation, else the least recently used protected one (None: no entry is admitted)."""
+        return next((e for segment in (self.probation, self.protected) for e in segment.values() if among(e)), None)
+
+    def _protect(self, entry: _Entry) -> None:
+        """`entry` found: the most recently used of the protected segment, whose least recently
+        found go back on probation (as its most recently used) past PROTECTED of the budget's slots."""
+        self.probation.pop(entry.id, None)
+        self.protected.pop(entry.id, None)
+        self.protected[entry.id] = entry
+        room = max(1, int(PROTECTED * self.budget) // max(self.slot_bytes, 1))
+        while len(self.protected) > room:
+            _, demoted = self.protected.popitem(last=False)
+            self.probation[demoted.id] = demoted
 
     def shed(self) -> bool:
         """Drop the entry that goes first (the pool needs its slot): False if none is held."""
@@ -197,6 +221,8 @@ class PrefixCache:
 
     def _drop(self, entry: _Entry) -> None:
         del self.entries[entry.id]
+        self.probation.pop(entry.id, None)
+        self.protected.pop(entry.id, None)
         node, rest = entry.node, entry.tokens[entry.node.depth:]
         if rest:
             del node.tails[rest]

@@ -4,10 +4,11 @@ knows nothing of HTTP (`hebrus.serve` turns requests into `Request`s and events 
 Each turn of the loop admits waiting requests (up to `max_sessions` running), feeds prompt
 chunks of requests still prefilling, oldest request first, up to `prefill_tokens` tokens a turn
 (at least one chunk, so a long prompt cannot stall: this budget never cuts a chunk of
-`chunk_size`). A request's chunk is at most `chunk_size` tokens while any request decodes (their
-steps wait for the pass), and as many as the turn's budget has left while none does (on a GPU a
-pass costs the host about as much at any size: a 2,064-token prompt alone took nine passes of
-256 and 0.8 s on an H100). With
+`chunk_size`). A request's chunk is `chunk_size` tokens at most; while no request decodes (no
+step waits for the pass), what the budget has left after every prompt's chunk goes to the
+oldest, as much as each takes (on a GPU a pass costs the host about as much at any size: a
+2,064-token prompt alone took nine passes of 256 and 0.8 s on an H100), where its chunk keeps
+states for the prefix cache no more than the cache holds. With
 `prefill_share` and requests decoding, fewer, cut to fit: as many as keep the turn within 1 +
 that many decode steps' time, both measured, so that a long prompt does not stall the decoders'
 pace (a bound in measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
@@ -477,21 +478,42 @@ class Scheduler:
             self._decode_step(decoding)
 
     def _chunks(self) -> list[tuple[Request, list[int]]]:
-        """This turn's prompt chunks, oldest request first, within `_prompt_budget`: each of
-        `chunk_size` tokens at most while any request decodes (its steps wait for the pass),
-        else of as many as the turn's budget has left (no one waits: a pass costs the host about
-        as much at any size, so a prompt alone goes in as few as it can)."""
+        """This turn's prompt chunks, oldest request first, within `_prompt_budget`: each
+        request's chunk of `chunk_size` tokens at most; then, while no request decodes (no step
+        waits for the pass), what the budget has left goes to the same requests, oldest first,
+        each up to `_longest` (a pass costs the host about as much at any size, so a prompt alone
+        goes in as few as it can, while every other prompt still gets its chunk each turn)."""
         if self.flight is not None:                     # (paced: one pass at a time)
             return []
-        budget, feeding = self._prompt_budget(), []
+        budget, sizes = self._prompt_budget(), {}
         shared = budget < self.prefill_tokens           # the share's budget cuts chunks; `prefill_tokens` does not
-        waiting = any(r.fed >= len(r.prompt) for r in self.running)     # requests whose steps wait for the pass
-        for request in self.running:
-            if budget > 0 and request.fed < len(request.prompt):
-                size = min(self.chunk_size, budget) if shared else self.chunk_size if waiting else budget
-                feeding.append((request, request.prompt[request.fed:request.fed + size]))
-                budget -= len(feeding[-1][1])
-        return feeding
+        prefilling = [r for r in self.running if r.fed < len(r.prompt)]
+        for request in prefilling:
+            if budget <= 0:
+                break
+            size = min(self.chunk_size, budget) if shared else self.chunk_size
+            sizes[request.id] = min(size, len(request.prompt) - request.fed)
+            budget -= sizes[request.id]
+        if not any(r.fed >= len(r.prompt) for r in self.running):
+            for request in prefilling:
+                if budget <= 0 or request.id not in sizes:
+                    break
+                more = max(0, min(budget, min(self._longest(request), len(request.prompt) - request.fed) - sizes[request.id]))
+                sizes[request.id] += more
+                budget -= more
+        return [(r, r.prompt[r.fed:r.fed + sizes[r.id]]) for r in prefilling if r.id in sizes]
+
+    def _longest(self, request: Request) -> int:
+        """The longest chunk `request` takes while no request decodes: any, or, where its chunk
+        keeps states for the prefix cache (one every `prefix_every` tokens, each a whole banked
+        state on the device until the cache takes it), as many as the cache holds, at least
+        `chunk_size`."""
+        if not (request.keep and self.cache.keeps):
+            return len(request.prompt)
+        pool = getattr(self.model, "pool", None)        # (a model over ranks: each rank's own)
+        slot = self.cache.slot_bytes or (pool.slot_nbytes if pool is not None else 0)
+        held = self.cache.budget // slot if slot else 1
+        return max(self.chunk_size, held * self.cache.every)
 
     def _prompt_budget(self) -> int:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and

@@ -26,8 +26,8 @@ def engine(model, max_sessions: int = 16, max_waiting: int = 256, cache_bytes: i
     at most 1 + that many decode steps' time alone (None: `prefill_tokens` alone bounds the
     chunks). `passes`: a turn's prompt chunks and decode steps in "one" pass or "two", or
     "paced" (a pass of chunks a few stages a turn; "auto": two where the steps replay CUDA
-    graphs). `prefill_chunk`: one request's prompt tokens a turn at most while requests
-    decode (`Scheduler`'s `chunk_size`). `gather`: seconds an idle loop waits for more of a burst of requests
+    graphs). `prefill_chunk`: one request's prompt tokens a turn (more for the oldest while
+    no request decodes: `Scheduler`'s `chunk_size`). `gather`: seconds an idle loop waits for more of a burst of requests
     (`Scheduler.gather`; None: its default). `fault` is for tests only: a function of a request returning a stage to fail
     its next step at, or None. `progress`: told each part of the warm-up on CUDA as it starts
     (`Scheduler.warm_up`)."""

@@ -160,9 +160,10 @@ class _Fused:
 
 
 def static_shape(args: tuple) -> bool:
-    """Whether an op's call gets a kernel made for its shape alone: its first argument (rows
-    first, as every fused op takes them) has a power of two of rows up to STATIC_ROWS. A function
-    of the shapes only, so the same shapes always run the same kernel."""
+    """Whether an op's call within a planned step gets a kernel made for its shape alone: its
+    first argument (rows first, as every fused op takes them) has a power of two of rows up to
+    STATIC_ROWS. A function of the shapes only, so the same shapes always run the same kernel in
+    a planned step (and the shared one outside it: the two may round differently)."""
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return False
