@@ -174,17 +174,21 @@ def distributions(logits: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
     operation works row by row, so a row's weights are what it gets alone."""
     B, V = logits.shape
     device = logits.device
-    column = lambda values: torch.tensor(values, dtype=torch.float64, device=device)[:, None]   # noqa: E731
-    temperature = column([h.temperature for h in hows])
-    min_p = column([h.min_p for h in hows])
+    temperature = _column([h.temperature for h in hows], device)
     scaled = logits.double()
     scaled = (scaled - scaled.amax(-1, keepdim=True)) / temperature     # <= 0, so no temperature overflows it
     probs = torch.softmax(scaled, dim=-1)
     if all((h.top_k or V) >= V and h.top_p >= 1.0 for h in hows):      # no row needs the ids in order
         # what `by_order` gives these rows without sorting them (a sort of the vocabulary for each
         # row was most of a sampled step's host time): min_p against each row's largest
+        min_p = _column([h.min_p for h in hows], device)
         return torch.where((min_p <= 0.0) | (probs >= min_p * probs.amax(-1, keepdim=True)), probs, 0.0)
     return by_order(probs, hows)
+
+
+def _column(values: list[float], device) -> torch.Tensor:
+    """[B, 1] float64 on `device`: a value per row."""
+    return torch.tensor(values, dtype=torch.float64, device=device)[:, None]
 
 
 def by_order(probs: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
@@ -192,8 +196,7 @@ def by_order(probs: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
     probability: its top_k, then its top_p of the mass, then its min_p of the largest."""
     B, V = probs.shape
     device = probs.device
-    column = lambda values: torch.tensor(values, dtype=torch.float64, device=device)[:, None]   # noqa: E731
-    top_p, min_p = column([h.top_p for h in hows]), column([h.min_p for h in hows])
+    top_p, min_p = _column([h.top_p for h in hows], device), _column([h.min_p for h in hows], device)
     top_k = torch.tensor([h.top_k or V for h in hows], device=device)[:, None]
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     keep = torch.arange(V, device=device)[None, :] < top_k

@@ -17,6 +17,7 @@ import json
 import socket
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -209,12 +210,9 @@ def run(model, name: str, concurrencies: list[int], requests: int, prompt: int, 
             _settled(scheduler)
             first = offline(model, clients, prompt, tokens, temperature)
             scheduler.prefills.clear()
-            scheduler.clock_reset()
-            scheduler.timed.clear()
-            compiled = _compiled()
+            engine = engine_from_now(scheduler)
             point = ask(asks, clients, tokens, temperature=temperature)
-            point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
-                               "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
+            point["engine"] = engine()
             # the same requests' prefills as the engine timed them: TTFT less this is what the
             # server adds (queueing, the loop, HTTP), paired within one run
             point["engine_prefill_ms_p50"] = _percentile(list(scheduler.prefills), 0.5) * 1e3
@@ -242,6 +240,17 @@ def _settled(scheduler, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not scheduler.settled and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def engine_from_now(scheduler) -> Callable[[], dict]:
+    """Start the idle engine's clocks and counts of steps from now -> a function giving where
+    its thread spent the time since (seconds by part), its steps together, and the graphs the
+    compiler made meanwhile."""
+    scheduler.clock_reset()
+    scheduler.timed.clear()
+    compiled = _compiled()
+    return lambda: {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
+                    "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
 
 
 def _compiled() -> int:

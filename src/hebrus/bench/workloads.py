@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from hebrus.bench.serve import _compiled, _percentile, _settled, load, prompts, serving, streamed
+from hebrus.bench.serve import _percentile, _settled, engine_from_now, load, prompts, serving, streamed
 
 KEY = "bench"
 
@@ -60,15 +60,12 @@ def _measured(scheduler, run) -> dict:
     compiled meanwhile: a shape no warm-up met stalls every request)."""
     lookups, hits, preemptions = scheduler.cache.lookups, scheduler.cache.hits, scheduler.preemptions
     _settled(scheduler)
-    scheduler.clock_reset()
-    scheduler.timed.clear()
-    compiled = _compiled()
+    engine = engine_from_now(scheduler)
     point = run()
     looked = scheduler.cache.lookups - lookups
     point["hit_rate"] = (scheduler.cache.hits - hits) / looked if looked else 0.0
     point["preemptions"] = scheduler.preemptions - preemptions
-    point["engine"] = {"seconds": {k: round(v, 4) for k, v in scheduler.spent.items()},
-                       "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
+    point["engine"] = engine()
     return point
 
 

@@ -498,7 +498,8 @@ class Scheduler:
             for request in prefilling:
                 if budget <= 0 or request.id not in sizes:
                     break
-                more = max(0, min(budget, min(self._longest(request), len(request.prompt) - request.fed) - sizes[request.id]))
+                size = sizes[request.id]
+                more = max(0, min(budget, self._longest(request) - size, len(request.prompt) - request.fed - size))
                 sizes[request.id] += more
                 budget -= more
         return [(r, r.prompt[r.fed:r.fed + sizes[r.id]]) for r in prefilling if r.id in sizes]

@@ -138,14 +138,15 @@ class _Fused:
         self.compiled = torch.compile(op, fullgraph=True, dynamic=False, options=_chained(SHARED))
         self.static = torch.compile(op, fullgraph=True, dynamic=False, options=_chained({}))
         self.failed: str | None = None
+        self.fresh, self.any_rows = getattr(op, "fresh", ()), getattr(op, "any_rows", False)
 
     def __call__(self, *args):
         if self.failed is None:
             if getattr(_thread, "configured", 0) != _settings:
                 _configure()
             try:
-                args = _fresh(args, getattr(self.op, "fresh", ()))
-                if getattr(_thread, "planned", False) and static_shape(args) and not getattr(self.op, "any_rows", False):
+                args = _fresh(args, self.fresh)
+                if getattr(_thread, "planned", False) and static_shape(args) and not self.any_rows:
                     return self.static(*args)
                 return self.compiled(*rows_symbolic(args))
             except Exception as exc:
