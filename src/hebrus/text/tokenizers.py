@@ -4,6 +4,7 @@ sampling defaults (`generation_config.json`). Every file here is untrusted input
 checkpoint's."""
 from __future__ import annotations
 
+import abc
 import codecs
 import functools
 import os
@@ -18,7 +19,7 @@ from hebrus.text import templates
 from hebrus.weights.files import read_json, read_text, regular_file
 
 
-class _Tokenizer:
+class _Tokenizer(abc.ABC):
     """What both kinds share: chat through the template (or the plain format without one),
     stop ids, and the checkpoint's sampling defaults."""
     name: str
@@ -27,12 +28,13 @@ class _Tokenizer:
     special: dict[str, str] = {}
     stop_ids: tuple[int, ...] = ()
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """`text`'s ids."""
 
+    @abc.abstractmethod
     def literal(self, text: str) -> list[int]:
         """`text`'s ids with anything that looks like a special token taken as its characters."""
-        raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = True,
                             tools: list[dict] | None = None) -> list[int] | str:
