@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 
 import uvicorn
 
@@ -81,7 +82,8 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
     scheduler.start()
     try:
         try:
-            front.start()
+            with _deaf_children():
+                front.start()
         finally:
             there.close()
         front.ready = relay.ready
@@ -93,6 +95,24 @@ def fronted(scheduler, name: str, listening, api_key: str | None = None, max_bod
             front.join()
         here.close()
         scheduler.stop(drain_seconds=5)
+
+
+@contextlib.contextmanager
+def _deaf_children():
+    """Processes started inside hold Ctrl-C back until they set handlers of their own (the front
+    end does as it starts serving, `_Server.capture_signals`): one that arrives while they import
+    is this process's to act on (`run` ends a front end still starting), not a traceback of
+    theirs. The signal is blocked in this thread meanwhile (a child starts with its parent's
+    mask), not ignored: this process's other threads still take it, so none is lost. Only the
+    main thread's mask matters to a Ctrl-C; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int | None = None,
@@ -157,6 +177,7 @@ class _Server(uvicorn.Server):
     def capture_signals(self):
         signals = (signal.SIGINT, signal.SIGTERM)
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)     # held back while starting (`_deaf_children`)
         try:
             yield
         finally:
