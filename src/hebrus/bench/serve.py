@@ -287,9 +287,9 @@ def table(report: dict) -> str:
                      f"{p['engine_prefill_ms_p50']:.1f} | {p['ttft_minus_engine_prefill_ms']:+.1f} | "
                      f"{itl50} | {itl99} |")
     lines += ["", "where the server's engine thread spent each point's wall time (seconds), its steps together "
-              "(replayed from graphs, or not: uncaptured or captured), and graphs compiled during the "
+              "(replayed from graphs, or not: uncaptured or captured), its prompt passes, and graphs compiled during the "
               "point; offline first: offline run once before the server (tok/s)", "",
-              "| clients | wall | idle | admit | prefill | sample + send | replayed steps | steps not replayed | alone "
+              "| clients | wall | idle | admit | prefill (passes) | sample + send | replayed steps | steps not replayed | alone "
               "| finish | compiled (server / offline) | offline first tok/s |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in report["points"]:
@@ -298,7 +298,7 @@ def table(report: dict) -> str:
             continue
         spent, steps = e["seconds"], e["steps"]
         lines.append(f"| {p['clients']} | {p['wall_s']:.2f} | {spent.get('idle', 0):.2f} | {spent.get('admit', 0):.2f} | "
-                     f"{spent.get('prefill', 0):.2f} | {spent.get('sample', 0):.2f} | "
+                     f"{spent.get('prefill', 0):.2f} in {steps.get('prompt_passes', 0)} | {spent.get('sample', 0):.2f} | "
                      f"{steps.get('replayed', 0)} in {steps.get('replayed_s', 0):.2f} | "
                      f"{steps.get('slow', 0)} in {steps.get('slow_s', 0):.2f} | {spent.get('alone', 0):.2f} | "
                      f"{spent.get('finish', 0):.2f} | "

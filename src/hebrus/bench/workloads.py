@@ -278,15 +278,15 @@ def _head(report: dict, what: str, intro: str, columns: list[str]) -> list[str]:
 def _engines(points: dict) -> list[str]:
     """Where the engine thread spent each point's time (seconds by part), its steps together,
     and the graphs compiled meanwhile, a line a point (`_measured`'s `engine`)."""
-    lines = ["", "the engine thread, by point: seconds by part; steps together (replayed, not); graphs compiled", ""]
+    lines = ["", "the engine thread, by point: seconds by part; steps together (replayed, not) and prompt passes begun (their tokens); graphs compiled", ""]
     for label, point in points.items():
         engine = point.get("engine")
         if engine is None:
             continue
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(engine["seconds"].items(), key=lambda kv: -kv[1]))
         steps = engine["steps"]
-        counted = ", ".join(f"{steps[k]} {k} in {steps.get(k + '_s', 0):.2f} s" for k in sorted(steps)
-                            if not k.endswith("_s"))
+        counted = ", ".join(f"{steps[k]} {k}" + (f" in {steps[k + '_s']:.2f} s" if k + "_s" in steps else "")
+                            for k in sorted(steps) if not k.endswith("_s"))
         lines.append(f"- {label + ': ' if label else ''}{parts or 'nothing'}; steps: {counted or 'none'}; "
                      f"compiled {engine['compiled']}")
     return lines

@@ -209,7 +209,8 @@ class Scheduler:
         self._arrived = 0.0             # when the last request was submitted (`time.perf_counter`)
         self.widest = 0                 # the most requests one step has stepped together (tests, bench)
         # steps together and their seconds, replayed from graphs or not (bench): "replayed",
-        # "replayed_s", "slow", "slow_s"
+        # "replayed_s", "slow", "slow_s"; passes of prompt chunks begun and their tokens:
+        # "prompt_passes", "prompt_tokens"
         self.timed: collections.Counter[str] = collections.Counter()
         self.prefills: collections.deque[float] = collections.deque(maxlen=4096)   # seconds per prompt fed (bench)
         # where the engine thread's time goes (bench): seconds idle (making spare sessions
@@ -598,6 +599,7 @@ class Scheduler:
         whose prompt is now fed, in a pass that stepped others, chooses and sends its first
         token at once; its step comes with the next turn's."""
         marked, kept = self._marked(feeding, stepping)
+        self._counted(feeding)
         made = self._ahead(stepping)
         results = self._feed_all(feeding + [(r, [token]) for r, token in stepping], marked, kept)
         if made is not None:
@@ -624,6 +626,7 @@ class Scheduler:
         clock = time.perf_counter()
         if self.flight is None and feeding:
             marked, kept = self._marked(feeding, [])
+            self._counted(feeding)
             self.flight = Flight(feeding, marked, kept, Paced(lambda: self._feed_all(feeding, marked, kept)), clock)
         flight = self.flight
         if flight is None:
@@ -646,6 +649,12 @@ class Scheduler:
                 if request.cancelled.is_set() and request in self.running:
                     self._drop(request)
         self._spend("prefill", clock)
+
+    def _counted(self, feeding: list[tuple[Request, list[int]]]) -> None:
+        """A pass of `feeding`'s prompt chunks begins: counted in `timed` (bench)."""
+        if feeding:
+            self.timed["prompt_passes"] += 1
+            self.timed["prompt_tokens"] += sum(len(c) for _, c in feeding)
 
     def _flying(self, request: Request) -> bool:
         """Whether `request`'s chunk is in the paced pass under way (its session is the pass's
