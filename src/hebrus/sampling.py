@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hebrus.uploads import upload
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -154,8 +156,8 @@ def draws(weights: torch.Tensor, generators: list[torch.Generator]) -> list[int]
     200,000 freshly seeded draws where the probability is 0.5864, 3.4 standard deviations.)"""
     weights = weights.detach().to(torch.float64)
     cdf = weights.cumsum(-1)
-    u = torch.tensor([torch.rand((), dtype=torch.float64, generator=g).item() for g in generators],
-                     dtype=torch.float64, device=cdf.device)
+    u = upload([torch.rand((), dtype=torch.float64, generator=g).item() for g in generators], torch.float64,
+               cdf.device)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]    # the first id past u
     last = torch.where(weights != 0, torch.arange(weights.shape[1], device=weights.device), -1).amax(-1)
     return torch.where(picked < weights.shape[1], picked, last).tolist()      # u rounded up to the total
@@ -186,9 +188,9 @@ def distributions(logits: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
     return by_order(probs, hows)
 
 
-def _column(values: list[float], device) -> torch.Tensor:
-    """[B, 1] float64 on `device`: a value per row."""
-    return torch.tensor(values, dtype=torch.float64, device=device)[:, None]
+def _column(values: list[float], device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[B, 1] on `device`: a value per row (queued without a wait for the device: `upload`)."""
+    return upload(values, dtype, device)[:, None]
 
 
 def by_order(probs: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
@@ -197,7 +199,7 @@ def by_order(probs: torch.Tensor, hows: list[Sampling]) -> torch.Tensor:
     B, V = probs.shape
     device = probs.device
     top_p, min_p = _column([h.top_p for h in hows], device), _column([h.min_p for h in hows], device)
-    top_k = torch.tensor([h.top_k or V for h in hows], device=device)[:, None]
+    top_k = _column([h.top_k or V for h in hows], device, torch.int64)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     keep = torch.arange(V, device=device)[None, :] < top_k
     before = sorted_p.cumsum(-1) - sorted_p                             # mass strictly before each token

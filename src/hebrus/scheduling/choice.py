@@ -9,6 +9,7 @@ import torch
 
 from hebrus.sampling import constrained, counted, penalise, sample_many
 from hebrus.state.constraint import masks
+from hebrus.uploads import upload
 
 
 def tokens(requests: list, limits: dict) -> list:
@@ -47,7 +48,7 @@ def logprobs(chosen: list[tuple]) -> dict[int, tuple[float, list[tuple[int, floa
     if not chosen:
         return {}
     rows = torch.log_softmax(torch.stack([r.logits for r, _ in chosen]).float(), dim=-1)
-    ids = torch.tensor([t for _, t in chosen], device=rows.device)
+    ids = upload([t for _, t in chosen], torch.int64, rows.device)
     picked = rows.gather(1, ids[:, None])[:, 0]
     k = max(r.logprobs for r, _ in chosen)
     top = rows.topk(k, dim=-1) if k else None

@@ -84,6 +84,7 @@ from hebrus.scheduling.pace import Pace
 from hebrus.scheduling.preemption import Preempted
 from hebrus.scheduling.prefix import PrefixCache
 from hebrus.state.constraint import ahead
+from hebrus.uploads import upload
 
 
 @dataclass
@@ -547,7 +548,7 @@ class Scheduler:
         request.generator = torch.Generator().manual_seed(request.seed)
         if request.sampling.repetition_penalty != 1.0:
             request.seen = torch.zeros(self.model.spec.vocab_size, dtype=torch.bool, device=self.model.device)
-            request.seen[torch.tensor(request.prompt, device=self.model.device)] = True
+            request.seen[upload(request.prompt, torch.int64, self.model.device)] = True
         for r in (request, *request.copies):
             if r.sampling.counts_output:
                 r.counts = torch.zeros(self.model.spec.vocab_size, dtype=torch.float64, device=self.model.device)
