@@ -24,6 +24,36 @@ def test_two_passes_a_turn_measure_each_alone():
     assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.token_s == pytest.approx(TOKEN, rel=1e-6)
 
 
+def test_a_prompt_pass_of_its_own_cost_is_told_from_its_tokens_where_they_vary():
+    """Two passes a turn where a prompt pass costs FIXED whatever its tokens (a GPU's launches):
+    prompt passes of different sizes tell FIXED from their tokens; all of one size cannot, and
+    then the fit is of the step and the tokens alone, as before (`pass_s` None)."""
+    FIXED = 0.04
+    pace = Pace()
+    for fed in (256, 16, 128, 64, 200):
+        pace.add(True, 0, STEP)
+        pace.add(False, fed, FIXED + TOKEN * fed)
+    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.pass_s == pytest.approx(FIXED, rel=1e-6)
+    assert pace.token_s == pytest.approx(TOKEN, rel=1e-6)
+    same = Pace()
+    for _ in range(5):
+        same.add(True, 0, STEP)
+        same.add(False, 128, FIXED + TOKEN * 128)
+    assert same.pass_s is None and same.token_s == pytest.approx((FIXED + TOKEN * 128) / 128, rel=1e-6)
+
+
+def test_one_pass_a_turn_tells_a_prompts_own_cost_from_the_step_beside_steps_alone():
+    """A step alone costs STEP; one beside prompt chunks costs FIXED more than the step and the
+    chunks' tokens: with steps alone among them, the three are told apart."""
+    FIXED = 0.02
+    pace = Pace()
+    for fed in (100, 30, 250, 64):
+        pace.add(True, 0, STEP)
+        pace.add(True, fed, STEP + FIXED + TOKEN * fed)
+    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.pass_s == pytest.approx(FIXED, rel=1e-6)
+    assert pace.token_s == pytest.approx(TOKEN, rel=1e-6) and pace.alone_s == pytest.approx(STEP)
+
+
 def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_take():
     pace = Pace()
     pace.add(True, 100, STEP + TOKEN * 100)                 # both, nothing known: nothing said

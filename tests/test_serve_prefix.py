@@ -417,6 +417,12 @@ def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(
     assert scheduler._prompt_budget() == 128
     scheduler.running = [feeding]                               # no one decoding: the whole budget
     assert scheduler._prompt_budget() == 512
+    scheduler.running = decoders + [feeding]
+    scheduler.pace.token_s, scheduler.pace.step_s = 1e-3, 50e-3
+    scheduler.pace.pass_s = 40e-3                               # a prompt pass's own cost: 60 tokens' time left
+    assert scheduler._prompt_budget() == 60
+    scheduler.pace.pass_s = 101e-3                              # more than the share whatever its tokens:
+    assert scheduler._prompt_budget() == 512                    # cut nothing (each cut: one more such pass)
     with pytest.raises(ValueError, match="positive"):
         Scheduler(tiny, prefill_share=0.0)
 

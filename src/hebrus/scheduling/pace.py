@@ -2,10 +2,14 @@
 per prompt token, so that a turn's prompt share can be bounded in time (`Scheduler`).
 
 A pass that only steps measures the step; one that only feeds prompts measures their tokens; a
-pass that does both (one pass a turn) measures their sum. `Pace` fits both to every pass at
-once: a pass's seconds are `step_s` (if it stepped) plus `token_s` for each prompt token it fed,
-by least squares weighted toward the latest passes (the contexts grow, the batch changes).
-Until the passes seen can tell the two apart (none that did one thing alone, and those that did
+pass that does both (one pass a turn) measures their sum. `Pace` fits all of them at once: a
+pass's seconds are `step_s` (if it stepped) plus `pass_s` (if it fed prompts: what a prompt pass
+costs whatever its tokens, tens of milliseconds of the host's launches on a GPU) plus `token_s`
+for each prompt token it fed, by least squares weighted toward the latest passes (the contexts
+grow, the batch changes). Where the passes seen cannot tell `pass_s` apart (prompt passes that all
+fed about as much, or none that stepped alone beside those that did both), it is None and the
+fit is of the other two, `step_s` taking in what a prompt pass costs beside a step. Until the
+passes seen can tell even those two apart (none that did one thing alone, and those that did
 both all fed as much), each is a running mean of the passes that did it alone, and a pass that
 did both gives its prompt tokens what the step did not take (at least half of it). Apart from
 the fit, `alone_s` follows the passes that only stepped: the decoders' pace with no prompt beside
@@ -17,21 +21,29 @@ pass, and `stages_within`, how many from one place fit some seconds.
 """
 from __future__ import annotations
 
+import numpy as np
+
+# how far apart the passes seen must be to tell a prompt pass's own cost from its tokens': the
+# determinant of their weighted moments against the product of its diagonal (1: independent)
+APART = 0.1
+
 
 class Pace:
     def __init__(self, keep: float = 0.8):
         self.keep = keep                # the weight of what was seen before each new pass
         self.step_s: float | None = None
+        self.pass_s: float | None = None
         self.token_s: float | None = None
         # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean,
         # and how many requests the pass it started from stepped (a width that creeps does not
         # carry it along). With one pass a turn a step beside a prompt chunk costs more than
-        # alone (`step_s` is its part of such a pass)
+        # alone (`step_s` is its part of such a pass, or with `pass_s` told apart, the two together)
         self.alone_s: float | None = None
         self.alone_width = 0
         self.stage_s: dict[int, float] = {}   # a paced prompt pass's stages, by place (`staged`)
-        # weighted sums over passes of s², s·f, f², s·t, f·t (s: 1 if it stepped, f: tokens fed, t: seconds)
-        self._sums = (0.0,) * 5
+        # weighted sums over passes of x·xᵀ and x·t, x = (s, p, f) (s: 1 if it stepped, p: 1 if
+        # it fed prompts, f: the tokens it fed; t: its seconds)
+        self._moments, self._targets = np.zeros((3, 3)), np.zeros(3)
 
     def add(self, stepped: int, fed: int, seconds: float) -> None:
         """Take in one pass: how many decoding requests it stepped (or whether it did), the
@@ -42,14 +54,22 @@ class Pace:
                 self.alone_s = self._mean(self.alone_s, seconds)
             else:                                           # another width: the mean starts again
                 self.alone_s, self.alone_width = seconds, int(stepped)
-        self._sums = tuple(self.keep * a + b
-                           for a, b in zip(self._sums, (s * s, s * f, f * f, s * seconds, f * seconds)))
-        ss, sf, ff, st, ft = self._sums
+        x = np.array([s, float(fed > 0), f])
+        self._moments = self.keep * self._moments + np.outer(x, x)
+        self._targets = self.keep * self._targets + x * seconds
+        M, v = self._moments, self._targets
+        if np.prod(np.diag(M)) > 0 and np.linalg.det(M) > APART * np.prod(np.diag(M)):   # all three apart
+            step, fixed, token = np.linalg.solve(M, v)
+            if step > 0 and fixed > 0 and token > 0:
+                self.step_s, self.pass_s, self.token_s = float(step), float(fixed), float(token)
+                return
+        self.pass_s = None
+        ss, sf, ff, st, ft = M[0, 0], M[0, 2], M[2, 2], v[0], v[2]
         det = ss * ff - sf * sf
         if det > 1e-6 * ss * ff:                            # the two can be told apart (never with ss or ff 0)
             step, token = (st * ff - ft * sf) / det, (ft * ss - st * sf) / det
             if step > 0 and token > 0:
-                self.step_s, self.token_s = step, token
+                self.step_s, self.token_s = float(step), float(token)
                 return
         if stepped and not fed:
             self.step_s = self._mean(self.step_s, seconds)

@@ -522,7 +522,10 @@ class Scheduler:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
         requests decoding, no more than keep the turn within 1 + that many decode steps' time
         (both measured: `self.pace`), but at least MIN_CHUNK and at least the prefilling requests' part of
-        `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
+        `prefill_tokens` by head count (a few decoders do not starve many waiting prompts). Where a
+        prompt pass alone costs more than the share whatever its tokens (`pace.pass_s`: on a GPU
+        the host's launches), no cut keeps the turn within it, and each cut would only make
+        another such pass: then `prefill_tokens`, the fewest passes."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
         if self.passes == "paced" or self.prefill_share is None or token_s is None or step_s is None or not decoding:
@@ -533,7 +536,10 @@ class Scheduler:
         # replays graphs is another route, not a measure of it); with two the steps are alone
         comparable = self.passes == "one" and self.decode == "eager"
         alone = (self.pace.alone(decoding) if comparable else None) or step_s
-        afford = int(((1 + self.prefill_share) * alone - step_s) / token_s)
+        fixed = self.pace.pass_s or 0.0
+        if fixed > (1 + self.prefill_share) * alone - step_s:
+            return self.prefill_tokens
+        afford = int(((1 + self.prefill_share) * alone - step_s - fixed) / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
 
