@@ -11,7 +11,8 @@ oldest, as much as each takes (on a GPU a pass costs the host about as much at a
 states for the prefix cache no more than the cache holds. With
 `prefill_share` and requests decoding, fewer, cut to fit: as many as keep the turn within 1 +
 that many decode steps' time, both measured, so that a long prompt does not stall the decoders'
-pace (a bound in measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
+pace (a bound in measured time, not tokens: a token costs more deep in a long context; none where a
+prompt pass alone costs more than the share at any size, `_prompt_budget`), but at least MIN_CHUNK
 and at least the prefilling requests' part of `prefill_tokens` by head count (one decoder does
 not hold fifteen waiting prompts to a trickle). Every request that is decoding steps once a turn.
 In fast mode a turn is one pass (`passes="one"`): the decoding requests' next tokens and the
