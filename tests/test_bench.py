@@ -313,6 +313,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
         assert main(["bench", "--serve", "--workload", "shared", "--model", "tiny", "--system", "5000"]) == 2
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-share", "0"]) == 2
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-chunk", "0"]) == 2
+        assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-gather-ms", "nan"]) == 2
+    assert "--serve-gather-ms must be from 0 to 100, got nan" in err.getvalue()
     assert "max_context" in err.getvalue() and "--serve-prefill-share must be a positive" in err.getvalue()
     assert "--serve-prefill-chunk must be at least 1" in err.getvalue()
 

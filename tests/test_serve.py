@@ -339,6 +339,7 @@ def test_the_command_refuses_bad_arguments():
     assert "--prefill-tokens must be at least 1" in err.getvalue()
     assert "--prefill-chunk must be at least 1" in err.getvalue()
     assert "--passes paced stops a prompt pass between its stages" in err.getvalue()
+    assert "--gather-ms must be from 0 to 100, got -1.0" in err.getvalue()
 
 
 def test_a_turn_feeds_prompts_up_to_its_budget_oldest_first_and_steps_every_decoding_request(tiny):

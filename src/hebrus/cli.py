@@ -12,7 +12,7 @@ from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE, gather_seconds
 from hebrus.state.pool import PoolSize
 from hebrus.show import escaped
 from hebrus.weights import checkpoint
@@ -209,8 +209,7 @@ def _serve(args) -> int:
     if args.passes == "paced" and (getattr(args, "tensor_parallel", None) or 1) > 1:
         raise InvalidInput("--passes paced stops a prompt pass between its stages, which a model over "
                            "tensor-parallel ranks cannot (its ranks step together): use one or two")
-    if not 0 <= args.gather_ms <= 100:
-        raise InvalidInput(f"--gather-ms must be from 0 to 100, got {args.gather_ms}")
+    gather = gather_seconds(args.gather_ms, "--gather-ms")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
     if args.prefix_every < 1:
@@ -227,7 +226,7 @@ def _serve(args) -> int:
     return serve.run(model, args.name or args.model, listening, args.api_key, args.max_sessions, args.prefill_tokens,
               cache_bytes=args.prefix_cache_bytes, prefix_every=args.prefix_every, prefill_share=args.prefill_share,
               share_prefixes=args.share_prefixes, passes=args.passes, prefill_chunk=args.prefill_chunk,
-              gather=args.gather_ms / 1e3)
+              gather=gather)
 
 
 def _listening(host: str, port: int):

@@ -11,7 +11,7 @@ from hebrus.bench import SHAPES
 from hebrus.engine.graphs import DECODE
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE, gather_seconds
 from hebrus.text import MODEL
 
 
@@ -268,15 +268,14 @@ def _serve(args, load_model) -> int:
         raise InvalidInput(f"--serve-prefill-chunk must be at least 1, got {args.serve_prefill_chunk}")
     if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
-    if args.serve_gather_ms is not None and not 0 <= args.serve_gather_ms <= 100:
-        raise InvalidInput(f"--serve-gather-ms must be from 0 to 100, got {args.serve_gather_ms}")
+    gather = None if args.serve_gather_ms is None else gather_seconds(args.serve_gather_ms, "--serve-gather-ms")
     if args.serve_temperature and args.workload != "uniform":
         raise InvalidInput("--serve-temperature applies to the uniform workload only")
     model = load_model(args)
     limit, name = model.spec.max_context, Path(args.model).name
     engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share,
               "prefill_tokens": args.serve_prefill_tokens, "prefill_chunk": args.serve_prefill_chunk,
-              "gather": None if args.serve_gather_ms is None else args.serve_gather_ms / 1e3}
+              "gather": gather}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")

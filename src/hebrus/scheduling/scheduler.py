@@ -75,7 +75,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
+from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, PoolExhausted
 from hebrus.sampling import Sampling
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route, lanes_for
@@ -134,6 +134,14 @@ class Request:
 # at 83455c0, 64 clients made 5,445 tokens/s gathering 5 ms apart against 6,089 without, idle
 # 0.18 s against 0.08 and no less time in prompt passes (one run each, one after the other)
 GATHER_TIMES = 10
+GATHER_MS = 100         # the longest gap a command line may ask to gather over (`gather_seconds`)
+
+
+def gather_seconds(ms: float, flag: str) -> float:
+    """A command line's `flag` of milliseconds to gather a burst over, checked -> seconds."""
+    if not 0 <= ms <= GATHER_MS:
+        raise InvalidInput(f"{flag} must be from 0 to {GATHER_MS}, got {ms}")
+    return ms / 1e3
 
 # a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
 # a long prompt then slows the decoders' tokens about 1 + this many times
