@@ -834,8 +834,8 @@ def test_one_http_requests_prompts_are_taken_or_refused_together(tiny):
 def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly(group):
     """`hebrus serve` told to stop as soon as its front end's process exists, while it is most
     likely still starting (found by a review: the front end died by the signal and the command
-    exited 1): it exits 0 either way, and Ctrl-C leaves no traceback of the front end's (it
-    ignores Ctrl-C until it serves)."""
+    exited 1): it exits 0 either way, and Ctrl-C leaves no traceback of the front end's: its
+    process starts with SIGINT blocked (until it serves), which its mask shows."""
     import os
     import signal
     import subprocess
@@ -847,14 +847,22 @@ def test_a_signal_while_the_front_end_starts_ends_the_server_cleanly(group):
     process = subprocess.Popen([sys.executable, "-m", "hebrus", "serve", "--model", "tiny", "--mode", "exact",
                                 "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, start_new_session=group)
+    masks = []
+
     def front_started():                # the front end's process spawned (not the resource tracker)
         try:
             children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
-            return any(b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children)
-        except OSError:
-            return False
+            for c in children:
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes():
+                    status = Path(f"/proc/{c}/status").read_text()
+                    masks.append(int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16))
+                    return True
+        except (OSError, StopIteration):
+            pass
+        return False
     try:
         assert wait_until(front_started, step=0.005), "no front end was started"
+        assert masks[0] & (1 << (signal.SIGINT - 1)), "the front end started with Ctrl-C unblocked"
         if group:
             os.killpg(process.pid, signal.SIGINT)
         else:

@@ -108,11 +108,15 @@ def _deaf_children():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # (multiprocessing's resource tracker, started by the first process a process spawns, unblocks
+    # SIGINT once it is started: started first, it leaves the mask alone)
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def run(model, name: str, listening, api_key: str | None, max_sessions: int, prefill_tokens: int | None = None,
