@@ -42,6 +42,21 @@ def test_a_prompt_pass_of_its_own_cost_is_told_from_its_tokens_where_they_vary()
     assert same.pass_s is None and same.token_s == pytest.approx((FIXED + TOKEN * 128) / 128, rel=1e-6)
 
 
+def test_a_prompt_passs_own_cost_once_told_stands_while_the_passes_feed_alike():
+    """Once told apart, `pass_s` stands through prompt passes that all feed as much (as a budget
+    that follows it makes them), and the step and the tokens are fitted to what it leaves."""
+    FIXED = 0.04
+    pace = Pace()
+    for fed in (256, 16, 128, 64, 200):
+        pace.add(True, 0, STEP)
+        pace.add(False, fed, FIXED + TOKEN * fed)
+    for _ in range(40):
+        pace.add(True, 0, STEP)
+        pace.add(False, 512, FIXED + 2 * TOKEN * 512)        # the contexts grew: tokens cost twice as much
+    assert pace.pass_s == pytest.approx(FIXED, rel=1e-6) and pace.token_s == pytest.approx(2 * TOKEN, rel=1e-3)
+    assert pace.step_s == pytest.approx(STEP, rel=1e-6)
+
+
 def test_one_pass_a_turn_tells_a_prompts_own_cost_from_the_step_beside_steps_alone():
     """A step alone costs STEP; one beside prompt chunks costs FIXED more than the step and the
     chunks' tokens: with steps alone among them, the three are told apart."""
@@ -67,13 +82,14 @@ def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_tak
 
 def test_a_step_alone_is_followed_apart_from_the_fit():
     """`alone_s` is what passes that only stepped took: a step beside prompt chunks (the fit's
-    `step_s`) may cost more."""
+    `step_s`, with `pass_s` where that is told apart) may cost more."""
     pace = Pace()
     assert pace.alone_s is None
     pace.add(True, 0, STEP)
     for fed in (100, 30, 250, 64, 16, 180) * 4:
         pace.add(True, fed, 1.5 * STEP + TOKEN * fed)
-    assert pace.alone_s == pytest.approx(STEP) and pace.step_s == pytest.approx(1.5 * STEP, rel=1e-3)
+    assert pace.alone_s == pytest.approx(STEP)
+    assert pace.step_s + (pace.pass_s or 0.0) == pytest.approx(1.5 * STEP, rel=1e-3)
     pace.add(False, 100, TOKEN * 100)                        # a pass that only fed: not a step alone
     assert pace.alone_s == pytest.approx(STEP)
 

@@ -253,6 +253,14 @@ def engine_from_now(scheduler) -> Callable[[], dict]:
                     "steps": dict(scheduler.timed), "compiled": _compiled() - compiled}
 
 
+def _prefill_cell(spent: dict, steps: dict) -> str:
+    """A point's prompt passes in the engine table: their seconds (with one pass a turn, the
+    turns that fed prompts beside the steps apart: their seconds are the steps' too) and how many."""
+    beside = spent.get("one pass", 0)
+    return (f"{spent.get('prefill', 0):.2f}" + (f" (+{beside:.2f} with steps)" if beside else "")
+            + f" in {steps.get('prompt_passes', 0)}")
+
+
 def _compiled() -> int:
     """Graphs the compiler has made in this process so far (fused ops: CUDA only)."""
     try:
@@ -298,7 +306,7 @@ def table(report: dict) -> str:
             continue
         spent, steps = e["seconds"], e["steps"]
         lines.append(f"| {p['clients']} | {p['wall_s']:.2f} | {spent.get('idle', 0):.2f} | {spent.get('admit', 0):.2f} | "
-                     f"{spent.get('prefill', 0):.2f} in {steps.get('prompt_passes', 0)} | {spent.get('sample', 0):.2f} | "
+                     f"{_prefill_cell(spent, steps)} | {spent.get('sample', 0):.2f} | "
                      f"{steps.get('replayed', 0)} in {steps.get('replayed_s', 0):.2f} | "
                      f"{steps.get('slow', 0)} in {steps.get('slow_s', 0):.2f} | {spent.get('alone', 0):.2f} | "
                      f"{spent.get('finish', 0):.2f} | "

@@ -7,7 +7,8 @@ pass's seconds are `step_s` (if it stepped) plus `pass_s` (if it fed prompts: wh
 costs whatever its tokens, tens of milliseconds of the host's launches on a GPU) plus `token_s`
 for each prompt token it fed, by least squares weighted toward the latest passes (the contexts
 grow, the batch changes). Where the passes seen cannot tell `pass_s` apart (prompt passes that all
-fed about as much, or none that stepped alone beside those that did both), it is None and the
+fed about as much, or none that stepped alone beside those that did both), the one told before
+stands and the other two are fitted to what is left of each pass; where none was ever told, the
 fit is of the other two, `step_s` taking in what a prompt pass costs beside a step. Until the
 passes seen can tell even those two apart (none that did one thing alone, and those that did
 both all fed as much), each is a running mean of the passes that did it alone, and a pass that
@@ -25,7 +26,7 @@ import numpy as np
 
 # how far apart the passes seen must be to tell a prompt pass's own cost from its tokens': the
 # determinant of their weighted moments against the product of its diagonal (1: independent)
-APART = 0.1
+APART = 0.03
 
 
 class Pace:
@@ -63,7 +64,10 @@ class Pace:
             if step > 0 and fixed > 0 and token > 0:
                 self.step_s, self.pass_s, self.token_s = float(step), float(fixed), float(token)
                 return
-        self.pass_s = None
+        # the other two, over what a pass told before leaves of each (a budget that follows
+        # `pass_s` may feed alike every turn, which alone would tell it no more)
+        if self.pass_s is not None:
+            v = v - self.pass_s * M[:, 1]
         ss, sf, ff, st, ft = M[0, 0], M[0, 2], M[2, 2], v[0], v[2]
         det = ss * ff - sf * sf
         if det > 1e-6 * ss * ff:                            # the two can be told apart (never with ss or ff 0)
@@ -71,12 +75,13 @@ class Pace:
             if step > 0 and token > 0:
                 self.step_s, self.token_s = float(step), float(token)
                 return
+        left = seconds - (self.pass_s or 0.0) if fed else seconds      # what a pass told before leaves
         if stepped and not fed:
             self.step_s = self._mean(self.step_s, seconds)
         elif fed and not stepped:
-            self.token_s = self._mean(self.token_s, seconds / fed)
+            self.token_s = self._mean(self.token_s, max(left, seconds / 2) / fed)
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
-            self.token_s = self._mean(self.token_s, max(seconds - self.step_s, seconds / 2) / fed)
+            self.token_s = self._mean(self.token_s, max(left - self.step_s, seconds / 2) / fed)
 
     def staged(self, first: int, seconds: list[float], places: int) -> None:
         """Take in a paced prompt pass's turn: its stages from place `first` on took `seconds`.
