@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hebrus.scheduling.pace import Pace
+from hebrus.scheduling.pace import STANDS, Pace
 
 STEP, TOKEN = 0.05, 0.001           # exact in the sums' float arithmetic to well within the tolerance
 
@@ -50,11 +50,29 @@ def test_a_prompt_passs_own_cost_once_told_stands_while_the_passes_feed_alike():
     for fed in (256, 16, 128, 64, 200):
         pace.add(True, 0, STEP)
         pace.add(False, fed, FIXED + TOKEN * fed)
-    for _ in range(40):
+    for _ in range(STANDS):
         pace.add(True, 0, STEP)
         pace.add(False, 512, FIXED + 2 * TOKEN * 512)        # the contexts grew: tokens cost twice as much
-    assert pace.pass_s == pytest.approx(FIXED, rel=1e-6) and pace.token_s == pytest.approx(2 * TOKEN, rel=1e-3)
+    assert pace.pass_s == pytest.approx(FIXED, rel=1e-6) and pace.token_s == pytest.approx(2 * TOKEN, rel=1e-2)
     assert pace.step_s == pytest.approx(STEP, rel=1e-6)
+
+
+def test_a_prompt_passs_own_cost_not_told_again_is_let_go_and_told_anew():
+    """A told `pass_s` stands for STANDS prompt passes that cannot tell it again, then goes (it
+    may have changed: a budget that follows a stale one would feed alike for ever); passes whose
+    sizes spread tell it anew, at what it costs now."""
+    pace = Pace()
+    for fed in (256, 16, 128, 64, 200):
+        pace.add(True, 0, STEP)
+        pace.add(False, fed, 0.04 + TOKEN * fed)
+    for _ in range(2 * STANDS):                         # (the first few still tell it, from the spread before)
+        pace.add(True, 0, STEP)
+        pace.add(False, 512, 0.005 + TOKEN * 512)           # its own cost fell to 5 ms
+    assert pace.pass_s is None
+    for fed in (256, 16, 128, 64, 200):
+        pace.add(True, 0, STEP)
+        pace.add(False, fed, 0.005 + TOKEN * fed)
+    assert pace.pass_s == pytest.approx(0.005, rel=1e-3) and pace.token_s == pytest.approx(TOKEN, rel=1e-3)
 
 
 def test_one_pass_a_turn_tells_a_prompts_own_cost_from_the_step_beside_steps_alone():

@@ -8,7 +8,8 @@ costs whatever its tokens, tens of milliseconds of the host's launches on a GPU)
 for each prompt token it fed, by least squares weighted toward the latest passes (the contexts
 grow, the batch changes). Where the passes seen cannot tell `pass_s` apart (prompt passes that all
 fed about as much, or none that stepped alone beside those that did both), the one told before
-stands and the other two are fitted to what is left of each pass; where none was ever told, the
+stands for STANDS prompt passes and the other two are fitted to what is left of each pass; where
+none is told, the
 fit is of the other two, `step_s` taking in what a prompt pass costs beside a step. Until the
 passes seen can tell even those two apart (none that did one thing alone, and those that did
 both all fed as much), each is a running mean of the passes that did it alone, and a pass that
@@ -27,6 +28,10 @@ import numpy as np
 # how far apart the passes seen must be to tell a prompt pass's own cost from its tokens': the
 # determinant of their weighted moments against the product of its diagonal (1: independent)
 APART = 0.03
+# prompt passes a told `pass_s` stands for without being told again: then it is let go (the
+# budget that followed it feeds alike; without it the budget moves, and the passes' sizes spread
+# again, which tells it anew within a few turns, at what it costs now)
+STANDS = 32
 
 
 class Pace:
@@ -35,6 +40,7 @@ class Pace:
         self.step_s: float | None = None
         self.pass_s: float | None = None
         self.token_s: float | None = None
+        self._untold = 0                # prompt passes since `pass_s` was last told apart
         # a pass that only stepped (the decoders' pace with no prompt beside them): a running mean,
         # and how many requests the pass it started from stepped (a width that creeps does not
         # carry it along). With one pass a turn a step beside a prompt chunk costs more than
@@ -63,9 +69,14 @@ class Pace:
             step, fixed, token = np.linalg.solve(M, v)
             if step > 0 and fixed > 0 and token > 0:
                 self.step_s, self.pass_s, self.token_s = float(step), float(fixed), float(token)
+                self._untold = 0
                 return
         # the other two, over what a pass told before leaves of each (a budget that follows
-        # `pass_s` may feed alike every turn, which alone would tell it no more)
+        # `pass_s` may feed alike every turn, which alone would tell it no more), for STANDS
+        # prompt passes at most
+        self._untold += fed > 0
+        if self.pass_s is not None and self._untold > STANDS:
+            self.pass_s = None
         if self.pass_s is not None:
             v = v - self.pass_s * M[:, 1]
         ss, sf, ff, st, ft = M[0, 0], M[0, 2], M[2, 2], v[0], v[2]
@@ -75,13 +86,16 @@ class Pace:
             if step > 0 and token > 0:
                 self.step_s, self.token_s = float(step), float(token)
                 return
-        left = seconds - (self.pass_s or 0.0) if fed else seconds      # what a pass told before leaves
+        # what a pass told before leaves, at least a part of the pass (half where none was told:
+        # the step's guess may take too much; a twentieth where one was: it may take most)
+        left = seconds - (self.pass_s or 0.0) if fed else seconds
+        floor = seconds / 2 if self.pass_s is None else seconds / 20
         if stepped and not fed:
             self.step_s = self._mean(self.step_s, seconds)
         elif fed and not stepped:
-            self.token_s = self._mean(self.token_s, max(left, seconds / 2) / fed)
+            self.token_s = self._mean(self.token_s, max(left, floor) / fed)
         elif fed and self.step_s is not None:               # the step's known part, the rest the prompts'
-            self.token_s = self._mean(self.token_s, max(left - self.step_s, seconds / 2) / fed)
+            self.token_s = self._mean(self.token_s, max(left - self.step_s, floor) / fed)
 
     def staged(self, first: int, seconds: list[float], places: int) -> None:
         """Take in a paced prompt pass's turn: its stages from place `first` on took `seconds`.

@@ -538,7 +538,8 @@ class Scheduler:
         so a turn then takes at most twice that own cost."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
-        if self.passes == "paced" or self.prefill_share is None or token_s is None or step_s is None or not decoding:
+        if (self.passes == "paced" or self.prefill_share is None or not token_s or step_s is None
+                or not decoding):                       # (a token measured at 0 s says nothing)
             return self.prefill_tokens
         # a turn of the step and its chunks within (1 + share) steps: with one pass a turn of eager
         # steps a step beside chunks costs more than one alone, the step the decoders see without
