@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hebrus.scheduling.pace import STANDS, Pace
+from hebrus.scheduling.pace import Pace
 
 STEP, TOKEN = 0.05, 0.001           # exact in the sums' float arithmetic to well within the tolerance
 
@@ -24,69 +24,6 @@ def test_two_passes_a_turn_measure_each_alone():
     assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.token_s == pytest.approx(TOKEN, rel=1e-6)
 
 
-def test_a_prompt_pass_of_its_own_cost_is_told_from_its_tokens_where_they_vary():
-    """Two passes a turn where a prompt pass costs FIXED whatever its tokens (a GPU's launches):
-    prompt passes of different sizes tell FIXED from their tokens; all of one size cannot, and
-    then the fit is of the step and the tokens alone, as before (`pass_s` None)."""
-    FIXED = 0.04
-    pace = Pace()
-    for fed in (256, 16, 128, 64, 200):
-        pace.add(True, 0, STEP)
-        pace.add(False, fed, FIXED + TOKEN * fed)
-    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.pass_s == pytest.approx(FIXED, rel=1e-6)
-    assert pace.token_s == pytest.approx(TOKEN, rel=1e-6)
-    same = Pace()
-    for _ in range(5):
-        same.add(True, 0, STEP)
-        same.add(False, 128, FIXED + TOKEN * 128)
-    assert same.pass_s is None and same.token_s == pytest.approx((FIXED + TOKEN * 128) / 128, rel=1e-6)
-
-
-def test_a_prompt_passs_own_cost_once_told_stands_while_the_passes_feed_alike():
-    """Once told apart, `pass_s` stands through prompt passes that all feed as much (as a budget
-    that follows it makes them), and the step and the tokens are fitted to what it leaves."""
-    FIXED = 0.04
-    pace = Pace()
-    for fed in (256, 16, 128, 64, 200):
-        pace.add(True, 0, STEP)
-        pace.add(False, fed, FIXED + TOKEN * fed)
-    for _ in range(STANDS):
-        pace.add(True, 0, STEP)
-        pace.add(False, 512, FIXED + 2 * TOKEN * 512)        # the contexts grew: tokens cost twice as much
-    assert pace.pass_s == pytest.approx(FIXED, rel=1e-6) and pace.token_s == pytest.approx(2 * TOKEN, rel=1e-2)
-    assert pace.step_s == pytest.approx(STEP, rel=1e-6)
-
-
-def test_a_prompt_passs_own_cost_not_told_again_is_let_go_and_told_anew():
-    """A told `pass_s` stands for STANDS prompt passes that cannot tell it again, then goes (it
-    may have changed: a budget that follows a stale one would feed alike for ever); passes whose
-    sizes spread tell it anew, at what it costs now."""
-    pace = Pace()
-    for fed in (256, 16, 128, 64, 200):
-        pace.add(True, 0, STEP)
-        pace.add(False, fed, 0.04 + TOKEN * fed)
-    for _ in range(2 * STANDS):                         # (the first few still tell it, from the spread before)
-        pace.add(True, 0, STEP)
-        pace.add(False, 512, 0.005 + TOKEN * 512)           # its own cost fell to 5 ms
-    assert pace.pass_s is None
-    for fed in (256, 16, 128, 64, 200):
-        pace.add(True, 0, STEP)
-        pace.add(False, fed, 0.005 + TOKEN * fed)
-    assert pace.pass_s == pytest.approx(0.005, rel=1e-3) and pace.token_s == pytest.approx(TOKEN, rel=1e-3)
-
-
-def test_one_pass_a_turn_tells_a_prompts_own_cost_from_the_step_beside_steps_alone():
-    """A step alone costs STEP; one beside prompt chunks costs FIXED more than the step and the
-    chunks' tokens: with steps alone among them, the three are told apart."""
-    FIXED = 0.02
-    pace = Pace()
-    for fed in (100, 30, 250, 64):
-        pace.add(True, 0, STEP)
-        pace.add(True, fed, STEP + FIXED + TOKEN * fed)
-    assert pace.step_s == pytest.approx(STEP, rel=1e-6) and pace.pass_s == pytest.approx(FIXED, rel=1e-6)
-    assert pace.token_s == pytest.approx(TOKEN, rel=1e-6) and pace.alone_s == pytest.approx(STEP)
-
-
 def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_take():
     pace = Pace()
     pace.add(True, 100, STEP + TOKEN * 100)                 # both, nothing known: nothing said
@@ -100,14 +37,13 @@ def test_before_they_can_be_told_apart_the_prompts_get_what_the_step_did_not_tak
 
 def test_a_step_alone_is_followed_apart_from_the_fit():
     """`alone_s` is what passes that only stepped took: a step beside prompt chunks (the fit's
-    `step_s`, with `pass_s` where that is told apart) may cost more."""
+    `step_s`) may cost more."""
     pace = Pace()
     assert pace.alone_s is None
     pace.add(True, 0, STEP)
     for fed in (100, 30, 250, 64, 16, 180) * 4:
         pace.add(True, fed, 1.5 * STEP + TOKEN * fed)
-    assert pace.alone_s == pytest.approx(STEP)
-    assert pace.step_s + (pace.pass_s or 0.0) == pytest.approx(1.5 * STEP, rel=1e-3)
+    assert pace.alone_s == pytest.approx(STEP) and pace.step_s == pytest.approx(1.5 * STEP, rel=1e-3)
     pace.add(False, 100, TOKEN * 100)                        # a pass that only fed: not a step alone
     assert pace.alone_s == pytest.approx(STEP)
 

@@ -418,15 +418,8 @@ def test_with_requests_decoding_a_turns_prompt_share_follows_the_measured_times(
     scheduler.running = [feeding]                               # no one decoding: the whole budget
     assert scheduler._prompt_budget() == 512
     scheduler.running = decoders + [feeding]
-    scheduler.pace.token_s, scheduler.pace.step_s = 1e-3, 50e-3
-    scheduler.pace.pass_s = 40e-3                               # a prompt pass's own cost: 60 tokens' time left
-    assert scheduler._prompt_budget() == 60
-    scheduler.pace.pass_s = 60e-3                               # 40 tokens' time left, but a pass feeds at
-    assert scheduler._prompt_budget() == 60                     # least what its own cost is worth
-    scheduler.pace.pass_s = 150e-3                              # more than the share whatever its tokens
-    assert scheduler._prompt_budget() == 150
-    scheduler.pace.pass_s = 600e-3
-    assert scheduler._prompt_budget() == 512                    # (no more than a turn's tokens)
+    scheduler.pace.token_s = 0.0                                # a token measured at 0 s says nothing
+    assert scheduler._prompt_budget() == 512
     with pytest.raises(ValueError, match="positive"):
         Scheduler(tiny, prefill_share=0.0)
 

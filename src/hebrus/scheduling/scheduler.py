@@ -11,8 +11,7 @@ oldest, as much as each takes (on a GPU a pass costs the host about as much at a
 states for the prefix cache no more than the cache holds. With
 `prefill_share` and requests decoding, fewer, cut to fit: as many as keep the turn within 1 +
 that many decode steps' time, both measured, so that a long prompt does not stall the decoders'
-pace (a bound in measured time, not tokens: a token costs more deep in a long context; and no fewer
-tokens than a pass's own cost is worth, `_prompt_budget`), but at least MIN_CHUNK
+pace (a bound in measured time, not tokens: a token costs more deep in a long context), but at least MIN_CHUNK
 and at least the prefilling requests' part of `prefill_tokens` by head count (one decoder does
 not hold fifteen waiting prompts to a trickle). Every request that is decoding steps once a turn.
 In fast mode a turn is one pass (`passes="one"`): the decoding requests' next tokens and the
@@ -531,11 +530,7 @@ class Scheduler:
         """Prompt tokens this turn may feed: `prefill_tokens`, and, with `prefill_share` and
         requests decoding, no more than keep the turn within 1 + that many decode steps' time
         (both measured: `self.pace`), but at least MIN_CHUNK and at least the prefilling requests' part of
-        `prefill_tokens` by head count (a few decoders do not starve many waiting prompts). And a
-        pass feeds at least as many tokens as its own cost is worth (`pace.pass_s`, what a prompt
-        pass costs whatever its tokens: on a GPU the host's launches, tens of milliseconds): a
-        share that affords fewer would only add passes that cost the decoders mostly themselves,
-        so a turn then takes at most twice that own cost."""
+        `prefill_tokens` by head count (a few decoders do not starve many waiting prompts)."""
         decoding = sum(r.fed >= len(r.prompt) for r in self.running)
         step_s, token_s = self.pace.step_s, self.pace.token_s
         if (self.passes == "paced" or self.prefill_share is None or not token_s or step_s is None
@@ -547,8 +542,7 @@ class Scheduler:
         # replays graphs is another route, not a measure of it); with two the steps are alone
         comparable = self.passes == "one" and self.decode == "eager"
         alone = (self.pace.alone(decoding) if comparable else None) or step_s
-        fixed = self.pace.pass_s or 0.0
-        afford = int(max((1 + self.prefill_share) * alone - step_s - fixed, fixed) / token_s)
+        afford = int(((1 + self.prefill_share) * alone - step_s) / token_s)
         fair = self.prefill_tokens * (len(self.running) - decoding) // len(self.running)
         return max(MIN_CHUNK, min(self.prefill_tokens, max(afford, fair)))
 
