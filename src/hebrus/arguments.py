@@ -165,6 +165,17 @@ def marks(value, length: int) -> tuple[int, ...]:
     return out
 
 
+GATHER_MS = 100         # the longest gap a command line may ask an idle engine to gather a burst over
+
+
+def gather_seconds(ms: float, flag: str) -> float:
+    """A command line's `flag` of milliseconds to gather a burst of requests over (the engine
+    loop's `gather`), checked -> seconds."""
+    if not 0 <= ms <= GATHER_MS:
+        raise InvalidInput(f"{flag} must be from 0 to {GATHER_MS}, got {ms}")
+    return ms / 1e3
+
+
 def count(name: str, value) -> int:
     number = _integer(name, value)
     if number < 0:

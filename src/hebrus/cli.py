@@ -7,12 +7,13 @@ import sys
 import time
 
 from hebrus import text
+from hebrus.arguments import gather_seconds
 from hebrus.bench import command as bench_command
 from hebrus.models.hebrus import PRESETS, HebrusConfig
 from hebrus.presets import TRAINED
 from hebrus.errors import FAULT_KINDS, ChunkAborted, InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE, gather_seconds
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 from hebrus.state.pool import PoolSize
 from hebrus.show import escaped
 from hebrus.weights import checkpoint

@@ -7,11 +7,12 @@ import sys
 import time
 from pathlib import Path
 
+from hebrus.arguments import gather_seconds
 from hebrus.bench import SHAPES
 from hebrus.engine.graphs import DECODE
 from hebrus.errors import InvalidInput
 from hebrus.runtime import DTYPES, MODES, load
-from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE, gather_seconds
+from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 from hebrus.text import MODEL
 
 

@@ -74,7 +74,7 @@ from typing import Callable
 import torch
 
 from hebrus import faults
-from hebrus.errors import AllocationError, ChunkAborted, InvalidInput, PoolExhausted
+from hebrus.errors import AllocationError, ChunkAborted, PoolExhausted
 from hebrus.sampling import Sampling
 from hebrus.batching import Batch, feed_keeping_many, feed_many
 from hebrus.engine.graphs import decode_route, lanes_for
@@ -133,14 +133,6 @@ class Request:
 # at 83455c0, 64 clients made 5,445 tokens/s gathering 5 ms apart against 6,089 without, idle
 # 0.18 s against 0.08 and no less time in prompt passes (one run each, one after the other)
 GATHER_TIMES = 10
-GATHER_MS = 100         # the longest gap a command line may ask to gather over (`gather_seconds`)
-
-
-def gather_seconds(ms: float, flag: str) -> float:
-    """A command line's `flag` of milliseconds to gather a burst over, checked -> seconds."""
-    if not 0 <= ms <= GATHER_MS:
-        raise InvalidInput(f"{flag} must be from 0 to {GATHER_MS}, got {ms}")
-    return ms / 1e3
 
 # a turn's prompt work while requests decode, in decode steps alone (`hebrus serve --prefill-share`):
 # a long prompt then slows the decoders' tokens about 1 + this many times
@@ -661,10 +653,9 @@ class Scheduler:
         self._spend("prefill", clock)
 
     def _counted(self, feeding: list[tuple[Request, list[int]]]) -> None:
-        """A pass of `feeding`'s prompt chunks begins: counted in `timed` (bench)."""
-        if feeding:
-            self.timed["prompt_passes"] += 1
-            self.timed["prompt_tokens"] += sum(len(c) for _, c in feeding)
+        """A pass of `feeding`'s prompt chunks (one at least) begins: counted in `timed` (bench)."""
+        self.timed["prompt_passes"] += 1
+        self.timed["prompt_tokens"] += sum(len(c) for _, c in feeding)
 
     def _flying(self, request: Request) -> bool:
         """Whether `request`'s chunk is in the paced pass under way (its session is the pass's
