@@ -7,9 +7,10 @@ tolerance, flips only at near-ties) and on its own (what a fast session really d
 a near-tie sends the rest of that token's computation down another path).
 
     python benchmarks/fast_bound.py [--preset tiny] [--dtypes float32,bfloat16,float64,float16]
-        [--short 40] [--long 2] [--long-length 1024] [--threads 1] [--seed 0] [--text FILE]
+        [--short 40] [--long 2] [--long-length 1024] [--threads 1] [--seed 0] [--text FILE] [--out DIR [--force]]
 
-Writes results/fast-bound-<device>.{json,md} (fast-bound-<preset>-<device> for other presets). One thread by default: on a shared 2-core machine
+Prints its report; with `--out DIR` also writes fast-bound-<device>.{json,md} there
+(fast-bound-<preset>-<device> for other presets; files already there are replaced only with `--force`). One thread by default: on a shared 2-core machine
 two threads spin against other processes and the timing becomes noise (the errors do not care).
 """
 from __future__ import annotations
@@ -206,8 +207,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out", metavar="DIR", help="also write the report's .json and .md into DIR")
+    p.add_argument("--force", action="store_true", help="replace the report's files in --out if they exist")
     args = p.parse_args()
+    device = torch.device(args.device).type
+    name = f"fast-bound-{device}" if args.preset == "tiny" else f"fast-bound-{Path(args.preset).name}-{device}"
+    if args.out and not args.force and any((Path(args.out) / f"{name}{x}").exists() for x in (".json", ".md")):
+        p.error(f"{Path(args.out) / name}.json or .md exists: another --out, or --force to replace them")
     torch.set_num_threads(args.threads)
     results = {}
     for dtype in args.dtypes.split(","):
@@ -216,14 +222,12 @@ def main() -> None:
     keys = ("preset", "text", "short", "long", "long_length", "threads", "seed", "device")
     meta = {k: getattr(args, k) for k in keys}
     meta.update(torch=torch.__version__, machine=platform.machine())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"fast-bound-{torch.device(args.device).type}"
-    if args.preset != "tiny":
-        name = f"fast-bound-{Path(args.preset).name}-{torch.device(args.device).type}"
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    (out / f"{name}.md").write_text(report(results, meta))
     print(report(results, meta))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        (out / f"{name}.md").write_text(report(results, meta))
 
 
 if __name__ == "__main__":

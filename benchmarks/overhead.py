@@ -4,11 +4,12 @@ The in-place variant (`hebrus.bench.InPlaceSession`) runs the same stages agains
 reads and writes one bank in place: no second bank, no seal, no validation, no injection point, no
 status word. It exists only to measure the guarantee; no session can become one.
 
-    python benchmarks/overhead.py [--preset small] [--mode fast] [--rounds 5] [--threads N]
+    python benchmarks/overhead.py [--preset small] [--mode fast] [--rounds 5] [--threads N] [--out DIR [--force]]
 
 Both variants run in one process: each round prefills both (alternating which goes first), then
 decodes with the two taking turns step by step. Reported: medians over rounds of time per token,
-and their ratio.
+and their ratio, printed; with `--out DIR` also written there as
+`overhead-<preset>-<mode>-<device>.{json,md}` (files already there are replaced only with `--force`).
 """
 from __future__ import annotations
 
@@ -64,8 +65,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", metavar="DIR", help="also write the report's .json and .md into DIR")
+    parser.add_argument("--force", action="store_true", help="replace the report's files in --out if they exist")
     args = parser.parse_args()
+    stem = f"overhead-{args.preset}-{args.mode}-{torch.device(args.device).type}"
+    if args.out and not args.force and any((Path(args.out) / f"{stem}{x}").exists() for x in (".json", ".md")):
+        parser.error(f"{Path(args.out) / stem}.json or .md exists: another --out, or --force to replace them")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -88,12 +93,12 @@ def main() -> None:
 
     report = _report(args, model, times)
     report["injection_point_ns_per_stage"] = _injection_point_cost(model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"overhead-{args.preset}-{args.mode}-{model.device.type}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(_markdown(report))
     print(_markdown(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(_markdown(report))
 
 
 def _injection_point_cost(model, calls: int = 200_000) -> float:

@@ -20,8 +20,8 @@ def session(*blocks: int, name: str = ""):
     return SimpleNamespace(image=SimpleNamespace(pool=pool, public=SimpleNamespace(table=tuple(blocks))), name=name)
 
 
-def cache(budget: int = 1000, every: int = 4, per_space: int | None = None) -> PrefixCache:
-    return PrefixCache(budget, every, per_space)
+def cache(budget: int = 1000, every: int = 4, per_holder: int | None = None) -> PrefixCache:
+    return PrefixCache(budget, every, per_holder)
 
 
 def held(c: PrefixCache) -> list[tuple[str, list[int]]]:
@@ -99,7 +99,7 @@ def test_find_makes_an_entry_the_most_recently_used_and_counts_it():
 
 
 def test_a_space_over_its_share_loses_its_own_oldest_and_no_other_spaces():
-    c = cache(budget=100, per_space=3 * SLOT)
+    c = cache(budget=100, per_holder=3 * SLOT)
     c.put("b", [9], session())
     for i in range(1, 5):
         c.put("a", [i], session())
@@ -157,7 +157,7 @@ def test_a_state_put_again_keeps_its_segment():
 def test_past_the_budget_a_quiet_space_over_its_share_loses_its_own_first():
     """A space that filled the budget alone and went quiet is past its share once another space
     holds entries: when the budget is full, its entries go before the newcomer's, found or not."""
-    c = cache(budget=6 * SLOT, every=4, per_space=2 * SLOT)
+    c = cache(budget=6 * SLOT, every=4, per_holder=2 * SLOT)
     for i in range(6):
         c.put("A", [100 + i] * 8, session())
         c.find("A", [100 + i] * 8 + [1])
@@ -174,13 +174,25 @@ def test_past_the_budget_a_quiet_space_over_its_share_loses_its_own_first():
 def test_a_space_alone_may_fill_the_budget_and_keeps_to_its_share_beside_another():
     """A share protects the other spaces: a space alone keeps entries past it, up to the budget;
     once another space holds an entry, its next entry brings it back within its share."""
-    c = cache(budget=5 * SLOT, per_space=2 * SLOT)
+    c = cache(budget=5 * SLOT, per_holder=2 * SLOT)
     for i in range(1, 5):
         c.put("a", [i], session())
     assert c.used_by("a") == 4 * SLOT
     c.put("b", [9], session())
     c.put("a", [5], session())
     assert held(c) == [("a", [4]), ("b", [9]), ("a", [5])] and c.used_by("a") == 2 * SLOT
+
+
+def test_spaces_of_one_holder_keep_to_one_share():
+    """Two spaces of holder "a" (a key's salts) count together against its share: filling
+    them evicts their own oldest entry, never holder "b"'s."""
+    c = PrefixCache(5 * SLOT, 4, 2 * SLOT, holder=lambda space: space[0])
+    c.put(("b", ""), [9], session())
+    for i, salt in enumerate("xyzw"):
+        c.put(("a", salt), [i], session())
+    assert held(c) == [(("b", ""), [9]), (("a", "z"), [2]), (("a", "w"), [3])]
+    assert c.used_by("a") == 2 * SLOT and c.used_by("b") == SLOT
+    assert found(c, ("b", ""), [9, 1])[1] == 1 and found(c, ("a", "x"), [0])[0] is None
 
 
 def test_shared_blocks_count_once_and_go_with_their_last_entry():
@@ -198,13 +210,13 @@ def test_shared_blocks_count_once_and_go_with_their_last_entry():
 
 
 def test_an_entry_over_its_spaces_share_beside_another_or_over_the_budget_is_not_kept():
-    c = cache(budget=100, per_space=30)
+    c = cache(budget=100, per_holder=30)
     c.put("b", [0], session())                  # another space holds an entry: the share applies
     c.put("a", [1], session())
     c.put("a", [2], session(*range(21)))
     c.put("c", [3], session(*range(91)))
     assert held(c) == [("b", [0]), ("a", [1])] and c.used == 2 * SLOT
-    c = cache(budget=100, per_space=30)
+    c = cache(budget=100, per_holder=30)
     c.put("a", [2], session(*range(21)))        # alone, only the budget bounds it
     c.put("a", [3], session(*range(91)))
     assert held(c) == [("a", [2])]
@@ -237,7 +249,7 @@ def test_bad_budgets_are_refused():
     with pytest.raises(ValueError, match="at least 0"):
         PrefixCache(-1)
     with pytest.raises(ValueError, match="at least 0"):
-        PrefixCache(10, per_space=-1)
+        PrefixCache(10, per_holder=-1)
     with pytest.raises(ValueError, match="at least 1"):
         PrefixCache(10, every=0)
 

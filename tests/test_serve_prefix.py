@@ -160,6 +160,24 @@ def test_a_key_or_a_salt_never_sees_anothers_prefixes(tiny):
         assert request.got == _alone(tiny, request)
 
 
+def test_a_key_spreading_its_prompts_over_salts_keeps_to_one_keys_share(tiny):
+    """The share bounds a key, not a salt: key "a" asking under eight salts evicts its own
+    states, and key "b"'s prefix, kept first, is still found. A prompt of 100 tokens keeps
+    three states (at 64, its end, its turn's end) over 7 blocks of 16 rows: the cache has room
+    for six such prompts, a key's share for one and a half; a share per salt would let "a"'s
+    eight fill it, the least recently used ("b"'s) going first."""
+    probe = tiny.session()
+    pool = probe.image.pool
+    del probe
+    scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefix_every=64,
+                          cache_bytes=6 * (3 * pool.slot_nbytes + 7 * pool.block_nbytes))
+    _run(scheduler, _ask(SHARED[:100], key="b"))
+    _run(scheduler, *(_ask(tokens(100, seed=70 + i), key="a", salt=str(i), seed=i) for i in range(8)))
+    assert scheduler.cache.used_by("a") <= scheduler.cache.per_holder
+    again = _run(scheduler, _ask(SHARED[:100] + [5], key="b", seed=9))[0]
+    assert again.cached == 100 and again.got == _alone(tiny, again)
+
+
 def test_shared_prefixes_are_one_space_for_every_key(tiny):
     scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, share_prefixes=True)
     _, other, salted = _run(scheduler, _ask(SHARED[:300], key="a"), _ask(SHARED[:300], key="b"),

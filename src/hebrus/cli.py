@@ -128,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require Authorization: Bearer KEY (repeatable: several keys, each with its own "
-                            "kept conversations; default: no key)")
+                       help="require Authorization: Bearer KEY (repeat it for several keys, each with its own "
+                            "cached prefixes; default: no key, and then no prefix cache unless --share-prefixes)")
     serve.add_argument("--max-sessions", type=int, default=16, help="requests running at once (default 16)")
     serve.add_argument("--prefill-tokens", type=int, default=None,
                        help="prompt tokens fed per turn of the engine loop at most, between the running "
@@ -160,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
                             "replay graphs (fast mode on CUDA), else one")
     serve.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
-                            "with cached tokens feeds only the rest (default 1 GiB; 0: off)")
+                            "with cached tokens feeds only the rest (default 1 GiB; 0: off); used with --api-key (a key "
+                            "keeps a quarter of it beside other keys' entries) or --share-prefixes")
     serve.add_argument("--prefix-every", type=int, default=64, metavar="K",
                        help="the prefix cache keeps a prompt's state every K tokens (default 64): a hit "
                             "recomputes fewer than K tokens")

@@ -16,14 +16,16 @@ kept state at or below the longest shared prefix is the hit; how far the prompt 
 cached tokens beyond it is the cut.
 
 Spaces keep users apart: the scheduler names one per API key (and `cache_salt`), or one for all
-keys when sharing is on. Least recently used entries go first, in two segments (a segmented
+keys when sharing is on. Each space has a holder, whom its bytes count against (`holder(space)`;
+by default the space itself): the scheduler's is the API key, so a key spreading its prompts
+over many salts still keeps to one key's share. Least recently used entries go first, in two segments (a segmented
 LRU): those on probation (never found, or let back from the other) before those a prompt has
 found, which are protected up to PROTECTED of the budget's slots (past it, their least recently
 found goes back on probation): a burst of prompts that each leave states no other prompt shares,
 as every prompt's own end does, does not push out the prefix they all hit, and states found once
-long ago do not hold the cache for ever. A space's own entries go once they pass `per_space`
-bytes while another space holds entries (a share protects the others; alone, a space may fill
-the budget); once all pass `budget`, first those of a space past its share, then anyone's. The
+long ago do not hold the cache for ever. A holder's own entries go once they pass `per_holder`
+bytes while another holder has entries (a share protects the others; alone, a holder may fill
+the budget); once all pass `budget`, first those of a holder past its share, then anyone's. The
 bytes counted are what the cache holds: each entry's slot, and each block once, however many
 entries share it.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 PROTECTED = 0.75        # the part of the budget's slots that entries a prompt found may keep protected
 
@@ -51,6 +54,7 @@ class _Node:
 @dataclass(eq=False)
 class _Entry:
     space: object
+    holder: object                      # whom its bytes count against (`PrefixCache.holder`)
     tokens: tuple
     session: object
     node: _Node
@@ -69,21 +73,23 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, budget: int, every: int = 64, per_space: int | None = None):
-        per_space = budget if per_space is None else per_space
-        if budget < 0 or per_space < 0:
-            raise ValueError(f"prefix cache byte budgets must be at least 0, got budget {budget}, per space {per_space}")
+    def __init__(self, budget: int, every: int = 64, per_holder: int | None = None,
+                 holder: Callable[[object], object] | None = None):
+        per_holder = budget if per_holder is None else per_holder
+        if budget < 0 or per_holder < 0:
+            raise ValueError(f"prefix cache byte budgets must be at least 0, got budget {budget}, per holder {per_holder}")
         if not 1 <= every:
             raise ValueError(f"the prefix cache keeps a state every k tokens, k at least 1; got {every}")
-        self.budget, self.per_space, self.every = budget, per_space, every
+        self.budget, self.per_holder, self.every = budget, per_holder, every
+        self.holder = holder or (lambda space: space)      # a space -> whom its bytes count against
         self.roots: dict[object, _Node] = {}
         self.entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()   # least recently used first
         # the two segments, each least recently used first: never found (or let back), and found
         self.probation: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self.protected: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self.blocks: collections.Counter = collections.Counter()         # block -> entries holding it
-        self.space_blocks: dict[object, collections.Counter] = {}
-        self.space_slots: collections.Counter = collections.Counter()   # space -> its entries
+        self.held_blocks: dict[object, collections.Counter] = {}           # holder -> its blocks
+        self.held_slots: collections.Counter = collections.Counter()      # holder -> its entries
         self.slot_bytes = self.block_bytes = 0                            # learnt from the first entry
         # what /metrics reports: lookups, lookups that found a state, prompt tokens not fed
         # again, and states kept as a chunk passed that could not be cached (the caller counts)
@@ -91,14 +97,15 @@ class PrefixCache:
 
     @property
     def keeps(self) -> bool:
-        return min(self.budget, self.per_space) > 0
+        return min(self.budget, self.per_holder) > 0
 
     @property
     def used(self) -> int:
         return len(self.entries) * self.slot_bytes + len(self.blocks) * self.block_bytes
 
-    def used_by(self, space) -> int:
-        return self.space_slots[space] * self.slot_bytes + len(self.space_blocks.get(space, ())) * self.block_bytes
+    def used_by(self, holder) -> int:
+        """The bytes `holder`'s entries hold (a block once, however many of them share it)."""
+        return self.held_slots[holder] * self.slot_bytes + len(self.held_blocks.get(holder, ())) * self.block_bytes
 
     def marks(self, start: int, stop: int, cut: int = 0) -> list[int]:
         """The positions in (start, stop] where a prompt fed from `start` to `stop` (its end)
@@ -142,8 +149,8 @@ class PrefixCache:
     # ---- keeping --------------------------------------------------------------------------
     def put(self, space, tokens, session) -> None:
         """Keep `session`, which holds `tokens` and is never fed again, for `space` (replacing
-        one that holds the same tokens); not kept if it alone is over the budget, or over the
-        space's share while another space holds entries."""
+        one that holds the same tokens); not kept if it alone is over the budget, or over its
+        holder's share while another holder has entries."""
         if not self.keeps or not len(tokens):
             return
         tokens = tuple(tokens)
@@ -151,8 +158,9 @@ class PrefixCache:
         if not self.slot_bytes:
             self.slot_bytes, self.block_bytes = image.pool.slot_nbytes, image.pool.block_nbytes
         blocks = image.public.table
-        shared = any(other != space for other in self.space_slots)     # a share protects other spaces' entries
-        if self.slot_bytes + len(blocks) * self.block_bytes > (min(self.budget, self.per_space) if shared else self.budget):
+        holder = self.holder(space)
+        shared = any(other != holder for other in self.held_slots)     # a share protects other holders' entries
+        if self.slot_bytes + len(blocks) * self.block_bytes > (min(self.budget, self.per_holder) if shared else self.budget):
             return
         node = self._node(space, tokens)
         rest = tokens[node.depth:]
@@ -161,7 +169,7 @@ class PrefixCache:
         if old is not None:
             self._drop(old)
         node = self._node(space, tokens)                # dropping may have pruned it
-        entry = _Entry(space, tokens, session, node, blocks)
+        entry = _Entry(space, holder, tokens, session, node, blocks)
         if rest:
             node.tails[rest] = entry
         else:
@@ -171,13 +179,13 @@ class PrefixCache:
         if found:
             self._protect(entry)
         self.blocks.update(blocks)
-        self.space_blocks.setdefault(space, collections.Counter()).update(blocks)
-        self.space_slots[space] += 1
+        self.held_blocks.setdefault(holder, collections.Counter()).update(blocks)
+        self.held_slots[holder] += 1
         # the new one fits alone: it is never dropped
-        while shared and self.used_by(space) > self.per_space:
-            self._drop(self._first(lambda e: e.space == space and e is not entry))
+        while shared and self.used_by(holder) > self.per_holder:
+            self._drop(self._first(lambda e: e.holder == holder and e is not entry))
         while self.used > self.budget:
-            over = self._first(lambda e: e is not entry and e.space != space and self.used_by(e.space) > self.per_space)
+            over = self._first(lambda e: e is not entry and e.holder != holder and self.used_by(e.holder) > self.per_holder)
             self._drop(over or self._first(lambda e: e is not entry))
 
     def _first(self, among) -> _Entry | None:
@@ -229,15 +237,15 @@ class PrefixCache:
         else:
             node.entry = None
         self.blocks.subtract(entry.blocks)
-        own = self.space_blocks[entry.space]
+        own = self.held_blocks[entry.holder]
         own.subtract(entry.blocks)
         for counter in (self.blocks, own):
             for block in entry.blocks:
                 if counter[block] <= 0:
                     del counter[block]
-        self.space_slots[entry.space] -= 1
-        if not self.space_slots[entry.space]:
-            del self.space_slots[entry.space], self.space_blocks[entry.space]
+        self.held_slots[entry.holder] -= 1
+        if not self.held_slots[entry.holder]:
+            del self.held_slots[entry.holder], self.held_blocks[entry.holder]
         while node is not None and node.entry is None and not node.tails and not node.children:
             if node.parent is None:
                 del self.roots[entry.space]

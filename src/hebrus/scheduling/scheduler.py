@@ -220,9 +220,11 @@ class Scheduler:
         self.spent: collections.Counter[str] = collections.Counter()
         self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget beside other keys' entries unless told
-        # otherwise: one busy key cannot evict every other key's prefixes (alone, it may fill it)
+        # otherwise, whatever salts its requests carry: one busy key cannot evict every other
+        # key's prefixes (alone, it may fill it). Its spaces (`_space`) count against the key
         self.cache = PrefixCache(cache_bytes, prefix_every,
-                                 cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key)
+                                 cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key,
+                                 holder=lambda space: space[0])
         self.share_prefixes = share_prefixes
         self.fault = fault              # tests only: a stage to fail a request's next step at
         # transactions aborted, by (failure kind, stage) (/metrics; made-up requests not counted)
