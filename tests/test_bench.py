@@ -300,6 +300,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
     if workload == "shared":                    # the cache on: the clients and the last request hit
         assert report["off"]["clients"]["hit_rate"] == 0 and report["on"]["clients"]["hit_rate"] == 1.0
         assert report["on"]["after"]["hit_rate"] == 1.0 and report["cached_over_cold_ttft"] > 0
+        assert report["cached_over_cold_off_ttft"] > 0 and report["prefix_every"] == 64
+        assert "÷ a cold request's with the cache off" in out.getvalue() and "a state every 64 tokens" in out.getvalue()
     elif workload == "chat":                    # a later turn finds at least the turn before's prompt
         assert report["on"]["later_cached_share"] > 0 and report["off"]["later_cached_share"] == 0
     elif workload == "long":                    # decoders seen before the long prompt and after it arrives

@@ -61,6 +61,15 @@ def test_a_cached_prefix_answers_bit_for_bit_as_a_cold_run(tiny, cut):
     assert third.cached == cut and third.got == _alone(tiny, third)   # the cut was kept: nothing recomputed
 
 
+def test_k_defaults_to_an_eighth_of_the_models_prefill_chunk(tiny, tiny_fast, monkeypatch):
+    """64 where a chunk of 512 is the model's (exact mode, or a CPU), 1024 where it is 8192 (fast
+    mode on a GPU: a pass of any length costs the host about the same); a k given is kept."""
+    assert Scheduler(tiny).cache.every == Scheduler(tiny_fast).cache.every == 64
+    assert Scheduler(tiny, prefix_every=16).cache.every == 16
+    monkeypatch.setattr(type(tiny_fast), "prefill_chunk", property(lambda self: 8192))
+    assert Scheduler(tiny_fast, decode="eager").cache.every == 1024
+
+
 def test_sharing_a_thousand_tokens_recomputes_fewer_than_k_on_the_first_hit_and_none_after(tiny):
     scheduler = Scheduler(tiny, chunk_size=256, prefill_tokens=512, prefix_every=64)
     cold, first, later = _run(scheduler, *(_ask(SHARED + tokens(10, seed=s), seed=s) for s in (1, 2, 3)))

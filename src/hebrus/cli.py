@@ -162,9 +162,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="the prefix cache's budget: states kept as prompts pass, so a prompt that begins "
                             "with cached tokens feeds only the rest (default 1 GiB; 0: off); used with --api-key (a key "
                             "keeps a quarter of it beside other keys' entries) or --share-prefixes")
-    serve.add_argument("--prefix-every", type=int, default=64, metavar="K",
-                       help="the prefix cache keeps a prompt's state every K tokens (default 64): a hit "
-                            "recomputes fewer than K tokens")
+    serve.add_argument("--prefix-every", type=int, default=None, metavar="K",
+                       help="the prefix cache keeps a prompt's state every K tokens: a hit recomputes fewer "
+                            "than K tokens, and each state kept splits the chunk's pass (default 64; 1024 in "
+                            "fast mode on a GPU, where a pass of any length costs about the same)")
     serve.add_argument("--share-prefixes", action="store_true",
                        help="one prefix cache for every API key (default: each key's own); a hit is faster, "
                             "so one key can learn by timing what another key's prompts began with")
@@ -214,7 +215,7 @@ def _serve(args) -> int:
     gather = gather_seconds(args.gather_ms, "--gather-ms")
     if args.prefix_cache_bytes < 0:
         raise InvalidInput("--prefix-cache-bytes must be at least 0 (0 turns the prefix cache off)")
-    if args.prefix_every < 1:
+    if args.prefix_every is not None and args.prefix_every < 1:
         raise InvalidInput("--prefix-every must be at least 1")
     import importlib
     try:

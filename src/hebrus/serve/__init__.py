@@ -16,13 +16,13 @@ from hebrus.scheduling.scheduler import CHUNK_SIZE, PREFILL_SHARE
 
 
 def engine(model, max_sessions: int = 16, max_waiting: int = 256, cache_bytes: int = 1 << 30,
-           prefill_tokens: int | None = None, prefix_every: int = 64, share_prefixes: bool = False,
+           prefill_tokens: int | None = None, prefix_every: int | None = None, share_prefixes: bool = False,
            prefill_share: float | None = PREFILL_SHARE, passes: str = "auto", prefill_chunk: int = CHUNK_SIZE,
            gather: float | None = None, fault=None, progress=None):
     """The engine loop serving `model` (a `Scheduler`, not started), warmed up on CUDA.
     `prefill_tokens`: prompt tokens fed per turn at most (None: the model's `prefill_chunk`).
     `cache_bytes`: the prefix cache's budget (0: off); it keeps a state every `prefix_every`
-    tokens of a prompt; `share_prefixes`: one cache space for every API key (else each key's
+    tokens of a prompt (None: the scheduler's default for the model, 64 or 1024 on a GPU); `share_prefixes`: one cache space for every API key (else each key's
     own). `prefill_share`: while requests decode, a turn (its step and its prompt chunks) takes
     at most 1 + that many decode steps' time alone (None: `prefill_tokens` alone bounds the
     chunks). `passes`: a turn's prompt chunks and decode steps in "one" pass or "two", or
