@@ -290,9 +290,10 @@ def test_bench_serve_samples_at_a_temperature(tmp_path):
 def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, workload):
     pytest.importorskip("uvicorn")
     out, err = io.StringIO(), io.StringIO()
-    argv = ["bench", "--serve", "--workload", workload, "--model", "tiny", "--clients", "3", "--requests", "4",
+    argv = ["bench", "--serve", "--workload", workload, "--model", "tiny", "--device", "cpu", "--clients", "3", "--requests", "4",
             "--system", "130", "--own", "4", "--serve-prompt", "8", "--serve-tokens", "30" if workload == "long" else "3",
-            "--serve-prefill-share", "1.5", "--serve-prefill-chunk", "64", "--json", str(tmp_path / "w.json"),
+            "--serve-prefill-share", "1.5", "--serve-prefill-chunk", "64", "--serve-prefix-every", "32",
+            "--json", str(tmp_path / "w.json"),
             "--table", str(tmp_path / "w.md")]
     with redirect_stdout(out), redirect_stderr(err):
         assert main(argv) == 0, err.getvalue()
@@ -300,8 +301,8 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
     if workload == "shared":                    # the cache on: the clients and the last request hit
         assert report["off"]["clients"]["hit_rate"] == 0 and report["on"]["clients"]["hit_rate"] == 1.0
         assert report["on"]["after"]["hit_rate"] == 1.0 and report["cached_over_cold_ttft"] > 0
-        assert report["cached_over_cold_off_ttft"] > 0 and report["prefix_every"] == 64
-        assert "÷ a cold request's with the cache off" in out.getvalue() and "a state every 64 tokens" in out.getvalue()
+        assert report["cached_over_cold_off_ttft"] > 0 and report["prefix_every"] == 32
+        assert "÷ a cold request's with the cache off" in out.getvalue() and "a state every 32 tokens" in out.getvalue()
     elif workload == "chat":                    # a later turn finds at least the turn before's prompt
         assert report["on"]["later_cached_share"] > 0 and report["off"]["later_cached_share"] == 0
     elif workload == "long":                    # decoders seen before the long prompt and after it arrives
@@ -316,7 +317,9 @@ def test_bench_serve_runs_its_workloads_with_the_cache_on_and_off(tmp_path, work
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-share", "0"]) == 2
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefill-chunk", "0"]) == 2
         assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-gather-ms", "nan"]) == 2
+        assert main(["bench", "--serve", "--workload", workload, "--model", "tiny", "--serve-prefix-every", "0"]) == 2
     assert "--serve-gather-ms must be from 0 to 100, got nan" in err.getvalue()
+    assert "--serve-prefix-every must be at least 1, got 0" in err.getvalue()
     assert "max_context" in err.getvalue() and "--serve-prefill-share must be a positive" in err.getvalue()
     assert "--serve-prefill-chunk must be at least 1" in err.getvalue()
 

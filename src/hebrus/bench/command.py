@@ -89,6 +89,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--serve-gather-ms", type=float, default=None, metavar="MS",
                        help="the server's --gather-ms: an idle engine waits for more of a burst of requests "
                             "while they arrive less than MS apart (default: the server's)")
+    bench.add_argument("--serve-prefix-every", type=int, default=None, metavar="K",
+                       help="the server's --prefix-every: its prefix cache keeps a state every K tokens of a "
+                            "prompt, in the workloads that run with the cache on (default: the server's)")
     bench.add_argument("--serve-prefill-share", type=float, default=PREFILL_SHARE, metavar="STEPS",
                        help="the server's --prefill-share: while requests decode, a turn takes at most the time "
                             "of 1 + this many decode steps alone (default %(default)s)")
@@ -267,6 +270,8 @@ def _serve(args, load_model) -> int:
                            f"got {args.serve_prefill_share}")
     if args.serve_prefill_chunk < 1:
         raise InvalidInput(f"--serve-prefill-chunk must be at least 1, got {args.serve_prefill_chunk}")
+    if args.serve_prefix_every is not None and args.serve_prefix_every < 1:
+        raise InvalidInput(f"--serve-prefix-every must be at least 1, got {args.serve_prefix_every}")
     if args.serve_prefill_tokens is not None and args.serve_prefill_tokens < 1:
         raise InvalidInput(f"--serve-prefill-tokens must be at least 1, got {args.serve_prefill_tokens}")
     gather = None if args.serve_gather_ms is None else gather_seconds(args.serve_gather_ms, "--serve-gather-ms")
@@ -276,7 +281,7 @@ def _serve(args, load_model) -> int:
     limit, name = model.spec.max_context, Path(args.model).name
     engine = {"passes": args.serve_passes, "prefill_share": args.serve_prefill_share,
               "prefill_tokens": args.serve_prefill_tokens, "prefill_chunk": args.serve_prefill_chunk,
-              "gather": gather}
+              "gather": gather, "prefix_every": args.serve_prefix_every}
     if args.workload == "shared":
         if args.system + args.own + args.serve_tokens > limit:
             raise InvalidInput(f"--system, --own and --serve-tokens pass the model's max_context {limit}")

@@ -222,10 +222,11 @@ class Scheduler:
         self._idle_since = time.perf_counter()
         # a key keeps at most a quarter of the budget beside other keys' entries unless told
         # otherwise, whatever salts its requests carry: one busy key cannot evict every other
-        # key's prefixes (alone, it may fill it). Its spaces (`_space`) count against the key
+        # key's prefixes (alone, it may fill it). Its spaces (`_space`) count against the key;
+        # shared, each salt's space against itself (`cache_per_key` bounds a salt's then)
         self.cache = PrefixCache(cache_bytes, _every(model) if prefix_every is None else prefix_every,
                                  cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key,
-                                 holder=lambda space: space[0])
+                                 holder=(lambda space: space) if share_prefixes else (lambda space: space[0]))
         self.share_prefixes = share_prefixes
         self.fault = fault              # tests only: a stage to fail a request's next step at
         # transactions aborted, by (failure kind, stage) (/metrics; made-up requests not counted)
