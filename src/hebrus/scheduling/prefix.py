@@ -150,7 +150,9 @@ class PrefixCache:
     def put(self, space, tokens, session) -> None:
         """Keep `session`, which holds `tokens` and is never fed again, for `space` (replacing
         one that holds the same tokens); not kept if it alone is over the budget, or over its
-        holder's share while another holder has entries."""
+        holder's share while another holder has entries. A holder's entries are brought within
+        its share as it keeps one (a holder over it, alone until another's first entry came,
+        stays so until its next entry kept, or until all pass the budget)."""
         if not self.keeps or not len(tokens):
             return
         tokens = tuple(tokens)

@@ -1035,7 +1035,7 @@ def _every(model) -> int:
     fast mode on a GPU, where a pass of any length costs the host about the same (8192). There a
     hit's recompute of a thousand tokens costs about what one of 64 does, while each state kept
     splits every stateful stage's call of the chunk in two: keeping every 64 tokens of a
-    2,064-token prompt took its pass from 0.11 s to 1.02 s on an H100 (results/cuda-h100/d52a787)."""
+    2,064-token prompt took its prompt passes from 0.11 s to 1.02 s on an H100 (results/cuda-h100/d52a787)."""
     return max(1, model.prefill_chunk // 8)
 
 
