@@ -226,7 +226,7 @@ class Scheduler:
         # shared, each salt's space against itself (`cache_per_key` bounds a salt's then)
         self.cache = PrefixCache(cache_bytes, _every(model) if prefix_every is None else prefix_every,
                                  cache_bytes // 4 if cache_per_key is None and not share_prefixes else cache_per_key,
-                                 holder=(lambda space: space) if share_prefixes else (lambda space: space[0]))
+                                 holder=None if share_prefixes else (lambda space: space[0]))
         self.share_prefixes = share_prefixes
         self.fault = fault              # tests only: a stage to fail a request's next step at
         # transactions aborted, by (failure kind, stage) (/metrics; made-up requests not counted)
@@ -1036,7 +1036,7 @@ def _every(model) -> int:
     hit's recompute of a thousand tokens costs about what one of 64 does, while each state kept
     splits every stateful stage's call of the chunk in two: keeping every 64 tokens of a
     2,064-token prompt took its prompt passes from 0.11 s to 1.02 s on an H100 (results/cuda-h100/d52a787)."""
-    return max(1, model.prefill_chunk // 8)
+    return model.prefill_chunk // 8
 
 
 def _places(requests) -> int:
