@@ -100,6 +100,22 @@ def turned(x: torch.Tensor, w, launch: tuple[int, int, int, int]) -> torch.Tenso
     return y
 
 
+def scaled_mm(x: torch.Tensor, w) -> float:
+    """Seconds a call of the tensor cores' fp8 product takes for x by w's codes (x made fp8 a row
+    at a time first, as a W8A8 product would; one scale a row of W): a bound on what fp8 at many
+    rows could reach through it, not the module's numerics (x is not rounded to fp8 there)."""
+    from gemv import cold_copies, per_call
+    scale_x = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    xq = (x.float() / scale_x).to(torch.float8_e4m3fn)
+    scale_w = torch.ones(1, w.qweight.shape[0], device=x.device)
+    try:
+        return per_call(lambda q: torch._scaled_mm(xq, q.t(), scale_a=scale_x, scale_b=scale_w,
+                                                   out_dtype=x.dtype), cold_copies(w.qweight))
+    except RuntimeError as exc:
+        print(f"  _scaled_mm: {str(exc).splitlines()[0][:200]}", flush=True)
+        return float("nan")
+
+
 def fits(w, launch) -> bool:
     block_n, block_k, _, _ = launch
     return w.format != "fp8" or (w.group % block_n == 0 and w.group % block_k == 0)
@@ -140,6 +156,11 @@ def main() -> None:
             module = per_call(lambda w: quant.launch(x, w), cold_copies(w))
             dense = per_call(lambda w: F.linear(x, w), cold_copies(w.dequantize(dtype)))
             best = min(times, key=times.get)
+            if fmt == "fp8":
+                scaled = scaled_mm(x, w)
+                total[fmt, "fp8 _scaled_mm"] = total.get((fmt, "fp8 _scaled_mm"), 0.0) + count * scaled
+                print(f"  fp8 torch._scaled_mm (x rowwise to fp8, one scale a row of W): {scaled * 1e6:.1f} µs",
+                      flush=True)
             for name, t in (("module", module), ("turned", times[best]), ("bf16 F.linear", dense)):
                 total[fmt, name] = total.get((fmt, name), 0.0) + count * t
             lines.append(f"{fmt} {N} x {K} ({count} a step), {ROWS} rows: module {module * 1e6:.1f} µs at "
@@ -149,7 +170,8 @@ def main() -> None:
     for fmt in args.formats.split(","):
         if (fmt, "module") in total:
             lines.append(f"a step's {fmt} products at {ROWS} rows: " + ", ".join(
-                f"{name} {total[fmt, name] * 1e6:.0f} µs" for name in ("module", "turned", "bf16 F.linear")))
+                f"{name} {total[fmt, name] * 1e6:.0f} µs" for name in ("module", "turned", "bf16 F.linear",
+                                                                         "fp8 _scaled_mm") if (fmt, name) in total))
             print(lines[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "quant-matrix.txt").write_text("\n".join(lines) + "\n")

@@ -38,7 +38,7 @@ SHAPES = ((8192, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24)
 VEC = 16                        # bytes a thread loads and sums alone
 # BLOCK_N, BLOCK_K (bytes of a row a tile), warps
 LAUNCHES = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (4, 8))
-            if n * k <= 16384]
+            if n * k <= 16384 and (w == 4 or n * k >= 8192)]
 
 
 @triton.jit

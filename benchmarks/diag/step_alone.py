@@ -1,0 +1,74 @@
+"""Why is a quantized decode step longer in `hebrus bench --quant` than fed back to back? On an H100
+at 6621730 the bench's int8 step (each step timed alone: feed, then wait for the device) took 2.28
+ms against float's 2.02, while the same step fed back to back took 1.80 ms against float's 2.09
+(results/cuda-h100/6621730/). Here, for the 1.68B Qwen3.5 shape in bf16 on CUDA (graph route,
+after a 1K prompt) in float and each format, one process: each step timed alone as the bench
+times it, split into the host's part (until `feed` returns) and the wait for the device after it,
+with the device's own time for the step between two events; then steps fed back to back.
+
+    python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--cache /tmp/shapes] [--steps 30]"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hebrus  # noqa: E402
+from gpu_model import fed_steps  # noqa: E402
+from hebrus import bench  # noqa: E402
+
+
+def alone(model, prompt: list[int], steps: int) -> dict[str, float]:
+    """Median ms of a step timed alone, its host part, its wait and its device time."""
+    s = model.session(decode="graph")
+    s.prefill(prompt, chunk_size=2048)
+    logits = None
+    for t in range(8):
+        logits = s.feed([t])
+    torch.cuda.synchronize()
+    host, wait, whole, device = [], [], [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(steps):
+        token = int(torch.argmax(logits))
+        t0 = time.perf_counter()
+        start.record()
+        logits = s.feed([token])
+        end.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        wait.append(t2 - t1)
+        whole.append(t2 - t0)
+        device.append(start.elapsed_time(end) / 1e3)
+    return {name: statistics.median(v) * 1e3 for name, v in
+            (("alone", whole), ("host", host), ("wait", wait), ("device", device))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="int8,fp8,int4")
+    parser.add_argument("--cache", default="/tmp/shapes")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    name = str(bench.random_checkpoint("qwen3.5-1.7b", Path(args.cache) / "qwen3.5-1.7b"))
+    prompt = torch.randint(0, 1000, (1024,)).tolist()
+    base = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
+    for fmt in [None, *[f for f in args.formats.split(",") if f]]:
+        model = base if fmt is None else base.quantized(fmt)
+        a = alone(model, prompt, args.steps)
+        fed = fed_steps(model, prompt, args.steps)[1]
+        print(f"{fmt or 'float'}: alone {a['alone']:.3f} ms (host {a['host']:.3f}, then waiting {a['wait']:.3f}; "
+              f"device between events {a['device']:.3f}); fed back to back {fed:.3f} ms/step", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
