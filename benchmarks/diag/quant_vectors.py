@@ -12,7 +12,8 @@ crossed), a float32 partial sum per sixteen bytes kept across tiles and reduced 
 int4's scale (and zero point) applies per sixteen bytes (32 codes, within one group), its codes
 from their bits. Each variant is checked against the rebuilt twin, then timed cold (`gemv.per_call`
 over `gemv.cold_copies`) on the 1.68B shape's quantized weights at every launch of LAUNCHES,
-beside the module at its measured launch; a step's products summed at each kernel's best.
+beside the module at its measured launch; a step's products summed at each kernel's best. int4 also
+with x read in pairs and split in registers (launches marked "pairs").
 
     python benchmarks/diag/quant_vectors.py [--out DIR] [--formats int8,int4]
     (CUDA; TRITON_INTERPRET=1 on a CPU checks the kernels on small weights)"""
@@ -58,9 +59,10 @@ def _int8_rows(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K:
 
 @triton.jit
 def _int4_rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr):
+               BLOCK_K: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr, PAIRS: tl.constexpr):
     # w [N, ceil(K/2)] bytes, input 2j in byte j's low nibble; BLOCK_K bytes a tile; a vector's 2 VEC
-    # codes lie in one group (GROUP a multiple of 2 VEC)
+    # codes lie in one group (GROUP a multiple of 2 VEC). PAIRS: x's inputs read as they lie, in
+    # pairs (2j, 2j + 1) split in registers, rather than the even and the odd ones read apart
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n64 = n.to(tl.int64)
     half = (K + 1) // 2
@@ -71,8 +73,12 @@ def _int4_rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexp
         j = j0 + j2
         b = tl.load(w_ptr + n64[:, None, None] * half + j[None, :, :],
                     mask=(n[:, None, None] < N) & (j[None, :, :] < half), other=0).to(tl.int32)
-        even = tl.load(x_ptr + 2 * j, mask=2 * j < K, other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + 2 * j + 1, mask=2 * j + 1 < K, other=0.0).to(tl.float32)
+        if PAIRS:
+            i = 2 * j[:, :, None] + tl.arange(0, 2)[None, None, :]
+            even, odd = tl.split(tl.load(x_ptr + i, mask=i < K, other=0.0).to(tl.float32))
+        else:
+            even = tl.load(x_ptr + 2 * j, mask=2 * j < K, other=0.0).to(tl.float32)
+            odd = tl.load(x_ptr + 2 * j + 1, mask=2 * j + 1 < K, other=0.0).to(tl.float32)
         lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0           # the codes, from bits
         hi = (((b >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         qx = tl.sum(lo * even[None, :, :] + hi * odd[None, :, :], axis=2)               # Σ q·x a vector
@@ -88,9 +94,9 @@ def _int4_rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexp
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-def rows(x: torch.Tensor, w, launch: tuple[int, int, int]) -> torch.Tensor:
+def rows(x: torch.Tensor, w, launch: tuple[int, int, int], pairs: bool = False) -> torch.Tensor:
     """One row x [1, K] by w (int8, or int4 with groups of at least 2 VEC codes) at (BLOCK_N,
-    BLOCK_K bytes, warps)."""
+    BLOCK_K bytes, warps); int4 with `pairs`: x read in pairs."""
     block_n, block_k, warps = launch
     N, K = w.qweight.shape[0], w.inputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
@@ -100,7 +106,7 @@ def rows(x: torch.Tensor, w, launch: tuple[int, int, int]) -> torch.Tensor:
     else:
         zero = w.zero if w.zero is not None else w.scale
         _int4_rows[grid](x, w.qweight, w.scale, zero, y, N, K, w.scale.shape[-1], HAS_ZERO=w.zero is not None,
-                         BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, GROUP=w.group, num_warps=warps)
+                         BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, GROUP=w.group, PAIRS=pairs, num_warps=warps)
     return y
 
 
@@ -124,12 +130,14 @@ def main() -> None:
             want = rebuilt_linear(x.float(), w)
             line = [f"{fmt} {N} x {K} ({count} a step):"]
             times = {}
-            for launch in launches:
-                error = float((rows(x, w, launch).float() - want).abs().max() / want.abs().max())
-                assert error < (1e-2 if cuda else 1e-5), (fmt, N, K, launch, error)
+            for launch, pairs in [(launch, pairs) for pairs in ((False, True) if fmt.startswith("int4") else (False,))
+                                  for launch in launches]:
+                error = float((rows(x, w, launch, pairs).float() - want).abs().max() / want.abs().max())
+                assert error < (1e-2 if cuda else 1e-5), (fmt, N, K, launch, pairs, error)
                 if cuda:
                     from gemv import cold_copies, per_call
-                    times[launch] = per_call(lambda w: rows(x, w, launch), cold_copies(w))
+                    times[launch + (("pairs",) if pairs else ())] = per_call(lambda w: rows(x, w, launch, pairs),
+                                                                             cold_copies(w))
             if not cuda:
                 lines.append(" ".join(line + [f"every launch within {1e-5} of the twin"]))
                 print(lines[-1], flush=True)
@@ -141,7 +149,7 @@ def main() -> None:
             module_total += count * module
             best_total += count * times[best]
             line.append(f"module {module * 1e6:.1f} µs at {shape}; own sums best {times[best] * 1e6:.1f} µs at {best}; "
-                        + ", ".join(f"{launch} {t * 1e6:.1f}" for launch, t in sorted(times.items())))
+                        + ", ".join(f"{launch} {t * 1e6:.1f}" for launch, t in sorted(times.items(), key=str)))
             lines.append(" ".join(line))
             print(lines[-1], flush=True)
         if cuda:
