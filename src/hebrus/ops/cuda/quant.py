@@ -113,11 +113,13 @@ def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constex
 
 
 @triton.jit
-def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, G, HAS_ZERO: tl.constexpr,
+def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, half, G, HAS_ZERO: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                  ROUTED: tl.constexpr, CHAINED: tl.constexpr):
-    # w: [N, ceil(K/2)] bytes, input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs;
-    # BLOCK_K a multiple of GROUP: a tile holds whole groups
+    # w: [N, half] bytes (half = ceil(K/2), an argument: Triton then knows where it divides by 16
+    # and loads sixteen bytes at once, where it reads bytes one by one as (K + 1) // 2), input 2j in
+    # the low nibble of byte j; s, z: [N, G] a GROUP of inputs; BLOCK_K a multiple of GROUP: a tile
+    # holds whole groups
     m = tl.program_id(1)
     if ROUTED:                  # zero points lie as the scales do
         e = tl.load(e_ptr + m).to(tl.int64)
@@ -126,7 +128,6 @@ def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, G, HA
         z_ptr += e * S_E
     n, inside = _rows(H, BLOCK_N, GATED)
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
-    half = (K + 1) // 2
     row = n.to(tl.int64) * half
     j = tl.arange(0, BLOCK_K // 2)
     b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < half), other=0)
@@ -178,9 +179,10 @@ def _fp8_vector(x_ptr, w_ptr, s_ptr, y_ptr, e_ptr, W_E, S_E, H, K, GK, BLOCK_N: 
 
 
 @triton.jit
-def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, half, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # FORMAT 0: int8 (s [N]); 1: int4 (s, z [N, G], BLOCK_K divides GROUP: a tile is in one group);
+    # FORMAT 0: int8 (s [N]); 1: int4 (w [N, half] bytes, s, z [N, G], BLOCK_K divides GROUP: a tile
+    # is in one group);
     # 2: fp8 (s [ceil(N/GROUP), G], BLOCK_K and BLOCK_N divide GROUP: one scale a tile)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +193,6 @@ def _matrix(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr,
         x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
                     other=0.0)
         if FORMAT == 1:
-            half = (K + 1) // 2
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             b = tl.load(w_ptr + n.to(tl.int64)[None, :] * half + j[:, None], mask=(n[None, :] < N) & (j[:, None] < half),
                         other=0).to(tl.int32)
@@ -338,7 +339,7 @@ def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) 
         fmt = ("int8", "int4", "fp8").index(w.format)
         groups = 0 if w.format == "int8" else scale.shape[-1]
         _matrix[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-            x2, w.qweight, scale, zero, y, M, N, K, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
+            x2, w.qweight, scale, zero, y, M, N, K, (K + 1) // 2, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.view(*lead, N)
 
@@ -418,7 +419,7 @@ def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, i
                            ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     elif w.format == "int4":
         zero = w.zero.contiguous() if w.zero is not None else scale
-        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, scale.shape[-1],
+        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, (K + 1) // 2, scale.shape[-1],
                            HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated,
                            ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     else:
