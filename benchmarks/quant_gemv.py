@@ -113,14 +113,14 @@ def main() -> None:
             copies = cold_copies(q)
             timed = sweep(x1, q, [c for c in CONFIGS if fits(fmt, q.group, c, True)], copies, f"{fmt} one row",
                           lines, args.replays)
-            rule = quant.vector_shape(q) if quant.key(q) not in quant.MEASURED_VECTOR else None
+            rule = quant.vector_shape(q)          # the launch the module takes (its table's, else its rule)
             at_rule = next((t for t, s in timed if s == rule), float("nan"))
             best_t, best = timed[0]
             vector[quant.key(q)] = best
             add(f"{fmt} one row, fastest", count, best_t)
-            add(f"{fmt} one row, the rule", count, at_rule)
+            add(f"{fmt} one row, the module's launch", count, at_rule)
             lines.append(f"{fmt} one row: fastest {best} {best_t * 1e6:.1f} µs, {q.nbytes / best_t / bandwidth:.0%} "
-                         f"({q.nbytes:,} bytes); the rule {rule} {at_rule * 1e6:.1f} µs; next: "
+                         f"({q.nbytes:,} bytes); the module's launch {rule} {at_rule * 1e6:.1f} µs; next: "
                          + ", ".join(f"{s} {t * 1e6:.1f}" for t, s in timed[1:4]))
             if old is not None and old.takes(x1, q):
                 t = per_call(lambda q: old.launch(x1, q), copies, replays=args.replays)

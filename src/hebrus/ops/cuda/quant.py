@@ -245,7 +245,7 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
 # (cold, as a step reads it), on the device named (the last to write): a vector kernel's (BLOCK_N,
 # BLOCK_K, warps) for one row, the matrix kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps) for 64 rows.
 # The format is "int4-zp" for int4 with zero points. Other shapes take the rules below.
-MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB HBM3
+MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H200
     ('fp8', 2048, 2048, 128): (2, 2048, 4),
     ('fp8', 2048, 6144, 128): (2, 2048, 4),
     ('fp8', 5120, 2048, 128): (2, 2048, 4),
@@ -253,7 +253,7 @@ MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # N
     ('fp8', 12288, 2048, 128): (2, 2048, 4),
     ('int4', 2048, 2048, 128): (8, 2048, 4),
     ('int4', 2048, 6144, 128): (8, 2048, 4),
-    ('int4', 5120, 2048, 128): (8, 2048, 4),
+    ('int4', 5120, 2048, 128): (8, 1024, 4),
     ('int4', 8192, 2048, 128): (8, 2048, 4),
     ('int4', 12288, 2048, 128): (8, 2048, 4),
     ('int4-zp', 2048, 2048, 128): (8, 2048, 4),
@@ -267,16 +267,16 @@ MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # N
     ('int8', 8192, 2048, 128): (8, 512, 4),
     ('int8', 12288, 2048, 128): (4, 512, 4),
 }
-MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # NVIDIA H100 80GB HBM3
+MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # NVIDIA H200
     ('fp8', 2048, 2048, 128): (64, 32, 128, 4),
     ('fp8', 2048, 6144, 128): (64, 32, 128, 4),
     ('fp8', 5120, 2048, 128): (64, 32, 128, 4),
     ('fp8', 8192, 2048, 128): (64, 32, 128, 4),
     ('fp8', 12288, 2048, 128): (64, 32, 128, 4),
-    ('int4', 2048, 2048, 128): (64, 32, 128, 8),
-    ('int4', 2048, 6144, 128): (64, 32, 128, 8),
-    ('int4', 5120, 2048, 128): (64, 32, 128, 8),
-    ('int4', 8192, 2048, 128): (64, 32, 128, 8),
+    ('int4', 2048, 2048, 128): (64, 32, 128, 4),
+    ('int4', 2048, 6144, 128): (64, 32, 128, 4),
+    ('int4', 5120, 2048, 128): (64, 32, 128, 4),
+    ('int4', 8192, 2048, 128): (64, 32, 128, 4),
     ('int4', 12288, 2048, 128): (64, 32, 128, 4),
     ('int4-zp', 2048, 2048, 128): (64, 32, 128, 8),
     ('int4-zp', 2048, 6144, 128): (64, 32, 128, 8),
