@@ -5,7 +5,7 @@
 # Qwen3.5 shape against transformers), batch (that shape's sessions decoding together: 1, 8, 64
 # and 256 at 1K, 8 at 32K, where 64 sessions' K/V in both variants would not fit), kernels (the
 # decode step's kernels alone, and a profiled step of 64 sessions), eager (the 1.68B
-# shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), pages (bench
+# shape decoding eagerly, for scale), long (bench --long: QSA against dense attention, 1K to 128K), long-wide (the same on --long-shape wide), pages (bench
 # --ple-pages: 8 GiB of PLE tables paged through 512 MiB against resident), quant (bench --quant: the trained
 # model's validation loss per format, and the 1.68B shape's decode per format), spec (bench --spec: the
 # 1.68B shape's greedy decoding plain and with prompt lookup, and the cost of a fork at 1K and 32K;
@@ -83,6 +83,10 @@ for part in "$@"; do
     long)
         timeout 580 python3 -m hebrus bench --long --rounds 2 --decode-steps 16 \
             --json "$out/bench-long.json" --table "$out/bench-long.md" 2>&1 | grep -v '^bench' ;;
+    long-wide)
+        # issue 35's second shape: K/V rows four times as wide (floors' ratio 7.3x at 128K)
+        timeout 580 python3 -m hebrus bench --long --long-shape wide --rounds 2 --decode-steps 16 \
+            --json "$out/bench-long-wide.json" --table "$out/bench-long-wide.md" 2>&1 | grep -v '^bench' ;;
     pages)
         timeout 580 python3 -m hebrus bench --ple-pages --ple-gib 8 --ple-cache-mib 512 --rounds 3 \
             --decode-steps 64 --cache /tmp/shapes --json "$out/bench-ple-pages.json" \

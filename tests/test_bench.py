@@ -156,7 +156,9 @@ def test_bench_long_compares_sparse_and_dense_attention(tmp_path):
     assert report["qsa"]["model"].endswith("qsa attention") and report["dense"]["model"].endswith("dense attention")
     row = report["comparison"][1]
     assert row["dense_over_qsa"] == pytest.approx(row["dense_decode_ms"] / row["qsa_decode_ms"])
-    assert "dense ÷ QSA" in out.getvalue() and "dense ÷ QSA" in (tmp_path / "r.md").read_text()
+    assert row["floors_ratio"] == pytest.approx(row["dense_floor_ms"] / row["qsa_floor_ms"])
+    assert row["qsa_floor_ms"] == report["qsa"]["points"][1]["decode_floor_ms_per_step"]
+    assert "dense ÷ QSA" in out.getvalue() and "floors' ratio" in (tmp_path / "r.md").read_text()
     # one attention layer for one query: QSA reads every index key and top_k K/V rows, dense every K/V row
     layer = {(p["model"], p["context"]): p for p in report["layer"]}
     assert set(layer) == {(m, c) for m in ("qsa", "dense") for c in (24, 80)}
@@ -170,16 +172,24 @@ def test_bench_long_compares_sparse_and_dense_attention(tmp_path):
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         assert main(["bench", "--long", "--model", "tiny"]) == 2
-    assert "leave out --model" in err.getvalue()
+        assert main(["bench", "--long-shape", "wide"]) == 2
+    assert "leave out --model" in err.getvalue() and "--long-shape goes with --long" in err.getvalue()
 
 
-def test_the_long_models_differ_only_in_attention():
+@pytest.mark.parametrize("shape", ["small", "wide"])
+def test_the_long_models_differ_only_in_attention(shape):
+    """Both shapes' two models differ in their attention layers alone; at 128K dense attention's
+    byte floor passes QSA's by the ratio each shape is for: about 2.3x (small), above 4 (wide:
+    K/V rows four times as wide)."""
     from hebrus.bench import long
-    models = long.long_models(torch.device("cpu"), torch.float32)
+    from hebrus.bench.limits import decode_bytes
+    models = long.long_models(torch.device("cpu"), torch.bfloat16, shape=shape)
     sparse, dense = models["qsa"].spec, models["dense"].spec
     assert sparse.max_context == dense.max_context == long.LONG_CONTEXT >= 131072 + 64
     assert [m for m in sparse.mixers if m != "qsa"] == [m for m in dense.mixers if m != "attention"]
     assert "qsa" not in dense.mixers and sparse.mixers.count("qsa") == dense.mixers.count("attention") > 0
+    ratio = decode_bytes(models["dense"], 131072) / decode_bytes(models["qsa"], 131072)
+    assert 2.2 < ratio < 2.4 if shape == "small" else ratio > 4
 
 
 def test_bench_ple_pages_compares_paged_and_resident_tables(tmp_path):

@@ -41,7 +41,10 @@ def add_parser(sub, model_help: str, load_model) -> None:
                        help="instead of --model: the small shape with a 132K context limit, its sparse (QSA) "
                             "attention against the same model with dense attention over every row; prints "
                             "both tables and their comparison (decode against the shortest context, dense "
-                            "over sparse)")
+                            "over sparse beside the ratio of their byte floors)")
+    bench.add_argument("--long-shape", default=None, choices=["small", "wide"],
+                       help="--long's shape: small (the preset's, the default) or wide (K/V rows four times "
+                            "as wide: 8 K/V heads of 64, so dense attention reads far more than the indexer)")
     bench.add_argument("--ple-pages", action="store_true",
                        help="instead of --model: the small shape with --ple-gib of n-gram tables (a sparse "
                             "checkpoint under --cache), decoding an English stream with the tables paged "
@@ -170,6 +173,8 @@ def run(args, load_model) -> int:
         raise InvalidInput("--contexts needs positive lengths")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.long_shape and not args.long:
+        raise InvalidInput("--long-shape goes with --long")
     if args.long:
         return _long(args, contexts, batches)
     if args.ple_pages:
@@ -382,7 +387,8 @@ def _long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
 
     if args.model != MODEL or args.compare_transformers:
         raise InvalidInput("--long builds its own two models: leave out --model and --compare-transformers")
-    models = long.long_models(resolve_device(args.device), resolve_dtype(args.dtype), args.mode)
+    shape = args.long_shape or "small"
+    models = long.long_models(resolve_device(args.device), resolve_dtype(args.dtype), args.mode, shape)
     room = long.LONG_CONTEXT - args.decode_steps
     kept = [c for c in contexts if c <= room]
     if not kept:
@@ -407,7 +413,7 @@ def _long(args, contexts: list[int], batches: tuple[int, ...]) -> int:
 
     for name, model in models.items():
         model.session(decode=args.decode)
-        report = bench.run(model, f"small, {name} attention", kept, args.decode_steps, args.rounds, args.chunk,
+        report = bench.run(model, f"{shape}, {name} attention", kept, args.decode_steps, args.rounds, args.chunk,
                            ProgressBar(f"bench {name}", unit="point"), decode=args.decode,
                            on_point=lambda r, name=name: write(name, r), batches=batches)
         write(name, report)

@@ -1,11 +1,14 @@
 """`hebrus bench --long`: sparse attention at long context against dense attention.
 
-Two random-weight models of the `small` preset's shape with a context limit of LONG_CONTEXT:
+Two random-weight models of a shape (SHAPES: the `small` preset's, or `wide`, the same with K/V
+rows four times as wide) with a context limit of LONG_CONTEXT:
 the Hebrus model (its attention layers are QSA: each query attends to the top_k rows its indexer
 picks), and the same model with those layers replaced by gated attention over every row (the
 `attention` mixer, fused SDPA / flash kernels on a GPU). Both are measured by `bench.run` at each
 context; the comparison reports each one's decode step time against its own at the shortest
-context, and dense over sparse at each context. `layer_point` times one attention layer's work
+context, and dense over sparse at each context beside the ratio of their byte floors (what each
+step must read at least, `bench.limits.decode_bytes`): sparse attention pays for itself as far as
+dense ÷ QSA comes near that ratio (the target: at least 0.8 of it). `layer_point` times one attention layer's work
 for one query over a full context (indexer scores, selection and attention over the pick, or
 attention over every row) against the bytes that work must read.
 """
@@ -24,11 +27,17 @@ from hebrus.runtime import Model, _place
 
 LONG_CONTEXT = 131072 + 4096       # a 128K prompt leaves room for the decode steps
 CONTEXTS = (1024, 8192, 32768, 131072)
+# shape -> what it changes in the small preset: `wide` has as many K/V heads as query heads (8 of
+# 64: a K/V row of 2,048 bytes a layer in 16 bits, against small's 512), so dense attention reads
+# far more than the indexer's keys: at 128K the byte floors are 29.2 and 213 µs at 4.1 TB/s (7.3x),
+# where small's are 28.5 and 65.1 (2.28x)
+SHAPES = {"small": {}, "wide": {"qsa_kv_heads": 8}}
+FLOOR_SHARE = 0.8      # the target: dense ÷ QSA at least this share of the ratio of their floors
 
 
-def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast") -> dict[str, Model]:
-    """{"qsa": the small shape at LONG_CONTEXT, "dense": the same with full attention}."""
-    config = preset("small").replace(max_context=LONG_CONTEXT)
+def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast", shape: str = "small") -> dict[str, Model]:
+    """{"qsa": the shape at LONG_CONTEXT, "dense": the same with full attention}."""
+    config = preset("small").replace(max_context=LONG_CONTEXT, **SHAPES[shape])
     sparse = Model(config, config.init_parameters(), device=device, dtype=dtype, mode=mode)
     spec = config.spec()
     spec = spec.replace(mixers=tuple("attention" if kind == "qsa" else kind for kind in spec.mixers))
@@ -40,7 +49,8 @@ def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast") ->
 
 def comparison(reports: dict[str, dict]) -> list[dict]:
     """Per context (batch 1): decode ms per step of each model, each against its own at the
-    shortest context, and dense over qsa; prefill tokens/s of each."""
+    shortest context, and dense over qsa beside the ratio of their byte floors (and whether dense
+    ÷ QSA reaches FLOOR_SHARE of it); prefill tokens/s of each."""
     by = {name: {p["context"]: p for p in r["points"] if p["batch"] == 1} for name, r in reports.items()}
     contexts = sorted(set(by["qsa"]) & set(by["dense"]))
     rows = []
@@ -51,6 +61,8 @@ def comparison(reports: dict[str, dict]) -> list[dict]:
             "qsa_decode_ms": q["decode_ms_per_step"], "dense_decode_ms": d["decode_ms_per_step"],
             "qsa_over_shortest": q["decode_ms_per_step"] / by["qsa"][contexts[0]]["decode_ms_per_step"],
             "dense_over_qsa": d["decode_ms_per_step"] / q["decode_ms_per_step"],
+            "qsa_floor_ms": q["decode_floor_ms_per_step"], "dense_floor_ms": d["decode_floor_ms_per_step"],
+            "floors_ratio": d["decode_floor_ms_per_step"] / q["decode_floor_ms_per_step"],
             "qsa_prefill_tokens_per_s": q.get("prefill_tokens_per_s"),
             "dense_prefill_tokens_per_s": d.get("prefill_tokens_per_s"),
         })
@@ -58,13 +70,16 @@ def comparison(reports: dict[str, dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| context | QSA decode ms | vs shortest | dense decode ms | dense ÷ QSA | QSA prefill tok/s "
-             "| dense prefill tok/s |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| context | QSA decode ms | vs shortest | dense decode ms | dense ÷ QSA | floors µs (QSA, dense) "
+             f"| floors' ratio | ≥ {FLOOR_SHARE} of it | QSA prefill tok/s | dense prefill tok/s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: |"]
     for r in rows:
         prefill = [f"{v:,.0f}" if v is not None else "–"
                    for v in (r["qsa_prefill_tokens_per_s"], r["dense_prefill_tokens_per_s"])]
+        met = "yes" if r["dense_over_qsa"] >= FLOOR_SHARE * r["floors_ratio"] else "no"
         lines.append(f"| {r['context']} | {r['qsa_decode_ms']:.2f} | {r['qsa_over_shortest']:.2f}x | "
-                     f"{r['dense_decode_ms']:.2f} | {r['dense_over_qsa']:.2f}x | {prefill[0]} | {prefill[1]} |")
+                     f"{r['dense_decode_ms']:.2f} | {r['dense_over_qsa']:.2f}x | {r['qsa_floor_ms'] * 1e3:.1f}, "
+                     f"{r['dense_floor_ms'] * 1e3:.1f} | {r['floors_ratio']:.2f}x | {met} | {prefill[0]} | {prefill[1]} |")
     return "\n".join(lines) + "\n"
 
 
