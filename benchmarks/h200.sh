@@ -33,7 +33,8 @@
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # qsa (the selection kernel's GPU test, and benchmarks/qsa_layer.py with it),
 # quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, archived in
-# quant-profiles.tgz, then benchmarks/diag/int4_bits.py), quant-kernels (diag/quant_vectors.py and
+# quant-profiles.tgz, then benchmarks/diag/int4_bits.py), step-alone (diag/step_alone.py: a quantized
+# step timed alone, fed back to back and through the bench's procedure), quant-kernels (diag/quant_vectors.py and
 # diag/quant_matrix.py: kernel designs timed beside the module's),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
 # parallel (tensor parallelism over NCCL: the 1.68B shape over 1 rank against one process, eager;
@@ -263,6 +264,9 @@ for part in "$@"; do
         head -qn1 /tmp/profiles/kernels-*.txt
         timeout 120 python3 benchmarks/diag/int4_bits.py --out "$out" 2>&1 | tail -6
         tar czf "$out/quant-profiles.tgz" -C /tmp/profiles . ;;
+    step-alone)
+        # issue 35: a quantized step timed alone, fed back to back, and through the bench's own procedure
+        timeout 400 python3 benchmarks/diag/step_alone.py 2>&1 | grep -v Warn | tee "$out/step-alone.txt" ;;
     quant-kernels)
         # issue 35: kernel designs beside the module's: vector kernels whose threads sum their own
         # bytes (diag/quant_vectors.py), the matrix kernel turned around (diag/quant_matrix.py)

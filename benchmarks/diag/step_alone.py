@@ -4,7 +4,12 @@ ms against float's 2.02, while the same step fed back to back took 1.80 ms again
 (results/cuda-h100/6621730/). Here, for the 1.68B Qwen3.5 shape in bf16 on CUDA (graph route,
 after a 1K prompt) in float and each format, one process: each step timed alone as the bench
 times it, split into the host's part (until `feed` returns) and the wait for the device after it,
-with the device's own time for the step between two events; then steps fed back to back.
+with the device's own time for the step between two events; then steps fed back to back; then
+the bench's own procedure (`bench.timing._point`: the prompt in the model's prefill chunks, the
+transactional session's steps taking turns with an in-place session's), and that procedure with
+the transactional session alone. At b199010 on an H100 the first two agreed (int8 1.60 ms alone,
+1.18x float) while the bench's int8 step on another H100 at 68e83c5 took 2.42 ms (0.86x): the
+last two tell whether the procedure is where the difference lies.
 
     python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--cache /tmp/shapes] [--steps 30]"""
 from __future__ import annotations
@@ -51,6 +56,29 @@ def alone(model, prompt: list[int], steps: int) -> dict[str, float]:
             (("alone", whole), ("host", host), ("wait", wait), ("device", device))}
 
 
+def procedure(model, prompt: list[int], steps: int, alone: bool) -> float:
+    """Median ms of a transactional decode step as `hebrus bench` measures it (two timed rounds
+    after a warm one), beside an in-place session as the bench runs them, or (`alone`) by itself."""
+    from hebrus.bench import timing
+    if not alone:
+        return timing._point(model, prompt, steps, 2, model.prefill_chunk, "graph").decode_s_per_step[
+            "transactional"] * 1e3
+    spent = []
+    for r in range(3):
+        s = model.session(decode="graph")
+        logits = None
+        for begin in range(0, len(prompt), model.prefill_chunk):
+            logits = s.feed(prompt[begin:begin + model.prefill_chunk])
+        box = {"tx": logits}
+
+        def advance(name, token):
+            box[name] = s.feed([token])
+        took = timing._timed_steps(model, ["tx"], steps, lambda name: int(torch.argmax(box[name])), advance)
+        if r:
+            spent.append(took["tx"] / steps)
+    return statistics.median(spent) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int8,fp8,int4")
@@ -66,6 +94,8 @@ def main() -> None:
         fed = fed_steps(model, prompt, args.steps)[1]
         print(f"{fmt or 'float'}: alone {a['alone']:.3f} ms (host {a['host']:.3f}, then waiting {a['wait']:.3f}; "
               f"device between events {a['device']:.3f}); fed back to back {fed:.3f} ms/step", flush=True)
+        print(f"{fmt or 'float'}: the bench's procedure {procedure(model, prompt, args.steps, False):.3f} ms/step, "
+              f"the same without the in-place session {procedure(model, prompt, args.steps, True):.3f}", flush=True)
         del model
         torch.cuda.empty_cache()
 
