@@ -13,6 +13,10 @@ at the end (no reshape), at the module's launch and at four others.
 int8 (--format int8): the module's kernel beside one whose codes' floats come from their bits
 (the low byte of 2^23's bits holds c + 128), at six launches.
 
+Measured at 88910d2 (int4: no faster) while the int4 kernels here and in the module read their
+codes a byte at a time (a row's byte count computed in the kernel); since 598b8b1 it is an
+argument everywhere, and the question is open again.
+
     python benchmarks/diag/int4_bits.py [--out DIR] [--format int4|int8]       (CUDA; or TRITON_INTERPRET=1 on a CPU to check)"""
 from __future__ import annotations
 
@@ -34,10 +38,9 @@ MAGIC = 0x4B000000          # the bits of 2^23 in float32
 
 
 @triton.jit
-def _bits_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _bits_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, half, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, STRIDED: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = (K + 1) // 2
     row = n.to(tl.int64) * half
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -66,13 +69,12 @@ def _bits_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
-def _grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _grouped_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, half, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP: tl.constexpr):
     """A tile as [outputs, groups, a group's bytes]: codes from their bits, scaled where they lie
     (a group's scale broadcast along its bytes), summed once at the end: no reshape, no
     conversion of an integer to a float."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = (K + 1) // 2
     n3 = n.to(tl.int64)[:, None, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP, GROUP // 2), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -93,8 +95,9 @@ def grouped(x: torch.Tensor, w, shape) -> torch.Tensor:
     block_n, block_k, warps = shape
     N, K = w.qweight.shape[0], w.inputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _grouped_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
-                                                BLOCK_K=max(block_k, w.group), GROUP=w.group, num_warps=warps)
+    _grouped_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, (K + 1) // 2, w.scale.shape[-1],
+                                                BLOCK_N=block_n, BLOCK_K=max(block_k, w.group), GROUP=w.group,
+                                                num_warps=warps)
     return y
 
 
@@ -129,8 +132,9 @@ def bits(x: torch.Tensor, w, strided: bool, shape) -> torch.Tensor:
     block_n, block_k, warps = shape
     N, K = w.qweight.shape[0], w.inputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _bits_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.scale.shape[-1], BLOCK_N=block_n,
-                                             BLOCK_K=block_k, GROUP=w.group, STRIDED=strided, num_warps=warps)
+    _bits_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, (K + 1) // 2, w.scale.shape[-1],
+                                             BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, STRIDED=strided,
+                                             num_warps=warps)
     return y
 
 

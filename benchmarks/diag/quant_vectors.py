@@ -58,14 +58,13 @@ def _int8_rows(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _int4_rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int4_rows(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, half, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr, PAIRS: tl.constexpr):
     # w [N, ceil(K/2)] bytes, input 2j in byte j's low nibble; BLOCK_K bytes a tile; a vector's 2 VEC
     # codes lie in one group (GROUP a multiple of 2 VEC). PAIRS: x's inputs read as they lie, in
     # pairs (2j, 2j + 1) split in registers, rather than the even and the odd ones read apart
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n64 = n.to(tl.int64)
-    half = (K + 1) // 2
     c = tl.arange(0, BLOCK_K // VEC)
     j2 = (c * VEC)[:, None] + tl.arange(0, VEC)[None, :]                                   # [vectors, VEC]
     acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
@@ -105,7 +104,7 @@ def rows(x: torch.Tensor, w, launch: tuple[int, int, int], pairs: bool = False) 
         _int8_rows[grid](x, w.qweight, w.scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, num_warps=warps)
     else:
         zero = w.zero if w.zero is not None else w.scale
-        _int4_rows[grid](x, w.qweight, w.scale, zero, y, N, K, w.scale.shape[-1], HAS_ZERO=w.zero is not None,
+        _int4_rows[grid](x, w.qweight, w.scale, zero, y, N, K, (K + 1) // 2, w.scale.shape[-1], HAS_ZERO=w.zero is not None,
                          BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, GROUP=w.group, PAIRS=pairs, num_warps=warps)
     return y
 
