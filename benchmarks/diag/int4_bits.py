@@ -14,8 +14,8 @@ int8 (--format int8): the module's kernel beside one whose codes' floats come fr
 (the low byte of 2^23's bits holds c + 128), at six launches.
 
 Measured at 88910d2 (int4: no faster) while the int4 kernels here and in the module read their
-codes a byte at a time (a row's byte count computed in the kernel); since 598b8b1 it is an
-argument everywhere, and the question is open again.
+codes a byte at a time (a row's byte count computed in the kernel); it is an argument in the
+module since 598b8b1 and in these kernels since ea42b42, so the question is open again.
 
     python benchmarks/diag/int4_bits.py [--out DIR] [--format int4|int8]       (CUDA; or TRITON_INTERPRET=1 on a CPU to check)"""
 from __future__ import annotations

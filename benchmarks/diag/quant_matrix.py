@@ -41,7 +41,7 @@ LAUNCHES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))
 
 
 @triton.jit
-def _turned(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _turned(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, half, G, FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # FORMAT 0 int8 (s [N]); 1 int4 (s, z [N, G]); 2 fp8 (s [ceil(N/GROUP), G], BLOCK_N and BLOCK_K
     # dividing GROUP: one scale a tile). acc is yᵀ's tile [BLOCK_N, BLOCK_M].
@@ -52,7 +52,6 @@ def _turned(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G, FORMAT: tl.constexpr,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if FORMAT == 1:
-            half = (K + 1) // 2
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             b = tl.load(w_ptr + n64[:, None] * half + j[None, :], mask=(n[:, None] < N) & (j[None, :] < half),
                         other=0).to(tl.int32)
@@ -95,7 +94,8 @@ def turned(x: torch.Tensor, w, launch: tuple[int, int, int, int]) -> torch.Tenso
     fmt = ("int8", "int4", "fp8").index(w.format)
     groups = 0 if w.format == "int8" else w.scale.shape[-1]
     _turned[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS))](
-        x, w.qweight, w.scale, zero, y, M, N, K, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
+        x, w.qweight, w.scale, zero, y, M, N, K, (K + 1) // 2, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None,
+        GROUP=w.group,
         BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 

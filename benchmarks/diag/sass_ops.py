@@ -1,9 +1,10 @@
 """What a Triton kernel of the project compiles to on an H100 (sm_90), on a machine without a GPU:
 its instructions counted by kind from the SASS (global loads by width, shuffles, barriers, shared
-memory, conversions, multiply-adds), its registers and shared memory. Found with it (session 24):
-the int4 products read their codes one byte at a time and summed a tile's groups through 788 lane
-shuffles, because a row's byte count was computed in the kernel ((K + 1) // 2, whose divisibility
-by 16 Triton cannot know); passed as an argument, a tile is 12 sixteen-byte loads and 36 shuffles.
+memory, conversions, multiply-adds) over the whole compiled kernel, its registers and shared
+memory. Found with it: the int4 products read their codes one byte at a time, and the compiled
+vector kernel held 788 lane shuffles, because a row's byte count was computed in the kernel
+((K + 1) // 2, whose divisibility by 16 Triton cannot know); passed as an argument, the kernel
+holds 12 sixteen-byte loads and 36 shuffles (`results/sass-int4-sm90.txt`).
 
 Needs triton (its wheel carries ptxas and cuobjdump) and torch in an environment of its own: the
 CPU test environment keeps triton out.

@@ -11,7 +11,7 @@ the transactional session alone. At b199010 on an H100 the first two agreed (int
 1.18x float) while the bench's int8 step on another H100 at 68e83c5 took 2.42 ms (0.86x): the
 last two tell whether the procedure is where the difference lies.
 
-    python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--cache /tmp/shapes] [--steps 30]"""
+    python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--cache /tmp/shapes] [--steps 32]"""
 from __future__ import annotations
 
 import argparse
@@ -56,11 +56,11 @@ def alone(model, prompt: list[int], steps: int) -> dict[str, float]:
             (("alone", whole), ("host", host), ("wait", wait), ("device", device))}
 
 
-def procedure(model, prompt: list[int], steps: int, alone: bool) -> float:
+def procedure(model, prompt: list[int], steps: int, by_itself: bool) -> float:
     """Median ms of a transactional decode step as `hebrus bench` measures it (two timed rounds
-    after a warm one), beside an in-place session as the bench runs them, or (`alone`) by itself."""
+    after a warm one), beside an in-place session as the bench runs them, or (`by_itself`) alone."""
     from hebrus.bench import timing
-    if not alone:
+    if not by_itself:
         return timing._point(model, prompt, steps, 2, model.prefill_chunk, "graph").decode_s_per_step[
             "transactional"] * 1e3
     spent = []
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int8,fp8,int4")
     parser.add_argument("--cache", default="/tmp/shapes")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
     name = str(bench.random_checkpoint("qwen3.5-1.7b", Path(args.cache) / "qwen3.5-1.7b"))
     prompt = torch.randint(0, 1000, (1024,)).tolist()

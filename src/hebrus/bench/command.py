@@ -38,8 +38,9 @@ def add_parser(sub, model_help: str, load_model) -> None:
                             "within the model's max_context are skipped (default 1024,32768; with --long "
                             "1024,8192,32768,131072)")
     bench.add_argument("--long", action="store_true",
-                       help="instead of --model: the small shape with a 132K context limit, its sparse (QSA) "
-                            "attention against the same model with dense attention over every row; prints "
+                       help="instead of --model: the small shape (or --long-shape) with a 132K context limit, "
+                            "its sparse (QSA) attention against the same model with dense attention over every "
+                            "row; prints "
                             "both tables and their comparison (decode against the shortest context, dense "
                             "over sparse beside the ratio of their byte floors)")
     bench.add_argument("--long-shape", default=None, choices=["small", "wide"],

@@ -244,7 +244,9 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
 # (format, N, K, group) -> the fastest launch `benchmarks/quant_gemv.py --update` measured for that weight
 # (cold, as a step reads it), on the device named (the last to write): a vector kernel's (BLOCK_N,
 # BLOCK_K, warps) for one row, the matrix kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps) for 64 rows.
-# The format is "int4-zp" for int4 with zero points. Other shapes take the rules below.
+# The format is "int4-zp" for int4 with zero points. Other shapes take the rules below. (int4's rows:
+# an H200 at 1299bcb; int8's, fp8's and int4-zp's: an H100 at fce7ec1, int4-zp's while the int4
+# kernels still read their codes a byte at a time.)
 MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H200
     ('fp8', 2048, 2048, 128): (2, 2048, 4),
     ('fp8', 2048, 6144, 128): (2, 2048, 4),
