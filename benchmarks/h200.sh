@@ -33,7 +33,8 @@
 # profile (benchmarks/decode_profile.py on the 1.68B shape and shakespeare, archived in profiles.tgz),
 # qsa (the selection kernel's GPU test, and benchmarks/qsa_layer.py with it),
 # quant-profile (the 1.68B shape's graph decode step profiled in bf16, int8 and int4, archived in
-# quant-profiles.tgz, then benchmarks/diag/int4_bits.py), step-alone (diag/step_alone.py: a quantized
+# quant-profiles.tgz, then benchmarks/diag/int4_bits.py), int4-bits (diag/int4_bits.py: the int4 vector kernel beside
+# designs that make a code's float from its bits), step-alone (diag/step_alone.py: a quantized
 # step timed alone, fed back to back and through the bench's procedure), quant-kernels (diag/quant_vectors.py and
 # diag/quant_matrix.py: kernel designs timed beside the module's),
 # deepseek (bench of the 2.98B DeepSeek-V4 shape at 1K and 32K against transformers, and at 128K),
@@ -267,6 +268,10 @@ for part in "$@"; do
     step-alone)
         # issue 35: a quantized step timed alone, fed back to back, and through the bench's own procedure
         timeout 400 python3 benchmarks/diag/step_alone.py 2>&1 | grep -v Warn | tee "$out/step-alone.txt" ;;
+    int4-bits)
+        # issue 35: the int4 vector kernel beside designs that make a code's float from its bits
+        # (diag/int4_bits.py: bits, grouped, and words: codes read as 32-bit words, centred as made)
+        timeout 400 python3 benchmarks/diag/int4_bits.py --out "$out" 2>&1 | grep -v Warn | tail -7 ;;
     quant-kernels)
         # issue 35: kernel designs beside the module's: vector kernels whose threads sum their own
         # bytes (diag/quant_vectors.py), the matrix kernel turned around (diag/quant_matrix.py)

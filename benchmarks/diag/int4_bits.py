@@ -8,7 +8,9 @@ so one OR and one subtraction give c; the high nibble is masked in place (16·c,
 module does ("bits"), or read as two strided rows ("bits, strided x"). Each checked against the
 rebuilt twin, then timed cold on the 1.68B shape's weights at the module's measured launch.
 "grouped": a tile kept as [outputs, groups, bytes], each code scaled where it lies and summed once
-at the end (no reshape), at the module's launch and at four others.
+at the end (no reshape), at the module's launch and at four others. "words": the codes read as
+32-bit words, eight a word, x as it lies, each code centred as its float is made (K a multiple of
+8), at the module's launch and at five others.
 
 int8 (--format int8): the module's kernel beside one whose codes' floats come from their bits
 (the low byte of 2^23's bits holds c + 128), at six launches.
@@ -127,6 +129,57 @@ def int8_bits(x: torch.Tensor, w, shape) -> torch.Tensor:
     return y
 
 
+@triton.jit
+def _words_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, words, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP: tl.constexpr, UNROLLED: tl.constexpr):
+    """Codes read as 32-bit words (`words` a row: a row's bytes a multiple of 4), eight codes a
+    word: nibble t of word i holds input 8i + t, so x is read as it lies, no even and odd split.
+    A code's float comes from its bits, centred in the same subtraction: (c | 2^23's bits) read as
+    a float, less 2^23 + 8, is c - 8 exactly; per code a shift, one logic op, a subtraction and a
+    multiply-add (sm_90 SASS of the module's kernel: ~6 instructions and an integer-to-float
+    conversion at a quarter of the rate). A group's Σ (c - 8)·x is scaled once. UNROLLED: the
+    eight codes of a word taken one at a time against their own strided row of x, so a word's
+    sums stay in the thread that loaded it."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = n.to(tl.int64) * words
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        b = tl.load(w_ptr + row[:, None] + i[None, :], mask=(n[:, None] < N) & (i[None, :] < words), other=0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.reshape(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32), (BLOCK_K // 8, 8))
+        if UNROLLED:            # a word's eight codes each against its own strided row of x, in the thread
+            part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+            for t in tl.static_range(8):
+                xt = tl.load(x_ptr + 8 * i + t, mask=8 * i + t < K, other=0.0).to(tl.float32)
+                q = (((b >> (4 * t)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                part += q * xt[None, :]
+            qx = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), axis=2)
+        else:
+            c = ((b[:, :, None] >> shifts[None, None, :]) & 15) | 0x4B000000
+            q = c.to(tl.float32, bitcast=True) - 8388616.0                                # c - 8
+            qx = tl.sum(tl.reshape(tl.sum(q * x[None, :, :], axis=2), (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)),
+                        axis=2)
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=(n[:, None] < N) & (g[None, :] < G),
+                    other=0.0)
+        acc += s * qx
+    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def words(x: torch.Tensor, w, shape, unrolled: bool = False) -> torch.Tensor:
+    """One row x [1, K] by a symmetric int4 w whose rows are whole 32-bit words (K a multiple of
+    8), at (BLOCK_N, BLOCK_K, warps)."""
+    block_n, block_k, warps = shape
+    N, K = w.qweight.shape[0], w.inputs
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _words_kernel[(triton.cdiv(N, block_n),)](x, w.qweight.view(torch.int32), w.scale, y, N, K, K // 8,
+                                              w.scale.shape[-1], BLOCK_N=block_n, BLOCK_K=max(block_k, w.group),
+                                              GROUP=w.group, UNROLLED=unrolled, num_warps=warps)
+    return y
+
+
 def bits(x: torch.Tensor, w, strided: bool, shape) -> torch.Tensor:
     """One row x [1, K] by a symmetric int4 w, at (BLOCK_N, BLOCK_K, warps)."""
     block_n, block_k, warps = shape
@@ -147,7 +200,7 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
     lines, total = [], {}
-    for N, K, count in (SHAPES if cuda else ((70, 300, 1), (64, 1024, 1))):
+    for N, K, count in (SHAPES if cuda else ((70, 300, 1), (64, 1024, 1), (37, 2048, 1))):
         w = quantize(torch.randn(N, K, device=device, generator=g), args.format)
         x = torch.randn(1, K, device=device, generator=g).to(torch.bfloat16 if cuda else torch.float32)
         want = rebuilt_linear(x.float(), w)
@@ -161,6 +214,10 @@ def main() -> None:
             variants |= {"bits": lambda x, w: bits(x, w, False, shape),
                          "bits, strided x": lambda x, w: bits(x, w, True, shape)}
             variants["grouped at the module's launch"] = lambda x, w: grouped(x, w, shape)
+            if K % 8 == 0:
+                for other in (shape, (4, 1024, 4), (8, 1024, 4), (4, 2048, 4), (16, 512, 4), (8, 2048, 8)):
+                    variants[f"words {other}"] = lambda x, w, other=other: words(x, w, other)
+                    variants[f"words unrolled {other}"] = lambda x, w, other=other: words(x, w, other, True)
             for other in ((4, 1024, 4), (8, 1024, 4), (16, 512, 4), (4, 2048, 8)):
                 variants[f"grouped {other}"] = lambda x, w, other=other: grouped(x, w, other)
         line = [f"{N} x {K} ({count} a step), launch {shape}:"]
