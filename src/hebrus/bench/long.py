@@ -8,9 +8,9 @@ picks), and the same model with those layers replaced by gated attention over ev
 context; the comparison reports each one's decode step time against its own at the shortest
 context, and dense over sparse at each context beside the ratio of their byte floors (what each
 step must read at least, `bench.limits.decode_bytes`): sparse attention pays for itself as far as
-dense ÷ QSA comes near that ratio (the target: at least 0.8 of it). `layer_point` times one attention layer's work
-for one query over a full context (indexer scores, selection and attention over the pick, or
-attention over every row) against the bytes that work must read.
+dense ÷ QSA comes near that ratio (the target: at least FLOOR_SHARE of it). `layer_point` times
+one attention layer's work for one query over a full context (indexer scores, selection and
+attention over the pick, or attention over every row) against the bytes that work must read.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ SHAPES = {"small": {}, "wide": {"qsa_kv_heads": 8}}
 FLOOR_SHARE = 0.8      # the target: dense ÷ QSA at least this share of the ratio of their floors
 
 
-def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast", shape: str = "small") -> dict[str, Model]:
+def long_models(device: torch.device, dtype: torch.dtype, mode: str = "fast",
+                shape: str = "small") -> dict[str, Model]:
     """{"qsa": the shape at LONG_CONTEXT, "dense": the same with full attention}."""
     config = preset("small").replace(max_context=LONG_CONTEXT, **SHAPES[shape])
     sparse = Model(config, config.init_parameters(), device=device, dtype=dtype, mode=mode)
@@ -59,19 +60,19 @@ def comparison(reports: dict[str, dict]) -> list[dict]:
     rows = []
     for c in contexts:
         q, d = by["qsa"][c], by["dense"][c]
+        dense_over_qsa = d["decode_ms_per_step"] / q["decode_ms_per_step"]
+        floors_ratio = ((d["decode_floor_ms_per_step"] * bandwidth["dense"])
+                        / (q["decode_floor_ms_per_step"] * bandwidth["qsa"]))
         rows.append({
             "context": c,
             "qsa_decode_ms": q["decode_ms_per_step"], "dense_decode_ms": d["decode_ms_per_step"],
             "qsa_over_shortest": q["decode_ms_per_step"] / by["qsa"][contexts[0]]["decode_ms_per_step"],
-            "dense_over_qsa": d["decode_ms_per_step"] / q["decode_ms_per_step"],
+            "dense_over_qsa": dense_over_qsa,
             "qsa_floor_ms": q["decode_floor_ms_per_step"], "dense_floor_ms": d["decode_floor_ms_per_step"],
-            "floors_ratio": (d["decode_floor_ms_per_step"] * bandwidth["dense"])
-            / (q["decode_floor_ms_per_step"] * bandwidth["qsa"]),
+            "floors_ratio": floors_ratio, "share_of_floors_ratio": dense_over_qsa / floors_ratio,
             "qsa_prefill_tokens_per_s": q.get("prefill_tokens_per_s"),
             "dense_prefill_tokens_per_s": d.get("prefill_tokens_per_s"),
         })
-    for row in rows:
-        row["share_of_floors_ratio"] = row["dense_over_qsa"] / row["floors_ratio"]
     return rows
 
 
