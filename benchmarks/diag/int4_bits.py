@@ -97,7 +97,7 @@ def grouped(x: torch.Tensor, w, shape) -> torch.Tensor:
     block_n, block_k, warps = shape
     N, K = w.qweight.shape[0], w.inputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _grouped_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, (K + 1) // 2, w.scale.shape[-1],
+    _grouped_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.qweight.shape[-1], w.scale.shape[-1],
                                                 BLOCK_N=block_n, BLOCK_K=max(block_k, w.group), GROUP=w.group,
                                                 num_warps=warps)
     return y
@@ -185,7 +185,7 @@ def bits(x: torch.Tensor, w, strided: bool, shape) -> torch.Tensor:
     block_n, block_k, warps = shape
     N, K = w.qweight.shape[0], w.inputs
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _bits_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, (K + 1) // 2, w.scale.shape[-1],
+    _bits_kernel[(triton.cdiv(N, block_n),)](x, w.qweight, w.scale, y, N, K, w.qweight.shape[-1], w.scale.shape[-1],
                                              BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, STRIDED=strided,
                                              num_warps=warps)
     return y

@@ -94,7 +94,7 @@ def turned(x: torch.Tensor, w, launch: tuple[int, int, int, int]) -> torch.Tenso
     fmt = ("int8", "int4", "fp8").index(w.format)
     groups = 0 if w.format == "int8" else w.scale.shape[-1]
     _turned[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS))](
-        x, w.qweight, w.scale, zero, y, M, N, K, (K + 1) // 2, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None,
+        x, w.qweight, w.scale, zero, y, M, N, K, w.qweight.shape[-1], groups, FORMAT=fmt, HAS_ZERO=w.zero is not None,
         GROUP=w.group,
         BLOCK_M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y

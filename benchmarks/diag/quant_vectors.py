@@ -104,8 +104,9 @@ def rows(x: torch.Tensor, w, launch: tuple[int, int, int], pairs: bool = False) 
         _int8_rows[grid](x, w.qweight, w.scale, y, N, K, BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, num_warps=warps)
     else:
         zero = w.zero if w.zero is not None else w.scale
-        _int4_rows[grid](x, w.qweight, w.scale, zero, y, N, K, (K + 1) // 2, w.scale.shape[-1], HAS_ZERO=w.zero is not None,
-                         BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, GROUP=w.group, PAIRS=pairs, num_warps=warps)
+        _int4_rows[grid](x, w.qweight, w.scale, zero, y, N, K, w.qweight.shape[-1], w.scale.shape[-1],
+                         HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, VEC=VEC, GROUP=w.group,
+                         PAIRS=pairs, num_warps=warps)
     return y
 
 

@@ -11,10 +11,10 @@ the transactional session alone. At b199010 on an H100 the first two agreed (int
 1.18x float) while the bench's int8 step on another H100 at 68e83c5 took 2.42 ms (0.86x): the
 last two tell whether the procedure is where the difference lies.
 
-    python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--cache /tmp/shapes] [--steps 32]"""
+    python benchmarks/diag/step_alone.py [--formats int8,fp8,int4] [--model qwen3.5-1.7b] [--context 1024]
+        [--cache /tmp/shapes] [--steps 32]"""
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -24,9 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hebrus  # noqa: E402
-from gpu_model import fed_steps  # noqa: E402
-from hebrus import bench  # noqa: E402
+from gpu_model import fed_steps, model_and_prompt, options  # noqa: E402
 
 
 def alone(model, prompt: list[int], steps: int) -> dict[str, float]:
@@ -80,14 +78,8 @@ def procedure(model, prompt: list[int], steps: int, by_itself: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="int8,fp8,int4")
-    parser.add_argument("--cache", default="/tmp/shapes")
-    parser.add_argument("--steps", type=int, default=32)
-    args = parser.parse_args()
-    name = str(bench.random_checkpoint("qwen3.5-1.7b", Path(args.cache) / "qwen3.5-1.7b"))
-    prompt = torch.randint(0, 1000, (1024,)).tolist()
-    base = hebrus.load(name, device="cuda", dtype="bfloat16", mode="fast")
+    args = options("qwen3.5-1.7b", 32, formats=(str, "int8,fp8,int4"))
+    base, prompt = model_and_prompt(args)
     for fmt in [None, *[f for f in args.formats.split(",") if f]]:
         model = base if fmt is None else base.quantized(fmt)
         a = alone(model, prompt, args.steps)

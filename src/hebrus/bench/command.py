@@ -40,9 +40,8 @@ def add_parser(sub, model_help: str, load_model) -> None:
     bench.add_argument("--long", action="store_true",
                        help="instead of --model: the small shape (or --long-shape) with a 132K context limit, "
                             "its sparse (QSA) attention against the same model with dense attention over every "
-                            "row; prints "
-                            "both tables and their comparison (decode against the shortest context, dense "
-                            "over sparse beside the ratio of their byte floors)")
+                            "row; prints both tables and their comparison (decode against the shortest context, "
+                            "dense over sparse beside the ratio of their byte floors)")
     bench.add_argument("--long-shape", default=None, choices=["small", "wide"],
                        help="--long's shape: small (the preset's, the default) or wide (K/V rows four times "
                             "as wide: 8 K/V heads of 64, so dense attention reads far more than the indexer)")

@@ -86,7 +86,8 @@ def table(rows: list[dict]) -> str:
         met = "yes" if r["share_of_floors_ratio"] >= FLOOR_SHARE else "no"
         lines.append(f"| {r['context']} | {r['qsa_decode_ms']:.2f} | {r['qsa_over_shortest']:.2f}x | "
                      f"{r['dense_decode_ms']:.2f} | {r['dense_over_qsa']:.2f}x | {r['qsa_floor_ms'] * 1e3:.1f}, "
-                     f"{r['dense_floor_ms'] * 1e3:.1f} | {r['floors_ratio']:.2f}x | {met} | {prefill[0]} | {prefill[1]} |")
+                     f"{r['dense_floor_ms'] * 1e3:.1f} | {r['floors_ratio']:.2f}x | {met} | {prefill[0]} | "
+                     f"{prefill[1]} |")
     return "\n".join(lines) + "\n"
 
 

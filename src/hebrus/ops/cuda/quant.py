@@ -116,10 +116,10 @@ def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constex
 def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, half, G, HAS_ZERO: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                  ROUTED: tl.constexpr, CHAINED: tl.constexpr):
-    # w: [N, half] bytes (half = ceil(K/2), an argument: Triton then knows where it divides by 16
-    # and loads sixteen bytes at once, where it reads bytes one by one as (K + 1) // 2), input 2j in
-    # the low nibble of byte j; s, z: [N, G] a GROUP of inputs; BLOCK_K a multiple of GROUP: a tile
-    # holds whole groups
+    # w: [N, half] bytes (half = ceil(K/2), the codes' own width, an argument: Triton then knows
+    # where it divides by 16 and loads sixteen bytes at once; computed here, it read bytes one by
+    # one), input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs; BLOCK_K a multiple
+    # of GROUP: a tile holds whole groups
     m = tl.program_id(1)
     if ROUTED:                  # zero points lie as the scales do
         e = tl.load(e_ptr + m).to(tl.int64)
@@ -341,8 +341,9 @@ def launch(x: torch.Tensor, w: Quantized, shape: tuple[int, ...] | None = None) 
         fmt = ("int8", "int4", "fp8").index(w.format)
         groups = 0 if w.format == "int8" else scale.shape[-1]
         _matrix[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-            x2, w.qweight, scale, zero, y, M, N, K, (K + 1) // 2, groups, FORMAT=fmt, HAS_ZERO=w.zero is not None, GROUP=w.group,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+            x2, w.qweight, scale, zero, y, M, N, K, w.qweight.shape[-1], groups, FORMAT=fmt,
+            HAS_ZERO=w.zero is not None, GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps)
     return y.view(*lead, N)
 
 
@@ -421,7 +422,7 @@ def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, i
                            ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     elif w.format == "int4":
         zero = w.zero.contiguous() if w.zero is not None else scale
-        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, (K + 1) // 2, scale.shape[-1],
+        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, w.qweight.shape[-1], scale.shape[-1],
                            HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated,
                            ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     else:
