@@ -9,8 +9,8 @@ holds 12 sixteen-byte loads and 36 shuffles (`results/sass-int4-sm90.txt`).
 Needs triton (its wheel carries ptxas and cuobjdump) and torch in an environment of its own: the
 CPU test environment keeps triton out.
 
-    python benchmarks/diag/sass_ops.py hebrus.ops.cuda.quant._int4_vector HAS_ZERO=0 BLOCK_N=8 \\
-        BLOCK_K=2048 GROUP=128 GATED=0 ROUTED=0 CHAINED=0 [--types w_ptr=*u8] [--odd K] [--warps 4]
+    python benchmarks/diag/sass_ops.py hebrus.ops.cuda.quant._int4_vector HAS_ZERO=0 BLOCK_N=8 WORDS=1 \\
+        BLOCK_K=2048 GROUP=128 GATED=0 ROUTED=0 CHAINED=0 [--types w_ptr=*i32] [--odd K] [--warps 4]
 
 Every argument named NAME=VALUE is a constexpr; the others are pointers where their name ends in
 `_ptr` or --types names them (default element type bf16), else 32-bit integers that Triton is told

@@ -9,9 +9,11 @@ Two shapes of kernel:
   one row of x over the inputs in tiles of BLOCK_K, keeping float32 partial sums per tile column
   (int8) or per group or block (int4, fp8: a group's Σ q·x is scaled once) and reducing them at
   the end. Few outputs a program and wide tiles keep many bytes in flight, as the 16-bit product
-  does (`ops.cuda.gemv`): that is what a matrix-vector product's speed is made of. int4's bytes
-  are read as they lie, a row's nibbles contiguous; x is read once a tile, split into the even
-  and odd inputs in registers. A zero point comes in once a group: Σ (q − z)·x = Σ q·x − z·Σ x.
+  does (`ops.cuda.gemv`): that is what a matrix-vector product's speed is made of. int4's codes
+  are read as they lie, a row's nibbles contiguous: as 32-bit words where a row is whole words
+  (eight codes a word, each code's float made from its bits, x read in eight strided rows), else
+  as bytes (x read once a tile, split into the even and odd inputs in registers). A zero point
+  comes in once a group: Σ (q − z)·x = Σ q·x − z·Σ x.
 - **matrix** (more rows, 16-bit x): tiles of W rebuilt in x's dtype, exactly as the twin rebuilds
   them (int8 and fp8 codes are exact in 16 bits; int4's (q − z)·s rounded once), and multiplied
   on the tensor cores (`tl.dot`), float32 accumulation; int8's per-output scale and fp8's block
@@ -92,34 +94,54 @@ def _int8_vector(x_ptr, w_ptr, s_ptr, y_ptr, e_ptr, W_E, S_E, H, K, BLOCK_N: tl.
 
 @triton.jit
 def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WORDS: tl.constexpr):
     """The tile of inputs from k0: its [BLOCK_N, BLOCK_K // GROUP] scaled group sums Σ s·(q − z)·x,
-    from its bytes `b` [BLOCK_N, BLOCK_K // 2]."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
-    b = b.to(tl.int32)
-    codes = (b & 15).to(tl.float32) * even[None, :] + (b >> 4).to(tl.float32) * odd[None, :]
-    qx = tl.sum(tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)      # Σ q·x a group
-    xs = tl.sum(tl.reshape(x, (BLOCK_K // GROUP, GROUP)), axis=1)                        # Σ x a group
+    from its codes `b`: [BLOCK_N, BLOCK_K // 2] bytes, or (WORDS) [BLOCK_N, BLOCK_K // 8] 32-bit
+    words. A word's eight codes are taken one at a time, each against its own strided row of x,
+    its float made from its bits: (q | 2^23's bits) read as a float is 2^23 + q exactly, so a
+    subtraction gives q (symmetric: q − 8, centred in the same subtraction) where converting an
+    integer to a float runs at a quarter of the rate."""
     g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     there = inside[:, None] & (g[None, :] < G)
     s = tl.load(s_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=there, other=0.0)
+    if WORDS:
+        CENTRE: tl.constexpr = 8388608.0 if HAS_ZERO else 8388616.0                      # 2^23 (+ 8)
+        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x8 = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        for t in tl.static_range(8):                            # nibble t of word i: input 8i + t
+            xt = tl.load(x_row + 8 * i + t, mask=8 * i + t < K, other=0.0).to(tl.float32)
+            q = (((b >> (4 * t)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - CENTRE
+            part += q * xt[None, :]
+            x8 += xt
+        qx = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), axis=2)
+        xs = tl.sum(tl.reshape(x8, (BLOCK_K // GROUP, GROUP // 8)), axis=1)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+        b = b.to(tl.int32)
+        codes = (b & 15).to(tl.float32) * even[None, :] + (b >> 4).to(tl.float32) * odd[None, :]
+        qx = tl.sum(tl.reshape(codes, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)      # Σ q·x a group
+        xs = tl.sum(tl.reshape(x, (BLOCK_K // GROUP, GROUP)), axis=1)                        # Σ x a group
     if HAS_ZERO:
         z = tl.load(z_ptr + n.to(tl.int64)[:, None] * G + g[None, :], mask=there, other=0).to(tl.float32)
+        return s * (qx - z * xs[None, :])
+    elif WORDS:                 # centred as made
+        return s * qx
     else:
-        z = 8.0
-    return s * (qx - z * xs[None, :])
+        return s * (qx - 8.0 * xs[None, :])
 
 
 @triton.jit
-def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, half, G, HAS_ZERO: tl.constexpr,
+def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, width, G, HAS_ZERO: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
-                 ROUTED: tl.constexpr, CHAINED: tl.constexpr):
-    # w: [N, half] bytes (half = ceil(K/2), the codes' own width, an argument: Triton then knows
-    # where it divides by 16 and loads sixteen bytes at once; computed here, it read bytes one by
-    # one), input 2j in the low nibble of byte j; s, z: [N, G] a GROUP of inputs; BLOCK_K a multiple
-    # of GROUP: a tile holds whole groups
+                 ROUTED: tl.constexpr, CHAINED: tl.constexpr, WORDS: tl.constexpr):
+    # w: [N, width] bytes (width = ceil(K/2)), input 2j in the low nibble of byte j; or (WORDS: a
+    # row's bytes a multiple of 4) [N, width] 32-bit words, input 8i + t in nibble t of word i.
+    # width is an argument, the codes' own: Triton then knows where it divides by 16 and loads
+    # sixteen bytes at once (computed here, it read bytes one by one). s, z: [N, G] a GROUP of
+    # inputs; BLOCK_K a multiple of GROUP: a tile holds whole groups
     m = tl.program_id(1)
     if ROUTED:                  # zero points lie as the scales do
         e = tl.load(e_ptr + m).to(tl.int64)
@@ -128,16 +150,17 @@ def _int4_vector(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, e_ptr, W_E, S_E, H, K, half,
         z_ptr += e * S_E
     n, inside = _rows(H, BLOCK_N, GATED)
     ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
-    row = n.to(tl.int64) * half
-    j = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < half), other=0)
+    UNIT: tl.constexpr = 8 if WORDS else 2                      # codes an element of w
+    row = n.to(tl.int64) * width
+    j = tl.arange(0, BLOCK_K // UNIT)
+    b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < width), other=0)
     after_the_last(CHAINED)
     x_row = x_ptr + m.to(tl.int64) * K
-    acc = _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, 0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP)
+    acc = _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, 0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP, WORDS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < half), other=0)
-        acc += _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP)
+        j = k0 // UNIT + tl.arange(0, BLOCK_K // UNIT)
+        b = tl.load(w_ptr + row[:, None] + j[None, :], mask=inside[:, None] & (j[None, :] < width), other=0)
+        acc += _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO, ROWS, BLOCK_K, GROUP, WORDS)
     _store(y_ptr, m, tl.sum(acc, axis=1), H, BLOCK_N, GATED)
 
 
@@ -422,9 +445,13 @@ def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, i
                            ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
     elif w.format == "int4":
         zero = w.zero.contiguous() if w.zero is not None else scale
-        _int4_vector[grid](x2, w.qweight, scale, zero, y, e, w_e, s_e, H, K, w.qweight.shape[-1], scale.shape[-1],
+        codes = w.qweight
+        if codes.shape[-1] % 4 == 0 and codes.storage_offset() % 4 == 0:       # rows of whole words
+            codes, w_e = codes.view(torch.int32), w_e // 4
+        _int4_vector[grid](x2, codes, scale, zero, y, e, w_e, s_e, H, K, codes.shape[-1], scale.shape[-1],
                            HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated,
-                           ROUTED=routed, CHAINED=chain, num_warps=warps, launch_pdl=chain)
+                           ROUTED=routed, CHAINED=chain, WORDS=codes.dtype == torch.int32, num_warps=warps,
+                           launch_pdl=chain)
     else:
         _fp8_vector[grid](x2, w.qweight, scale, y, e, w_e, s_e, H, K, scale.shape[-1], BLOCK_N=block_n,
                           BLOCK_K=block_k, BLOCK=w.group, GATED=gated, ROUTED=routed, CHAINED=chain,
