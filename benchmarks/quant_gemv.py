@@ -37,8 +37,10 @@ SHAPES = ((8192, 2048, 18), (2048, 2048, 24), (5120, 2048, 6), (12288, 2048, 24)
 # vector: BLOCK_N, BLOCK_K, warps (a program's tile at most 8K inputs, 16K for int4's half bytes)
 CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096, 8192), (4, 8))
            if n * k <= 8192 or (n * k <= 16384 and k >= 1024)]
-# matrix, 64 rows: BLOCK_M, BLOCK_N, BLOCK_K, warps
-MATRIX = [(64, n, k, w) for n, k, w in itertools.product((32, 64, 128), (64, 128), (4, 8))]
+# matrix, 64 rows: BLOCK_M, BLOCK_N, BLOCK_K, warps. Narrow tiles make more programs (a 2,048-output
+# weight in tiles of 64 x 32 is 64 programs for 132 multiprocessors; 32 outputs won every weight
+# at fce7ec1 and 1299bcb, the narrowest tried), each reading its W tile again from L2 per tile of rows
+MATRIX = [(m, n, k, 4) for m, n, k in itertools.product((16, 32, 64), (16, 32, 64), (64, 128))] + [(64, 32, 128, 8)]
 MODULE = Path(quant.__file__)
 
 
