@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -16,6 +17,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # already fill the cores, and two threads each would only contend.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+# The tests of Ctrl-C (publication, journals, the server) need Python's own SIGINT handler, which
+# Python does not install where SIGINT came in ignored (a command run in the background by a shell
+# without job control): there a raised SIGINT would vanish, not raise KeyboardInterrupt
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import hebrus  # noqa: E402
 
