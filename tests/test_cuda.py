@@ -796,8 +796,8 @@ def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
     """The Triton products against rebuilding W and F.linear, at widths that are and are not
     multiples of a group or block (an odd number of inputs too), groups and blocks of 32 and
     2,048 beside the default: the vector kernels (a row or two; a float32 x's few rows) and the
-    matrix kernel (more rows of a 16-bit x)."""
-    from hebrus.ops.cuda.quant import FEW_ROWS, launch, takes
+    matrix kernel (more rows of a 16-bit x), there also at tiles of 16 and 32 rows and outputs."""
+    from hebrus.ops.cuda.quant import FEW_ROWS, VECTOR_ROWS, launch, takes
     from hebrus.ops.quant import quantize, rebuilt_linear
     from hebrus.weights.quant import Quantization
     q = Quantization.parse(format)
@@ -813,6 +813,10 @@ def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
         assert got.dtype == dtype and got.shape == want.shape
         assert _rel(got.float(), want.float()) <= (1e-5 if dtype == torch.float32 else 1e-2), (N, K, M)
         assert torch.equal(launch(x, w), got)                         # deterministic
+        if M > VECTOR_ROWS and dtype != torch.float32:                # the matrix kernel's narrow tiles too
+            side = 128 if w.format == "int8" else w.group             # an int4 group, an fp8 block: whole in a tile
+            for shape in ((16, min(32, side), min(128, side), 4), (32, 16, min(64, side), 4)):
+                assert _rel(launch(x, w, shape).float(), want.float()) <= 1e-2, (N, K, M, shape)
 
 
 @cuda

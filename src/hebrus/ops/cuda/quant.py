@@ -267,20 +267,21 @@ def linear(x: torch.Tensor, w: Quantized) -> torch.Tensor:
 # (format, N, K, group) -> the fastest launch `benchmarks/quant_gemv.py --update` measured for that weight
 # (cold, as a step reads it), on the device named (the last to write): a vector kernel's (BLOCK_N,
 # BLOCK_K, warps) for one row, the matrix kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps) for 64 rows.
-# The format is "int4-zp" for int4 with zero points. Other shapes take the rules below. (int4's rows:
-# an H200 at 1299bcb; int8's, fp8's and int4-zp's: an H100 at fce7ec1, int4-zp's while the int4
-# kernels still read their codes a byte at a time.)
-MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H200
+# The format is "int4-zp" for int4 with zero points. Other shapes take the rules below. (int8's,
+# fp8's and int4's rows: an H100 at 0fd6d1c, int4's vector rows for its codes read as words, the
+# matrix rows from a sweep with tiles of 16 and 32 rows and outputs; int4-zp's: an H100 at
+# fce7ec1, while the int4 kernels still read their codes a byte at a time.)
+MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # NVIDIA H100 80GB HBM3
     ('fp8', 2048, 2048, 128): (2, 2048, 4),
-    ('fp8', 2048, 6144, 128): (2, 2048, 4),
-    ('fp8', 5120, 2048, 128): (2, 2048, 4),
+    ('fp8', 2048, 6144, 128): (4, 2048, 8),
+    ('fp8', 5120, 2048, 128): (4, 1024, 4),
     ('fp8', 8192, 2048, 128): (2, 2048, 4),
-    ('fp8', 12288, 2048, 128): (2, 2048, 4),
-    ('int4', 2048, 2048, 128): (8, 2048, 4),
-    ('int4', 2048, 6144, 128): (8, 2048, 4),
-    ('int4', 5120, 2048, 128): (8, 1024, 4),
-    ('int4', 8192, 2048, 128): (8, 2048, 4),
-    ('int4', 12288, 2048, 128): (8, 2048, 4),
+    ('fp8', 12288, 2048, 128): (4, 2048, 4),
+    ('int4', 2048, 2048, 128): (8, 2048, 8),
+    ('int4', 2048, 6144, 128): (8, 2048, 8),
+    ('int4', 5120, 2048, 128): (8, 2048, 8),
+    ('int4', 8192, 2048, 128): (8, 1024, 4),
+    ('int4', 12288, 2048, 128): (8, 1024, 4),
     ('int4-zp', 2048, 2048, 128): (8, 2048, 4),
     ('int4-zp', 2048, 6144, 128): (8, 2048, 4),
     ('int4-zp', 5120, 2048, 128): (8, 2048, 4),
@@ -288,18 +289,18 @@ MEASURED_VECTOR: dict[tuple[str, int, int, int], tuple[int, int, int]] = {   # N
     ('int4-zp', 12288, 2048, 128): (8, 2048, 4),
     ('int8', 2048, 2048, 128): (2, 1024, 4),
     ('int8', 2048, 6144, 128): (1, 1024, 4),
-    ('int8', 5120, 2048, 128): (4, 512, 4),
+    ('int8', 5120, 2048, 128): (8, 512, 8),
     ('int8', 8192, 2048, 128): (8, 512, 4),
-    ('int8', 12288, 2048, 128): (4, 512, 4),
+    ('int8', 12288, 2048, 128): (4, 1024, 4),
 }
-MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # NVIDIA H200
-    ('fp8', 2048, 2048, 128): (64, 32, 128, 4),
-    ('fp8', 2048, 6144, 128): (64, 32, 128, 4),
+MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = {   # NVIDIA H100 80GB HBM3
+    ('fp8', 2048, 2048, 128): (64, 16, 128, 4),
+    ('fp8', 2048, 6144, 128): (32, 16, 128, 4),
     ('fp8', 5120, 2048, 128): (64, 32, 128, 4),
     ('fp8', 8192, 2048, 128): (64, 32, 128, 4),
     ('fp8', 12288, 2048, 128): (64, 32, 128, 4),
-    ('int4', 2048, 2048, 128): (64, 32, 128, 4),
-    ('int4', 2048, 6144, 128): (64, 32, 128, 4),
+    ('int4', 2048, 2048, 128): (16, 32, 128, 4),
+    ('int4', 2048, 6144, 128): (16, 32, 128, 4),
     ('int4', 5120, 2048, 128): (64, 32, 128, 4),
     ('int4', 8192, 2048, 128): (64, 32, 128, 4),
     ('int4', 12288, 2048, 128): (64, 32, 128, 4),
@@ -308,8 +309,8 @@ MEASURED_MATRIX: dict[tuple[str, int, int, int], tuple[int, int, int, int]] = { 
     ('int4-zp', 5120, 2048, 128): (64, 32, 128, 4),
     ('int4-zp', 8192, 2048, 128): (64, 32, 128, 4),
     ('int4-zp', 12288, 2048, 128): (64, 32, 64, 4),
-    ('int8', 2048, 2048, 128): (64, 32, 128, 4),
-    ('int8', 2048, 6144, 128): (64, 32, 128, 4),
+    ('int8', 2048, 2048, 128): (16, 32, 128, 4),
+    ('int8', 2048, 6144, 128): (16, 32, 128, 4),
     ('int8', 5120, 2048, 128): (64, 32, 128, 4),
     ('int8', 8192, 2048, 128): (64, 32, 128, 4),
     ('int8', 12288, 2048, 128): (64, 32, 128, 4),
