@@ -230,3 +230,29 @@ def test_an_eager_step_of_several_sessions_writes_every_row_in_one_write_where_e
     for i, log in enumerate(together):
         assert torch.equal(log.upto(starts[i] + lengths[i])[starts[i]:], step.rows_of(i, value))
         assert all(step.rows_of(i, where.tables)[:, :len(tables[i])].eq(torch.tensor(tables[i])).all(1))
+
+
+def test_rows_read_where_they_lie_are_the_rows_gathered_whole():
+    """`Log.picking` on a table of scattered blocks (`TabledRows`): the rows asked for, each as
+    the whole gather (`Log.all`) holds it, without gathering the rest; per-row scales beside
+    their codes read the same way (`QuantizedRows`). On consecutive blocks it is a view.
+    (The model-level twin: planned and eager steps against the exact mode, tests/test_batch.py.)"""
+    from hebrus.ops.quant import QuantizedRows
+    from hebrus.state.pool import Log, TabledRows
+    g = torch.Generator().manual_seed(3)
+    storage = torch.randn(12, 4, 2, 3, generator=g)                       # 12 blocks of 4 rows [2, 3]
+    scales = torch.rand(12, 4, 2, generator=g)                            # a scale a head of a row
+    table = torch.tensor([7, 2, 9, 0, 5])
+    log, scale_log = Log(storage, table, first=None), Log(scales, table, first=None)
+    rows = torch.tensor([[0, 3, 4, 19], [18, 5, 5, 11]])
+    picked = log.picking()
+    assert isinstance(picked, TabledRows) and picked.shape == log.all().shape and picked.dim() == 3
+    assert torch.equal(picked[rows], log.all()[rows])
+    quantized = QuantizedRows.of(picked, scale_log.picking(), torch.float64)
+    assert torch.equal(quantized[rows], QuantizedRows.of(log.all(), scale_log.all(), torch.float64)[rows])
+    with pytest.raises(ValueError, match="trailing"):
+        picked.unsqueeze(0)
+    whole = Log(storage, torch.tensor([3, 4, 5]), host=(3, 4, 5))
+    view = whole.picking()
+    assert isinstance(view, torch.Tensor) and view.data_ptr() == storage[3].data_ptr()
+    assert torch.equal(view, whole.all())

@@ -417,6 +417,14 @@ class Log:
             return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
         return self.storage.index_select(0, self.table).flatten(0, 1)
 
+    def picking(self) -> "torch.Tensor | TabledRows":
+        """Every row the table holds, for a reader that indexes a few of them (attention over the
+        rows an indexer picked): a view when its blocks are consecutive, else the rows where they
+        lie (`TabledRows`: indexing gathers the rows asked for, never all of them)."""
+        if self._first is not None:
+            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
+        return TabledRows(self.storage, self.table)
+
     def lanes(self, tables: torch.Tensor) -> torch.Tensor:
         """Every lane's rows through `tables` [N, width] at once (this log's own table aside):
         [N, width * block_rows, *row] (a planned step's attention over all its lanes)."""
@@ -469,6 +477,33 @@ class Log:
 def first_of_run(table: tuple[int, ...]) -> int | None:
     """The first block of `table` when its blocks are consecutive, else None."""
     return table[0] if table and table == tuple(range(table[0], table[0] + len(table))) else None
+
+
+@dataclass(frozen=True)
+class TabledRows:
+    """A log's rows read where they lie, `storage` [blocks, block_rows, *row] through `table` [n]:
+    row r is row r % block_rows of block table[r // block_rows]. Indexing by a tensor of row
+    numbers gathers those rows alone, so attention over 64 picked rows reads 64 rows, not the
+    whole log (`Log.picking`); `shape` is that of the rows gathered whole."""
+    storage: torch.Tensor
+    table: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.table.shape[0] * self.storage.shape[1], *self.storage.shape[2:]))
+
+    def dim(self) -> int:
+        return self.storage.dim() - 1
+
+    def unsqueeze(self, dim: int) -> "TabledRows":
+        """A trailing axis of one (a row's one scale beside its codes: `ops.quant.QuantizedRows`)."""
+        if dim != -1:
+            raise ValueError("TabledRows takes a trailing axis only (dim=-1)")
+        return TabledRows(self.storage.unsqueeze(-1), self.table)
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        block_rows = self.storage.shape[1]
+        return self.storage[self.table[rows // block_rows], rows % block_rows]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
