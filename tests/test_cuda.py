@@ -803,7 +803,7 @@ def test_quantized_kernels_match_the_rebuilt_twin(format, dtype):
     q = Quantization.parse(format)
     g = torch.Generator(device="cuda").manual_seed(7)
     cases = ((4096, 4096, 1, None), (1000, 300, 2, None), (1000, 301, 1, 32), (1000, 300, 3, None),
-             (256, 1024, FEW_ROWS, None), (300, 4100, 2, 2048))
+             (256, 1024, FEW_ROWS, None), (300, 4100, 2, 2048), (500, 303, 1, None))     # int4 as words, a part word
     half = ((130, 384, 64, None), (6144, 2048, 33, None), (100, 301, 40, 32), (300, 4100, 64, 2048))
     for N, K, M, group in cases + (half if dtype != torch.float32 else ()):
         w = quantize(torch.randn(N, K, generator=g, device="cuda"), q.format, group=group, zero_point=q.zero_point)

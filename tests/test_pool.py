@@ -248,6 +248,8 @@ def test_rows_read_where_they_lie_are_the_rows_gathered_whole():
     picked = log.picking()
     assert isinstance(picked, TabledRows) and picked.shape == log.all().shape and picked.dim() == 3
     assert torch.equal(picked[rows], log.all()[rows])
+    early = torch.tensor([[0, 3], [6, 5]])                               # rows below 7
+    assert log.picking(7).shape == log.upto(7).shape and log.picking(7)[early].equal(log.upto(7)[early])
     quantized = QuantizedRows.of(picked, scale_log.picking(), torch.float64)
     assert torch.equal(quantized[rows], QuantizedRows.of(log.all(), scale_log.all(), torch.float64)[rows])
     with pytest.raises(ValueError, match="trailing"):
@@ -255,4 +257,4 @@ def test_rows_read_where_they_lie_are_the_rows_gathered_whole():
     whole = Log(storage, torch.tensor([3, 4, 5]), host=(3, 4, 5))
     view = whole.picking()
     assert isinstance(view, torch.Tensor) and view.data_ptr() == storage[3].data_ptr()
-    assert torch.equal(view, whole.all())
+    assert torch.equal(view, whole.all()) and torch.equal(whole.picking(5), whole.upto(5))

@@ -74,6 +74,22 @@ def test_a_random_model_trains_through_the_same_stages():
     assert float(out.lm) < first - 0.5
 
 
+def test_a_sequence_longer_than_a_query_block_trains():
+    """Sparse attention over a chunk longer than a query block (QUERY_BLOCK) goes a block of
+    queries at a time, each over the rows it sees; the indexer's KL term scores each block's
+    queries against exactly those rows, and every parameter that the shorter sequence trains
+    gets a gradient here too (the recipe trains on 8,192 tokens a sequence)."""
+    from hebrus.layers.attention import QUERY_BLOCK
+    import dataclasses
+    config = dataclasses.replace(preset("tiny"), max_context=2 * QUERY_BLOCK)
+    params = training.trainable(training.initial_parameters(config, seed=3))
+    ids = torch.randint(0, 256, (QUERY_BLOCK + 200,), generator=torch.Generator().manual_seed(0))
+    out = training.losses(config.spec(), params, ids)
+    assert torch.isfinite(out.loss) and float(out.kl) > 0
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in params.items() if p.requires_grad and "index" in n)
+
+
 def test_the_indexer_learns_from_its_kl_term_alone():
     """Top-k passes the indexer no gradient: without the KL term its parameters get none."""
     config = preset("tiny")

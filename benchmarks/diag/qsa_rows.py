@@ -5,7 +5,7 @@ CUDA graph captures), timed one by one; beside the times, the rows the step's ro
 whole (`Log.all`: index keys, K and V of each QSA layer, where a session's blocks are not
 consecutive, as a planned step's lanes never are).
 
-Until 0fd6d1c a planned QSA step gathered every K and V row of each QSA layer to read the 64 its
+Until f39a5f4 a planned QSA step gathered every K and V row of each QSA layer to read the 64 its
 indexer picked: on an H100, the wide shape's transactional step grew 1.0 ms from 1K to 128K
 where the in-place baseline (one consecutive run of rows, a view) grew 0.3 ms
 (`results/cuda-h100/0fd6d1c/bench-long-wide.md`). K and V are now read where they lie

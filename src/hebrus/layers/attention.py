@@ -239,17 +239,18 @@ class Attention:
         its query's position, which must be ≤ 0). The index keys are read whole (every visible
         row is scored); K and V where they lie (`Log.picking`): only the picked rows are read."""
         T, positions = q.shape[0], span.positions
-        k_rows, v_rows = (self._view(logs, part, lambda log: log.picking(), q.dtype) for part in (0, 1))
         if span.starts is not None and T > QUERY_BLOCK:
             # a long chunk, a block of queries at a time over the rows it sees: the scores and
             # their sort take O(block × context) memory, never O(chunk × context)
             blocks = []
             for a in range(0, T, QUERY_BLOCK):
                 b, end = min(T, a + QUERY_BLOCK), span.start + min(T, a + QUERY_BLOCK)
-                seen = (self._view(logs, 2, lambda r, end=end: r.upto(end), q.dtype), k_rows, v_rows)
+                seen = [self._view(logs, 2, lambda r, end=end: r.upto(end), q.dtype),
+                        *(self._view(logs, part, lambda r, end=end: r.picking(end), q.dtype) for part in (0, 1))]
                 blocks.append(self._pick_and_attend(qi[a:b], iw[a:b], q[a:b], seen, span.start + a, positions[a:b]))
             return tuple(map(torch.cat, zip(*blocks)))
-        seen = (self._view(logs, 2, span.visible, q.dtype), k_rows, v_rows)
+        seen = [self._view(logs, 2, span.visible, q.dtype),
+                *(self._view(logs, part, span.picking, q.dtype) for part in (0, 1))]
         return self._pick_and_attend(qi, iw, q, seen, span.start, positions)
 
     def _pick_and_attend(self, qi, iw, q, rows, start, positions):

@@ -417,13 +417,14 @@ class Log:
             return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
         return self.storage.index_select(0, self.table).flatten(0, 1)
 
-    def picking(self) -> "torch.Tensor | TabledRows":
-        """Every row the table holds, for a reader that indexes a few of them (attention over the
-        rows an indexer picked): a view when its blocks are consecutive, else the rows where they
-        lie (`TabledRows`: indexing gathers the rows asked for, never all of them)."""
+    def picking(self, end: int | None = None) -> "torch.Tensor | TabledRows":
+        """Rows [0, end) (every row the table holds by default), as `upto` and `all` give them, for
+        a reader that indexes a few of them (attention over the rows an indexer picked): a view
+        when its blocks are consecutive, else the rows where they lie (`TabledRows`: indexing
+        gathers the rows asked for, never all of them)."""
         if self._first is not None:
-            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)
-        return TabledRows(self.storage, self.table)
+            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)[:end]
+        return TabledRows(self.storage, self.table, end)
 
     def lanes(self, tables: torch.Tensor) -> torch.Tensor:
         """Every lane's rows through `tables` [N, width] at once (this log's own table aside):
@@ -484,13 +485,16 @@ class TabledRows:
     """A log's rows read where they lie, `storage` [blocks, block_rows, *row] through `table` [n]:
     row r is row r % block_rows of block table[r // block_rows]. Indexing by a tensor of row
     numbers gathers those rows alone, so attention over 64 picked rows reads 64 rows, not the
-    whole log (`Log.picking`); `shape` is that of the rows gathered whole."""
+    whole log (`Log.picking`); `shape` is that of rows [0, end) gathered whole (end: every row
+    the table holds, by default)."""
     storage: torch.Tensor
     table: torch.Tensor
+    end: int | None = None
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.table.shape[0] * self.storage.shape[1], *self.storage.shape[2:]))
+        rows = self.table.shape[0] * self.storage.shape[1]
+        return torch.Size((rows if self.end is None else min(self.end, rows), *self.storage.shape[2:]))
 
     def dim(self) -> int:
         return self.storage.dim() - 1
@@ -499,7 +503,7 @@ class TabledRows:
         """A trailing axis of one (a row's one scale beside its codes: `ops.quant.QuantizedRows`)."""
         if dim != -1:
             raise ValueError("TabledRows takes a trailing axis only (dim=-1)")
-        return TabledRows(self.storage.unsqueeze(-1), self.table)
+        return TabledRows(self.storage.unsqueeze(-1), self.table, self.end)
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         block_rows = self.storage.shape[1]

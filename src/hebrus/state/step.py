@@ -296,6 +296,11 @@ class StepBatch:
         `positions`): every row the log holds in a planned step, else rows [0, end)."""
         return log.all() if self.starts is None else log.upto(self.starts[0] + len(self.ids))
 
+    def picking(self, log):
+        """The same rows as `visible`, for a reader of a few of them: where they lie
+        (`Log.picking`), not gathered whole."""
+        return log.picking(None if self.starts is None else self.starts[0] + len(self.ids))
+
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         """The rows of each session's last token, whose values are published [N, ...]."""
         if len(self.lengths) == 1:

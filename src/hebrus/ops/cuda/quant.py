@@ -447,7 +447,7 @@ def _vector(x2: torch.Tensor, w: Quantized, y: torch.Tensor, shape: tuple[int, i
     elif w.format == "int4":
         zero = w.zero.contiguous() if w.zero is not None else scale
         codes = w.qweight
-        if codes.shape[-1] % 4 == 0 and codes.storage_offset() % 4 == 0:       # rows of whole words
+        if codes.shape[-1] % 4 == 0 and codes.storage_offset() % 4 == 0 and codes.data_ptr() % 4 == 0:   # words
             codes, w_e = codes.view(torch.int32), w_e // 4
         _int4_vector[grid](x2, codes, scale, zero, y, e, w_e, s_e, H, K, codes.shape[-1], scale.shape[-1],
                            HAS_ZERO=w.zero is not None, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=w.group, GATED=gated,
