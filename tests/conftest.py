@@ -20,7 +20,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # The tests of Ctrl-C (publication, journals, the server) need Python's own SIGINT handler, which
 # Python does not install where SIGINT came in ignored (a command run in the background by a shell
-# without job control): there a raised SIGINT would vanish, not raise KeyboardInterrupt
+# without job control): there a raised SIGINT would vanish, not raise KeyboardInterrupt. (Such a
+# run then also hears a Ctrl-C typed at its terminal, as a foreground run does.)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
