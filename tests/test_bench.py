@@ -179,6 +179,16 @@ def test_bench_long_compares_sparse_and_dense_attention(tmp_path):
     assert "leave out --model" in err.getvalue() and "--long-shape goes with --long" in err.getvalue()
 
 
+def test_the_long_shape_flag_offers_every_long_shape():
+    """`--long-shape`'s choices are written in the command (building the parser imports no model
+    code); they are the long bench's SHAPES."""
+    from hebrus.bench import long
+    from hebrus.cli import _parser
+    bench_parser = _parser()._subparsers._group_actions[0].choices["bench"]
+    flag = next(a for a in bench_parser._actions if "--long-shape" in a.option_strings)
+    assert sorted(flag.choices) == sorted(long.SHAPES)
+
+
 @pytest.mark.parametrize("shape", ["small", "wide"])
 def test_the_long_models_differ_only_in_attention(shape):
     """Both shapes' two models differ in their attention layers alone; at 128K dense attention's
