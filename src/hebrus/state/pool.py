@@ -423,7 +423,7 @@ class Log:
         when its blocks are consecutive, else the rows where they lie (`TabledRows`: indexing
         gathers the rows asked for, never all of them)."""
         if self._first is not None:
-            return self.storage[self._first:self._first + len(self.host)].flatten(0, 1)[:end]
+            return self.all()[:end]
         return TabledRows(self.storage, self.table, end)
 
     def lanes(self, tables: torch.Tensor) -> torch.Tensor:

@@ -294,12 +294,19 @@ class StepBatch:
     def visible(self, log) -> torch.Tensor:
         """The rows attention may look at in one session's step (the caller masks per query by
         `positions`): every row the log holds in a planned step, else rows [0, end)."""
-        return log.all() if self.starts is None else log.upto(self.starts[0] + len(self.ids))
+        end = self._seen_end
+        return log.all() if end is None else log.upto(end)
 
     def picking(self, log):
         """The same rows as `visible`, for a reader of a few of them: where they lie
         (`Log.picking`), not gathered whole."""
-        return log.picking(None if self.starts is None else self.starts[0] + len(self.ids))
+        return log.picking(self._seen_end)
+
+    @property
+    def _seen_end(self) -> int | None:
+        """The end of the rows one session's step may look at: None in a planned step (every row
+        its table holds)."""
+        return None if self.starts is None else self.starts[0] + len(self.ids)
 
     def last_rows(self, X: torch.Tensor) -> torch.Tensor:
         """The rows of each session's last token, whose values are published [N, ...]."""

@@ -108,14 +108,16 @@ def _int4_tile(b, x_row, s_ptr, z_ptr, n, inside, k0, K, G, HAS_ZERO: tl.constex
         CENTRE: tl.constexpr = 8388608.0 if HAS_ZERO else 8388616.0                      # 2^23 (+ 8)
         i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         part = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        x8 = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+        x8 = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)        # Σ x a word's inputs: zero points only
         for t in tl.static_range(8):                            # nibble t of word i: input 8i + t
             xt = tl.load(x_row + 8 * i + t, mask=8 * i + t < K, other=0.0).to(tl.float32)
             q = (((b >> (4 * t)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - CENTRE
             part += q * xt[None, :]
-            x8 += xt
+            if HAS_ZERO:
+                x8 += xt
         qx = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), axis=2)
-        xs = tl.sum(tl.reshape(x8, (BLOCK_K // GROUP, GROUP // 8)), axis=1)
+        if HAS_ZERO:
+            xs = tl.sum(tl.reshape(x8, (BLOCK_K // GROUP, GROUP // 8)), axis=1)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
